@@ -1,0 +1,461 @@
+//! The decision: which [`Route`] DNS for the cluster-DNS IP takes, from probe outcomes.
+//!
+//! A pure hysteresis state machine: it does no I/O and reads no clock; every input carries the
+//! time. Its policy, in order:
+//!
+//! 1. **Leave `Local`** when the cache has failed `fall` consecutive probes on one transport, or
+//!    at once when a probe was *refused* (nothing listens on port 53: the cache is gone, no
+//!    reason to wait) — unless the upstream is failing too: a half-dead cache may still serve
+//!    from its cache, and CoreDNS down gains nothing. The machine then *holds* and says so.
+//! 2. **Return to `Local`** after `rise` consecutive good probes of the cache and at least
+//!    `min_hold` in `Upstream` (flap damping). When the upstream itself is failing, `min_hold`
+//!    is waived: the cache is the only working resolver.
+//! 3. Leaving `Local` is never delayed by `min_hold`: failing over is what the agent is for.
+//!
+//! The upstream counts as failing after `fall` consecutive bad probes, and as healthy again
+//! after one good one; before its first probe it is presumed healthy.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::ruleset::Route;
+
+/// Hysteresis settings, validated by the caller (`fall`, `rise` ≥ 1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Thresholds {
+    /// Consecutive bad cache probes that make the route leave `Local`.
+    pub fall: u32,
+    /// Consecutive good cache probes needed to return to `Local`.
+    pub rise: u32,
+    /// Minimum time in `Upstream` before returning to `Local`.
+    pub min_hold: Duration,
+}
+
+/// One probe outcome, as far as the decision is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sample {
+    /// The server answered (NOERROR or NXDOMAIN).
+    Good,
+    /// Nothing listens (ICMP port unreachable, TCP RST): definitive, counts at once.
+    Refused,
+    /// Any other failure; the label says which (`timeout`, `servfail`, `error`).
+    Bad(&'static str),
+}
+
+/// Which probe stream a sample comes from. The cache is probed over UDP and TCP; the two are
+/// counted apart so a cache that fails only over TCP still trips the threshold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    CacheUdp,
+    CacheTcp,
+    Upstream,
+}
+
+/// Why the route is what it is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reason {
+    /// The route the agent started in (installed before it, or the default).
+    Start(Route),
+    /// `count` consecutive probes of the cache failed, the last with `last`.
+    CacheFailing {
+        stream: Stream,
+        count: u32,
+        last: &'static str,
+    },
+    /// A probe of the cache was refused: nothing listens on port 53.
+    CacheRefused(Stream),
+    /// The cache answered `count` consecutive probes (and `min_hold` passed).
+    CacheRecovered { count: u32 },
+    /// The cache answered `count` consecutive probes while the upstream is failing.
+    CacheRecoveredUpstreamFailing { count: u32 },
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Reason::Start(route) => write!(f, "started with route {route}"),
+            Reason::CacheFailing {
+                stream,
+                count,
+                last,
+            } => write!(f, "{count} consecutive {stream} probes failed (last: {last})"),
+            Reason::CacheRefused(stream) => {
+                write!(f, "{stream} probe refused: nothing listens on the cache's port 53")
+            }
+            Reason::CacheRecovered { count } => {
+                write!(f, "cache answered {count} consecutive probes")
+            }
+            Reason::CacheRecoveredUpstreamFailing { count } => write!(
+                f,
+                "cache answered {count} consecutive probes and the upstream is failing"
+            ),
+        }
+    }
+}
+
+impl fmt::Display for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Stream::CacheUdp => "cache udp",
+            Stream::CacheTcp => "cache tcp",
+            Stream::Upstream => "upstream",
+        })
+    }
+}
+
+/// A change of route, with its reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Transition {
+    pub from: Route,
+    pub to: Route,
+    pub reason: Reason,
+}
+
+/// Consecutive good and bad samples of one stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Streak {
+    pub good: u32,
+    pub bad: u32,
+    /// The last sample was a refusal.
+    pub refused: bool,
+    /// Label of the last bad sample.
+    pub last_bad: Option<&'static str>,
+}
+
+impl Streak {
+    fn record(&mut self, sample: Sample) {
+        match sample {
+            Sample::Good => {
+                self.good = self.good.saturating_add(1);
+                self.bad = 0;
+                self.refused = false;
+            }
+            Sample::Refused | Sample::Bad(_) => {
+                self.good = 0;
+                self.bad = self.bad.saturating_add(1);
+                self.refused = sample == Sample::Refused;
+                self.last_bad = Some(match sample {
+                    Sample::Bad(label) => label,
+                    _ => "refused",
+                });
+            }
+        }
+    }
+}
+
+/// The route decision and everything it rests on.
+#[derive(Clone, Debug)]
+pub struct Machine {
+    thresholds: Thresholds,
+    route: Route,
+    since: Instant,
+    reason: Reason,
+    /// Set while the cache is failing but the route stays `Local` because the upstream fails too.
+    held: Option<String>,
+    cache_udp: Streak,
+    cache_tcp: Streak,
+    upstream: Streak,
+}
+
+impl Machine {
+    /// A machine in `route` since `now`.
+    pub fn new(thresholds: Thresholds, route: Route, now: Instant) -> Machine {
+        Machine {
+            thresholds,
+            route,
+            since: now,
+            reason: Reason::Start(route),
+            held: None,
+            cache_udp: Streak::default(),
+            cache_tcp: Streak::default(),
+            upstream: Streak::default(),
+        }
+    }
+
+    pub fn route(&self) -> Route {
+        self.route
+    }
+
+    /// When the current route was entered.
+    pub fn since(&self) -> Instant {
+        self.since
+    }
+
+    pub fn reason(&self) -> &Reason {
+        &self.reason
+    }
+
+    /// Why the route stays `Local` although the cache fails, if it does.
+    pub fn held(&self) -> Option<&str> {
+        self.held.as_deref()
+    }
+
+    pub fn streak(&self, stream: Stream) -> Streak {
+        match stream {
+            Stream::CacheUdp => self.cache_udp,
+            Stream::CacheTcp => self.cache_tcp,
+            Stream::Upstream => self.upstream,
+        }
+    }
+
+    /// The upstream has failed `fall` consecutive probes.
+    pub fn upstream_failing(&self) -> bool {
+        self.upstream.bad >= self.thresholds.fall
+    }
+
+    /// Feeds one sample taken at `now`; returns the route change it causes, if any.
+    pub fn observe(&mut self, stream: Stream, sample: Sample, now: Instant) -> Option<Transition> {
+        match stream {
+            Stream::CacheUdp => self.cache_udp.record(sample),
+            Stream::CacheTcp => self.cache_tcp.record(sample),
+            Stream::Upstream => self.upstream.record(sample),
+        }
+        let next = match self.route {
+            Route::Local => self.why_leave_local(),
+            Route::Upstream => self.why_return_local(now),
+        };
+        let reason = next?;
+        let from = self.route;
+        self.route = match from {
+            Route::Local => Route::Upstream,
+            Route::Upstream => Route::Local,
+        };
+        self.since = now;
+        self.reason = reason.clone();
+        self.held = None;
+        Some(Transition {
+            from,
+            to: self.route,
+            reason,
+        })
+    }
+
+    fn why_leave_local(&mut self) -> Option<Reason> {
+        let failing = [
+            (Stream::CacheUdp, self.cache_udp),
+            (Stream::CacheTcp, self.cache_tcp),
+        ]
+        .into_iter()
+        .find_map(|(stream, s)| {
+            if s.refused {
+                Some(Reason::CacheRefused(stream))
+            } else if s.bad >= self.thresholds.fall {
+                Some(Reason::CacheFailing {
+                    stream,
+                    count: s.bad,
+                    last: s.last_bad.unwrap_or("bad"),
+                })
+            } else {
+                None
+            }
+        });
+        let Some(reason) = failing else {
+            self.held = None;
+            return None;
+        };
+        if self.upstream_failing() {
+            self.held = Some(format!(
+                "{reason}, but staying local: {} consecutive upstream probes failed (last: {})",
+                self.upstream.bad,
+                self.upstream.last_bad.unwrap_or("bad")
+            ));
+            return None;
+        }
+        Some(reason)
+    }
+
+    fn why_return_local(&self, now: Instant) -> Option<Reason> {
+        let count = self.cache_udp.good;
+        if count < self.thresholds.rise || self.cache_tcp.bad > 0 {
+            return None;
+        }
+        if self.upstream_failing() {
+            return Some(Reason::CacheRecoveredUpstreamFailing { count });
+        }
+        if now.duration_since(self.since) < self.thresholds.min_hold {
+            return None;
+        }
+        Some(Reason::CacheRecovered { count })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Route::{Local, Upstream};
+    use Sample::{Bad, Good, Refused};
+    use Stream::{CacheTcp, CacheUdp};
+
+    const T: Thresholds = Thresholds {
+        fall: 3,
+        rise: 5,
+        min_hold: Duration::from_secs(2),
+    };
+
+    /// Feeds `samples` of `stream` 100 ms apart starting at `t0 + start_ms`; returns the route
+    /// changed to after each one (None when unchanged).
+    fn feed(
+        m: &mut Machine,
+        t0: Instant,
+        start_ms: u64,
+        stream: Stream,
+        samples: &[Sample],
+    ) -> Vec<Option<Route>> {
+        samples
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                let now = t0 + Duration::from_millis(start_ms + 100 * i as u64);
+                m.observe(stream, s, now).map(|t| t.to)
+            })
+            .collect()
+    }
+
+    const TIMEOUT: Sample = Bad("timeout");
+
+    #[test]
+    fn leaves_local_after_fall_consecutive_failures() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        let got = feed(&mut m, t0, 0, CacheUdp, &[TIMEOUT, TIMEOUT, TIMEOUT]);
+        assert_eq!(got, [None, None, Some(Upstream)]);
+        assert_eq!(
+            m.reason(),
+            &Reason::CacheFailing {
+                stream: CacheUdp,
+                count: 3,
+                last: "timeout"
+            }
+        );
+    }
+
+    #[test]
+    fn a_good_probe_resets_the_failure_count() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        let got = feed(
+            &mut m,
+            t0,
+            0,
+            CacheUdp,
+            &[TIMEOUT, TIMEOUT, Good, TIMEOUT, TIMEOUT, Good],
+        );
+        assert_eq!(got, [None; 6]);
+        assert_eq!(m.route(), Local);
+    }
+
+    #[test]
+    fn refused_leaves_local_at_once() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[Refused]), [Some(Upstream)]);
+        assert_eq!(m.reason(), &Reason::CacheRefused(CacheUdp));
+    }
+
+    #[test]
+    fn tcp_failures_count_on_their_own() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        // UDP keeps answering between the TCP failures: TCP's streak is not reset by it.
+        let mut got = Vec::new();
+        for i in 0..3 {
+            got.extend(feed(&mut m, t0, 1000 * i, CacheUdp, &[Good]));
+            got.extend(feed(&mut m, t0, 1000 * i + 50, CacheTcp, &[TIMEOUT]));
+        }
+        assert_eq!(got, [None, None, None, None, None, Some(Upstream)]);
+    }
+
+    #[test]
+    fn returns_only_after_rise_good_probes_and_min_hold() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[Refused]), [Some(Upstream)]);
+        // Five good probes within 500 ms: rise is met, min_hold (2 s) is not.
+        assert_eq!(feed(&mut m, t0, 100, CacheUdp, &[Good; 5]), [None; 5]);
+        // Still good at 2.0 s after the switch: back to Local.
+        let got = feed(&mut m, t0, 1900, CacheUdp, &[Good, Good]);
+        assert_eq!(got, [None, Some(Local)]);
+        assert_eq!(m.reason(), &Reason::CacheRecovered { count: 7 });
+    }
+
+    #[test]
+    fn min_hold_alone_is_not_enough() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        feed(&mut m, t0, 0, CacheUdp, &[Refused]);
+        // Long after min_hold, but a failure in the middle restarts the rise count.
+        let got = feed(
+            &mut m,
+            t0,
+            5000,
+            CacheUdp,
+            &[Good, Good, Good, Good, TIMEOUT, Good, Good, Good, Good, Good],
+        );
+        assert_eq!(
+            got,
+            [None, None, None, None, None, None, None, None, None, Some(Local)]
+        );
+    }
+
+    #[test]
+    fn holds_local_when_the_upstream_fails_too() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        feed(&mut m, t0, 0, Stream::Upstream, &[TIMEOUT, TIMEOUT, TIMEOUT]);
+        let got = feed(&mut m, t0, 300, CacheUdp, &[Bad("servfail"); 4]);
+        assert_eq!(got, [None; 4]);
+        assert!(m.held().unwrap().contains("staying local"), "{:?}", m.held());
+        // The upstream answers again: the cache is still failing, so the route moves at once.
+        assert_eq!(
+            feed(&mut m, t0, 700, Stream::Upstream, &[Good]),
+            [Some(Upstream)]
+        );
+        assert_eq!(m.held(), None);
+    }
+
+    #[test]
+    fn upstream_failing_waives_min_hold_on_return() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        feed(&mut m, t0, 0, CacheUdp, &[Refused]);
+        assert_eq!(m.route(), Upstream);
+        feed(&mut m, t0, 100, Stream::Upstream, &[TIMEOUT; 3]);
+        let got = feed(&mut m, t0, 400, CacheUdp, &[Good; 5]);
+        assert_eq!(got, [None, None, None, None, Some(Local)]);
+        assert_eq!(
+            m.reason(),
+            &Reason::CacheRecoveredUpstreamFailing { count: 5 }
+        );
+    }
+
+    #[test]
+    fn a_failing_tcp_stream_blocks_the_return() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        feed(&mut m, t0, 0, CacheTcp, &[Refused]);
+        assert_eq!(m.route(), Upstream);
+        assert_eq!(feed(&mut m, t0, 3000, CacheUdp, &[Good; 6]), [None; 6]);
+        assert_eq!(feed(&mut m, t0, 3600, CacheTcp, &[Good]), [Some(Local)]);
+    }
+
+    #[test]
+    fn upstream_route_ignores_cache_failures() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Upstream, t0);
+        assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[TIMEOUT; 10]), [None; 10]);
+        assert_eq!(m.reason(), &Reason::Start(Upstream));
+    }
+
+    #[test]
+    fn reasons_read_well() {
+        let r = Reason::CacheFailing {
+            stream: CacheUdp,
+            count: 3,
+            last: "timeout",
+        };
+        assert_eq!(
+            r.to_string(),
+            "3 consecutive cache udp probes failed (last: timeout)"
+        );
+    }
+}

@@ -1,0 +1,11 @@
+//! nodelocaldns-ha: keeps a node's DNS alive when its node-local cache fails.
+//!
+//! The agent probes node-local-dns with real DNS queries, decides with a pure hysteresis state
+//! machine ([`health`]) which route pod queries for the cluster-DNS IP should take, and installs
+//! the matching NOTRACK ruleset ([`ruleset`]) through a [`dataplane`] backend in one atomic batch.
+
+pub mod dataplane;
+pub mod health;
+pub mod probe;
+pub mod ruleset;
+pub mod sockdiag;

@@ -1,0 +1,383 @@
+//! The netfilter state the agent wants installed, as plain data.
+//!
+//! A [`RuleSet`] is computed from the listen addresses and the current [`Route`]; it does no I/O.
+//! Dataplane backends turn it into netlink messages, and [`RuleSet`]'s `Display` renders it as
+//! the exact text `nft list table` prints for it (less counter values), which is what the golden
+//! tests and `nodelocaldns-ha rules` show.
+//!
+//! One table, `inet nodelocaldns-ha`, with two base chains at `priority raw - 10` so they run
+//! before every iptables raw chain (kube-proxy, CNI plugins):
+//!
+//! * always: NOTRACK for the link-local listen IP, both directions, as node-cache does;
+//! * [`Route::Local`]: NOTRACK for the cluster-DNS IP too. In prerouting it is guarded by
+//!   `fib daddr type local` and `socket transparent 0`: when the cache's socket is gone the rule
+//!   stops matching and the very next packet is DNATed by kube-proxy to CoreDNS, with no agent
+//!   involved. In output the socket guard cannot work (it sees the sending socket), so host
+//!   clients rely on the agent's switch; the address guard still prevents a blackhole when the
+//!   cache's teardown removes its addresses.
+//! * [`Route::Upstream`]: nothing for the cluster-DNS IP, so kube-proxy's DNAT takes it.
+
+use std::fmt;
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+/// The nftables table the agent owns. Nothing else in it is kept.
+pub const TABLE: &str = "nodelocaldns-ha";
+/// `raw - 10`: before conntrack (-200) and before every iptables raw chain (-300).
+pub const PRIORITY: i32 = -310;
+/// DNS.
+pub const DNS_PORT: u16 = 53;
+
+/// Where queries for the cluster-DNS IP go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Route {
+    /// To node-local-dns on this node (NOTRACK, no DNAT).
+    Local,
+    /// Through kube-proxy's DNAT to CoreDNS.
+    Upstream,
+}
+
+impl Route {
+    /// Lower-case name, as used on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Route::Local => "local",
+            Route::Upstream => "upstream",
+        }
+    }
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The netfilter hook a base chain is attached to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    /// Packets arriving from pods (and from the network).
+    Prerouting,
+    /// Packets sent by host-network processes, the cache's replies among them.
+    Output,
+}
+
+impl Hook {
+    /// The nft keyword, also used as the chain's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Hook::Prerouting => "prerouting",
+            Hook::Output => "output",
+        }
+    }
+}
+
+/// Transport protocol matched by a rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Udp,
+    Tcp,
+}
+
+impl Proto {
+    /// The nft keyword.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Proto::Udp => "udp",
+            Proto::Tcp => "tcp",
+        }
+    }
+
+    /// The IP protocol number.
+    pub fn number(self) -> u8 {
+        match self {
+            Proto::Udp => 17,
+            Proto::Tcp => 6,
+        }
+    }
+}
+
+/// Which end of the packet a rule matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// `daddr` and `dport`: queries to the address.
+    Destination,
+    /// `saddr` and `sport`: replies from the address.
+    Source,
+}
+
+/// Extra conditions that make a NOTRACK rule stop matching when the cache is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Guard {
+    /// Unconditional.
+    None,
+    /// `fib daddr type local`: the address is still on the node.
+    LocalAddress,
+    /// `fib daddr type local socket transparent 0`: and a socket is there to take the packet.
+    LocalSocket,
+}
+
+/// One `… counter notrack` rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub addr: IpAddr,
+    pub side: Side,
+    pub proto: Proto,
+    pub port: u16,
+    pub guard: Guard,
+    /// Why the rule exists; stored with the rule and compared on read-back.
+    pub comment: String,
+}
+
+/// A base chain of the agent's table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    pub hook: Hook,
+    pub priority: i32,
+    pub rules: Vec<Rule>,
+}
+
+impl Chain {
+    /// The chain's name: its hook's.
+    pub fn name(&self) -> &'static str {
+        self.hook.as_str()
+    }
+}
+
+/// Everything the agent installs: one `inet` table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleSet {
+    pub chains: Vec<Chain>,
+}
+
+/// The addresses node-local-dns listens on, at most one per family in each list.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ListenAddrs {
+    /// The link-local IP(s), e.g. 169.254.20.10.
+    pub local: Vec<IpAddr>,
+    /// The kube-dns ClusterIP(s), e.g. 10.96.0.10.
+    pub cluster_dns: Vec<IpAddr>,
+}
+
+impl RuleSet {
+    /// The ruleset for `route`.
+    pub fn desired(addrs: &ListenAddrs, route: Route) -> RuleSet {
+        let mut prerouting = Vec::new();
+        let mut output = Vec::new();
+        for &ip in &addrs.local {
+            for proto in [Proto::Udp, Proto::Tcp] {
+                let rule = |side, comment: &str| Rule {
+                    addr: ip,
+                    side,
+                    proto,
+                    port: DNS_PORT,
+                    guard: Guard::None,
+                    comment: comment.to_owned(),
+                };
+                prerouting.push(rule(Side::Destination, "pods to cache (link-local)"));
+                output.push(rule(Side::Destination, "host to cache (link-local)"));
+                output.push(rule(Side::Source, "cache replies (link-local)"));
+            }
+        }
+        if route == Route::Local {
+            for &ip in &addrs.cluster_dns {
+                for proto in [Proto::Udp, Proto::Tcp] {
+                    let rule = |side, guard, comment: &str| Rule {
+                        addr: ip,
+                        side,
+                        proto,
+                        port: DNS_PORT,
+                        guard,
+                        comment: comment.to_owned(),
+                    };
+                    prerouting.push(rule(
+                        Side::Destination,
+                        Guard::LocalSocket,
+                        "pods to cache while it listens",
+                    ));
+                    output.push(rule(
+                        Side::Destination,
+                        Guard::LocalAddress,
+                        "host to cache",
+                    ));
+                    output.push(rule(Side::Source, Guard::None, "cache replies"));
+                }
+            }
+        }
+        RuleSet {
+            chains: vec![
+                Chain {
+                    hook: Hook::Prerouting,
+                    priority: PRIORITY,
+                    rules: prerouting,
+                },
+                Chain {
+                    hook: Hook::Output,
+                    priority: PRIORITY,
+                    rules: output,
+                },
+            ],
+        }
+    }
+
+    /// Every rule, with the chain it belongs to.
+    pub fn rules(&self) -> impl Iterator<Item = (&Chain, &Rule)> {
+        self.chains
+            .iter()
+            .flat_map(|chain| chain.rules.iter().map(move |rule| (chain, rule)))
+    }
+}
+
+/// nft's spelling of a priority: named relative to `raw` (-300) when close to it.
+fn priority_text(priority: i32) -> String {
+    const RAW: i32 = -300;
+    match priority - RAW {
+        0 => "raw".to_owned(),
+        d if d > 0 && d <= 10 => format!("raw + {d}"),
+        d if d < 0 && d >= -10 => format!("raw - {}", -d),
+        _ => priority.to_string(),
+    }
+}
+
+impl fmt::Display for Rule {
+    /// The rule as `nft list` prints it, without counter values.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let family = match self.addr {
+            IpAddr::V4(_) => "ip",
+            IpAddr::V6(_) => "ip6",
+        };
+        let (addr, port) = match self.side {
+            Side::Destination => ("daddr", "dport"),
+            Side::Source => ("saddr", "sport"),
+        };
+        write!(
+            f,
+            "{family} {addr} {} {} {port} {}",
+            self.addr,
+            self.proto.as_str(),
+            self.port
+        )?;
+        match self.guard {
+            Guard::None => {}
+            Guard::LocalAddress => f.write_str(" fib daddr type local")?,
+            Guard::LocalSocket => f.write_str(" fib daddr type local socket transparent 0")?,
+        }
+        write!(f, " counter notrack comment \"{}\"", self.comment)
+    }
+}
+
+impl fmt::Display for RuleSet {
+    /// The table as `nft list table inet nodelocaldns-ha` prints it, without counter values.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "table inet {TABLE} {{")?;
+        for (i, chain) in self.chains.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            writeln!(f, "\tchain {} {{", chain.name())?;
+            writeln!(
+                f,
+                "\t\ttype filter hook {} priority {}; policy accept;",
+                chain.hook.as_str(),
+                priority_text(chain.priority)
+            )?;
+            for rule in &chain.rules {
+                writeln!(f, "\t\t{rule}")?;
+            }
+            writeln!(f, "\t}}")?;
+        }
+        writeln!(f, "}}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
+        let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
+        ListenAddrs {
+            local: parse(local),
+            cluster_dns: parse(cluster_dns),
+        }
+    }
+
+    /// Compares with a file under testdata/golden; `UPDATE_GOLDEN=1` rewrites it.
+    fn golden(name: &str, actual: &str) {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("testdata/golden")
+            .join(name);
+        if std::env::var_os("UPDATE_GOLDEN").is_some() {
+            std::fs::write(&path, actual).unwrap();
+        }
+        let expected = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 creates it)", path.display()));
+        assert_eq!(actual, expected, "{name} differs from the golden file");
+    }
+
+    #[test]
+    fn golden_ipv4_local() {
+        let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
+        golden("ipv4-local.nft", &set.to_string());
+    }
+
+    #[test]
+    fn golden_ipv4_upstream() {
+        let set = RuleSet::desired(
+            &addrs(&["169.254.20.10"], &["10.96.0.10"]),
+            Route::Upstream,
+        );
+        golden("ipv4-upstream.nft", &set.to_string());
+    }
+
+    #[test]
+    fn golden_dual_stack_local() {
+        let set = RuleSet::desired(
+            &addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"]),
+            Route::Local,
+        );
+        golden("dual-local.nft", &set.to_string());
+    }
+
+    #[test]
+    fn upstream_never_mentions_the_cluster_dns_ip() {
+        let set = RuleSet::desired(
+            &addrs(&["169.254.20.10"], &["10.96.0.10"]),
+            Route::Upstream,
+        );
+        assert!(set.rules().all(|(_, r)| r.addr.to_string() == "169.254.20.10"));
+        assert_eq!(set.rules().count(), 6);
+    }
+
+    #[test]
+    fn local_guards_every_cluster_dns_query_rule() {
+        let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
+        for (chain, rule) in set.rules() {
+            let cluster = rule.addr.to_string() == "10.96.0.10";
+            let expected = match (cluster, chain.hook, rule.side) {
+                (false, _, _) | (true, _, Side::Source) => Guard::None,
+                (true, Hook::Prerouting, Side::Destination) => Guard::LocalSocket,
+                (true, Hook::Output, Side::Destination) => Guard::LocalAddress,
+            };
+            assert_eq!(rule.guard, expected, "{rule}");
+        }
+    }
+
+    #[test]
+    fn comments_fit_nftnl_limit() {
+        let set = RuleSet::desired(
+            &addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"]),
+            Route::Local,
+        );
+        assert!(set.rules().all(|(_, r)| r.comment.len() < 128));
+    }
+
+    #[test]
+    fn priority_is_spelled_like_nft() {
+        assert_eq!(priority_text(-310), "raw - 10");
+        assert_eq!(priority_text(-300), "raw");
+        assert_eq!(priority_text(-295), "raw + 5");
+        assert_eq!(priority_text(-150), "-150");
+    }
+}
