@@ -1,0 +1,835 @@
+//! One real DNS probe against one server, classified into an [`Outcome`].
+//!
+//! A probe sends a single query (type A, RD set, a fresh random id) for a configured name and
+//! waits, bounded by the probe timeout, for a reply that really answers it:
+//!
+//! * **UDP** uses a fresh socket `connect()`ed to the server. A connected socket receives the
+//!   kernel's ICMP port-unreachable as `ECONNREFUSED`, so a dead listener is reported as
+//!   [`Outcome::Refused`] within about a millisecond instead of costing the whole timeout. (This
+//!   is why the probe owns its socket: hickory's UDP client hides that error.)
+//! * **TCP** connects within the same deadline and uses the 2-byte length framing of RFC 1035
+//!   §4.2.2; a refused connection or a reset is [`Outcome::Refused`].
+//!
+//! Only a reply that is a response to *this* query counts: the id, the opcode and the question
+//! must match. Anything else, including malformed datagrams, is ignored and the probe keeps
+//! waiting until its deadline, so a stray or spoofed datagram can neither fail nor pass a probe.
+//! The decision itself is the pure function [`classify_reply`].
+
+use std::fmt;
+use std::io;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::time::Duration;
+
+use hickory_proto::op::{Header, Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{Name, RecordType};
+use hickory_proto::serialize::binary::{BinDecodable, BinDecoder};
+use hickory_proto::ProtoError;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UdpSocket};
+use tokio::time::Instant;
+
+/// The largest DNS message either transport can carry; UDP receive buffers use this size so a
+/// large reply is never cut short by the buffer.
+const MAX_MESSAGE: usize = u16::MAX as usize;
+
+/// Errors building a [`Probe`].
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// The configured query name is not a valid DNS name.
+    #[error(
+        "invalid probe query name {name:?}: use a DNS name such as \
+         kubernetes.default.svc.cluster.local"
+    )]
+    InvalidName {
+        /// The name as configured.
+        name: String,
+        /// Why hickory rejected it.
+        #[source]
+        source: ProtoError,
+    },
+    /// The query for the configured name could not be encoded (for example: too long).
+    #[error("cannot encode a DNS query for probe name {name:?}")]
+    Encode {
+        /// The name as configured.
+        name: String,
+        /// Why encoding failed.
+        #[source]
+        source: ProtoError,
+    },
+    /// A zero timeout would fail every probe before it is sent.
+    #[error("the probe timeout must be greater than zero")]
+    ZeroTimeout,
+}
+
+/// The transport a probe uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// DNS over UDP on a connected socket.
+    Udp,
+    /// DNS over TCP with 2-byte length framing.
+    Tcp,
+}
+
+impl Transport {
+    /// The lower-case name, for metric labels and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Udp => "udp",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A DNS response code (RCODE), including extended codes; shown and serialised by its mnemonic
+/// (`NOERROR`, `SERVFAIL`, …, or `RCODE<n>` for codes without one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Rcode(pub u16);
+
+impl Rcode {
+    /// No error: the name exists.
+    pub const NOERROR: Rcode = Rcode(0);
+    /// Format error: the server could not parse the query.
+    pub const FORMERR: Rcode = Rcode(1);
+    /// Server failure: typically the upstream did not answer.
+    pub const SERVFAIL: Rcode = Rcode(2);
+    /// Non-existent domain: a valid, authoritative "no".
+    pub const NXDOMAIN: Rcode = Rcode(3);
+    /// Not implemented.
+    pub const NOTIMP: Rcode = Rcode(4);
+    /// Query refused by policy.
+    pub const REFUSED: Rcode = Rcode(5);
+
+    /// Whether this code means the server resolved the query (NOERROR or NXDOMAIN).
+    pub fn is_answer(self) -> bool {
+        self == Rcode::NOERROR || self == Rcode::NXDOMAIN
+    }
+}
+
+impl From<ResponseCode> for Rcode {
+    fn from(code: ResponseCode) -> Self {
+        Rcode(u16::from(code))
+    }
+}
+
+impl fmt::Display for Rcode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self.0 {
+            0 => "NOERROR",
+            1 => "FORMERR",
+            2 => "SERVFAIL",
+            3 => "NXDOMAIN",
+            4 => "NOTIMP",
+            5 => "REFUSED",
+            6 => "YXDOMAIN",
+            7 => "YXRRSET",
+            8 => "NXRRSET",
+            9 => "NOTAUTH",
+            10 => "NOTZONE",
+            16 => "BADVERS",
+            other => return write!(f, "RCODE{other}"),
+        };
+        f.write_str(name)
+    }
+}
+
+impl Serialize for Rcode {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+/// What one probe found out about a server.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "outcome", rename_all = "lowercase")]
+pub enum Outcome {
+    /// A matching reply with NOERROR or NXDOMAIN (truncated or not): the server works.
+    Answered {
+        /// The reply's response code.
+        rcode: Rcode,
+    },
+    /// A matching reply with any other response code (SERVFAIL, REFUSED, …): the server is up
+    /// but cannot resolve.
+    #[serde(rename = "servfail")]
+    ServerFailure {
+        /// The reply's response code.
+        rcode: Rcode,
+    },
+    /// No matching reply before the timeout.
+    Timeout,
+    /// Nobody listens: ICMP port unreachable (UDP) or a refused or reset connection (TCP).
+    Refused,
+    /// Anything else that prevented a verdict: a local I/O error, an unroutable address, a TCP
+    /// connection closed before a reply.
+    Error {
+        /// What went wrong, for logs.
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// Whether the server answered (the only outcome that counts as healthy).
+    pub fn is_good(&self) -> bool {
+        matches!(self, Outcome::Answered { .. })
+    }
+
+    /// A short, fixed name for metric labels and logs: `answered`, `servfail`, `timeout`,
+    /// `refused` or `error`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Answered { .. } => "answered",
+            Outcome::ServerFailure { .. } => "servfail",
+            Outcome::Timeout => "timeout",
+            Outcome::Refused => "refused",
+            Outcome::Error { .. } => "error",
+        }
+    }
+}
+
+/// The outcome of one probe and how long it took to reach it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeResult {
+    /// What happened.
+    pub outcome: Outcome,
+    /// From sending the query (UDP) or starting to connect (TCP) to the outcome; about the
+    /// timeout for [`Outcome::Timeout`].
+    pub latency: Duration,
+}
+
+/// A reusable probe: the query name and the timeout. Each [`Probe::run`] is independent (fresh
+/// socket, fresh id), so one `Probe` can be shared by concurrent probes.
+#[derive(Clone, Debug)]
+pub struct Probe {
+    name: Name,
+    timeout: Duration,
+}
+
+impl Probe {
+    /// A probe that asks for `name` (made fully qualified: `cluster.local` means
+    /// `cluster.local.`) and gives up after `timeout`.
+    pub fn new(name: &str, timeout: Duration) -> Result<Self, ProbeError> {
+        if timeout.is_zero() {
+            return Err(ProbeError::ZeroTimeout);
+        }
+        let mut parsed = Name::from_ascii(name).map_err(|source| ProbeError::InvalidName {
+            name: name.to_owned(),
+            source,
+        })?;
+        parsed.set_fqdn(true);
+        let probe = Probe {
+            name: parsed,
+            timeout,
+        };
+        // Encode once so that a name hickory accepts but cannot put on the wire fails here,
+        // at configuration time, instead of in every probe.
+        probe
+            .query()
+            .to_vec()
+            .map_err(|source| ProbeError::Encode {
+                name: name.to_owned(),
+                source,
+            })?;
+        Ok(probe)
+    }
+
+    /// The name this probe asks for (fully qualified).
+    pub fn name(&self) -> &Name {
+        &self.name
+    }
+
+    /// The bound on one probe, connect and reply included.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Sends one query to `server` over `transport` and classifies what comes back. Never takes
+    /// (much) longer than the timeout; never fails: every problem is an [`Outcome`].
+    pub async fn run(&self, server: SocketAddr, transport: Transport) -> ProbeResult {
+        let begin = Instant::now();
+        let mut started = None;
+        let exchange = self.exchange(server, transport, &mut started);
+        let outcome = match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(outcome) => outcome,
+            Err(_elapsed) => Outcome::Timeout,
+        };
+        let latency = started.unwrap_or(begin).elapsed();
+        ProbeResult { outcome, latency }
+    }
+
+    /// A new query message: random id (hickory draws it from `rand`'s thread RNG), RD set, one
+    /// question `<name> IN A`.
+    fn query(&self) -> Message {
+        let mut message = Message::query();
+        message.metadata.recursion_desired = true;
+        message.add_query(Query::query(self.name.clone(), RecordType::A));
+        message
+    }
+
+    /// The unbounded exchange; `started` is set when the clock for the latency starts.
+    async fn exchange(
+        &self,
+        server: SocketAddr,
+        transport: Transport,
+        started: &mut Option<Instant>,
+    ) -> Outcome {
+        let query = self.query();
+        let wire = match query.to_vec() {
+            Ok(wire) => wire,
+            Err(err) => {
+                return Outcome::Error {
+                    reason: format!("encoding the query: {err}"),
+                }
+            }
+        };
+        let Some(question) = query.queries.first() else {
+            return Outcome::Error {
+                reason: "the query has no question".to_owned(),
+            };
+        };
+        let id = query.metadata.id;
+        match transport {
+            Transport::Udp => udp_exchange(server, id, question, &wire, started).await,
+            Transport::Tcp => tcp_exchange(server, id, question, &wire, started).await,
+        }
+    }
+}
+
+/// One query over a fresh connected UDP socket; waits for a matching reply.
+async fn udp_exchange(
+    server: SocketAddr,
+    id: u16,
+    question: &Query,
+    wire: &[u8],
+    started: &mut Option<Instant>,
+) -> Outcome {
+    let local: SocketAddr = match server {
+        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+    };
+    let socket = match UdpSocket::bind(local).await {
+        Ok(socket) => socket,
+        Err(err) => return io_error("binding a UDP socket", server, &err),
+    };
+    if let Err(err) = socket.connect(server).await {
+        return io_error("connecting a UDP socket", server, &err);
+    }
+    *started = Some(Instant::now());
+    if let Err(err) = socket.send(wire).await {
+        return io_error("sending the query", server, &err);
+    }
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        match socket.recv(&mut buf).await {
+            Ok(len) => {
+                if let Some(outcome) = classify_reply(id, question, &buf[..len]) {
+                    return outcome;
+                }
+            }
+            Err(err) => return io_error("receiving the reply", server, &err),
+        }
+    }
+}
+
+/// One query over a new TCP connection; reads framed messages until one matches.
+async fn tcp_exchange(
+    server: SocketAddr,
+    id: u16,
+    question: &Query,
+    wire: &[u8],
+    started: &mut Option<Instant>,
+) -> Outcome {
+    *started = Some(Instant::now());
+    let mut stream = match TcpStream::connect(server).await {
+        Ok(stream) => stream,
+        Err(err) => return io_error("connecting", server, &err),
+    };
+    // Latency matters more than batching; a failure here only costs a little speed.
+    let _ = stream.set_nodelay(true);
+    let Ok(len) = u16::try_from(wire.len()) else {
+        return Outcome::Error {
+            reason: format!("query of {} bytes does not fit TCP framing", wire.len()),
+        };
+    };
+    let mut framed = Vec::with_capacity(wire.len() + 2);
+    framed.extend_from_slice(&len.to_be_bytes());
+    framed.extend_from_slice(wire);
+    if let Err(err) = stream.write_all(&framed).await {
+        return io_error("sending the query", server, &err);
+    }
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let len = match stream.read_u16().await {
+            Ok(len) => usize::from(len),
+            Err(err) => return io_error("reading the reply length", server, &err),
+        };
+        if let Err(err) = stream.read_exact(&mut buf[..len]).await {
+            return io_error("reading the reply", server, &err);
+        }
+        if let Some(outcome) = classify_reply(id, question, &buf[..len]) {
+            return outcome;
+        }
+    }
+}
+
+/// Maps an I/O error to an outcome: "nobody listens" errors are [`Outcome::Refused`], a TCP
+/// connection closed without a reply and everything else are [`Outcome::Error`].
+fn io_error(doing: &str, server: SocketAddr, err: &io::Error) -> Outcome {
+    match err.kind() {
+        io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset => Outcome::Refused,
+        io::ErrorKind::UnexpectedEof => Outcome::Error {
+            reason: format!("{doing} from {server}: connection closed before a reply"),
+        },
+        _ => Outcome::Error {
+            reason: format!("{doing} ({server}): {err}"),
+        },
+    }
+}
+
+/// Classifies one received message as the reply to the query with `id` and `question`.
+///
+/// Returns `None` when the bytes are not a reply to that query (malformed, not a response,
+/// another id or opcode, another question): the caller keeps waiting. A reply is accepted without
+/// a question section only when it reports an error (some servers omit the question in FORMERR
+/// or NOTIMP replies); an answer must echo the question. A truncated reply (TC) counts like any
+/// other: the server is alive and resolved the name, even if the records did not fit.
+pub fn classify_reply(id: u16, question: &Query, reply: &[u8]) -> Option<Outcome> {
+    let (header, questions) = decode_reply(reply)?;
+    if header.id != id
+        || header.message_type != MessageType::Response
+        || header.op_code != OpCode::Query
+    {
+        return None;
+    }
+    let rcode = Rcode::from(header.response_code);
+    match questions.as_slice() {
+        [echoed] if echoed == question => {}
+        [] if !rcode.is_answer() => {}
+        _ => return None,
+    }
+    Some(if rcode.is_answer() {
+        Outcome::Answered { rcode }
+    } else {
+        Outcome::ServerFailure { rcode }
+    })
+}
+
+/// Decodes the header and the question section. A message that does not decode as a whole is
+/// accepted only when its TC bit is set (a server may cut a record in half when truncating);
+/// then only its header and question must be well-formed.
+fn decode_reply(reply: &[u8]) -> Option<(hickory_proto::op::Metadata, Vec<Query>)> {
+    if let Ok(message) = Message::from_vec(reply) {
+        return Some((message.metadata, message.queries));
+    }
+    let mut decoder = BinDecoder::new(reply);
+    let header = Header::read(&mut decoder).ok()?;
+    if !header.metadata.truncation {
+        return None;
+    }
+    let mut questions = Vec::new();
+    for _ in 0..header.counts.queries {
+        questions.push(Query::read(&mut decoder).ok()?);
+    }
+    Some((header.metadata, questions))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    use hickory_proto::rr::rdata::A;
+    use hickory_proto::rr::{RData, Record};
+    use tokio::net::TcpListener;
+
+    fn question() -> Query {
+        Query::query(
+            Name::from_ascii("kubernetes.default.svc.cluster.local.").unwrap(),
+            RecordType::A,
+        )
+    }
+
+    fn reply(id: u16, rcode: ResponseCode, question: Option<Query>) -> Message {
+        let mut message = Message::error_msg(id, OpCode::Query, rcode);
+        message.metadata.recursion_desired = true;
+        message.metadata.recursion_available = true;
+        if let Some(question) = question {
+            message.add_query(question);
+        }
+        message
+    }
+
+    fn bytes(message: &Message) -> Vec<u8> {
+        message.to_vec().unwrap()
+    }
+
+    #[test]
+    fn rcodes_map_to_outcomes() {
+        let q = question();
+        let cases = [
+            (
+                ResponseCode::NoError,
+                Outcome::Answered {
+                    rcode: Rcode::NOERROR,
+                },
+            ),
+            (
+                ResponseCode::NXDomain,
+                Outcome::Answered {
+                    rcode: Rcode::NXDOMAIN,
+                },
+            ),
+            (
+                ResponseCode::ServFail,
+                Outcome::ServerFailure {
+                    rcode: Rcode::SERVFAIL,
+                },
+            ),
+            (
+                ResponseCode::Refused,
+                Outcome::ServerFailure {
+                    rcode: Rcode::REFUSED,
+                },
+            ),
+            (
+                ResponseCode::FormErr,
+                Outcome::ServerFailure {
+                    rcode: Rcode::FORMERR,
+                },
+            ),
+            (
+                ResponseCode::NotImp,
+                Outcome::ServerFailure {
+                    rcode: Rcode::NOTIMP,
+                },
+            ),
+        ];
+        for (code, want) in cases {
+            let got = classify_reply(7, &q, &bytes(&reply(7, code, Some(q.clone()))));
+            assert_eq!(got, Some(want), "rcode {code:?}");
+        }
+    }
+
+    #[test]
+    fn answer_with_records_is_answered() {
+        let q = question();
+        let mut message = reply(9, ResponseCode::NoError, Some(q.clone()));
+        message.add_answer(Record::from_rdata(
+            q.name().clone(),
+            30,
+            RData::A(A::new(10, 96, 0, 1)),
+        ));
+        assert_eq!(
+            classify_reply(9, &q, &bytes(&message)),
+            Some(Outcome::Answered {
+                rcode: Rcode::NOERROR
+            })
+        );
+    }
+
+    #[test]
+    fn other_ids_are_ignored() {
+        let q = question();
+        let wire = bytes(&reply(8, ResponseCode::NoError, Some(q.clone())));
+        assert_eq!(classify_reply(7, &q, &wire), None);
+    }
+
+    #[test]
+    fn other_questions_are_ignored() {
+        let q = question();
+        let other_name = Query::query(Name::from_ascii("example.org.").unwrap(), RecordType::A);
+        let other_type = Query::query(q.name().clone(), RecordType::AAAA);
+        for other in [other_name, other_type] {
+            let wire = bytes(&reply(7, ResponseCode::NoError, Some(other)));
+            assert_eq!(classify_reply(7, &q, &wire), None);
+        }
+        // Two questions, one of them ours: not a reply to our query either.
+        let mut two = reply(7, ResponseCode::NoError, Some(q.clone()));
+        two.add_query(q.clone());
+        assert_eq!(classify_reply(7, &q, &bytes(&two)), None);
+    }
+
+    #[test]
+    fn question_matches_case_insensitively() {
+        let q = question();
+        let upper = Query::query(
+            Name::from_ascii("KUBERNETES.default.SVC.cluster.local.").unwrap(),
+            RecordType::A,
+        );
+        let wire = bytes(&reply(7, ResponseCode::NoError, Some(upper)));
+        assert!(classify_reply(7, &q, &wire).is_some_and(|o| o.is_good()));
+    }
+
+    #[test]
+    fn missing_question_counts_only_for_errors() {
+        let q = question();
+        let formerr = bytes(&reply(7, ResponseCode::FormErr, None));
+        assert_eq!(
+            classify_reply(7, &q, &formerr),
+            Some(Outcome::ServerFailure {
+                rcode: Rcode::FORMERR
+            })
+        );
+        let noerror = bytes(&reply(7, ResponseCode::NoError, None));
+        assert_eq!(classify_reply(7, &q, &noerror), None);
+    }
+
+    #[test]
+    fn queries_are_not_replies() {
+        let q = question();
+        let mut message = Message::new(7, MessageType::Query, OpCode::Query);
+        message.add_query(q.clone());
+        assert_eq!(classify_reply(7, &q, &bytes(&message)), None);
+    }
+
+    #[test]
+    fn truncated_replies_count() {
+        let q = question();
+        let mut message = reply(7, ResponseCode::NoError, Some(q.clone()));
+        message.metadata.truncation = true;
+        assert_eq!(
+            classify_reply(7, &q, &bytes(&message)),
+            Some(Outcome::Answered {
+                rcode: Rcode::NOERROR
+            })
+        );
+        // Truncated in the middle of a record: the header and question still decide.
+        message.add_answer(Record::from_rdata(
+            q.name().clone(),
+            30,
+            RData::A(A::new(10, 96, 0, 1)),
+        ));
+        let mut wire = bytes(&message);
+        wire.truncate(wire.len() - 3);
+        assert_eq!(
+            classify_reply(7, &q, &wire),
+            Some(Outcome::Answered {
+                rcode: Rcode::NOERROR
+            })
+        );
+        // The same cut without TC is malformed.
+        message.metadata.truncation = false;
+        let mut wire = bytes(&message);
+        wire.truncate(wire.len() - 3);
+        assert_eq!(classify_reply(7, &q, &wire), None);
+    }
+
+    #[test]
+    fn garbage_is_ignored() {
+        let q = question();
+        for wire in [&b""[..], &[0u8; 5][..], &[0xff; 40][..]] {
+            assert_eq!(classify_reply(7, &q, wire), None);
+        }
+    }
+
+    #[test]
+    fn labels_and_serialisation() {
+        assert_eq!(Outcome::Timeout.label(), "timeout");
+        assert_eq!(
+            Outcome::ServerFailure {
+                rcode: Rcode::SERVFAIL
+            }
+            .label(),
+            "servfail"
+        );
+        assert!(!Outcome::Refused.is_good());
+        assert_eq!(Rcode(23).to_string(), "RCODE23");
+        assert_eq!(serde_json::to_string(&Transport::Tcp).unwrap(), "\"tcp\"");
+        assert_eq!(
+            serde_json::to_string(&Outcome::ServerFailure {
+                rcode: Rcode::REFUSED
+            })
+            .unwrap(),
+            r#"{"outcome":"servfail","rcode":"REFUSED"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Outcome::Timeout).unwrap(),
+            r#"{"outcome":"timeout"}"#
+        );
+    }
+
+    #[test]
+    fn probe_rejects_bad_configuration() {
+        let err = Probe::new("bad..name", Duration::from_secs(1)).unwrap_err();
+        assert!(err.to_string().contains("bad..name"), "{err}");
+        assert!(matches!(
+            Probe::new("ok.example", Duration::ZERO),
+            Err(ProbeError::ZeroTimeout)
+        ));
+        let probe = Probe::new("cluster.local", Duration::from_secs(1)).unwrap();
+        assert!(probe.name().is_fqdn());
+    }
+
+    /// How a test server answers each query it receives, in order; after the list it stays
+    /// silent.
+    #[derive(Clone, Copy)]
+    enum Reply {
+        Rcode(ResponseCode),
+        WrongId,
+        WrongQuestion,
+        Garbage,
+    }
+
+    fn render(query: &Message, how: Reply) -> Vec<u8> {
+        let question = query.queries.first().cloned();
+        let message = match how {
+            Reply::Rcode(code) => reply(query.metadata.id, code, question),
+            Reply::WrongId => reply(
+                query.metadata.id.wrapping_add(1),
+                ResponseCode::NoError,
+                question,
+            ),
+            Reply::WrongQuestion => reply(
+                query.metadata.id,
+                ResponseCode::NoError,
+                Some(Query::query(
+                    Name::from_ascii("other.example.").unwrap(),
+                    RecordType::A,
+                )),
+            ),
+            Reply::Garbage => return vec![0xde, 0xad, 0xbe, 0xef],
+        };
+        bytes(&message)
+    }
+
+    /// A UDP server on 127.0.0.1 that sends `replies` (all of them) to the first query.
+    async fn udp_server(replies: Vec<Reply>) -> SocketAddr {
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let addr = socket.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; MAX_MESSAGE];
+            let (len, peer) = socket.recv_from(&mut buf).await.unwrap();
+            let query = Message::from_vec(&buf[..len]).unwrap();
+            assert!(query.metadata.recursion_desired);
+            for how in replies {
+                socket.send_to(&render(&query, how), peer).await.unwrap();
+            }
+            // Stay bound (silent) until the probe is done.
+            let _ = socket.recv_from(&mut buf).await;
+        });
+        addr
+    }
+
+    /// A TCP server on 127.0.0.1 that sends `replies` (all of them) on the first connection.
+    async fn tcp_server(replies: Vec<Reply>) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let len = usize::from(stream.read_u16().await.unwrap());
+            let mut buf = vec![0u8; len];
+            stream.read_exact(&mut buf).await.unwrap();
+            let query = Message::from_vec(&buf).unwrap();
+            for how in replies {
+                let wire = render(&query, how);
+                let len = u16::try_from(wire.len()).unwrap();
+                stream.write_all(&len.to_be_bytes()).await.unwrap();
+                stream.write_all(&wire).await.unwrap();
+            }
+            let _ = stream.read_u8().await;
+        });
+        addr
+    }
+
+    fn probe(timeout: Duration) -> Probe {
+        Probe::new("kubernetes.default.svc.cluster.local", timeout).unwrap()
+    }
+
+    /// A loopback port with nobody behind it (bound, then released).
+    fn closed_port() -> SocketAddr {
+        std::net::UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn udp_outcomes() {
+        let cases = [
+            (vec![Reply::Rcode(ResponseCode::NoError)], "answered"),
+            (vec![Reply::Rcode(ResponseCode::NXDomain)], "answered"),
+            (vec![Reply::Rcode(ResponseCode::ServFail)], "servfail"),
+            (vec![Reply::Rcode(ResponseCode::Refused)], "servfail"),
+            (
+                vec![
+                    Reply::Garbage,
+                    Reply::WrongId,
+                    Reply::WrongQuestion,
+                    Reply::Rcode(ResponseCode::NoError),
+                ],
+                "answered",
+            ),
+            (vec![Reply::WrongId, Reply::Garbage], "timeout"),
+            (vec![], "timeout"),
+        ];
+        let probe = probe(Duration::from_millis(200));
+        for (replies, want) in cases {
+            let server = udp_server(replies).await;
+            let result = probe.run(server, Transport::Udp).await;
+            assert_eq!(result.outcome.label(), want, "{result:?}");
+            if want == "timeout" {
+                assert!(result.latency >= Duration::from_millis(190), "{result:?}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn udp_closed_port_is_refused_at_once() {
+        let probe = probe(Duration::from_secs(2));
+        let result = probe.run(closed_port(), Transport::Udp).await;
+        assert_eq!(result.outcome, Outcome::Refused, "{result:?}");
+        println!("udp refused after {:?}", result.latency);
+        assert!(result.latency < Duration::from_secs(1), "{result:?}");
+    }
+
+    #[tokio::test]
+    async fn tcp_outcomes() {
+        let cases = [
+            (vec![Reply::Rcode(ResponseCode::NoError)], "answered"),
+            (vec![Reply::Rcode(ResponseCode::ServFail)], "servfail"),
+            (
+                vec![Reply::WrongId, Reply::Rcode(ResponseCode::NXDomain)],
+                "answered",
+            ),
+            (vec![], "timeout"),
+        ];
+        let probe = probe(Duration::from_millis(200));
+        for (replies, want) in cases {
+            let server = tcp_server(replies).await;
+            let result = probe.run(server, Transport::Tcp).await;
+            assert_eq!(result.outcome.label(), want, "{result:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn tcp_closed_port_is_refused_at_once() {
+        let probe = probe(Duration::from_secs(2));
+        let result = probe.run(closed_port(), Transport::Tcp).await;
+        assert_eq!(result.outcome, Outcome::Refused, "{result:?}");
+        println!("tcp refused after {:?}", result.latency);
+        assert!(result.latency < Duration::from_secs(1), "{result:?}");
+    }
+
+    #[tokio::test]
+    async fn tcp_close_without_reply_is_an_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let server = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            // Read the whole query (unread data would make the close a reset), then drop the
+            // stream: a FIN without a reply.
+            let len = usize::from(stream.read_u16().await.unwrap());
+            let mut buf = vec![0u8; len];
+            stream.read_exact(&mut buf).await.unwrap();
+        });
+        let result = probe(Duration::from_secs(2))
+            .run(server, Transport::Tcp)
+            .await;
+        assert_eq!(result.outcome.label(), "error", "{result:?}");
+    }
+}

@@ -45,7 +45,10 @@ pub trait Dataplane {
 }
 
 /// The route whose ruleset is installed now, if the installed state is exactly one of them.
-pub fn installed_route(dp: &mut dyn Dataplane, addrs: &ListenAddrs) -> Result<Option<Route>, Error> {
+pub fn installed_route(
+    dp: &mut dyn Dataplane,
+    addrs: &ListenAddrs,
+) -> Result<Option<Route>, Error> {
     for route in [Route::Local, Route::Upstream] {
         if dp.check(&RuleSet::desired(addrs, route))? == Check::Matches {
             return Ok(Some(route));

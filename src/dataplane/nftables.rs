@@ -1,0 +1,761 @@
+//! nftables backend: installs a [`RuleSet`] as the table `inet nodelocaldns-ha` over netlink.
+//!
+//! * [`Nftables::apply`] replaces the table in **one atomic batch** (create-if-absent, delete,
+//!   create, base chains, rules), built with nftnl and sent on a `NETLINK_NETFILTER` socket; then
+//!   it reads the table back. Either the whole new table is in place or the old one still is.
+//! * [`Nftables::check`] reads the table back with netlink dumps (built and parsed in safe Rust by
+//!   `netlink`) and compares tables, chains (hook, priority, type, policy), rules in order,
+//!   their comments and every expression value (counter values aside) with what `expr` says
+//!   the rules consist of. The same function builds the batch, so the two cannot drift.
+//! * [`ChangeWatch`] hears every nftables change in the namespace (the kernel announces them on
+//!   the `NFNLGRP_NFTABLES` group), so the agent can re-check at once when another tool touches
+//!   the table.
+//!
+//! Everything runs in the network namespace that is current when the sockets are opened (the
+//! agent runs with hostNetwork). `unsafe` is confined to `ffi`, which hands expressions to
+//! libnftnl and registers the watch socket with tokio.
+
+mod expr;
+#[allow(unsafe_code)]
+mod ffi;
+mod netlink;
+
+use std::ffi::{CStr, CString};
+use std::fmt;
+use std::io::IoSlice;
+use std::os::fd::{AsRawFd, OwnedFd};
+
+use nftnl::{Batch, FinalizedBatch, MsgType, ProtoFamily};
+use nix::errno::Errno;
+use nix::sys::socket::{
+    self, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType,
+};
+use nix::sys::time::TimeVal;
+use tokio::io::unix::AsyncFd;
+
+use super::{Check, Dataplane};
+use crate::ruleset::{self, Hook, RuleSet};
+use expr::{rule_expressions, Found};
+use netlink::{Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST};
+
+pub use netlink::ParseError;
+
+/// [`ruleset::TABLE`] for nftnl.
+const TABLE_NAME: &CStr = c"nodelocaldns-ha";
+/// `NFPROTO_INET`: the table serves IPv4 and IPv6.
+const FAMILY: u8 = libc::NFPROTO_INET as u8;
+/// The multicast group of nftables change notifications.
+const NFNLGRP_NFTABLES: u32 = libc::NFNLGRP_NFTABLES as u32;
+/// How long to wait for the kernel's answer before giving up.
+const REPLY_TIMEOUT_SECS: i64 = 5;
+/// Receive buffer: the kernel's dump messages are at most 32 KiB.
+const RECV_BUFFER: usize = 64 * 1024;
+/// Read-back attempts while the ruleset keeps changing underneath.
+const READ_ATTEMPTS: usize = 3;
+/// Sequence numbers of this backend's requests; nftnl numbers batch messages from 1.
+const FIRST_REQUEST_SEQ: u32 = 1 << 31;
+
+/// What the nftables backend failed to do.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The netlink socket could not be opened.
+    #[error(
+        "opening a netfilter netlink socket failed: {0} \
+         (needs CAP_NET_ADMIN in the node's network namespace)"
+    )]
+    Open(#[source] Errno),
+    /// A batch or a request could not be sent.
+    #[error(
+        "sending {what} to nftables failed: {source} \
+         (needs CAP_NET_ADMIN in the node's network namespace)"
+    )]
+    Send {
+        /// What was being sent.
+        what: &'static str,
+        /// The socket's error.
+        #[source]
+        source: Errno,
+    },
+    /// The kernel's answer did not arrive.
+    #[error(
+        "reading the kernel's answer to {what} failed: {source} \
+         (EAGAIN: no answer within {REPLY_TIMEOUT_SECS} s)"
+    )]
+    Receive {
+        /// What the answer was to.
+        what: &'static str,
+        /// The socket's error.
+        #[source]
+        source: Errno,
+    },
+    /// The kernel refused the batch; nothing of it was applied.
+    #[error(
+        "the kernel rejected the nftables batch at {at}: {source}; nothing was changed \
+         (EPERM: needs CAP_NET_ADMIN; ENOENT or EOPNOTSUPP at a rule: a kernel module is \
+         missing, needs kernel ≥ 5.x with nf_tables, nft_fib_inet and nft_socket)"
+    )]
+    Rejected {
+        /// The message the kernel refused, e.g. `chain prerouting: rule 3 (…)`.
+        at: String,
+        /// The kernel's error.
+        #[source]
+        source: Errno,
+    },
+    /// Listing the installed table failed.
+    #[error(
+        "listing nftables {what} failed: {source} \
+         (needs CAP_NET_ADMIN; is nf_tables available?)"
+    )]
+    List {
+        /// Tables, chains or rules.
+        what: &'static str,
+        /// The kernel's error.
+        #[source]
+        source: Errno,
+    },
+    /// The kernel's answer could not be parsed.
+    #[error(
+        "the kernel's answer to {what} could not be parsed: {source} \
+         (an nf_tables this agent does not know; please report it with the kernel version)"
+    )]
+    Malformed {
+        /// What the answer was to.
+        what: &'static str,
+        /// What is wrong with it.
+        #[source]
+        source: ParseError,
+    },
+    /// The ruleset changed during every attempt to read it back.
+    #[error(
+        "the nftables ruleset kept changing while it was read back ({READ_ATTEMPTS} attempts); \
+         is another process rewriting it in a loop?"
+    )]
+    Unsettled,
+    /// A rule's comment cannot be stored by nftables.
+    #[error("the rule comment {0:?} cannot be stored: it must be under 128 bytes, without NUL")]
+    Comment(String),
+    /// The batch was accepted but the table read back is not the one applied.
+    #[error(
+        "the nftables table read back differs from the one just applied: {0} \
+         (did another process change it at the same moment?)"
+    )]
+    NotApplied(String),
+    /// Watching for nftables changes failed.
+    #[error(
+        "watching for nftables changes failed: {0} \
+         (needs CAP_NET_ADMIN in the node's network namespace, and a tokio runtime)"
+    )]
+    Watch(#[source] std::io::Error),
+}
+
+/// The nftables dataplane: owns the table `inet nodelocaldns-ha`.
+pub struct Nftables {
+    /// A `NETLINK_NETFILTER` socket for batches and dumps, with a receive timeout.
+    socket: OwnedFd,
+    /// The socket's netlink port, which the kernel puts on the notifications of our changes.
+    portid: u32,
+    next_seq: u32,
+    buf: Vec<u8>,
+}
+
+impl fmt::Debug for Nftables {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Nftables")
+            .field("socket", &self.socket)
+            .field("portid", &self.portid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Opens a `NETLINK_NETFILTER` socket bound to `groups` in the current network namespace.
+fn netfilter_socket(flags: SockFlag, groups: u32) -> nix::Result<OwnedFd> {
+    let fd = socket::socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        flags | SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkNetFilter,
+    )?;
+    socket::bind(fd.as_raw_fd(), &NetlinkAddr::new(0, groups))?;
+    Ok(fd)
+}
+
+/// Whether the replies of a read-back form a consistent snapshot.
+#[derive(Debug, Default)]
+struct Snapshot {
+    /// The ruleset generation (`nfgenmsg.res_id`) of every reply.
+    generations: Vec<u16>,
+    /// The kernel flagged a dump as interrupted by a change.
+    interrupted: bool,
+}
+
+impl Snapshot {
+    fn consistent(&self) -> bool {
+        !self.interrupted && self.generations.windows(2).all(|w| w[0] == w[1])
+    }
+}
+
+/// What is installed, as read back.
+#[derive(Debug, Default)]
+struct Installed {
+    table: Option<netlink::Table>,
+    chains: Vec<netlink::Chain>,
+    rules: Vec<netlink::Rule>,
+}
+
+impl Nftables {
+    /// Opens a netfilter netlink socket in the current network namespace.
+    pub fn new() -> Result<Self, Error> {
+        let socket = netfilter_socket(SockFlag::empty(), 0).map_err(Error::Open)?;
+        let timeout = TimeVal::new(REPLY_TIMEOUT_SECS, 0);
+        socket::setsockopt(&socket, sockopt::ReceiveTimeout, &timeout).map_err(Error::Open)?;
+        let portid = socket::getsockname::<NetlinkAddr>(socket.as_raw_fd())
+            .map_err(Error::Open)?
+            .pid();
+        Ok(Nftables {
+            socket,
+            portid,
+            next_seq: FIRST_REQUEST_SEQ,
+            buf: vec![0; RECV_BUFFER],
+        })
+    }
+
+    /// A [`ChangeWatch`] that ignores the changes made through `self`, so the agent's own
+    /// applies do not wake it. Must be called inside a tokio runtime.
+    pub fn change_watch(&self) -> Result<ChangeWatch, Error> {
+        ChangeWatch::open(Some(self.portid))
+    }
+
+    /// Replaces the table with `rules` in one batch.
+    fn replace(&mut self, rules: &RuleSet) -> Result<(), Error> {
+        let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
+        let mut batch = Batch::new();
+        let mut described = Vec::new();
+        // Creating the table first makes the delete succeed when it is absent.
+        for (msg_type, what) in [
+            (MsgType::Add, "table (create if absent)"),
+            (MsgType::Del, "table (delete)"),
+            (MsgType::Add, "table (create)"),
+        ] {
+            batch.add(&table, msg_type);
+            described.push(what.to_owned());
+        }
+        let chains: Vec<nftnl::Chain<'_>> = rules
+            .chains
+            .iter()
+            .map(|chain| base_chain(chain, &table))
+            .collect();
+        for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
+            batch.add(nft_chain, MsgType::Add);
+            described.push(format!("chain {}", chain.name()));
+            for (index, rule) in chain.rules.iter().enumerate() {
+                let mut nft_rule = nftnl::Rule::new(nft_chain);
+                for expr in rule_expressions(rule) {
+                    nft_rule.add_expr(&expr);
+                }
+                let comment_error = || Error::Comment(rule.comment.clone());
+                let comment = CString::new(rule.comment.as_str()).map_err(|_| comment_error())?;
+                nft_rule.set_comment(comment).map_err(|_| comment_error())?;
+                batch.add(&nft_rule, MsgType::Add);
+                described.push(format!(
+                    "chain {}: rule {} ({rule})",
+                    chain.name(),
+                    index + 1
+                ));
+            }
+        }
+        self.send_batch(&batch.finalize(), &described)
+    }
+
+    /// Deletes the table in one batch; nothing happens when it is absent.
+    fn delete(&mut self) -> Result<(), Error> {
+        let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
+        let mut batch = Batch::new();
+        batch.add(&table, MsgType::Add);
+        batch.add(&table, MsgType::Del);
+        let described = ["table (create if absent)", "table (delete)"].map(String::from);
+        self.send_batch(&batch.finalize(), &described)
+    }
+
+    /// Sends `batch` and waits for the kernel to acknowledge each of its messages.
+    /// `described[i]` names the i-th message after the batch begin, for error messages.
+    fn send_batch(&mut self, batch: &FinalizedBatch, described: &[String]) -> Result<(), Error> {
+        const WHAT: &str = "the nftables batch";
+        self.drain();
+        let pages: Vec<IoSlice<'_>> = batch.iter().map(IoSlice::new).collect();
+        socket::sendmsg::<NetlinkAddr>(
+            self.socket.as_raw_fd(),
+            &pages,
+            &[],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(|source| Error::Send { what: WHAT, source })?;
+
+        // Kernels ≥ 6.10 also acknowledge the batch begin and end messages; nftnl then numbers
+        // them too.
+        let seqs = batch.sequence_numbers();
+        let has_begin_end = seqs.len() == described.len() + 2;
+        let describe = |seq: u32| -> String {
+            let offset = seq.wrapping_sub(seqs.start) as usize;
+            let index = if has_begin_end {
+                offset.checked_sub(1)
+            } else {
+                Some(offset)
+            };
+            match index {
+                _ if seq == 0 => "the batch".to_owned(),
+                None => "the batch begin".to_owned(),
+                Some(index) => described
+                    .get(index)
+                    .cloned()
+                    .unwrap_or_else(|| "the batch end (commit)".to_owned()),
+            }
+        };
+        let mut acked = vec![false; seqs.len()];
+        while acked.contains(&false) {
+            let len = self.receive(WHAT)?;
+            for message in netlink::messages(&self.buf[..len]) {
+                let message = message.map_err(|source| Error::Malformed { what: WHAT, source })?;
+                // Errors about the batch as a whole (e.g. EPERM) carry the begin message's
+                // sequence number, which is 0 on older kernels.
+                let ours = seqs.contains(&message.seq) || message.seq == 0;
+                if message.kind != NLMSG_ERROR || !ours {
+                    continue;
+                }
+                match message.error_code() {
+                    Ok(0) => {
+                        if let Some(flag) =
+                            acked.get_mut(message.seq.wrapping_sub(seqs.start) as usize)
+                        {
+                            *flag = true;
+                        }
+                    }
+                    Ok(errno) => {
+                        return Err(Error::Rejected {
+                            at: describe(message.seq),
+                            source: Errno::from_raw(errno),
+                        })
+                    }
+                    Err(source) => return Err(Error::Malformed { what: WHAT, source }),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads back the table, its chains and its rules, consistently: a read during which the
+    /// ruleset changed (an interrupted dump, or replies from different generations) is retried.
+    fn read_installed(&mut self) -> Result<Installed, Error> {
+        for _ in 0..READ_ATTEMPTS {
+            if let Some(installed) = self.read_once()? {
+                return Ok(installed);
+            }
+        }
+        Err(Error::Unsettled)
+    }
+
+    /// One read-back; `None` when it may be inconsistent.
+    fn read_once(&mut self) -> Result<Option<Installed>, Error> {
+        let name = TABLE_NAME.to_bytes_with_nul();
+        let mut installed = Installed::default();
+        let mut snapshot = Snapshot::default();
+
+        let table = self.request(
+            &mut snapshot,
+            "the table",
+            netlink::NFT_MSG_GETTABLE,
+            NLM_F_REQUEST,
+            &[(netlink::NFTA_TABLE_NAME, name)],
+            |message, attrs| {
+                if message == netlink::NFT_MSG_NEWTABLE {
+                    installed.table = Some(netlink::parse_table(attrs)?);
+                }
+                Ok(())
+            },
+        )?;
+        match table {
+            Err(Errno::ENOENT) => return Ok(Some(Installed::default())),
+            Err(source) => {
+                return Err(Error::List {
+                    what: "tables",
+                    source,
+                })
+            }
+            Ok(()) => {}
+        }
+        // Chain dumps cannot be filtered by table: keep ours.
+        let chains = self.request(
+            &mut snapshot,
+            "the chains",
+            netlink::NFT_MSG_GETCHAIN,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            &[],
+            |message, attrs| {
+                if message == netlink::NFT_MSG_NEWCHAIN {
+                    let chain = netlink::parse_chain(attrs)?;
+                    if chain.table == ruleset::TABLE {
+                        installed.chains.push(chain);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        let rules = self.request(
+            &mut snapshot,
+            "the rules",
+            netlink::NFT_MSG_GETRULE,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            &[(netlink::NFTA_RULE_TABLE, name)],
+            |message, attrs| {
+                if message == netlink::NFT_MSG_NEWRULE {
+                    let rule = netlink::parse_rule(attrs)?;
+                    if rule.table == ruleset::TABLE {
+                        installed.rules.push(rule);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        for (answer, what) in [(chains, "chains"), (rules, "rules")] {
+            match answer {
+                // The table went away meanwhile: read again.
+                Err(Errno::ENOENT) => return Ok(None),
+                Err(source) => return Err(Error::List { what, source }),
+                Ok(()) => {}
+            }
+        }
+        Ok(snapshot.consistent().then_some(installed))
+    }
+
+    /// Sends one nf_tables request and passes each nf_tables message of the answer (type and
+    /// attributes) to `each`. The outer error is a failure to talk to the kernel, the inner one
+    /// the kernel's answer.
+    fn request(
+        &mut self,
+        snapshot: &mut Snapshot,
+        what: &'static str,
+        msg: u16,
+        flags: u16,
+        attrs: &[(u16, &[u8])],
+        mut each: impl FnMut(u16, &[u8]) -> Result<(), ParseError>,
+    ) -> Result<Result<(), Errno>, Error> {
+        self.drain();
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1).max(FIRST_REQUEST_SEQ);
+        let request = netlink::request(msg, flags, seq, FAMILY, attrs);
+        socket::send(self.socket.as_raw_fd(), &request, MsgFlags::empty())
+            .map_err(|source| Error::Send { what, source })?;
+
+        let malformed = |source| Error::Malformed { what, source };
+        let dump = flags & NLM_F_DUMP == NLM_F_DUMP;
+        loop {
+            let len = self.receive(what)?;
+            let mut complete = false;
+            for message in netlink::messages(&self.buf[..len]) {
+                let message: Message<'_> = message.map_err(malformed)?;
+                if message.seq != seq {
+                    continue;
+                }
+                snapshot.interrupted |= message.flags & NLM_F_DUMP_INTR != 0;
+                match message.kind {
+                    NLMSG_ERROR => {
+                        return Ok(match message.error_code().map_err(malformed)? {
+                            0 => Ok(()),
+                            errno => Err(Errno::from_raw(errno)),
+                        })
+                    }
+                    NLMSG_DONE => complete = true,
+                    _ => {
+                        if let Some(nft_msg) = message.nft_type() {
+                            let (generation, attrs) = message.nft_body().map_err(malformed)?;
+                            snapshot.generations.push(generation);
+                            each(nft_msg, attrs).map_err(malformed)?;
+                        }
+                        complete |= !dump;
+                    }
+                }
+            }
+            if complete {
+                return Ok(Ok(()));
+            }
+        }
+    }
+
+    /// Receives one datagram into the buffer; its length.
+    fn receive(&mut self, what: &'static str) -> Result<usize, Error> {
+        loop {
+            // MSG_TRUNC makes recv return the full length, so truncation is detected.
+            match socket::recv(self.socket.as_raw_fd(), &mut self.buf, MsgFlags::MSG_TRUNC) {
+                Ok(len) if len > self.buf.len() => {
+                    return Err(Error::Receive {
+                        what,
+                        source: Errno::EMSGSIZE,
+                    })
+                }
+                Ok(len) => return Ok(len),
+                Err(Errno::EINTR) => {}
+                Err(source) => return Err(Error::Receive { what, source }),
+            }
+        }
+    }
+
+    /// Discards whatever an earlier, failed exchange left unread.
+    fn drain(&mut self) {
+        // Bounded, in case the kernel kept answering; an abandoned dump ends after a few reads.
+        for _ in 0..1024 {
+            match socket::recv(
+                self.socket.as_raw_fd(),
+                &mut self.buf,
+                MsgFlags::MSG_DONTWAIT,
+            ) {
+                Ok(_) | Err(Errno::EINTR) | Err(Errno::ENOBUFS) => {}
+                Err(_) => return,
+            }
+        }
+    }
+
+    fn check_table(&mut self, rules: &RuleSet) -> Result<Check, Error> {
+        Ok(compare(rules, &self.read_installed()?))
+    }
+}
+
+impl Dataplane for Nftables {
+    fn name(&self) -> &'static str {
+        "nftables"
+    }
+
+    fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
+        self.replace(rules)?;
+        match self.check_table(rules)? {
+            Check::Matches => Ok(()),
+            Check::Missing => Err(Error::NotApplied("the table is missing".to_owned()).into()),
+            Check::Differs(difference) => Err(Error::NotApplied(difference).into()),
+        }
+    }
+
+    fn check(&mut self, rules: &RuleSet) -> Result<Check, super::Error> {
+        Ok(self.check_table(rules)?)
+    }
+
+    fn remove(&mut self) -> Result<(), super::Error> {
+        Ok(self.delete()?)
+    }
+}
+
+/// `NF_INET_*`, as nftnl and the kernel number hooks.
+fn hook_number(hook: Hook) -> u32 {
+    match hook {
+        Hook::Prerouting => libc::NF_INET_PRE_ROUTING as u32,
+        Hook::Output => libc::NF_INET_LOCAL_OUT as u32,
+    }
+}
+
+fn hook_name(number: u32) -> String {
+    match number as i32 {
+        libc::NF_INET_PRE_ROUTING => "prerouting".to_owned(),
+        libc::NF_INET_LOCAL_IN => "input".to_owned(),
+        libc::NF_INET_FORWARD => "forward".to_owned(),
+        libc::NF_INET_LOCAL_OUT => "output".to_owned(),
+        libc::NF_INET_POST_ROUTING => "postrouting".to_owned(),
+        _ => format!("hook {number}"),
+    }
+}
+
+/// `type filter hook <hook> priority <priority>; policy accept;`
+fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
+    let (name, hook) = match chain.hook {
+        Hook::Prerouting => (c"prerouting", nftnl::Hook::PreRouting),
+        Hook::Output => (c"output", nftnl::Hook::Out),
+    };
+    let mut nft_chain = nftnl::Chain::new(name, table);
+    nft_chain.set_hook(hook, chain.priority);
+    nft_chain.set_type(nftnl::ChainType::Filter);
+    nft_chain.set_policy(nftnl::Policy::Accept);
+    nft_chain
+}
+
+/// Compares what is installed with `want`.
+fn compare(want: &RuleSet, installed: &Installed) -> Check {
+    let Some(table) = &installed.table else {
+        return Check::Missing;
+    };
+    match first_difference(want, table, &installed.chains, &installed.rules) {
+        None => Check::Matches,
+        Some(difference) => Check::Differs(difference),
+    }
+}
+
+/// The first way the installed table differs from `want`, in words.
+fn first_difference(
+    want: &RuleSet,
+    table: &netlink::Table,
+    chains: &[netlink::Chain],
+    rules: &[netlink::Rule],
+) -> Option<String> {
+    if table.flags != 0 {
+        return Some(format!(
+            "table flags are {:#x}, want 0 (0x1 is dormant: its chains see no packets)",
+            table.flags
+        ));
+    }
+    for wanted in &want.chains {
+        let name = wanted.name();
+        let Some(chain) = chains.iter().find(|chain| chain.name == name) else {
+            return Some(format!("chain {name} is missing"));
+        };
+        let hook = netlink::ChainHook {
+            hooknum: hook_number(wanted.hook),
+            priority: wanted.priority,
+        };
+        match chain.hook {
+            None => return Some(format!("chain {name} is not a base chain")),
+            Some(got) if got != hook => {
+                return Some(format!(
+                    "chain {name} hooks {} at priority {}, want {} at priority {}",
+                    hook_name(got.hooknum),
+                    got.priority,
+                    hook_name(hook.hooknum),
+                    hook.priority
+                ))
+            }
+            Some(_) => {}
+        }
+        if chain.chain_type.as_deref() != Some("filter") {
+            return Some(format!(
+                "chain {name} has type {}, want filter",
+                chain.chain_type.as_deref().unwrap_or("none")
+            ));
+        }
+        if chain.policy != Some(libc::NF_ACCEPT as u32) {
+            let policy = match chain.policy {
+                Some(p) if p == libc::NF_DROP as u32 => "drop".to_owned(),
+                Some(p) => p.to_string(),
+                None => "none".to_owned(),
+            };
+            return Some(format!("chain {name} has policy {policy}, want accept"));
+        }
+        let got: Vec<&netlink::Rule> = rules.iter().filter(|rule| rule.chain == name).collect();
+        if got.len() != wanted.rules.len() {
+            return Some(format!(
+                "chain {name}: {} rules, want {}",
+                got.len(),
+                wanted.rules.len()
+            ));
+        }
+        for (number, (got, wanted)) in (1..).zip(got.iter().zip(&wanted.rules)) {
+            if got.comment.as_deref() != Some(wanted.comment.as_str()) {
+                return Some(match &got.comment {
+                    Some(comment) => format!(
+                        "chain {name}: rule {number} has comment {comment:?}, want {:?}",
+                        wanted.comment
+                    ),
+                    None => format!(
+                        "chain {name}: rule {number} has no comment, want {:?}",
+                        wanted.comment
+                    ),
+                });
+            }
+            let exprs = rule_expressions(wanted);
+            if got.exprs.len() != exprs.len() {
+                return Some(format!(
+                    "chain {name}: rule {number} has {} expressions ({}), want {} ({wanted})",
+                    got.exprs.len(),
+                    got.expr_names().join(" "),
+                    exprs.len()
+                ));
+            }
+            for (index, (got, want)) in (1..).zip(got.exprs.iter().zip(exprs)) {
+                if *got != Found::Known(want.clone()) {
+                    return Some(format!(
+                        "chain {name}: rule {number} expression {index} is `{got}`, want `{want}` \
+                         ({wanted})"
+                    ));
+                }
+            }
+        }
+    }
+    if let Some(extra) = chains
+        .iter()
+        .find(|chain| !want.chains.iter().any(|wanted| wanted.name() == chain.name))
+    {
+        return Some(format!("extra chain {}", extra.name));
+    }
+    None
+}
+
+/// Hears every nftables change in the network namespace it was opened in.
+///
+/// The kernel announces each change (tables, chains, rules, sets, and a new generation per
+/// batch) to the `NFNLGRP_NFTABLES` multicast group; this listens there.
+pub struct ChangeWatch {
+    socket: AsyncFd<OwnedFd>,
+    /// Announcements from this netlink port (the agent's own [`Nftables`]) are not changes.
+    ignore_portid: Option<u32>,
+    buf: Vec<u8>,
+}
+
+impl fmt::Debug for ChangeWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChangeWatch")
+            .field("socket", self.socket.get_ref())
+            .field("ignore_portid", &self.ignore_portid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChangeWatch {
+    /// Watches for every nftables change in the current network namespace, the agent's own
+    /// included (see [`Nftables::change_watch`] to leave those out). Must be called inside a
+    /// tokio runtime.
+    pub fn new() -> Result<Self, Error> {
+        Self::open(None)
+    }
+
+    fn open(ignore_portid: Option<u32>) -> Result<Self, Error> {
+        let groups = 1 << (NFNLGRP_NFTABLES - 1);
+        let fd = netfilter_socket(SockFlag::SOCK_NONBLOCK, groups)
+            .map_err(|e| Error::Watch(e.into()))?;
+        Ok(ChangeWatch {
+            socket: ffi::register_with_tokio(fd).map_err(Error::Watch)?,
+            ignore_portid,
+            buf: vec![0; RECV_BUFFER],
+        })
+    }
+
+    /// Returns once a change has been announced, after reading every announcement pending.
+    ///
+    /// A lost announcement (the socket's buffer overflowed, `ENOBUFS`) counts as a change.
+    /// Cancel-safe: dropping the future loses nothing that a later call would report.
+    pub async fn changed(&mut self) -> Result<(), Error> {
+        let ChangeWatch {
+            socket: fd,
+            ignore_portid,
+            buf,
+        } = self;
+        loop {
+            let mut ready = fd.readable().await.map_err(Error::Watch)?;
+            let mut changed = false;
+            loop {
+                match socket::recv(fd.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
+                    Ok(len) => {
+                        let len = len.min(buf.len());
+                        changed |= netlink::announces_change(&buf[..len], *ignore_portid);
+                    }
+                    Err(Errno::ENOBUFS) => changed = true,
+                    Err(Errno::EINTR) => {}
+                    Err(Errno::EAGAIN) => {
+                        ready.clear_ready();
+                        break;
+                    }
+                    Err(e) => return Err(Error::Watch(e.into())),
+                }
+            }
+            if changed {
+                return Ok(());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

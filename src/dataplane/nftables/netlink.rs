@@ -1,0 +1,843 @@
+//! A small parser and request builder for the nf_tables netlink messages the backend reads.
+//!
+//! Pure and safe: it works on byte slices and never panics on malformed input (every read is
+//! bounds-checked and a bad length is a [`ParseError`]). It knows only the attributes the backend
+//! compares. Numbers are from `linux/netlink.h` and `linux/netfilter/nf_tables.h`: netlink
+//! headers are host-endian, nf_tables attribute values big-endian.
+
+use super::expr::{Expr, Found, NFT_REG_1};
+
+/// An error message (or an ack, when its code is 0).
+pub const NLMSG_ERROR: u16 = 2;
+/// The end of a dump.
+pub const NLMSG_DONE: u16 = 3;
+/// A request.
+pub const NLM_F_REQUEST: u16 = 0x1;
+/// The ruleset changed while this dump was being built: it may be inconsistent.
+pub const NLM_F_DUMP_INTR: u16 = 0x10;
+/// Dump every object.
+pub const NLM_F_DUMP: u16 = 0x300;
+/// The nfnetlink subsystem of nf_tables, the high byte of the message type.
+pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
+/// A table (the low byte of the type of a reply or notification).
+pub const NFT_MSG_NEWTABLE: u16 = 0;
+/// Get one table by name.
+pub const NFT_MSG_GETTABLE: u16 = 1;
+/// A chain.
+pub const NFT_MSG_NEWCHAIN: u16 = 3;
+/// Dump the chains.
+pub const NFT_MSG_GETCHAIN: u16 = 4;
+/// A rule.
+pub const NFT_MSG_NEWRULE: u16 = 6;
+/// Dump the rules (of one table, given `NFTA_RULE_TABLE`).
+pub const NFT_MSG_GETRULE: u16 = 7;
+/// The name in a table request.
+pub const NFTA_TABLE_NAME: u16 = table::NAME;
+/// The table filter of a rule dump.
+pub const NFTA_RULE_TABLE: u16 = rule::TABLE;
+
+const NLMSG_HDRLEN: usize = 16;
+const NFGENMSG_LEN: usize = 4;
+const NLA_HDRLEN: usize = 4;
+/// Strips `NLA_F_NESTED` and `NLA_F_NET_BYTEORDER`.
+const NLA_TYPE_MASK: u16 = 0x3fff;
+/// `NFTNL_UDATA_RULE_COMMENT`: the comment in a rule's userdata.
+const UDATA_RULE_COMMENT: u8 = 0;
+
+/// Attributes of tables (`enum nft_table_attributes`).
+mod table {
+    pub const NAME: u16 = 1;
+    pub const FLAGS: u16 = 2;
+    pub const MAX: usize = 3;
+}
+
+/// Attributes of chains (`enum nft_chain_attributes`, `enum nft_hook_attributes`).
+mod chain {
+    pub const TABLE: u16 = 1;
+    pub const NAME: u16 = 3;
+    pub const HOOK: u16 = 4;
+    pub const POLICY: u16 = 5;
+    pub const TYPE: u16 = 7;
+    pub const MAX: usize = 8;
+    pub const HOOK_HOOKNUM: u16 = 1;
+    pub const HOOK_PRIORITY: u16 = 2;
+    pub const HOOK_MAX: usize = 3;
+}
+
+/// Attributes of rules and expressions (`enum nft_rule_attributes`, `enum nft_expr_attributes`,
+/// `enum nft_list_attributes`).
+mod rule {
+    pub const TABLE: u16 = 1;
+    pub const CHAIN: u16 = 2;
+    pub const HANDLE: u16 = 3;
+    pub const EXPRESSIONS: u16 = 4;
+    pub const USERDATA: u16 = 7;
+    pub const MAX: usize = 8;
+    pub const LIST_ELEM: u16 = 1;
+    pub const EXPR_NAME: u16 = 1;
+    pub const EXPR_DATA: u16 = 2;
+    pub const EXPR_MAX: usize = 3;
+}
+
+/// Why a message could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Fewer bytes than a header or a length field says.
+    #[error("{what} truncated: {have} bytes, need {need}")]
+    Truncated {
+        /// The header or value being read.
+        what: &'static str,
+        /// Bytes available.
+        have: usize,
+        /// Bytes needed.
+        need: usize,
+    },
+    /// A fixed-size value of the wrong size.
+    #[error("{what} has {have} bytes, want {want}")]
+    Size {
+        /// The value being read.
+        what: &'static str,
+        /// Its size.
+        have: usize,
+        /// The size it must have.
+        want: usize,
+    },
+    /// A mandatory attribute is absent.
+    #[error("{0} is missing")]
+    Missing(&'static str),
+}
+
+type Result<T> = std::result::Result<T, ParseError>;
+
+fn align4(len: usize) -> usize {
+    len.saturating_add(3) & !3
+}
+
+fn ne_u16(bytes: &[u8], at: usize) -> Option<u16> {
+    Some(u16::from_ne_bytes(bytes.get(at..at + 2)?.try_into().ok()?))
+}
+
+fn ne_u32(bytes: &[u8], at: usize) -> Option<u32> {
+    Some(u32::from_ne_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+/// One netlink message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Message<'a> {
+    /// `nlmsg_type`: `NLMSG_*`, or the nfnetlink subsystem and message type.
+    pub kind: u16,
+    /// `NLM_F_*`.
+    pub flags: u16,
+    /// The sequence number of the request this answers.
+    pub seq: u32,
+    /// The sender's port: the kernel's replies carry the requester's, change notifications the
+    /// port of the socket that made the change.
+    pub portid: u32,
+    /// Everything after the header.
+    pub payload: &'a [u8],
+}
+
+impl<'a> Message<'a> {
+    /// The errno of an `NLMSG_ERROR` message, positive; 0 for an ack.
+    pub fn error_code(&self) -> Result<i32> {
+        let code = ne_u32(self.payload, 0).ok_or(ParseError::Truncated {
+            what: "netlink error message",
+            have: self.payload.len(),
+            need: 4,
+        })?;
+        Ok((code as i32).saturating_neg())
+    }
+
+    /// The nf_tables message type, if this is an nf_tables message.
+    pub fn nft_type(&self) -> Option<u16> {
+        (self.kind >> 8 == NFNL_SUBSYS_NFTABLES).then_some(self.kind & 0xff)
+    }
+
+    /// The ruleset generation (low 16 bits, from `nfgenmsg.res_id`) and the attributes.
+    pub fn nft_body(&self) -> Result<(u16, &'a [u8])> {
+        let header = self
+            .payload
+            .get(..NFGENMSG_LEN)
+            .ok_or(ParseError::Truncated {
+                what: "nfgenmsg header",
+                have: self.payload.len(),
+                need: NFGENMSG_LEN,
+            })?;
+        let generation = u16::from_be_bytes([header[2], header[3]]);
+        Ok((generation, &self.payload[NFGENMSG_LEN..]))
+    }
+}
+
+/// The messages in a buffer received from a netlink socket; stops after the first error.
+pub fn messages(buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>>> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let parsed = parse_message(rest);
+        rest = match &parsed {
+            Ok((_, next)) => next,
+            Err(_) => &[],
+        };
+        Some(parsed.map(|(message, _)| message))
+    })
+}
+
+fn parse_message(buf: &[u8]) -> Result<(Message<'_>, &[u8])> {
+    let truncated = |need| ParseError::Truncated {
+        what: "netlink message",
+        have: buf.len(),
+        need,
+    };
+    let len = ne_u32(buf, 0).ok_or(truncated(NLMSG_HDRLEN))? as usize;
+    if len < NLMSG_HDRLEN || len > buf.len() {
+        return Err(truncated(len.max(NLMSG_HDRLEN)));
+    }
+    let field16 = |at| ne_u16(buf, at).unwrap_or_default();
+    let field32 = |at| ne_u32(buf, at).unwrap_or_default();
+    let message = Message {
+        kind: field16(4),
+        flags: field16(6),
+        seq: field32(8),
+        portid: field32(12),
+        payload: &buf[NLMSG_HDRLEN..len],
+    };
+    let next = buf.get(align4(len)..).unwrap_or_default();
+    Ok((message, next))
+}
+
+/// One netlink attribute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attr<'a> {
+    /// The attribute type, without the nested and byte-order flags.
+    pub kind: u16,
+    /// The value, without padding.
+    pub value: &'a [u8],
+}
+
+/// The attributes in `buf`; stops after the first error.
+pub fn attributes(buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>>> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let truncated = |need| ParseError::Truncated {
+            what: "netlink attribute",
+            have: rest.len(),
+            need,
+        };
+        let parsed = match ne_u16(rest, 0).map(usize::from) {
+            None => Err(truncated(NLA_HDRLEN)),
+            Some(len) if len < NLA_HDRLEN || len > rest.len() => {
+                Err(truncated(len.max(NLA_HDRLEN)))
+            }
+            Some(len) => Ok(Attr {
+                kind: ne_u16(rest, 2).unwrap_or_default() & NLA_TYPE_MASK,
+                value: &rest[NLA_HDRLEN..len],
+            }),
+        };
+        rest = match &parsed {
+            Ok(attr) => rest
+                .get(align4(NLA_HDRLEN + attr.value.len())..)
+                .unwrap_or_default(),
+            Err(_) => &[],
+        };
+        Some(parsed)
+    })
+}
+
+/// The attributes in `buf` indexed by type; types `N` and above are ignored, a repeated one
+/// keeps its last value.
+fn attribute_table<const N: usize>(buf: &[u8]) -> Result<[Option<&[u8]>; N]> {
+    let mut found = [None; N];
+    for attr in attributes(buf) {
+        let attr = attr?;
+        if let Some(slot) = found.get_mut(usize::from(attr.kind)) {
+            *slot = Some(attr.value);
+        }
+    }
+    Ok(found)
+}
+
+fn required<'a>(value: Option<&'a [u8]>, what: &'static str) -> Result<&'a [u8]> {
+    value.ok_or(ParseError::Missing(what))
+}
+
+fn be_u32(value: &[u8], what: &'static str) -> Result<u32> {
+    let bytes: [u8; 4] = value.try_into().map_err(|_| ParseError::Size {
+        what,
+        have: value.len(),
+        want: 4,
+    })?;
+    Ok(u32::from_be_bytes(bytes))
+}
+
+fn be_u64(value: &[u8], what: &'static str) -> Result<u64> {
+    let bytes: [u8; 8] = value.try_into().map_err(|_| ParseError::Size {
+        what,
+        have: value.len(),
+        want: 8,
+    })?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// A NUL-terminated string attribute (lossy: names are compared, never trusted).
+fn string(value: &[u8]) -> String {
+    let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
+    String::from_utf8_lossy(&value[..end]).into_owned()
+}
+
+/// A table, as `NFT_MSG_NEWTABLE` describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// The table's name.
+    pub name: String,
+    /// `NFT_TABLE_F_*`; e.g. 1 is dormant (its chains see no packets).
+    pub flags: u32,
+}
+
+/// Parses the attributes of an `NFT_MSG_NEWTABLE` message.
+pub fn parse_table(attrs: &[u8]) -> Result<Table> {
+    let a = attribute_table::<{ table::MAX }>(attrs)?;
+    Ok(Table {
+        name: string(required(a[table::NAME as usize], "table name")?),
+        flags: a[table::FLAGS as usize]
+            .map(|v| be_u32(v, "table flags"))
+            .transpose()?
+            .unwrap_or(0),
+    })
+}
+
+/// The hook of a base chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChainHook {
+    /// `NF_INET_*`.
+    pub hooknum: u32,
+    /// Lower runs first; raw is -300.
+    pub priority: i32,
+}
+
+/// A chain, as `NFT_MSG_NEWCHAIN` describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    /// The table's name.
+    pub table: String,
+    /// The chain's name.
+    pub name: String,
+    /// `None` for a regular chain.
+    pub hook: Option<ChainHook>,
+    /// `filter`, `nat`, `route`; base chains only.
+    pub chain_type: Option<String>,
+    /// `NF_ACCEPT` or `NF_DROP`; base chains only.
+    pub policy: Option<u32>,
+}
+
+/// Parses the attributes of an `NFT_MSG_NEWCHAIN` message.
+pub fn parse_chain(attrs: &[u8]) -> Result<Chain> {
+    let a = attribute_table::<{ chain::MAX }>(attrs)?;
+    let hook = match a[chain::HOOK as usize] {
+        None => None,
+        Some(nested) => {
+            let h = attribute_table::<{ chain::HOOK_MAX }>(nested)?;
+            let hooknum = required(h[chain::HOOK_HOOKNUM as usize], "chain hook number")?;
+            let priority = required(h[chain::HOOK_PRIORITY as usize], "chain priority")?;
+            Some(ChainHook {
+                hooknum: be_u32(hooknum, "chain hook number")?,
+                priority: be_u32(priority, "chain priority")? as i32,
+            })
+        }
+    };
+    Ok(Chain {
+        table: string(required(a[chain::TABLE as usize], "chain table")?),
+        name: string(required(a[chain::NAME as usize], "chain name")?),
+        hook,
+        chain_type: a[chain::TYPE as usize].map(string),
+        policy: a[chain::POLICY as usize]
+            .map(|v| be_u32(v, "chain policy"))
+            .transpose()?,
+    })
+}
+
+/// A rule, as `NFT_MSG_NEWRULE` describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// The table's name.
+    pub table: String,
+    /// The chain's name.
+    pub chain: String,
+    /// The rule's handle, unique in its table.
+    pub handle: u64,
+    /// The expressions, in order.
+    pub exprs: Vec<Found>,
+    /// The comment from the rule's userdata.
+    pub comment: Option<String>,
+}
+
+impl Rule {
+    /// The expressions' names, in order.
+    pub fn expr_names(&self) -> Vec<String> {
+        self.exprs
+            .iter()
+            .map(|found| match found {
+                Found::Known(expr) => expr.name().to_owned(),
+                Found::Other(name) => name.clone(),
+            })
+            .collect()
+    }
+}
+
+/// Parses the attributes of an `NFT_MSG_NEWRULE` message.
+pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
+    let a = attribute_table::<{ rule::MAX }>(attrs)?;
+    let mut exprs = Vec::new();
+    if let Some(list) = a[rule::EXPRESSIONS as usize] {
+        for elem in attributes(list) {
+            let elem = elem?;
+            if elem.kind != rule::LIST_ELEM {
+                continue;
+            }
+            let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
+            let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
+            exprs.push(parse_expr(
+                &name,
+                e[rule::EXPR_DATA as usize].unwrap_or_default(),
+            )?);
+        }
+    }
+    Ok(Rule {
+        table: string(required(a[rule::TABLE as usize], "rule table")?),
+        chain: string(required(a[rule::CHAIN as usize], "rule chain")?),
+        handle: be_u64(
+            required(a[rule::HANDLE as usize], "rule handle")?,
+            "rule handle",
+        )?,
+        exprs,
+        comment: a[rule::USERDATA as usize].and_then(parse_comment),
+    })
+}
+
+/// Reads an expression's `NFTA_EXPR_DATA`. Attribute numbers are those of `enum nft_meta_attributes`,
+/// `nft_payload_attributes`, `nft_cmp_attributes` (+ `nft_data_attributes`), `nft_fib_attributes`
+/// and `nft_socket_attributes`; the first of each is 1.
+pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
+    let a = attribute_table::<9>(data)?;
+    let u32_at = |kind: usize, what| required(a[kind], what).and_then(|v| be_u32(v, what));
+    let other = || Ok(Found::Other(name.to_owned()));
+    let expr = match name {
+        "meta" => {
+            // DREG 1, KEY 2, SREG 3 (a `meta set`).
+            if a[3].is_some() || u32_at(1, "meta register")? != NFT_REG_1 {
+                return other();
+            }
+            Expr::Meta {
+                key: u32_at(2, "meta key")?,
+            }
+        }
+        "payload" => {
+            // DREG 1, BASE 2, OFFSET 3, LEN 4, SREG 5 (a payload write).
+            if a[5].is_some() || u32_at(1, "payload register")? != NFT_REG_1 {
+                return other();
+            }
+            Expr::Payload {
+                base: u32_at(2, "payload base")?,
+                offset: u32_at(3, "payload offset")?,
+                len: u32_at(4, "payload length")?,
+            }
+        }
+        "cmp" => {
+            // SREG 1, OP 2, DATA 3 = nested NFTA_DATA_VALUE 1 (or a verdict).
+            if u32_at(1, "cmp register")? != NFT_REG_1 {
+                return other();
+            }
+            let nested = attribute_table::<2>(required(a[3], "cmp data")?)?;
+            Expr::Cmp {
+                op: u32_at(2, "cmp operator")?,
+                data: required(nested[1], "cmp data value")?.to_vec(),
+            }
+        }
+        "fib" => {
+            // DREG 1, RESULT 2, FLAGS 3.
+            if u32_at(1, "fib register")? != NFT_REG_1 {
+                return other();
+            }
+            Expr::Fib {
+                flags: u32_at(3, "fib flags")?,
+                result: u32_at(2, "fib result")?,
+            }
+        }
+        "socket" => {
+            // KEY 1, DREG 2, LEVEL 3.
+            if u32_at(2, "socket register")? != NFT_REG_1 {
+                return other();
+            }
+            Expr::Socket {
+                key: u32_at(1, "socket key")?,
+            }
+        }
+        "counter" => Expr::Counter,
+        "notrack" => Expr::Notrack,
+        _ => return other(),
+    };
+    Ok(Found::Known(expr))
+}
+
+/// The comment in a rule's userdata: TLVs of a type byte, a length byte and the value; the
+/// comment is type 0, NUL-terminated. `None` when absent or malformed.
+pub fn parse_comment(udata: &[u8]) -> Option<String> {
+    let mut rest = udata;
+    while let [kind, len, tail @ ..] = rest {
+        let value = tail.get(..usize::from(*len))?;
+        if *kind == UDATA_RULE_COMMENT {
+            return Some(string(value));
+        }
+        rest = &tail[value.len()..];
+    }
+    None
+}
+
+/// A request for the nf_tables subsystem: `nlmsghdr`, `nfgenmsg` and attributes (values are
+/// given encoded, strings with their NUL).
+pub fn request(msg: u16, flags: u16, seq: u32, family: u8, attrs: &[(u16, &[u8])]) -> Vec<u8> {
+    let mut buf = vec![0; NLMSG_HDRLEN];
+    // nfgenmsg: family, version NFNETLINK_V0, res_id 0.
+    buf.extend_from_slice(&[family, 0, 0, 0]);
+    for (kind, value) in attrs {
+        let len = NLA_HDRLEN + value.len();
+        buf.extend_from_slice(&(len as u16).to_ne_bytes());
+        buf.extend_from_slice(&kind.to_ne_bytes());
+        buf.extend_from_slice(value);
+        buf.resize(align4(buf.len()), 0);
+    }
+    let len = buf.len() as u32;
+    let kind = (NFNL_SUBSYS_NFTABLES << 8) | msg;
+    buf[0..4].copy_from_slice(&len.to_ne_bytes());
+    buf[4..6].copy_from_slice(&kind.to_ne_bytes());
+    buf[6..8].copy_from_slice(&flags.to_ne_bytes());
+    buf[8..12].copy_from_slice(&seq.to_ne_bytes());
+    buf
+}
+
+/// Whether `buf` (as received on the `NFNLGRP_NFTABLES` group) announces a change made by any
+/// socket but `ignore_portid`. Unreadable input counts as a change.
+pub fn announces_change(buf: &[u8], ignore_portid: Option<u32>) -> bool {
+    messages(buf).any(|message| match message {
+        Err(_) => true,
+        Ok(message) => message.nft_type().is_some() && Some(message.portid) != ignore_portid,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dataplane::nftables::expr::{
+        NFT_META_L4PROTO, NFT_META_NFPROTO, NFT_SOCKET_TRANSPARENT,
+    };
+
+    /// Encodes one attribute, like the kernel does.
+    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&((NLA_HDRLEN + value.len()) as u16).to_ne_bytes());
+        out.extend_from_slice(&kind.to_ne_bytes());
+        out.extend_from_slice(value);
+        out.resize(align4(out.len()), 0);
+        out
+    }
+
+    fn nested(kind: u16, attrs: &[Vec<u8>]) -> Vec<u8> {
+        attr(kind | 0x8000, &attrs.concat())
+    }
+
+    fn message(kind: u16, flags: u16, seq: u32, portid: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&((NLMSG_HDRLEN + payload.len()) as u32).to_ne_bytes());
+        out.extend_from_slice(&kind.to_ne_bytes());
+        out.extend_from_slice(&flags.to_ne_bytes());
+        out.extend_from_slice(&seq.to_ne_bytes());
+        out.extend_from_slice(&portid.to_ne_bytes());
+        out.extend_from_slice(payload);
+        out.resize(align4(out.len()), 0);
+        out
+    }
+
+    fn expr(name: &str, data: &[Vec<u8>]) -> Vec<u8> {
+        nested(
+            rule::LIST_ELEM,
+            &[
+                attr(rule::EXPR_NAME, format!("{name}\0").as_bytes()),
+                nested(rule::EXPR_DATA, data),
+            ],
+        )
+    }
+
+    /// `ip daddr 10.96.0.10 … notrack comment "pods"`, shortened to meta, cmp, counter, notrack.
+    fn rule_message() -> Vec<u8> {
+        let be = |v: u32| v.to_be_bytes().to_vec();
+        let attrs = [
+            attr(rule::TABLE, b"nodelocaldns-ha\0"),
+            attr(rule::CHAIN, b"prerouting\0"),
+            attr(rule::HANDLE, &7u64.to_be_bytes()),
+            nested(
+                rule::EXPRESSIONS,
+                &[
+                    expr("meta", &[attr(2, &be(NFT_META_NFPROTO)), attr(1, &be(1))]),
+                    expr(
+                        "cmp",
+                        &[
+                            attr(1, &be(1)),
+                            attr(2, &be(0)),
+                            nested(3, &[attr(1, &[2])]),
+                        ],
+                    ),
+                    expr("counter", &[attr(1, &5u64.to_be_bytes())]),
+                    expr("notrack", &[]),
+                ],
+            ),
+            attr(rule::USERDATA, b"\x00\x05pods\x00"),
+        ];
+        let mut payload = vec![1, 0, 0, 42];
+        payload.extend(attrs.concat());
+        message(
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE,
+            0,
+            9,
+            0,
+            &payload,
+        )
+    }
+
+    #[test]
+    fn parses_a_rule_with_comment() {
+        let buf = rule_message();
+        let messages: Vec<_> = messages(&buf).collect::<Result<_>>().unwrap();
+        assert_eq!(messages.len(), 1);
+        assert_eq!(messages[0].nft_type(), Some(NFT_MSG_NEWRULE));
+        let (generation, attrs) = messages[0].nft_body().unwrap();
+        assert_eq!(generation, 42);
+        let rule = parse_rule(attrs).unwrap();
+        assert_eq!(rule.table, "nodelocaldns-ha");
+        assert_eq!(rule.chain, "prerouting");
+        assert_eq!(rule.handle, 7);
+        assert_eq!(rule.comment.as_deref(), Some("pods"));
+        assert_eq!(rule.expr_names(), ["meta", "cmp", "counter", "notrack"]);
+        assert_eq!(
+            rule.exprs[1],
+            Found::Known(Expr::Cmp {
+                op: 0,
+                data: vec![2]
+            })
+        );
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let buf = rule_message();
+        for len in 0..buf.len() {
+            let cut = &buf[..len];
+            for message in messages(cut) {
+                let Ok(message) = message else { continue };
+                if let Ok((_, attrs)) = message.nft_body() {
+                    let _ = parse_rule(attrs);
+                }
+            }
+        }
+        // A header that claims more than there is.
+        assert!(matches!(
+            messages(&buf[..20]).next(),
+            Some(Err(ParseError::Truncated { .. }))
+        ));
+        // Attributes cut inside the expression list.
+        let (_, attrs) = messages(&buf).next().unwrap().unwrap().nft_body().unwrap();
+        assert!(parse_rule(&attrs[..attrs.len() - 30]).is_err());
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        // A deterministic pseudo-random byte stream (xorshift), with valid-looking lengths mixed in.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        for round in 0..2000 {
+            let mut buf = Vec::new();
+            for _ in 0..(round % 97) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                buf.push(state as u8);
+            }
+            if buf.len() >= 4 && round % 3 == 0 {
+                let len = buf.len() as u32;
+                buf[..4].copy_from_slice(&len.to_ne_bytes());
+            }
+            for message in messages(&buf) {
+                let Ok(message) = message else { continue };
+                let _ = message.error_code();
+                if let Ok((_, attrs)) = message.nft_body() {
+                    let _ = parse_table(attrs);
+                    let _ = parse_chain(attrs);
+                    let _ = parse_rule(attrs);
+                }
+            }
+            let _ = parse_rule(&buf);
+            let _ = parse_expr("cmp", &buf);
+            let _ = parse_comment(&buf);
+            let _ = announces_change(&buf, Some(1));
+        }
+    }
+
+    #[test]
+    fn zero_length_attribute_header_ends_parsing() {
+        // nla_len 0 would loop forever if taken at face value.
+        let buf = [0u8, 0, 1, 0, 0, 0, 0, 0];
+        assert!(attributes(&buf).next().unwrap().is_err());
+        assert_eq!(attributes(&buf).count(), 1);
+    }
+
+    #[test]
+    fn parses_a_base_chain() {
+        let attrs = [
+            attr(chain::TABLE, b"nodelocaldns-ha\0"),
+            attr(chain::NAME, b"output\0"),
+            nested(
+                chain::HOOK,
+                &[
+                    attr(chain::HOOK_HOOKNUM, &3u32.to_be_bytes()),
+                    attr(chain::HOOK_PRIORITY, &(-310i32).to_be_bytes()),
+                ],
+            ),
+            attr(chain::POLICY, &1u32.to_be_bytes()),
+            attr(chain::TYPE, b"filter\0"),
+        ]
+        .concat();
+        let chain = parse_chain(&attrs).unwrap();
+        assert_eq!(
+            chain,
+            Chain {
+                table: "nodelocaldns-ha".to_owned(),
+                name: "output".to_owned(),
+                hook: Some(ChainHook {
+                    hooknum: 3,
+                    priority: -310
+                }),
+                chain_type: Some("filter".to_owned()),
+                policy: Some(1),
+            }
+        );
+        // A 2-byte priority is a size error.
+        let bad = nested(chain::HOOK, &[attr(chain::HOOK_HOOKNUM, &[0, 3])]);
+        let attrs = [attr(chain::TABLE, b"t\0"), attr(chain::NAME, b"c\0"), bad].concat();
+        assert!(parse_chain(&attrs).is_err());
+    }
+
+    #[test]
+    fn parses_table_flags() {
+        let attrs = [
+            attr(table::NAME, b"nodelocaldns-ha\0"),
+            attr(table::FLAGS, &1u32.to_be_bytes()),
+        ]
+        .concat();
+        assert_eq!(
+            parse_table(&attrs).unwrap(),
+            Table {
+                name: "nodelocaldns-ha".to_owned(),
+                flags: 1
+            }
+        );
+        assert_eq!(
+            parse_table(&[]).unwrap_err(),
+            ParseError::Missing("table name")
+        );
+    }
+
+    #[test]
+    fn comments() {
+        assert_eq!(parse_comment(b"\x00\x03hi\x00").as_deref(), Some("hi"));
+        // Another TLV first.
+        assert_eq!(
+            parse_comment(b"\x05\x01x\x00\x03hi\x00").as_deref(),
+            Some("hi")
+        );
+        assert_eq!(parse_comment(b"\x00\x09hi\x00"), None);
+        assert_eq!(parse_comment(b"\x00"), None);
+        assert_eq!(parse_comment(b""), None);
+    }
+
+    #[test]
+    fn unknown_and_unusual_expressions_are_other() {
+        assert_eq!(
+            parse_expr("immediate", &[]).unwrap(),
+            Found::Other("immediate".to_owned())
+        );
+        // `meta mark set`: a key and a source register.
+        let set = [attr(2, &3u32.to_be_bytes()), attr(3, &1u32.to_be_bytes())].concat();
+        assert_eq!(
+            parse_expr("meta", &set).unwrap(),
+            Found::Other("meta".to_owned())
+        );
+        let socket = [
+            attr(1, &NFT_SOCKET_TRANSPARENT.to_be_bytes()),
+            attr(2, &1u32.to_be_bytes()),
+        ]
+        .concat();
+        assert_eq!(
+            parse_expr("socket", &socket).unwrap(),
+            Found::Known(Expr::Socket { key: 0 })
+        );
+        let meta = [
+            attr(1, &1u32.to_be_bytes()),
+            attr(2, &NFT_META_L4PROTO.to_be_bytes()),
+        ]
+        .concat();
+        assert_eq!(
+            parse_expr("meta", &meta).unwrap(),
+            Found::Known(Expr::Meta { key: 16 })
+        );
+        assert!(parse_expr("meta", &[]).is_err());
+    }
+
+    #[test]
+    fn error_messages_and_acks() {
+        let mut payload = (-2i32).to_ne_bytes().to_vec();
+        payload.extend_from_slice(&[0; 16]);
+        let buf = [
+            message(NLMSG_ERROR, 0, 5, 0, &payload),
+            message(NLMSG_ERROR, 0, 6, 0, &[0; 20]),
+        ]
+        .concat();
+        let codes: Vec<i32> = messages(&buf)
+            .map(|m| m.unwrap().error_code().unwrap())
+            .collect();
+        assert_eq!(codes, [2, 0]);
+    }
+
+    #[test]
+    fn request_round_trips() {
+        let buf = request(
+            NFT_MSG_GETTABLE,
+            NLM_F_REQUEST,
+            77,
+            1,
+            &[(NFTA_TABLE_NAME, b"nodelocaldns-ha\0")],
+        );
+        assert_eq!(buf.len() % 4, 0);
+        let message = messages(&buf).next().unwrap().unwrap();
+        assert_eq!(message.nft_type(), Some(NFT_MSG_GETTABLE));
+        assert_eq!((message.flags, message.seq), (NLM_F_REQUEST, 77));
+        let (_, attrs) = message.nft_body().unwrap();
+        assert_eq!(parse_table(attrs).unwrap().name, "nodelocaldns-ha");
+    }
+
+    #[test]
+    fn change_announcements() {
+        let newtable = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE;
+        let ours = message(newtable, 0, 1, 4242, &[1, 0, 0, 0]);
+        let theirs = message(newtable, 0, 1, 99, &[1, 0, 0, 0]);
+        assert!(!announces_change(&ours, Some(4242)));
+        assert!(announces_change(&ours, None));
+        assert!(announces_change(
+            &[ours.clone(), theirs].concat(),
+            Some(4242)
+        ));
+        assert!(announces_change(&ours[..10], Some(4242)));
+        assert!(!announces_change(&[], None));
+    }
+}

@@ -1,0 +1,551 @@
+//! Tests of the nftables backend: the comparison on plain data, then the real kernel, each test
+//! in a network namespace of its own.
+
+use super::*;
+use crate::ruleset::{ListenAddrs, Route, TABLE};
+
+fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
+    let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
+    ListenAddrs {
+        local: parse(local),
+        cluster_dns: parse(cluster_dns),
+    }
+}
+
+fn dual_stack() -> ListenAddrs {
+    addrs(
+        &["169.254.20.10", "fd00:169:254::10"],
+        &["10.96.0.10", "fd00:96::10"],
+    )
+}
+
+/// What the kernel reports for `rules` once they are installed.
+fn installed(rules: &RuleSet) -> Installed {
+    Installed {
+        table: Some(netlink::Table {
+            name: TABLE.to_owned(),
+            flags: 0,
+        }),
+        chains: rules
+            .chains
+            .iter()
+            .map(|chain| netlink::Chain {
+                table: TABLE.to_owned(),
+                name: chain.name().to_owned(),
+                hook: Some(netlink::ChainHook {
+                    hooknum: hook_number(chain.hook),
+                    priority: chain.priority,
+                }),
+                chain_type: Some("filter".to_owned()),
+                policy: Some(1),
+            })
+            .collect(),
+        rules: (4..)
+            .zip(rules.rules())
+            .map(|(handle, (chain, rule))| netlink::Rule {
+                table: TABLE.to_owned(),
+                chain: chain.name().to_owned(),
+                handle,
+                exprs: rule_expressions(rule)
+                    .into_iter()
+                    .map(Found::Known)
+                    .collect(),
+                comment: Some(rule.comment.clone()),
+            })
+            .collect(),
+    }
+}
+
+#[test]
+fn table_name_is_the_rulesets() {
+    assert_eq!(TABLE_NAME.to_str().unwrap(), TABLE);
+}
+
+#[test]
+fn compare_matches_exactly_what_was_wanted() {
+    let local = RuleSet::desired(&dual_stack(), Route::Local);
+    let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
+    assert_eq!(compare(&local, &installed(&local)), Check::Matches);
+    assert_eq!(compare(&upstream, &installed(&upstream)), Check::Matches);
+    assert_eq!(
+        compare(&local, &installed(&upstream)),
+        Check::Differs("chain prerouting: 4 rules, want 8".to_owned())
+    );
+    assert_eq!(compare(&local, &Installed::default()), Check::Missing);
+}
+
+#[test]
+fn compare_says_what_differs_first() {
+    let want = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
+    type Tamper = fn(&mut Installed);
+    let cases: [(Tamper, &str); 11] = [
+        (
+            |i| i.table.as_mut().unwrap().flags = 1,
+            "table flags are 0x1, want 0 (0x1 is dormant: its chains see no packets)",
+        ),
+        (|i| i.chains.truncate(1), "chain output is missing"),
+        (
+            |i| i.chains[0].hook.as_mut().unwrap().priority = -300,
+            "chain prerouting hooks prerouting at priority -300, want prerouting at priority -310",
+        ),
+        (
+            |i| i.chains[1].hook = None,
+            "chain output is not a base chain",
+        ),
+        (
+            |i| i.chains[1].policy = Some(0),
+            "chain output has policy drop, want accept",
+        ),
+        (
+            |i| i.rules.retain(|r| r.chain != "prerouting"),
+            "chain prerouting: 0 rules, want 4",
+        ),
+        (
+            |i| i.rules[6].comment = Some("x".to_owned()),
+            "chain output: rule 3 has comment \"x\", want \"host to cache (link-local)\"",
+        ),
+        (
+            |i| i.rules[0].comment = None,
+            "chain prerouting: rule 1 has no comment, want \"pods to cache (link-local)\"",
+        ),
+        (
+            |i| {
+                i.rules[2].exprs[3] = Found::Known(expr::Expr::Cmp {
+                    op: 0,
+                    data: vec![10, 96, 0, 11],
+                })
+            },
+            "chain prerouting: rule 3 expression 4 is `cmp eq 0a60000b`, want `cmp eq 0a60000a` \
+             (ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 counter \
+             notrack comment \"pods to cache while it listens\")",
+        ),
+        (
+            |i| i.rules[0].exprs[9] = Found::Other("immediate".to_owned()),
+            "chain prerouting: rule 1 expression 10 is `immediate (not one this agent writes)`, \
+             want `notrack` (ip daddr 169.254.20.10 udp dport 53 counter notrack comment \
+             \"pods to cache (link-local)\")",
+        ),
+        (
+            |i| {
+                let mut extra = i.chains[0].clone();
+                extra.name = "foo".to_owned();
+                i.chains.push(extra);
+            },
+            "extra chain foo",
+        ),
+    ];
+    for (tamper, want_text) in cases {
+        let mut got = installed(&want);
+        tamper(&mut got);
+        assert_eq!(compare(&want, &got), Check::Differs(want_text.to_owned()));
+    }
+}
+
+#[test]
+fn compare_counts_expressions() {
+    let want = RuleSet::desired(&addrs(&["169.254.20.10"], &[]), Route::Local);
+    let mut got = installed(&want);
+    got.rules[0].exprs.pop();
+    assert_eq!(
+        compare(&want, &got),
+        Check::Differs(
+            "chain prerouting: rule 1 has 9 expressions (meta cmp payload cmp meta cmp payload \
+             cmp counter), want 10 (ip daddr 169.254.20.10 udp dport 53 counter notrack comment \
+             \"pods to cache (link-local)\")"
+                .to_owned()
+        )
+    );
+}
+
+/// Real-kernel tests. Each runs in a fresh network namespace: the test binary runs the one test
+/// again under `ip netns exec`, so no thread of the calling process ever changes namespace and
+/// nothing here can touch the host's netfilter.
+mod kernel {
+    use std::io::{ErrorKind, Write};
+    use std::os::unix::fs::MetadataExt;
+    use std::process::{Command, Stdio};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    const NETNS_ENV: &str = "NODELOCALDNS_HA_TEST_NETNS";
+
+    /// A network namespace, deleted on drop (also when the test fails).
+    struct Netns(String);
+
+    impl Netns {
+        fn create() -> Netns {
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let name = format!(
+                "nft-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            run("ip", &["netns", "add", &name]);
+            Netns(name)
+        }
+    }
+
+    impl Drop for Netns {
+        fn drop(&mut self) {
+            let _ = Command::new("ip")
+                .args(["netns", "delete", &self.0])
+                .status();
+        }
+    }
+
+    fn run(program: &str, args: &[&str]) -> String {
+        let output = Command::new(program).args(args).output().unwrap();
+        assert!(
+            output.status.success(),
+            "{program} {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    }
+
+    /// Runs `body` in a fresh network namespace; `test` is the calling test's function name.
+    fn in_netns(test: &str, body: impl FnOnce(&str)) {
+        if let Ok(ns) = std::env::var(NETNS_ENV) {
+            let here = std::fs::metadata("/proc/self/ns/net").unwrap();
+            let there = std::fs::metadata(format!("/run/netns/{ns}")).unwrap();
+            assert_eq!(
+                (here.dev(), here.ino()),
+                (there.dev(), there.ino()),
+                "not inside network namespace {ns}: refusing to touch netfilter"
+            );
+            return body(&ns);
+        }
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "the nftables kernel tests need root (to create network namespaces and use \
+             nf_tables in them); run them as root"
+        );
+        let netns = Netns::create();
+        let module = module_path!();
+        let path = format!(
+            "{}::{test}",
+            module.split_once("::").map_or(module, |(_, p)| p)
+        );
+        let output = Command::new("ip")
+            .args(["netns", "exec", &netns.0])
+            .arg(std::env::current_exe().unwrap())
+            .args([path.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+            .env(NETNS_ENV, &netns.0)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success() && stdout.contains("1 passed"),
+            "{path} failed in network namespace {}:\n{stdout}\n{stderr}",
+            netns.0
+        );
+    }
+
+    fn nft(ns: &str, args: &[&str]) -> String {
+        let args = [&["netns", "exec", ns, "nft"], args].concat();
+        run("ip", &args)
+    }
+
+    /// Loads an nft script (e.g. a [`RuleSet`]'s rendering) with `nft -f -`.
+    fn nft_load(ns: &str, script: &str) {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", ns, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(script.as_bytes())
+            .unwrap();
+        let output = child.wait_with_output().unwrap();
+        assert!(
+            output.status.success(),
+            "nft -f: {}\n{script}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// `nft list table inet nodelocaldns-ha`, with `counter packets N bytes M` as `counter`.
+    fn listing(ns: &str) -> String {
+        const COUNTER: &str = " counter packets ";
+        let text = nft(ns, &["list", "table", "inet", TABLE]);
+        let mut out = String::new();
+        for line in text.lines() {
+            match line.split_once(COUNTER) {
+                None => out.push_str(line),
+                Some((head, tail)) => {
+                    // tail: "<packets> bytes <bytes> <rest>"
+                    let rest = tail.splitn(4, ' ').nth(3).unwrap_or_default();
+                    out.push_str(&format!("{head} counter {rest}"));
+                }
+            }
+            out.push('\n');
+        }
+        out
+    }
+
+    /// The packet count of the one rule whose text contains `rule`.
+    fn packets(ns: &str, rule: &str) -> u64 {
+        let text = nft(ns, &["list", "table", "inet", TABLE]);
+        let mut lines = text.lines().filter(|line| line.contains(rule));
+        let line = lines.next().expect("rule listed");
+        assert!(lines.next().is_none(), "{rule} is in more than one rule");
+        let count = line.split_once("packets ").unwrap().1;
+        count.split(' ').next().unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn apply_local_lists_exactly_the_rendering() {
+        in_netns("apply_local_lists_exactly_the_rendering", |ns| {
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            let mut nftables = Nftables::new().unwrap();
+            nftables.apply(&local).unwrap();
+            assert_eq!(listing(ns), local.to_string());
+            assert_eq!(nftables.check(&local).unwrap(), Check::Matches);
+            // Applying again replaces the table with the same.
+            nftables.apply(&local).unwrap();
+            assert_eq!(listing(ns), local.to_string());
+        });
+    }
+
+    #[test]
+    fn switching_to_upstream_drops_the_cluster_dns_rules() {
+        in_netns("switching_to_upstream_drops_the_cluster_dns_rules", |ns| {
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
+            let mut nftables = Nftables::new().unwrap();
+            nftables.apply(&local).unwrap();
+            nftables.apply(&upstream).unwrap();
+            assert_eq!(listing(ns), upstream.to_string());
+            assert_eq!(nftables.check(&upstream).unwrap(), Check::Matches);
+            assert_eq!(
+                nftables.check(&local).unwrap(),
+                Check::Differs("chain prerouting: 4 rules, want 8".to_owned())
+            );
+        });
+    }
+
+    #[test]
+    fn tampering_is_seen_and_repaired() {
+        in_netns("tampering_is_seen_and_repaired", |ns| {
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            let mut nftables = Nftables::new().unwrap();
+            let differs = |nftables: &mut Nftables, tamper: &[&str], want: &str| {
+                nftables.apply(&local).unwrap();
+                nft(ns, tamper);
+                match nftables.check(&local).unwrap() {
+                    Check::Differs(text) => assert!(text.contains(want), "{tamper:?}: {text}"),
+                    other => panic!("{tamper:?}: {other:?}"),
+                }
+            };
+            differs(
+                &mut nftables,
+                &["flush", "chain", "inet", TABLE, "prerouting"],
+                "chain prerouting: 0 rules, want 8",
+            );
+            differs(
+                &mut nftables,
+                &["add", "rule", "inet", TABLE, "output", "accept"],
+                "chain output: 17 rules, want 16",
+            );
+            differs(
+                &mut nftables,
+                &["add", "chain", "inet", TABLE, "foo"],
+                "extra chain foo",
+            );
+            differs(
+                &mut nftables,
+                &["add", "table", "inet", TABLE, "{ flags dormant; }"],
+                "table flags are 0x1",
+            );
+            differs(
+                &mut nftables,
+                &[
+                    "add",
+                    "chain",
+                    "inet",
+                    TABLE,
+                    "output",
+                    "{ type filter hook output priority -310; policy drop; }",
+                ],
+                "chain output has policy drop, want accept",
+            );
+            differs(
+                &mut nftables,
+                &[
+                    "insert",
+                    "rule",
+                    "inet",
+                    TABLE,
+                    "prerouting",
+                    "ip daddr 10.96.0.11 udp dport 53 counter notrack comment \
+                     \"pods to cache (link-local)\"",
+                ],
+                "chain prerouting: 9 rules, want 8",
+            );
+
+            nftables.apply(&local).unwrap();
+            nft(ns, &["delete", "table", "inet", TABLE]);
+            assert_eq!(nftables.check(&local).unwrap(), Check::Missing);
+            nftables.apply(&local).unwrap();
+            assert_eq!(nftables.check(&local).unwrap(), Check::Matches);
+            assert_eq!(listing(ns), local.to_string());
+        });
+    }
+
+    #[test]
+    fn a_rejected_batch_changes_nothing() {
+        in_netns("a_rejected_batch_changes_nothing", |ns| {
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            let mut nftables = Nftables::new().unwrap();
+            nftables.apply(&local).unwrap();
+            // A second prerouting chain at another priority: the kernel refuses to move a hook.
+            let mut bad = RuleSet::desired(&dual_stack(), Route::Upstream);
+            let mut moved = bad.chains[0].clone();
+            moved.priority = -300;
+            bad.chains.push(moved);
+            let error = nftables.apply(&bad).unwrap_err();
+            let super::super::super::Error::Nftables(Error::Rejected { at, source }) = &error
+            else {
+                panic!("{error}");
+            };
+            assert_eq!(at, "chain prerouting", "{error}");
+            assert_ne!(*source, Errno::UnknownErrno);
+            // All or nothing: the old table is untouched.
+            assert_eq!(listing(ns), local.to_string());
+            assert_eq!(nftables.check(&local).unwrap(), Check::Matches);
+        });
+    }
+
+    #[test]
+    fn an_unstorable_comment_is_refused_before_sending() {
+        in_netns("an_unstorable_comment_is_refused_before_sending", |ns| {
+            let mut rules = RuleSet::desired(&dual_stack(), Route::Upstream);
+            rules.chains[1].rules[2].comment = "x".repeat(200);
+            let mut nftables = Nftables::new().unwrap();
+            let error = nftables.apply(&rules).unwrap_err();
+            assert!(
+                error.to_string().contains("must be under 128 bytes"),
+                "{error}"
+            );
+            assert_eq!(nft(ns, &["list", "tables"]), "");
+        });
+    }
+
+    #[test]
+    fn a_table_written_by_nft_matches() {
+        // nft generates the expressions; check() compares every value with rule_expressions().
+        in_netns("a_table_written_by_nft_matches", |ns| {
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            nft_load(ns, &local.to_string());
+            let mut nftables = Nftables::new().unwrap();
+            assert_eq!(nftables.check(&local).unwrap(), Check::Matches);
+            let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
+            assert!(matches!(
+                nftables.check(&upstream).unwrap(),
+                Check::Differs(_)
+            ));
+        });
+    }
+
+    #[test]
+    fn remove_twice_is_ok_and_leaves_nothing() {
+        in_netns("remove_twice_is_ok_and_leaves_nothing", |ns| {
+            let mut nftables = Nftables::new().unwrap();
+            nftables.remove().unwrap();
+            nftables
+                .apply(&RuleSet::desired(&dual_stack(), Route::Local))
+                .unwrap();
+            nft(ns, &["add", "table", "inet", "other"]);
+            nftables.remove().unwrap();
+            nftables.remove().unwrap();
+            assert_eq!(nft(ns, &["list", "tables"]), "table inet other\n");
+            let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
+            assert_eq!(nftables.check(&upstream).unwrap(), Check::Missing);
+        });
+    }
+
+    #[test]
+    fn change_watch_hears_other_writers() {
+        in_netns("change_watch_hears_other_writers", |ns| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                const DEADLINE: Duration = Duration::from_secs(2);
+                let mut nftables = Nftables::new().unwrap();
+                let mut every_change = ChangeWatch::new().unwrap();
+                let mut foreign_changes = nftables.change_watch().unwrap();
+
+                nftables
+                    .apply(&RuleSet::desired(&dual_stack(), Route::Local))
+                    .unwrap();
+                tokio::time::timeout(DEADLINE, every_change.changed())
+                    .await
+                    .expect("our apply is announced")
+                    .unwrap();
+                // The kernel queues announcements before it acks the batch, so when apply()
+                // returns they are all there: this one finds only ours and keeps waiting.
+                let own = Duration::from_millis(100);
+                assert!(
+                    tokio::time::timeout(own, foreign_changes.changed())
+                        .await
+                        .is_err(),
+                    "our own changes wake the watch"
+                );
+
+                nft(ns, &["add", "table", "inet", "other"]);
+                tokio::time::timeout(DEADLINE, foreign_changes.changed())
+                    .await
+                    .expect("a change by nft is announced within 2 s")
+                    .unwrap();
+            });
+        });
+    }
+
+    #[test]
+    fn socket_guard_follows_the_listening_socket() {
+        // The kernel fast path: prerouting NOTRACKs the cluster-DNS IP only while a socket
+        // listens on it; the counter of that rule shows whether it matched.
+        in_netns("socket_guard_follows_the_listening_socket", |ns| {
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+            run(
+                "ip",
+                &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"],
+            );
+            let rules = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
+            Nftables::new().unwrap().apply(&rules).unwrap();
+            let guarded = "ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket";
+            let timeout = Some(Duration::from_secs(2));
+
+            let cache = std::net::UdpSocket::bind("10.96.0.10:53").unwrap();
+            cache.set_read_timeout(timeout).unwrap();
+            let client = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            client.connect("10.96.0.10:53").unwrap();
+            client.set_read_timeout(timeout).unwrap();
+            let mut buf = [0; 16];
+
+            client.send(b"query").unwrap();
+            cache.recv(&mut buf).unwrap(); // it has been through prerouting
+            assert_eq!(packets(ns, guarded), 1, "NOTRACK while the cache listens");
+
+            drop(cache);
+            client.send(b"query").unwrap();
+            // The port unreachable error comes after the query went through prerouting.
+            let refused = client.recv(&mut buf).unwrap_err();
+            assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
+            assert_eq!(
+                packets(ns, guarded),
+                1,
+                "no NOTRACK once the socket is gone"
+            );
+        });
+    }
+}
