@@ -78,9 +78,15 @@ impl fmt::Display for Reason {
                 stream,
                 count,
                 last,
-            } => write!(f, "{count} consecutive {stream} probes failed (last: {last})"),
+            } => write!(
+                f,
+                "{count} consecutive {stream} probes failed (last: {last})"
+            ),
             Reason::CacheRefused(stream) => {
-                write!(f, "{stream} probe refused: nothing listens on the cache's port 53")
+                write!(
+                    f,
+                    "{stream} probe refused: nothing listens on the cache's port 53"
+                )
             }
             Reason::CacheRecovered { count } => {
                 write!(f, "cache answered {count} consecutive probes")
@@ -389,11 +395,24 @@ mod tests {
             t0,
             5000,
             CacheUdp,
-            &[Good, Good, Good, Good, TIMEOUT, Good, Good, Good, Good, Good],
+            &[
+                Good, Good, Good, Good, TIMEOUT, Good, Good, Good, Good, Good,
+            ],
         );
         assert_eq!(
             got,
-            [None, None, None, None, None, None, None, None, None, Some(Local)]
+            [
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                Some(Local)
+            ]
         );
     }
 
@@ -401,10 +420,20 @@ mod tests {
     fn holds_local_when_the_upstream_fails_too() {
         let t0 = Instant::now();
         let mut m = Machine::new(T, Local, t0);
-        feed(&mut m, t0, 0, Stream::Upstream, &[TIMEOUT, TIMEOUT, TIMEOUT]);
+        feed(
+            &mut m,
+            t0,
+            0,
+            Stream::Upstream,
+            &[TIMEOUT, TIMEOUT, TIMEOUT],
+        );
         let got = feed(&mut m, t0, 300, CacheUdp, &[Bad("servfail"); 4]);
         assert_eq!(got, [None; 4]);
-        assert!(m.held().unwrap().contains("staying local"), "{:?}", m.held());
+        assert!(
+            m.held().unwrap().contains("staying local"),
+            "{:?}",
+            m.held()
+        );
         // The upstream answers again: the cache is still failing, so the route moves at once.
         assert_eq!(
             feed(&mut m, t0, 700, Stream::Upstream, &[Good]),

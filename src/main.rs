@@ -1,1 +1,270 @@
-fn main() {}
+//! `nodelocaldns-ha`: parse the command line, run one command, map errors to exit codes.
+//!
+//! Exit codes: 0 success; 1 a runtime failure (netlink, I/O); 2 bad input or a missing
+//! privilege, reported before anything on the host changed.
+
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+use std::time::{Duration, SystemTime};
+
+use clap::Parser;
+use tracing_subscriber::EnvFilter;
+
+use nodelocaldns_ha::agent;
+use nodelocaldns_ha::cli::{Cli, Command, DataplaneKind, ListenArgs, ProbeArgs, StatusArgs};
+use nodelocaldns_ha::config::{self, AgentConfig};
+use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane};
+use nodelocaldns_ha::probe::{Probe, Transport};
+use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
+use nodelocaldns_ha::state;
+
+/// A failure and the exit code it maps to.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl Failure {
+    fn usage(message: impl ToString) -> Failure {
+        Failure {
+            code: 2,
+            message: message.to_string(),
+        }
+    }
+
+    fn runtime(message: impl ToString) -> Failure {
+        Failure {
+            code: 1,
+            message: message.to_string(),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = match EnvFilter::try_new(&cli.log) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!(
+                "nodelocaldns-ha: --log {:?} is not a valid filter: {e}",
+                cli.log
+            );
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("nodelocaldns-ha: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn run(command: Command) -> Result<(), Failure> {
+    match command {
+        Command::Run(args) => {
+            let cfg = AgentConfig::from_args(&args.raw(), |k| std::env::var(k).ok())
+                .map_err(Failure::usage)?;
+            require_net_admin()?;
+            let dataplane = open_dataplane(args.dataplane)?;
+            runtime()?.block_on(async {
+                agent::run(cfg, dataplane, shutdown_signal())
+                    .await
+                    .map_err(Failure::runtime)
+            })
+        }
+        Command::Status(args) => status(&args),
+        Command::Rules(args) => {
+            let addrs = listen_addrs(&args.listen)?;
+            print!("{}", RuleSet::desired(&addrs, args.route.into()));
+            Ok(())
+        }
+        Command::Probe(args) => probe(&args),
+        Command::Teardown(args) => {
+            require_net_admin()?;
+            let mut dataplane = open_dataplane(args.dataplane)?;
+            dataplane.remove().map_err(Failure::runtime)?;
+            println!(
+                "removed everything nodelocaldns-ha installed ({})",
+                dataplane.name()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {
+    let local = config::address_slot("--local-ip", &args.local_ip).map_err(Failure::usage)?;
+    let cluster_dns =
+        config::address_slot("--cluster-dns-ip", &args.cluster_dns_ip).map_err(Failure::usage)?;
+    Ok(ListenAddrs { local, cluster_dns })
+}
+
+fn open_dataplane(kind: DataplaneKind) -> Result<Box<dyn Dataplane>, Failure> {
+    match kind {
+        DataplaneKind::Nftables => Ok(Box::new(Nftables::new().map_err(Failure::runtime)?)),
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Failure::runtime(format!("cannot start the async runtime: {e}")))
+}
+
+/// CAP_NET_ADMIN, checked up front so a missing privilege is one clear line, not a netlink error.
+fn require_net_admin() -> Result<(), Failure> {
+    const CAP_NET_ADMIN: u32 = 12;
+    let status = std::fs::read_to_string("/proc/self/status")
+        .map_err(|e| Failure::runtime(format!("cannot read /proc/self/status: {e}")))?;
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    if effective & (1 << CAP_NET_ADMIN) == 0 {
+        return Err(Failure::usage(
+            "missing capability CAP_NET_ADMIN: run as root or add NET_ADMIN to the container's \
+             securityContext.capabilities",
+        ));
+    }
+    Ok(())
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop the agent with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}
+
+fn parse_server(text: &str) -> Option<SocketAddr> {
+    text.parse::<SocketAddr>().ok().or_else(|| {
+        text.parse::<IpAddr>()
+            .ok()
+            .map(|ip| SocketAddr::new(ip, DNS_PORT))
+    })
+}
+
+fn probe(args: &ProbeArgs) -> Result<(), Failure> {
+    let server = parse_server(&args.server).ok_or_else(|| {
+        Failure::usage(format!(
+            "--server {:?} is not an IP address or IP:port (IPv6 with a port: [fd00::a]:53)",
+            args.server
+        ))
+    })?;
+    let timeout = config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
+    let probe = Probe::new(&args.probe_name, timeout).map_err(Failure::usage)?;
+    let transport = if args.tcp {
+        Transport::Tcp
+    } else {
+        Transport::Udp
+    };
+    let result = runtime()?.block_on(probe.run(server, transport));
+    let ms = result.latency.as_secs_f64() * 1e3;
+    let detail = match &result.outcome {
+        nodelocaldns_ha::probe::Outcome::Answered { rcode }
+        | nodelocaldns_ha::probe::Outcome::ServerFailure { rcode } => format!(" ({rcode})"),
+        nodelocaldns_ha::probe::Outcome::Error { reason } => format!(" ({reason})"),
+        _ => String::new(),
+    };
+    println!(
+        "{server} {transport}: {}{detail} in {ms:.3} ms",
+        result.outcome.label()
+    );
+    if result.outcome.is_good() {
+        Ok(())
+    } else {
+        Err(Failure::runtime(format!(
+            "probe of {server} failed: {}",
+            result.outcome.label()
+        )))
+    }
+}
+
+fn ago(then_ms: u64, now: SystemTime) -> String {
+    let secs = state::unix_ms(now).saturating_sub(then_ms) as f64 / 1e3;
+    format!("{secs:.1}s ago")
+}
+
+fn status(args: &StatusArgs) -> Result<(), Failure> {
+    let st = state::read(&args.state_dir).map_err(Failure::runtime)?;
+    let now = SystemTime::now();
+    let alive = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(i32::try_from(st.pid).unwrap_or(i32::MAX)),
+        None,
+    )
+    .is_ok();
+    let stale = state::unix_ms(now).saturating_sub(st.updated_unix_ms)
+        > Duration::from_secs(5).as_millis() as u64;
+    if args.json {
+        let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
+        value["agent_running"] = serde_json::Value::Bool(alive && !stale);
+        println!("{value}");
+        return Ok(());
+    }
+    let running = match (alive, stale) {
+        (true, false) => format!("running (pid {})", st.pid),
+        (true, true) => format!(
+            "pid {} alive but not updating ({})",
+            st.pid,
+            ago(st.updated_unix_ms, now)
+        ),
+        (false, _) => format!(
+            "not running (pid {} gone; its last ruleset stays installed)",
+            st.pid
+        ),
+    };
+    println!("agent:       {running}");
+    println!(
+        "route:       {} since {} ({})",
+        st.route,
+        ago(st.since_unix_ms, now),
+        st.reason
+    );
+    if let Some(held) = &st.held {
+        println!("held:        {held}");
+    }
+    println!(
+        "dataplane:   {} ({} route changes, {} repairs of foreign changes)",
+        st.dataplane, st.transitions, st.repairs
+    );
+    if let Some(err) = &st.last_error {
+        println!("last error:  {err}");
+    }
+    let line = |name: &str, p: &state::ProbeStats| {
+        println!(
+            "{name:<12} {} sent {} good {} bad {} last {} ({}) streak +{}/-{}",
+            p.target,
+            p.sent,
+            p.good,
+            p.bad,
+            p.last.as_deref().unwrap_or("-"),
+            p.last_latency_ms
+                .map_or("-".to_owned(), |ms| format!("{ms:.2} ms")),
+            p.streak_good,
+            p.streak_bad
+        )
+    };
+    line("cache udp:", &st.probes.cache_udp);
+    if let Some(tcp) = &st.probes.cache_tcp {
+        line("cache tcp:", tcp);
+    }
+    line("upstream:", &st.probes.upstream);
+    Ok(())
+}

@@ -234,8 +234,8 @@ fn priority_text(priority: i32) -> String {
     const RAW: i32 = -300;
     match priority - RAW {
         0 => "raw".to_owned(),
-        d if d > 0 && d <= 10 => format!("raw + {d}"),
-        d if d < 0 && d >= -10 => format!("raw - {}", -d),
+        d if (1..=10).contains(&d) => format!("raw + {d}"),
+        d if (-10..0).contains(&d) => format!("raw - {}", -d),
         _ => priority.to_string(),
     }
 }
@@ -324,17 +324,17 @@ mod tests {
 
     #[test]
     fn golden_ipv4_upstream() {
-        let set = RuleSet::desired(
-            &addrs(&["169.254.20.10"], &["10.96.0.10"]),
-            Route::Upstream,
-        );
+        let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Upstream);
         golden("ipv4-upstream.nft", &set.to_string());
     }
 
     #[test]
     fn golden_dual_stack_local() {
         let set = RuleSet::desired(
-            &addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"]),
+            &addrs(
+                &["169.254.20.10", "fd00:169:254::10"],
+                &["10.96.0.10", "fd00:96::10"],
+            ),
             Route::Local,
         );
         golden("dual-local.nft", &set.to_string());
@@ -342,11 +342,10 @@ mod tests {
 
     #[test]
     fn upstream_never_mentions_the_cluster_dns_ip() {
-        let set = RuleSet::desired(
-            &addrs(&["169.254.20.10"], &["10.96.0.10"]),
-            Route::Upstream,
-        );
-        assert!(set.rules().all(|(_, r)| r.addr.to_string() == "169.254.20.10"));
+        let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Upstream);
+        assert!(set
+            .rules()
+            .all(|(_, r)| r.addr.to_string() == "169.254.20.10"));
         assert_eq!(set.rules().count(), 6);
     }
 
@@ -367,7 +366,10 @@ mod tests {
     #[test]
     fn comments_fit_nftnl_limit() {
         let set = RuleSet::desired(
-            &addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"]),
+            &addrs(
+                &["169.254.20.10", "fd00:169:254::10"],
+                &["10.96.0.10", "fd00:96::10"],
+            ),
             Route::Local,
         );
         assert!(set.rules().all(|(_, r)| r.comment.len() < 128));

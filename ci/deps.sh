@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what the build, the tests and the demo need on a fresh Debian machine (as root).
+# Idempotent: a machine that has everything is left alone.
+set -euo pipefail
+
+packages=(
+  nftables iptables iproute2 conntrack   # netfilter and namespaces
+  unbound dnsmasq-base dnsutils          # the cache, "CoreDNS", dig
+  libnftnl-dev libmnl-dev pkg-config     # build nftnl
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "ci/deps.sh: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  # unbound's package starts a service where an init system runs; none does here, and
+  # policy-rc.d keeps it that way on machines that have one.
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+  rm -f /usr/sbin/policy-rc.d
+fi
+
+command -v cargo >/dev/null || { echo "ci/deps.sh: cargo not found (the Rust toolchain is needed)"; exit 1; }
+for component in rustfmt clippy; do
+  rustup component list --installed 2>/dev/null | grep -q "^$component" || rustup component add "$component"
+done

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The project's test command: installs what it needs, then format, lint, unit and end-to-end
+# tests (real binary, real netfilter, real unbound and dnsmasq, in network namespaces).
+# Run as root on a Linux machine. Nothing outside the namespaces the tests create is touched.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+[ "$(id -u)" = 0 ] || { echo "ci/test.sh: run as root (the tests create network namespaces)"; exit 2; }
+ci/deps.sh
+
+cargo fmt --all -- --check
+cargo clippy --all-targets --locked -- -D warnings
+cargo build --locked --bins
+cargo test --locked

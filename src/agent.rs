@@ -1,0 +1,520 @@
+//! The agent: probe streams in, route decisions out, the ruleset kept installed.
+//!
+//! [`Agent`] is the synchronous core — it owns the state machine, the dataplane and the counters
+//! and reacts to one event at a time, so it is tested with the fake dataplane and no runtime.
+//! [`run`] wires it to the world: probe tasks, the kernel's socket-destroy and nftables-change
+//! notifications, a resync tick, the state file, and the shutdown signal.
+//!
+//! The loop is level-triggered: every tick (and every nftables change notification) reads the
+//! table back and restores it if it is not exactly the ruleset of the current route. A failed
+//! apply is retried on the next tick; the batch is atomic, so the node never holds half a ruleset.
+//!
+//! Exit policy: on SIGTERM or SIGINT the agent leaves the ruleset of its current route installed
+//! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
+//! cache dies); `Upstream` stays because the agent last saw the cache failing. So an agent that
+//! stops, crashes or is upgraded leaves the node exactly as it last decided, and a restarted agent
+//! adopts the installed route instead of flipping. `teardown` removes everything.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::{mpsc, Notify};
+use tracing::{debug, error, info, warn};
+
+use crate::config::{AgentConfig, Cadence};
+use crate::dataplane::{self, Check, Dataplane};
+use crate::health::{Machine, Sample, Stream};
+use crate::probe::{Outcome, Probe, ProbeResult, Transport};
+use crate::ruleset::{ListenAddrs, Route, RuleSet, DNS_PORT};
+use crate::state::{self, ProbeStats, Probes, State};
+
+/// What can stop the agent.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The first install failed: the agent cannot do its job on this node.
+    #[error("installing the initial ruleset failed: {0}")]
+    Install(#[source] dataplane::Error),
+    /// The state directory cannot be created.
+    #[error("cannot create the state directory {}: {source} (set --state-dir to a writable directory)", .path.display())]
+    StateDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A probe setting was rejected.
+    #[error(transparent)]
+    Probe(#[from] crate::probe::ProbeError),
+}
+
+/// A probe result, tagged with the stream it belongs to.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub stream: Stream,
+    pub result: ProbeResult,
+}
+
+/// How the decision sees a probe outcome.
+pub fn sample(outcome: &Outcome) -> Sample {
+    match outcome {
+        Outcome::Answered { .. } => Sample::Good,
+        Outcome::Refused => Sample::Refused,
+        other => Sample::Bad(other.label()),
+    }
+}
+
+/// The synchronous core of the agent.
+pub struct Agent {
+    addrs: ListenAddrs,
+    machine: Machine,
+    dataplane: Box<dyn Dataplane>,
+    /// The ruleset of the current route, as last rendered.
+    desired: RuleSet,
+    /// The last apply failed; the next resync must apply without asking.
+    dirty: bool,
+    transitions: u64,
+    repairs: u64,
+    last_error: Option<String>,
+    probes: Probes,
+}
+
+impl Agent {
+    /// Adopts the route whose ruleset is installed (so a restart does not flip), or `Local`, and
+    /// makes sure its ruleset is installed.
+    pub fn start(
+        cfg: &AgentConfig,
+        mut dataplane: Box<dyn Dataplane>,
+        now: Instant,
+    ) -> Result<Agent, AgentError> {
+        let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs)
+            .map_err(AgentError::Install)?;
+        let route = installed.unwrap_or(Route::Local);
+        let desired = RuleSet::desired(&cfg.addrs, route);
+        if installed.is_none() {
+            dataplane.apply(&desired).map_err(AgentError::Install)?;
+        }
+        info!(
+            route = %route,
+            adopted = installed.is_some(),
+            dataplane = dataplane.name(),
+            "started"
+        );
+        let stats = |target: std::net::SocketAddr| ProbeStats {
+            target: target.to_string(),
+            ..ProbeStats::default()
+        };
+        Ok(Agent {
+            addrs: cfg.addrs.clone(),
+            machine: Machine::new(cfg.thresholds, route, now),
+            dataplane,
+            desired,
+            dirty: false,
+            transitions: 0,
+            repairs: 0,
+            last_error: None,
+            probes: Probes {
+                cache_udp: stats(cfg.cache_target()),
+                cache_tcp: cfg.cache_tcp.map(|_| stats(cfg.cache_target())),
+                upstream: stats(cfg.upstream_target()),
+            },
+        })
+    }
+
+    pub fn route(&self) -> Route {
+        self.machine.route()
+    }
+
+    /// Takes one probe result; switches the route when the machine says so.
+    pub fn on_probe(&mut self, report: &Report, now: Instant) {
+        let outcome = &report.result.outcome;
+        let Some(stats) = self.stats_mut(report.stream) else {
+            return;
+        };
+        stats.sent += 1;
+        if outcome.is_good() {
+            stats.good += 1;
+        } else {
+            stats.bad += 1;
+        }
+        stats.last = Some(outcome.label().to_owned());
+        stats.last_latency_ms = Some(report.result.latency.as_secs_f64() * 1e3);
+        if !outcome.is_good() {
+            debug!(stream = %report.stream, outcome = ?outcome, "probe failed");
+        }
+
+        let held_before = self.machine.held().map(str::to_owned);
+        let transition = self.machine.observe(report.stream, sample(outcome), now);
+        let streak = self.machine.streak(report.stream);
+        if let Some(stats) = self.stats_mut(report.stream) {
+            stats.streak_good = streak.good;
+            stats.streak_bad = streak.bad;
+        }
+
+        if let Some(held) = self.machine.held() {
+            if held_before.as_deref() != Some(held) {
+                warn!(reason = held, "cache failing, route held");
+            }
+        }
+        if let Some(t) = transition {
+            self.transitions += 1;
+            info!(from = %t.from, to = %t.to, reason = %t.reason, "route changed");
+            self.desired = RuleSet::desired(&self.addrs, t.to);
+            self.apply();
+        }
+    }
+
+    fn stats_mut(&mut self, stream: Stream) -> Option<&mut ProbeStats> {
+        match stream {
+            Stream::CacheUdp => Some(&mut self.probes.cache_udp),
+            Stream::CacheTcp => self.probes.cache_tcp.as_mut(),
+            Stream::Upstream => Some(&mut self.probes.upstream),
+        }
+    }
+
+    /// Reads the ruleset back and restores it when it is not exactly the current route's.
+    pub fn resync(&mut self) {
+        if self.dirty {
+            self.apply();
+            return;
+        }
+        match self.dataplane.check(&self.desired) {
+            Ok(Check::Matches) => {}
+            Ok(drift) => {
+                self.repairs += 1;
+                warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
+                self.apply();
+            }
+            Err(e) => {
+                warn!(error = %e, "reading the ruleset back failed, re-applying");
+                self.apply();
+            }
+        }
+    }
+
+    fn apply(&mut self) {
+        match self.dataplane.apply(&self.desired) {
+            Ok(()) => {
+                self.dirty = false;
+                self.last_error = None;
+            }
+            Err(e) => {
+                error!(route = %self.route(), error = %e, "applying the ruleset failed, will retry");
+                self.dirty = true;
+                self.last_error = Some(e.to_string());
+            }
+        }
+    }
+
+    /// The state file's content; `now` and `wall` are the same moment on both clocks.
+    pub fn state(&self, now: Instant, wall: SystemTime) -> State {
+        let since = wall
+            .checked_sub(now.saturating_duration_since(self.machine.since()))
+            .unwrap_or(wall);
+        State {
+            version: state::VERSION,
+            pid: std::process::id(),
+            updated_unix_ms: state::unix_ms(wall),
+            dataplane: self.dataplane.name().to_owned(),
+            route: self.route(),
+            since_unix_ms: state::unix_ms(since),
+            reason: self.machine.reason().to_string(),
+            held: self.machine.held().map(str::to_owned),
+            transitions: self.transitions,
+            repairs: self.repairs,
+            last_error: self.last_error.clone(),
+            probes: self.probes.clone(),
+        }
+    }
+
+    /// The dataplane, for tests that tamper with it.
+    pub fn dataplane_mut(&mut self) -> &mut dyn Dataplane {
+        self.dataplane.as_mut()
+    }
+}
+
+/// Probes `target` every `cadence.interval`, and at once when `wake` is notified.
+async fn probe_stream(
+    probe: Arc<Probe>,
+    target: std::net::SocketAddr,
+    transport: Transport,
+    stream: Stream,
+    interval: Duration,
+    wake: Arc<Notify>,
+    tx: mpsc::Sender<Report>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = wake.notified() => {}
+        }
+        let result = probe.run(target, transport).await;
+        if tx.send(Report { stream, result }).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Wakes the cache probes when the kernel reports one of the cache's listening sockets closed.
+async fn watch_cache_sockets(addrs: Vec<std::net::IpAddr>, wake: Vec<Arc<Notify>>) {
+    let mut watch = match crate::sockdiag::SocketWatch::open() {
+        Ok(w) => w,
+        Err(e) => {
+            warn!(error = %e, "socket-destroy notifications unavailable; relying on probes");
+            return;
+        }
+    };
+    loop {
+        match watch.next().await {
+            Ok(closed) => {
+                if let Some(s) = closed.iter().find(|s| s.is_listener_on(&addrs, DNS_PORT)) {
+                    info!(socket = %s.local, transport = %s.transport, "cache socket closed, probing now");
+                    wake.iter().for_each(|w| w.notify_one());
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "socket-destroy notification lost, probing now");
+                wake.iter().for_each(|w| w.notify_one());
+            }
+        }
+    }
+}
+
+/// Notifies `resync` whenever any nftables ruleset in this network namespace changes.
+async fn watch_nftables(resync: Arc<Notify>) {
+    let mut watch = match crate::dataplane::nftables::ChangeWatch::new() {
+        Ok(w) => w,
+        Err(e) => {
+            warn!(error = %e, "nftables change notifications unavailable; resyncing on the tick only");
+            return;
+        }
+    };
+    loop {
+        if let Err(e) = watch.changed().await {
+            warn!(error = %e, "nftables change watch failed; resyncing on the tick only");
+            return;
+        }
+        resync.notify_one();
+    }
+}
+
+/// Runs the agent until `shutdown` completes.
+pub async fn run(
+    cfg: AgentConfig,
+    dataplane: Box<dyn Dataplane>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    std::fs::create_dir_all(&cfg.state_dir).map_err(|source| AgentError::StateDir {
+        path: cfg.state_dir.clone(),
+        source,
+    })?;
+    let mut agent = Agent::start(&cfg, dataplane, Instant::now())?;
+    let write_state = |agent: &Agent| {
+        if let Err(e) = state::write(
+            &cfg.state_dir,
+            &agent.state(Instant::now(), SystemTime::now()),
+        ) {
+            warn!(dir = %cfg.state_dir.display(), error = %e, "writing the state file failed");
+        }
+    };
+    write_state(&agent);
+
+    let (tx, mut rx) = mpsc::channel(64);
+    let cache_wakes = vec![Arc::new(Notify::new()), Arc::new(Notify::new())];
+    let mut tasks = tokio::task::JoinSet::new();
+    let spawn_probe = |tasks: &mut tokio::task::JoinSet<()>,
+                       cadence: Cadence,
+                       target,
+                       transport,
+                       stream,
+                       wake: Arc<Notify>|
+     -> Result<(), AgentError> {
+        let probe = Arc::new(Probe::new(&cfg.probe_name, cadence.timeout)?);
+        tasks.spawn(probe_stream(
+            probe,
+            target,
+            transport,
+            stream,
+            cadence.interval,
+            wake,
+            tx.clone(),
+        ));
+        Ok(())
+    };
+    spawn_probe(
+        &mut tasks,
+        cfg.cache_udp,
+        cfg.cache_target(),
+        Transport::Udp,
+        Stream::CacheUdp,
+        cache_wakes[0].clone(),
+    )?;
+    if let Some(cadence) = cfg.cache_tcp {
+        spawn_probe(
+            &mut tasks,
+            cadence,
+            cfg.cache_target(),
+            Transport::Tcp,
+            Stream::CacheTcp,
+            cache_wakes[1].clone(),
+        )?;
+    }
+    spawn_probe(
+        &mut tasks,
+        cfg.upstream_probe,
+        cfg.upstream_target(),
+        Transport::Udp,
+        Stream::Upstream,
+        Arc::new(Notify::new()),
+    )?;
+    let watched: Vec<_> = cfg
+        .addrs
+        .local
+        .iter()
+        .chain(&cfg.addrs.cluster_dns)
+        .copied()
+        .collect();
+    tasks.spawn(watch_cache_sockets(watched, cache_wakes));
+    let nft_changed = Arc::new(Notify::new());
+    tasks.spawn(watch_nftables(nft_changed.clone()));
+
+    let mut resync = tokio::time::interval(cfg.cache_udp.interval);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut state_tick = tokio::time::interval(Duration::from_secs(1));
+    state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => break,
+            Some(report) = rx.recv() => {
+                let before = agent.route();
+                agent.on_probe(&report, Instant::now());
+                if agent.route() != before {
+                    write_state(&agent);
+                }
+            }
+            _ = nft_changed.notified() => agent.resync(),
+            _ = resync.tick() => agent.resync(),
+            _ = state_tick.tick() => write_state(&agent),
+        }
+    }
+    tasks.shutdown().await;
+    write_state(&agent);
+    info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::RawRun;
+    use crate::dataplane::fake::FakeDataplane;
+
+    fn cfg() -> AgentConfig {
+        let raw = RawRun {
+            local_ip: vec!["169.254.20.10".parse().unwrap()],
+            cluster_dns_ip: vec!["10.96.0.10".parse().unwrap()],
+            upstream_ip: vec!["10.96.0.11".parse().unwrap()],
+            upstream_svc: "kube-dns-upstream".into(),
+            probe_name: "kubernetes.default.svc.cluster.local".into(),
+            interval: "100ms".into(),
+            timeout: "80ms".into(),
+            tcp_interval: "1s".into(),
+            upstream_interval: "1s".into(),
+            upstream_timeout: "500ms".into(),
+            fall: 3,
+            rise: 5,
+            min_hold: "2s".into(),
+            state_dir: "/nonexistent".into(),
+        };
+        AgentConfig::from_args(&raw, |_| None).unwrap()
+    }
+
+    fn report(stream: Stream, outcome: Outcome) -> Report {
+        Report {
+            stream,
+            result: ProbeResult {
+                outcome,
+                latency: Duration::from_millis(1),
+            },
+        }
+    }
+
+    fn installed(agent: &mut Agent) -> Option<Route> {
+        let addrs = cfg().addrs;
+        dataplane::installed_route(agent.dataplane_mut(), &addrs).unwrap()
+    }
+
+    #[test]
+    fn installs_local_when_nothing_is_installed() {
+        let t0 = Instant::now();
+        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
+        assert_eq!(installed(&mut agent), Some(Route::Local));
+    }
+
+    #[test]
+    fn adopts_the_installed_route_without_applying() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane {
+            installed: Some(RuleSet::desired(&cfg().addrs, Route::Upstream)),
+            ..FakeDataplane::default()
+        };
+        let agent = Agent::start(&cfg(), Box::new(fake), t0).unwrap();
+        assert_eq!(agent.route(), Route::Upstream);
+    }
+
+    #[test]
+    fn a_refused_probe_switches_the_installed_ruleset() {
+        let t0 = Instant::now();
+        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
+        assert_eq!(installed(&mut agent), Some(Route::Upstream));
+        let st = agent.state(t0, SystemTime::now());
+        assert_eq!(st.transitions, 1);
+        assert_eq!(st.probes.cache_udp.bad, 1);
+        assert!(st.reason.contains("refused"), "{}", st.reason);
+    }
+
+    #[test]
+    fn a_failed_apply_is_retried_on_the_next_resync() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane {
+            installed: Some(RuleSet::desired(&cfg().addrs, Route::Local)),
+            fail_next_apply: true,
+            ..FakeDataplane::default()
+        };
+        let mut agent = Agent::start(&cfg(), Box::new(fake), t0).unwrap();
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
+        // The kernel still holds Local: the batch failed whole.
+        assert_eq!(installed(&mut agent), Some(Route::Local));
+        assert!(agent.state(t0, SystemTime::now()).last_error.is_some());
+        agent.resync();
+        assert_eq!(installed(&mut agent), Some(Route::Upstream));
+        assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
+    }
+
+    #[test]
+    fn resync_restores_a_removed_table_and_counts_it() {
+        let t0 = Instant::now();
+        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
+        agent.resync();
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
+        agent.dataplane_mut().remove().unwrap();
+        agent.resync();
+        assert_eq!(installed(&mut agent), Some(Route::Local));
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
+    }
+
+    #[test]
+    fn state_reports_since_on_the_wall_clock() {
+        let t0 = Instant::now();
+        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        let st = agent.state(t0 + Duration::from_secs(3), wall);
+        assert_eq!(st.since_unix_ms, 97_000);
+        assert_eq!(st.route, Route::Upstream);
+    }
+}

@@ -1,0 +1,229 @@
+//! The command line. Doc comments here are the `--help` text; every flag also reads an
+//! environment variable `NODELOCALDNS_HA_<FLAG>`.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::RawRun;
+use crate::ruleset::Route;
+
+/// Keeps a node's DNS alive when node-local-dns fails: probes the cache and switches the
+/// NOTRACK rules that send pods' DNS to it, so queries fall through to CoreDNS while it is down.
+#[derive(Debug, Parser)]
+#[command(name = "nodelocaldns-ha", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+    /// Log filter (tracing-subscriber syntax), e.g. `info` or `nodelocaldns_ha=debug`.
+    #[arg(
+        long,
+        global = true,
+        env = "NODELOCALDNS_HA_LOG",
+        default_value = "info"
+    )]
+    pub log: String,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent: probe, decide, switch, until SIGTERM or SIGINT.
+    Run(Box<RunArgs>),
+    /// Show the running agent's route, why, since when, and probe statistics.
+    Status(StatusArgs),
+    /// Print the ruleset the agent would install for a route (dry run, changes nothing).
+    Rules(RulesArgs),
+    /// Send one DNS probe and print its outcome and latency.
+    Probe(ProbeArgs),
+    /// Remove everything the agent installed. Fine to run when nothing is installed.
+    Teardown(TeardownArgs),
+}
+
+/// The netfilter backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DataplaneKind {
+    /// Native nftables over netlink: one table, replaced atomically.
+    Nftables,
+}
+
+/// The addresses node-local-dns listens on.
+#[derive(Debug, Args, Clone)]
+pub struct ListenArgs {
+    /// node-local-dns's link-local IP; an IPv4 and an IPv6 address, comma-separated, for dual stack.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_LOCAL_IP",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub local_ip: Vec<IpAddr>,
+    /// The kube-dns ClusterIP that pods query (one per family).
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_CLUSTER_DNS_IP",
+        value_delimiter = ',',
+        required = true
+    )]
+    pub cluster_dns_ip: Vec<IpAddr>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub listen: ListenArgs,
+    /// The kube-dns-upstream ClusterIP (CoreDNS, not intercepted), probed to know whether failing
+    /// over helps. Default: the `<SVC>_SERVICE_HOST` variable of --upstream-svc.
+    #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_IP", value_delimiter = ',')]
+    pub upstream_ip: Vec<IpAddr>,
+    /// The upstream Service whose `<SVC>_SERVICE_HOST` variable gives --upstream-ip.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_UPSTREAM_SVC",
+        default_value = "kube-dns-upstream"
+    )]
+    pub upstream_svc: String,
+    /// The name queried (type A) by every probe.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_PROBE_NAME",
+        default_value = "kubernetes.default.svc.cluster.local"
+    )]
+    pub probe_name: String,
+    /// Time between UDP probes of the cache; also the resync period of the ruleset.
+    #[arg(long, env = "NODELOCALDNS_HA_INTERVAL", default_value = "100ms")]
+    pub interval: String,
+    /// How long a probe of the cache waits for its answer; must be below --interval.
+    #[arg(long, env = "NODELOCALDNS_HA_TIMEOUT", default_value = "80ms")]
+    pub timeout: String,
+    /// Time between TCP probes of the cache; 0s disables them.
+    #[arg(long, env = "NODELOCALDNS_HA_TCP_INTERVAL", default_value = "1s")]
+    pub tcp_interval: String,
+    /// Time between probes of the upstream.
+    #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_INTERVAL", default_value = "1s")]
+    pub upstream_interval: String,
+    /// How long a probe of the upstream waits for its answer.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_UPSTREAM_TIMEOUT",
+        default_value = "500ms"
+    )]
+    pub upstream_timeout: String,
+    /// Consecutive failed probes of the cache before switching to the upstream.
+    #[arg(long, env = "NODELOCALDNS_HA_FALL", default_value_t = 3)]
+    pub fall: u32,
+    /// Consecutive good probes of the cache before switching back to it.
+    #[arg(long, env = "NODELOCALDNS_HA_RISE", default_value_t = 5)]
+    pub rise: u32,
+    /// Minimum time on the upstream before switching back to the cache.
+    #[arg(long, env = "NODELOCALDNS_HA_MIN_HOLD", default_value = "2s")]
+    pub min_hold: String,
+    /// The netfilter backend.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_DATAPLANE",
+        value_enum,
+        default_value = "nftables"
+    )]
+    pub dataplane: DataplaneKind,
+    /// Where the state file for `status` is written.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_STATE_DIR",
+        default_value = "/run/nodelocaldns-ha"
+    )]
+    pub state_dir: PathBuf,
+}
+
+impl RunArgs {
+    /// The raw settings for validation.
+    pub fn raw(&self) -> RawRun {
+        RawRun {
+            local_ip: self.listen.local_ip.clone(),
+            cluster_dns_ip: self.listen.cluster_dns_ip.clone(),
+            upstream_ip: self.upstream_ip.clone(),
+            upstream_svc: self.upstream_svc.clone(),
+            probe_name: self.probe_name.clone(),
+            interval: self.interval.clone(),
+            timeout: self.timeout.clone(),
+            tcp_interval: self.tcp_interval.clone(),
+            upstream_interval: self.upstream_interval.clone(),
+            upstream_timeout: self.upstream_timeout.clone(),
+            fall: self.fall,
+            rise: self.rise,
+            min_hold: self.min_hold.clone(),
+            state_dir: self.state_dir.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print the state as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// The running agent's --state-dir.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_STATE_DIR",
+        default_value = "/run/nodelocaldns-ha"
+    )]
+    pub state_dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct RulesArgs {
+    /// The route whose ruleset to print.
+    #[arg(long, value_enum)]
+    pub route: RouteArg,
+    #[command(flatten)]
+    pub listen: ListenArgs,
+}
+
+/// A route, as given on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RouteArg {
+    Local,
+    Upstream,
+}
+
+impl From<RouteArg> for Route {
+    fn from(r: RouteArg) -> Route {
+        match r {
+            RouteArg::Local => Route::Local,
+            RouteArg::Upstream => Route::Upstream,
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ProbeArgs {
+    /// The server to probe: IP or IP:port (`[v6]:port`); port 53 by default.
+    #[arg(long, env = "NODELOCALDNS_HA_PROBE_SERVER")]
+    pub server: String,
+    /// Probe over TCP instead of UDP.
+    #[arg(long)]
+    pub tcp: bool,
+    /// The name queried (type A).
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_PROBE_NAME",
+        default_value = "kubernetes.default.svc.cluster.local"
+    )]
+    pub probe_name: String,
+    /// How long to wait for the answer.
+    #[arg(long, env = "NODELOCALDNS_HA_TIMEOUT", default_value = "1s")]
+    pub timeout: String,
+}
+
+#[derive(Debug, Args)]
+pub struct TeardownArgs {
+    /// The netfilter backend.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_DATAPLANE",
+        value_enum,
+        default_value = "nftables"
+    )]
+    pub dataplane: DataplaneKind,
+}

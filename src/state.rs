@@ -1,0 +1,162 @@
+//! The agent's state file: what `run` decided and why, for `status` and for humans.
+//!
+//! `run` rewrites `<state-dir>/state.json` atomically (write a temporary file, then rename) on
+//! every route change and once a second; `status` reads it. The file is informational: the
+//! route itself is read back from the kernel on restart, never trusted from here.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+
+use crate::ruleset::Route;
+
+/// Format version of the state file.
+pub const VERSION: u32 = 1;
+/// File name inside the state directory.
+pub const FILE: &str = "state.json";
+
+/// Counters and the last result of one probe stream.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProbeStats {
+    /// Where the probes go, e.g. `169.254.20.10:53`.
+    pub target: String,
+    pub sent: u64,
+    pub good: u64,
+    pub bad: u64,
+    /// Label of the last outcome (`answered`, `timeout`, `refused`, ...).
+    pub last: Option<String>,
+    pub last_latency_ms: Option<f64>,
+    /// Current consecutive good / bad probes.
+    pub streak_good: u32,
+    pub streak_bad: u32,
+}
+
+/// Probe streams.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Probes {
+    pub cache_udp: ProbeStats,
+    pub cache_tcp: Option<ProbeStats>,
+    pub upstream: ProbeStats,
+}
+
+/// What `status` shows.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct State {
+    pub version: u32,
+    /// The agent's process id.
+    pub pid: u32,
+    pub updated_unix_ms: u64,
+    pub dataplane: String,
+    pub route: Route,
+    pub since_unix_ms: u64,
+    pub reason: String,
+    /// Why the route stays `local` although the cache is failing, if it does.
+    pub held: Option<String>,
+    pub transitions: u64,
+    /// Times the installed ruleset was found changed by someone else and restored.
+    pub repairs: u64,
+    /// The last dataplane error, until an apply succeeds again.
+    pub last_error: Option<String>,
+    pub probes: Probes,
+}
+
+/// Milliseconds since the Unix epoch of `t`.
+pub fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Path of the state file in `dir`.
+pub fn path(dir: &Path) -> PathBuf {
+    dir.join(FILE)
+}
+
+/// Writes `state` to `dir` atomically.
+pub fn write(dir: &Path, state: &State) -> io::Result<()> {
+    let json = serde_json::to_vec_pretty(state).map_err(io::Error::other)?;
+    let tmp = dir.join(format!(".{FILE}.tmp"));
+    std::fs::write(&tmp, json)?;
+    std::fs::rename(&tmp, path(dir))
+}
+
+/// Why a state file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// No file: the agent has not run with this state directory.
+    #[error("no state in {}: is the agent running with --state-dir {}?", .0.display(), .0.display())]
+    Missing(PathBuf),
+    /// The file exists but cannot be read.
+    #[error("cannot read {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The file is not a state file of this version.
+    #[error("{} is not a valid state file (version {VERSION} expected): {detail}", .path.display())]
+    Invalid { path: PathBuf, detail: String },
+}
+
+/// Reads the state file in `dir`.
+pub fn read(dir: &Path) -> Result<State, ReadError> {
+    let file = path(dir);
+    let bytes = match std::fs::read(&file) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(ReadError::Missing(dir.to_owned()))
+        }
+        Err(source) => return Err(ReadError::Io { path: file, source }),
+    };
+    let state: State = serde_json::from_slice(&bytes).map_err(|e| ReadError::Invalid {
+        path: file.clone(),
+        detail: e.to_string(),
+    })?;
+    if state.version != VERSION {
+        return Err(ReadError::Invalid {
+            path: file,
+            detail: format!("version {}", state.version),
+        });
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> State {
+        State {
+            version: VERSION,
+            pid: 42,
+            updated_unix_ms: 1_000,
+            dataplane: "nftables".into(),
+            route: Route::Upstream,
+            since_unix_ms: 900,
+            reason: "3 consecutive cache udp probes failed (last: timeout)".into(),
+            held: None,
+            transitions: 1,
+            repairs: 0,
+            last_error: None,
+            probes: Probes::default(),
+        }
+    }
+
+    #[test]
+    fn round_trips_and_rejects_garbage() {
+        let dir = std::env::temp_dir().join(format!("nlha-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(matches!(read(&dir), Err(ReadError::Missing(_))));
+        write(&dir, &sample()).unwrap();
+        assert_eq!(read(&dir).unwrap(), sample());
+        std::fs::write(path(&dir), b"{\"version\": 1, \"pid\": ").unwrap();
+        assert!(matches!(read(&dir), Err(ReadError::Invalid { .. })));
+        let mut future = sample();
+        future.version = 99;
+        write(&dir, &future).unwrap();
+        let err = read(&dir).unwrap_err().to_string();
+        assert!(err.contains("version 99"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
