@@ -5,6 +5,8 @@
 //! installs the matching NOTRACK ruleset ([`ruleset`]) through a [`dataplane`] backend in one
 //! atomic batch. [`agent`] ties them together; [`sockdiag`] hears the cache's sockets die.
 
+#![deny(unsafe_code)]
+
 pub mod agent;
 pub mod cli;
 pub mod config;

@@ -3,6 +3,8 @@
 //! Exit codes: 0 success; 1 a runtime failure (netlink, I/O); 2 bad input or a missing
 //! privilege, reported before anything on the host changed.
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
@@ -54,6 +56,7 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     match run(cli.command) {

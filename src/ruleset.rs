@@ -15,7 +15,10 @@
 //!   involved. In output the socket guard cannot work (it sees the sending socket), so host
 //!   clients rely on the agent's switch; the address guard still prevents a blackhole when the
 //!   cache's teardown removes its addresses.
-//! * [`Route::Upstream`]: nothing for the cluster-DNS IP, so kube-proxy's DNAT takes it.
+//! * [`Route::Upstream`]: no NOTRACK for queries to the cluster-DNS IP, so kube-proxy's DNAT
+//!   takes them. The cache's own replies from that IP stay NOTRACKed in both routes: a late
+//!   reply (after a hang) would otherwise leave a conntrack entry whose reverse tuple steers a
+//!   later query from the same client port back to the cache, around the DNAT.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -31,6 +34,7 @@ pub const DNS_PORT: u16 = 53;
 
 /// Where queries for the cluster-DNS IP go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Route {
     /// To node-local-dns on this node (NOTRACK, no DNAT).
     Local,
@@ -180,17 +184,17 @@ impl RuleSet {
                 output.push(rule(Side::Source, "cache replies (link-local)"));
             }
         }
-        if route == Route::Local {
-            for &ip in &addrs.cluster_dns {
-                for proto in [Proto::Udp, Proto::Tcp] {
-                    let rule = |side, guard, comment: &str| Rule {
-                        addr: ip,
-                        side,
-                        proto,
-                        port: DNS_PORT,
-                        guard,
-                        comment: comment.to_owned(),
-                    };
+        for &ip in &addrs.cluster_dns {
+            for proto in [Proto::Udp, Proto::Tcp] {
+                let rule = |side, guard, comment: &str| Rule {
+                    addr: ip,
+                    side,
+                    proto,
+                    port: DNS_PORT,
+                    guard,
+                    comment: comment.to_owned(),
+                };
+                if route == Route::Local {
                     prerouting.push(rule(
                         Side::Destination,
                         Guard::LocalSocket,
@@ -201,8 +205,10 @@ impl RuleSet {
                         Guard::LocalAddress,
                         "host to cache",
                     ));
-                    output.push(rule(Side::Source, Guard::None, "cache replies"));
                 }
+                // In both routes: a reply the cache sends (a late one, after a hang) must not
+                // leave a conntrack entry that would steer a later query back to it.
+                output.push(rule(Side::Source, Guard::None, "cache replies"));
             }
         }
         RuleSet {
@@ -341,12 +347,16 @@ mod tests {
     }
 
     #[test]
-    fn upstream_never_mentions_the_cluster_dns_ip() {
+    fn upstream_lets_every_query_to_the_cluster_dns_ip_through() {
         let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Upstream);
-        assert!(set
+        let cluster: Vec<_> = set
             .rules()
-            .all(|(_, r)| r.addr.to_string() == "169.254.20.10"));
-        assert_eq!(set.rules().count(), 6);
+            .filter(|(_, r)| r.addr.to_string() == "10.96.0.10")
+            .collect();
+        assert_eq!(cluster.len(), 2);
+        assert!(cluster
+            .iter()
+            .all(|(c, r)| c.hook == Hook::Output && r.side == Side::Source));
     }
 
     #[test]

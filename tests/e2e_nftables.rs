@@ -1,0 +1,306 @@
+//! End to end on a simulated node: the real agent on real nftables, unbound as node-local-dns,
+//! dnsmasq as CoreDNS behind kube-proxy-shaped DNAT, a glibc-like client in a pod.
+//!
+//! Each test makes its own namespaces (unique prefix) and removes them, whatever happens.
+
+mod support;
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use support::*;
+
+const POD_SERVER: &str = CLUSTER_DNS_IP;
+
+/// Acceptance 1: SIGKILL under load from a pod loses no lookup; CoreDNS answers until the cache
+/// is back, then the cache again.
+#[test]
+fn cache_sigkill_loses_no_pod_lookup() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    let mut load = node.load(
+        "pod1",
+        POD_SERVER,
+        &[
+            "--rate",
+            "500",
+            "--duration",
+            "8s",
+            "--report-interval",
+            "250ms",
+        ],
+    );
+    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0)
+    });
+
+    let killed_at = now_ms();
+    node.script(&["cache-kill"]);
+    let upstream = agent.wait_route("upstream", Duration::from_secs(5));
+    println!(
+        "route upstream {} ms after the kill",
+        upstream["since_unix_ms"].as_u64().unwrap() - killed_at
+    );
+    load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
+        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
+    });
+
+    node.script(&["cache-start"]);
+    let back = agent.wait_route("local", Duration::from_secs(10));
+    assert!(
+        back["reason"].as_str().unwrap().contains("answered"),
+        "returned for the wrong reason: {back}"
+    );
+    // After the return, whole intervals are answered by the cache alone.
+    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+    });
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert!(summary["sent"].as_u64().unwrap() >= 3500, "{summary}");
+    assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
+    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0);
+    assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0);
+}
+
+/// Acceptance 2: a hung cache (SIGSTOP) moves the route within fall × interval + timeout plus
+/// slack; after SIGCONT it returns only after `rise` good probes and `min-hold`.
+#[test]
+fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
+    let node = SimNode::up();
+    // fall 3 × interval 100 ms + timeout 80 ms = 380 ms; rise 5; min-hold 2 s.
+    let agent = node.agent(&[
+        "--interval",
+        "100ms",
+        "--timeout",
+        "80ms",
+        "--fall",
+        "3",
+        "--rise",
+        "5",
+        "--min-hold",
+        "2s",
+    ]);
+    let mut load = node.load(
+        "pod1",
+        POD_SERVER,
+        &[
+            "--rate",
+            "500",
+            "--duration",
+            "6s",
+            "--report-interval",
+            "100ms",
+        ],
+    );
+    // Let the load run against the healthy cache first.
+    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0)
+    });
+    let stopped_at = now_ms();
+    node.script(&["cache-stop"]);
+    let up = agent.wait_route("upstream", Duration::from_secs(5));
+    let switch_ms = up["since_unix_ms"].as_u64().unwrap();
+    let detection = switch_ms.saturating_sub(stopped_at);
+    println!("hung cache detected in {detection} ms (bound 380 ms + slack)");
+    // Scheduling slack: this machine is shared and noisy; the bound is checked, not timed.
+    assert!(
+        detection <= 380 + 600,
+        "detection took {detection} ms: {up}"
+    );
+    assert!(
+        up["reason"].as_str().unwrap().contains("3 consecutive"),
+        "{up}"
+    );
+
+    // Keep it hung until the client's first attempts to it have timed out (1 s).
+    load.wait_line(
+        "first attempts lost to the hung cache",
+        Duration::from_secs(5),
+        |l| field(l, "first_attempt_lost").is_some_and(|n| n > 0),
+    );
+    let resumed_at = now_ms();
+    node.script(&["cache-cont"]);
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    let back_ms = local["since_unix_ms"].as_u64().unwrap();
+    assert!(
+        back_ms - switch_ms >= 2000,
+        "returned before min-hold: {local}"
+    );
+    assert!(back_ms >= resumed_at, "returned before the cache resumed");
+    assert!(
+        local["probes"]["cache_udp"]["streak_good"]
+            .as_u64()
+            .unwrap()
+            >= 5,
+        "returned before rise good probes: {local}"
+    );
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    // Lookups sent to the hung cache before the switch lost their first attempt, and only those.
+    let lost = summary["first_attempt_lost_at_ms"].as_array().unwrap();
+    assert!(
+        !lost.is_empty(),
+        "no lookup met the hung cache, nothing was tested: {summary}"
+    );
+    let start = summary["start_unix_ms"].as_u64().unwrap();
+    for at in lost {
+        let sent = start + at.as_u64().unwrap();
+        assert!(
+            sent + 5 >= stopped_at && sent <= switch_ms + 50,
+            "a first attempt sent at {sent} was lost outside the hang window {stopped_at}..{switch_ms}"
+        );
+    }
+}
+
+/// Acceptance 3: a cache answering SERVFAIL fails over when CoreDNS is healthy, and stays when
+/// CoreDNS is failing too.
+#[test]
+fn servfail_cache_fails_over_only_when_coredns_works() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+
+    // CoreDNS down first: the agent must see the upstream failing.
+    node.script(&["coredns-kill"]);
+    wait_for(
+        "the upstream to be seen failing",
+        Duration::from_secs(10),
+        || {
+            agent
+                .state()
+                .filter(|s| s["probes"]["upstream"]["streak_bad"].as_u64() >= Some(3))
+        },
+    );
+    node.script(&["cache-kill"]);
+    node.script(&["cache-start", "--mode", "servfail"]);
+    let held = wait_for("the route to be held", Duration::from_secs(10), || {
+        agent
+            .state()
+            .filter(|s| s["held"].is_string() && s["probes"]["cache_udp"]["last"] == "servfail")
+    });
+    println!("held: {}", held["held"]);
+    assert_eq!(held["route"], "local", "{held}");
+    // Many more failing probes later, still local.
+    let seen = held["probes"]["cache_udp"]["bad"].as_u64().unwrap();
+    let later = wait_for("more probes", Duration::from_secs(5), || {
+        agent
+            .state()
+            .filter(|s| s["probes"]["cache_udp"]["bad"].as_u64() >= Some(seen + 10))
+    });
+    assert_eq!(
+        later["route"], "local",
+        "moved although CoreDNS is down: {later}"
+    );
+
+    // CoreDNS back: the still failing cache is left.
+    node.script(&["coredns-start"]);
+    let up = agent.wait_route("upstream", Duration::from_secs(10));
+    assert!(up["reason"].as_str().unwrap().contains("servfail"), "{up}");
+}
+
+/// Acceptance 4: someone deletes or flushes the agent's table; it is back within a tick.
+#[test]
+fn foreign_changes_to_the_table_are_repaired() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    let expected = node.expected_table("local");
+    assert_eq!(node.agent_table().as_deref(), Some(expected.as_str()));
+
+    for tamper in [
+        vec!["delete", "table", "inet", "nodelocaldns-ha"],
+        vec!["flush", "chain", "inet", "nodelocaldns-ha", "prerouting"],
+        vec!["add", "rule", "inet", "nodelocaldns-ha", "output", "accept"],
+        vec!["flush", "ruleset"],
+    ] {
+        let out = node.run("node", "nft", &tamper);
+        assert!(out.status.success(), "nft {tamper:?}: {}", describe(&out));
+        wait_for(
+            &format!("repair after nft {tamper:?}"),
+            Duration::from_secs(2),
+            || (node.agent_table().as_deref() == Some(expected.as_str())).then_some(()),
+        );
+    }
+    let repairs = wait_for("the repairs to be counted", Duration::from_secs(3), || {
+        agent.state().filter(|s| s["repairs"].as_u64() >= Some(4))
+    });
+    println!("repairs: {}", repairs["repairs"]);
+}
+
+/// Acceptance 5: a host-network client loses lookups only at the instant of a SIGKILL.
+#[test]
+fn host_network_client_fails_over_on_sigkill_at_once() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    let mut load = node.load(
+        "node",
+        CLUSTER_DNS_IP,
+        &[
+            "--rate",
+            "500",
+            "--duration",
+            "5s",
+            "--report-interval",
+            "250ms",
+        ],
+    );
+    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0)
+    });
+    let killed_at = now_ms();
+    node.script(&["cache-kill"]);
+    let up = agent.wait_route("upstream", Duration::from_secs(5));
+    println!(
+        "switched {} ms after the kill",
+        up["since_unix_ms"].as_u64().unwrap() - killed_at
+    );
+    assert!(up["reason"].as_str().unwrap().contains("refused"), "{up}");
+    let summary = load.finish();
+    println!("summary: {summary}");
+    let start = summary["start_unix_ms"].as_u64().unwrap();
+    let switch_ms = up["since_unix_ms"].as_u64().unwrap();
+    for at in summary["failures_at_ms"].as_array().unwrap() {
+        let sent = start + at.as_u64().unwrap();
+        assert!(
+            sent + 5 >= killed_at && sent <= switch_ms + 5,
+            "a lookup sent at {sent} failed outside the kill window {killed_at}..{switch_ms}"
+        );
+    }
+    assert!(
+        summary["by_origin"]["coredns"].as_u64().unwrap() > 0,
+        "{summary}"
+    );
+}
+
+/// Acceptance 6 and the exit policy: SIGTERM leaves the current route's rules; a restarted agent
+/// adopts them without a transition; teardown removes everything, twice.
+#[test]
+fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
+    let node = SimNode::up();
+    let mut agent = node.agent(&[]);
+    let status = agent.stop(Signal::SIGTERM);
+    assert!(status.success(), "agent exited with {status}");
+    assert_eq!(node.agent_table(), Some(node.expected_table("local")));
+
+    let pid_before = agent.state().unwrap()["pid"].clone();
+    drop(agent);
+    let agent = node.agent(&[]);
+    let st = wait_for("the new agent's state", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["pid"] != pid_before)
+    });
+    assert_eq!(st["transitions"], 0, "{st}");
+    assert!(
+        agent.log_text().contains("adopted=true"),
+        "{}",
+        agent.log_text()
+    );
+    drop(agent);
+
+    for _ in 0..2 {
+        let out = node.run("node", AGENT, &["teardown"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        assert_eq!(node.agent_table(), None);
+    }
+    let tables = node.run("node", "nft", &["list", "tables"]);
+    assert!(!String::from_utf8_lossy(&tables.stdout).contains("nodelocaldns-ha"));
+}

@@ -1,0 +1,368 @@
+//! A simulated node for end-to-end tests: `testdata/simnode.sh` namespaces, the real agent
+//! binary inside the node namespace, and the `dnsload` client in a pod or the node.
+//!
+//! Everything a test starts is stopped by its own handle's `Drop` (by pid), and the namespaces
+//! are deleted by [`SimNode`]'s `Drop`, so a failing test leaves nothing behind.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+pub const AGENT: &str = env!("CARGO_BIN_EXE_nodelocaldns-ha");
+pub const LOAD: &str = env!("CARGO_BIN_EXE_dnsload");
+pub const LOCAL_IP: &str = "169.254.20.10";
+pub const CLUSTER_DNS_IP: &str = "10.96.0.10";
+pub const UPSTREAM_IP: &str = "10.96.0.11";
+pub const CACHE_ANSWER: &str = "1.1.1.1";
+pub const COREDNS_ANSWER: &str = "2.2.2.2";
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Fails loudly when not root: these tests exist to run on real netfilter.
+pub fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "end-to-end tests need root (network namespaces, netfilter); run ci/test.sh as root"
+    );
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Waits until `f` returns `Some`, polling every 5 ms, or panics with `what` at the deadline.
+pub fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A unique, short namespace prefix for this process and test.
+fn unique_prefix() -> String {
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "t{}{}",
+        std::process::id() % 100_000,
+        (b'a' + (n % 26) as u8) as char
+    )
+}
+
+/// One simulated node: namespaces node, pod1, pod2, dns.
+pub struct SimNode {
+    pub prefix: String,
+    pub dir: PathBuf,
+}
+
+impl SimNode {
+    /// Sets up the namespaces and the kube-proxy-shaped DNAT rules, starts CoreDNS (dnsmasq)
+    /// and the cache (unbound).
+    pub fn up() -> SimNode {
+        require_root();
+        let prefix = unique_prefix();
+        let dir = std::env::temp_dir().join("nlha-e2e").join(&prefix);
+        let node = SimNode { prefix, dir };
+        node.script(&["up"]);
+        node.script(&["coredns-start"]);
+        node.script(&["cache-start"]);
+        node
+    }
+
+    /// Runs `simnode.sh CMD PREFIX ARGS...`, panicking with its output on failure.
+    pub fn script(&self, args: &[&str]) -> String {
+        let (cmd, rest) = args.split_first().expect("a simnode command");
+        let out = Command::new(repo().join("testdata/simnode.sh"))
+            .arg(cmd)
+            .arg(&self.prefix)
+            .args(rest)
+            .env("SIMNODE_DIR", self.dir.parent().expect("dir has a parent"))
+            .output()
+            .expect("run testdata/simnode.sh");
+        assert!(
+            out.status.success(),
+            "simnode.sh {args:?} failed:\n{}",
+            describe(&out)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The namespace name of `role` (node, pod1, pod2, dns).
+    pub fn ns(&self, role: &str) -> String {
+        format!("{}-{role}", self.prefix)
+    }
+
+    /// A command run inside `role`'s namespace.
+    pub fn cmd(&self, role: &str, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(role), program]);
+        c
+    }
+
+    /// Runs `program args` in `role`'s namespace and returns its output (any exit status).
+    pub fn run(&self, role: &str, program: &str, args: &[&str]) -> Output {
+        self.cmd(role, program)
+            .args(args)
+            .output()
+            .expect("ip netns exec")
+    }
+
+    /// The agent's table as `nft list` prints it, counters zeroed; `None` when absent.
+    pub fn agent_table(&self) -> Option<String> {
+        let out = self.run("node", "nft", &["list", "table", "inet", "nodelocaldns-ha"]);
+        if !out.status.success() {
+            return None;
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        Some(strip_counters(&text))
+    }
+
+    /// What `nodelocaldns-ha rules` prints for `route`.
+    pub fn expected_table(&self, route: &str) -> String {
+        let out = Command::new(AGENT)
+            .args(["rules", "--route", route, "--local-ip", LOCAL_IP])
+            .args(["--cluster-dns-ip", CLUSTER_DNS_IP])
+            .output()
+            .expect("run nodelocaldns-ha rules");
+        assert!(out.status.success(), "{}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Starts the agent in the node namespace with the default test settings plus `extra`.
+    pub fn agent(&self, extra: &[&str]) -> Agent {
+        let state_dir = self.dir.join("agent-state");
+        let log = self.dir.join("agent.log");
+        let child = self
+            .cmd("node", AGENT)
+            .args([
+                "run",
+                "--local-ip",
+                LOCAL_IP,
+                "--cluster-dns-ip",
+                CLUSTER_DNS_IP,
+            ])
+            .args(["--upstream-ip", UPSTREAM_IP, "--probe-name", "who.test"])
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .args(extra)
+            .env("NODELOCALDNS_HA_LOG", "nodelocaldns_ha=debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("create agent log"))
+            .spawn()
+            .expect("spawn agent");
+        let agent = Agent {
+            child: Some(child),
+            state_dir,
+            log,
+        };
+        agent.wait_route("local", Duration::from_secs(10));
+        agent
+    }
+
+    /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags.
+    pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
+        let mut child = self
+            .cmd(role, LOAD)
+            .args([
+                "--server",
+                server,
+                "--name",
+                "who.test",
+                "--timeout",
+                "1s",
+                "--attempts",
+                "2",
+            ])
+            .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
+            .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn dnsload");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                println!("dnsload: {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Load {
+            child: Some(child),
+            lines: rx,
+            seen: Vec::new(),
+        }
+    }
+}
+
+impl Drop for SimNode {
+    fn drop(&mut self) {
+        let out = Command::new(repo().join("testdata/simnode.sh"))
+            .args(["down", &self.prefix])
+            .env("SIMNODE_DIR", self.dir.parent().expect("dir has a parent"))
+            .output();
+        if let Ok(out) = out {
+            if !out.status.success() {
+                eprintln!("simnode down failed: {}", describe(&out));
+            }
+        }
+    }
+}
+
+/// `counter packets N bytes N` → `counter`.
+pub fn strip_counters(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let mut words: Vec<&str> = Vec::new();
+        let mut it = line.split(' ').peekable();
+        while let Some(w) = it.next() {
+            words.push(w);
+            if w.ends_with("counter") && it.peek() == Some(&"packets") {
+                it.nth(3);
+            }
+        }
+        out.push_str(&words.join(" "));
+        out.push('\n');
+    }
+    out
+}
+
+pub fn describe(out: &Output) -> String {
+    format!(
+        "status {}\nstdout:\n{}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The agent process; killed (SIGKILL) on drop if still running.
+pub struct Agent {
+    child: Option<Child>,
+    pub state_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    /// The state file, if it is there and complete.
+    pub fn state(&self) -> Option<Value> {
+        let bytes = std::fs::read(self.state_dir.join("state.json")).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Waits until the state file says `route`; returns the state.
+    pub fn wait_route(&self, route: &str, deadline: Duration) -> Value {
+        wait_for(&format!("route {route}"), deadline, || {
+            self.state().filter(|s| s["route"] == route)
+        })
+    }
+
+    /// Sends `signal` and waits for the exit status.
+    pub fn stop(&mut self, signal: nix::sys::signal::Signal) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("agent running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, signal);
+        child.wait().expect("wait for agent")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("agent log:\n{}", self.log_text());
+        }
+    }
+}
+
+/// A running `dnsload`; its timeline lines are collected as they come.
+pub struct Load {
+    child: Option<Child>,
+    lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+}
+
+impl Load {
+    /// Waits for a timeline line satisfying `f`.
+    pub fn wait_line(&mut self, what: &str, deadline: Duration, f: impl Fn(&str) -> bool) {
+        let end = Instant::now() + deadline;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let hit = f(&line);
+                    self.seen.push(line);
+                    if hit {
+                        return;
+                    }
+                }
+                Err(_) => panic!("timed out waiting for dnsload to show {what}"),
+            }
+        }
+    }
+
+    /// Waits for the client to finish and returns its summary.
+    pub fn finish(mut self) -> Value {
+        let status = self
+            .child
+            .take()
+            .expect("running")
+            .wait()
+            .expect("wait dnsload");
+        assert!(status.success(), "dnsload failed: {status}");
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.seen.push(line);
+        }
+        let summary = self
+            .seen
+            .iter()
+            .find_map(|l| l.strip_prefix("SUMMARY "))
+            .expect("dnsload printed a SUMMARY line");
+        serde_json::from_str(summary).expect("SUMMARY is JSON")
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Counts of one timeline line, e.g. `cache=250 coredns=0`.
+pub fn field(line: &str, name: &str) -> Option<u64> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+}
