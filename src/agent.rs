@@ -207,9 +207,8 @@ impl Agent {
 
     /// The state file's content; `now` and `wall` are the same moment on both clocks.
     pub fn state(&self, now: Instant, wall: SystemTime) -> State {
-        let since = wall
-            .checked_sub(now.saturating_duration_since(self.machine.since()))
-            .unwrap_or(wall);
+        let since =
+            wall.checked_sub(now.saturating_duration_since(self.machine.since())).unwrap_or(wall);
         State {
             version: state::VERSION,
             pid: std::process::id(),
@@ -305,16 +304,13 @@ pub async fn run(
     dataplane: Box<dyn Dataplane>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
-    std::fs::create_dir_all(&cfg.state_dir).map_err(|source| AgentError::StateDir {
-        path: cfg.state_dir.clone(),
-        source,
-    })?;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
     let mut agent = Agent::start(&cfg, dataplane, Instant::now())?;
     let write_state = |agent: &Agent| {
-        if let Err(e) = state::write(
-            &cfg.state_dir,
-            &agent.state(Instant::now(), SystemTime::now()),
-        ) {
+        if let Err(e) =
+            state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
+        {
             warn!(dir = %cfg.state_dir.display(), error = %e, "writing the state file failed");
         }
     };
@@ -368,13 +364,7 @@ pub async fn run(
         Stream::Upstream,
         Arc::new(Notify::new()),
     )?;
-    let watched: Vec<_> = cfg
-        .addrs
-        .local
-        .iter()
-        .chain(&cfg.addrs.cluster_dns)
-        .copied()
-        .collect();
+    let watched: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     tasks.spawn(watch_cache_sockets(watched, cache_wakes));
     let nft_changed = Arc::new(Notify::new());
     tasks.spawn(watch_nftables(nft_changed.clone()));
@@ -433,13 +423,7 @@ mod tests {
     }
 
     fn report(stream: Stream, outcome: Outcome) -> Report {
-        Report {
-            stream,
-            result: ProbeResult {
-                outcome,
-                latency: Duration::from_millis(1),
-            },
-        }
+        Report { stream, result: ProbeResult { outcome, latency: Duration::from_millis(1) } }
     }
 
     fn installed(agent: &mut Agent) -> Option<Route> {

@@ -17,12 +17,7 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
     /// Log filter (tracing-subscriber syntax), e.g. `info` or `nodelocaldns_ha=debug`.
-    #[arg(
-        long,
-        global = true,
-        env = "NODELOCALDNS_HA_LOG",
-        default_value = "info"
-    )]
+    #[arg(long, global = true, env = "NODELOCALDNS_HA_LOG", default_value = "info")]
     pub log: String,
 }
 
@@ -51,20 +46,10 @@ pub enum DataplaneKind {
 #[derive(Debug, Args, Clone)]
 pub struct ListenArgs {
     /// node-local-dns's link-local IP; an IPv4 and an IPv6 address, comma-separated, for dual stack.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_LOCAL_IP",
-        value_delimiter = ',',
-        required = true
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_LOCAL_IP", value_delimiter = ',', required = true)]
     pub local_ip: Vec<IpAddr>,
     /// The kube-dns ClusterIP that pods query (one per family).
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_CLUSTER_DNS_IP",
-        value_delimiter = ',',
-        required = true
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_CLUSTER_DNS_IP", value_delimiter = ',', required = true)]
     pub cluster_dns_ip: Vec<IpAddr>,
 }
 
@@ -77,11 +62,7 @@ pub struct RunArgs {
     #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_IP", value_delimiter = ',')]
     pub upstream_ip: Vec<IpAddr>,
     /// The upstream Service whose `<SVC>_SERVICE_HOST` variable gives --upstream-ip.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_UPSTREAM_SVC",
-        default_value = "kube-dns-upstream"
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_SVC", default_value = "kube-dns-upstream")]
     pub upstream_svc: String,
     /// The name queried (type A) by every probe.
     #[arg(
@@ -103,11 +84,7 @@ pub struct RunArgs {
     #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_INTERVAL", default_value = "1s")]
     pub upstream_interval: String,
     /// How long a probe of the upstream waits for its answer.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_UPSTREAM_TIMEOUT",
-        default_value = "500ms"
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_TIMEOUT", default_value = "500ms")]
     pub upstream_timeout: String,
     /// Consecutive failed probes of the cache before switching to the upstream.
     #[arg(long, env = "NODELOCALDNS_HA_FALL", default_value_t = 3)]
@@ -119,19 +96,10 @@ pub struct RunArgs {
     #[arg(long, env = "NODELOCALDNS_HA_MIN_HOLD", default_value = "2s")]
     pub min_hold: String,
     /// The netfilter backend.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_DATAPLANE",
-        value_enum,
-        default_value = "nftables"
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "nftables")]
     pub dataplane: DataplaneKind,
     /// Where the state file for `status` is written.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_STATE_DIR",
-        default_value = "/run/nodelocaldns-ha"
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,
 }
 
@@ -163,11 +131,7 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
     /// The running agent's --state-dir.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_STATE_DIR",
-        default_value = "/run/nodelocaldns-ha"
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,
 }
 
@@ -219,11 +183,6 @@ pub struct ProbeArgs {
 #[derive(Debug, Args)]
 pub struct TeardownArgs {
     /// The netfilter backend.
-    #[arg(
-        long,
-        env = "NODELOCALDNS_HA_DATAPLANE",
-        value_enum,
-        default_value = "nftables"
-    )]
+    #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "nftables")]
     pub dataplane: DataplaneKind,
 }

@@ -21,12 +21,7 @@ pub enum ConfigError {
     EmptyList { flag: &'static str },
     /// Two addresses of one family in one flag.
     #[error("{flag} has two {family} addresses ({first}, {second}): give at most one per family")]
-    SameFamilyTwice {
-        flag: &'static str,
-        family: &'static str,
-        first: IpAddr,
-        second: IpAddr,
-    },
+    SameFamilyTwice { flag: &'static str, family: &'static str, first: IpAddr, second: IpAddr },
     /// The listen lists cover different families.
     #[error(
         "--local-ip ({local}) and --cluster-dns-ip ({cluster}) must cover the same IP families"
@@ -70,14 +65,10 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
     }
     let mut total = Duration::ZERO;
     while !rest.is_empty() {
-        let split = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(rest.len());
+        let split = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
         let (number, tail) = rest.split_at(split);
         let value: f64 = number.parse().ok()?;
-        let unit_len = tail
-            .find(|c: char| c.is_ascii_digit() || c == '.')
-            .unwrap_or(tail.len());
+        let unit_len = tail.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(tail.len());
         let (unit, tail) = tail.split_at(unit_len);
         let seconds = match unit {
             "ns" => value / 1e9,
@@ -96,10 +87,7 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
 
 /// A duration flag's raw text, for error messages.
 pub fn duration_flag(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
-    parse_duration(value).ok_or_else(|| ConfigError::BadDuration {
-        flag,
-        value: value.to_owned(),
-    })
+    parse_duration(value).ok_or_else(|| ConfigError::BadDuration { flag, value: value.to_owned() })
 }
 
 /// Checks that `list` holds one or two addresses, at most one per family; v4 first.
@@ -112,12 +100,7 @@ pub fn address_slot(flag: &'static str, list: &[IpAddr]) -> Result<Vec<IpAddr>, 
             IpAddr::V6(_) => (&mut v6, "IPv6"),
         };
         if let Some(first) = *slot {
-            return Err(ConfigError::SameFamilyTwice {
-                flag,
-                family,
-                first,
-                second: ip,
-            });
+            return Err(ConfigError::SameFamilyTwice { flag, family, first, second: ip });
         }
         *slot = Some(ip);
     }
@@ -129,19 +112,14 @@ pub fn address_slot(flag: &'static str, list: &[IpAddr]) -> Result<Vec<IpAddr>, 
 }
 
 fn families(list: &[IpAddr]) -> String {
-    let names: Vec<&str> = list
-        .iter()
-        .map(|ip| if ip.is_ipv4() { "IPv4" } else { "IPv6" })
-        .collect();
+    let names: Vec<&str> =
+        list.iter().map(|ip| if ip.is_ipv4() { "IPv4" } else { "IPv6" }).collect();
     names.join("+")
 }
 
 /// The environment variable node-cache reads a Service's ClusterIP from: `<SVC>_SERVICE_HOST`.
 pub fn service_host_var(service: &str) -> String {
-    format!(
-        "{}_SERVICE_HOST",
-        service.to_ascii_uppercase().replace(['-', '.'], "_")
-    )
+    format!("{}_SERVICE_HOST", service.to_ascii_uppercase().replace(['-', '.'], "_"))
 }
 
 /// Cadence of one probe stream.
@@ -208,10 +186,7 @@ fn cadence(
             interval: interval_d,
         });
     }
-    Ok(Cadence {
-        interval: interval_d,
-        timeout: timeout_d,
-    })
+    Ok(Cadence { interval: interval_d, timeout: timeout_d })
 }
 
 impl AgentConfig {
@@ -232,13 +207,9 @@ impl AgentConfig {
             let env_var = service_host_var(&raw.upstream_svc);
             let value = env(&env_var)
                 .filter(|v| !v.trim().is_empty())
-                .ok_or_else(|| ConfigError::NoUpstream {
-                    env_var: env_var.clone(),
-                })?;
-            let ip = value
-                .trim()
-                .parse()
-                .map_err(|_| ConfigError::BadUpstreamEnv { env_var, value })?;
+                .ok_or_else(|| ConfigError::NoUpstream { env_var: env_var.clone() })?;
+            let ip =
+                value.trim().parse().map_err(|_| ConfigError::BadUpstreamEnv { env_var, value })?;
             vec![ip]
         } else {
             address_slot("--upstream-ip", &raw.upstream_ip)?
@@ -260,10 +231,7 @@ impl AgentConfig {
                 interval: tcp_interval,
             });
         } else {
-            Some(Cadence {
-                interval: tcp_interval,
-                timeout: cache_udp.timeout,
-            })
+            Some(Cadence { interval: tcp_interval, timeout: cache_udp.timeout })
         };
         let upstream_probe = cadence(
             "--upstream-interval",
@@ -284,11 +252,7 @@ impl AgentConfig {
             cache_udp,
             cache_tcp,
             upstream_probe,
-            thresholds: Thresholds {
-                fall: raw.fall,
-                rise: raw.rise,
-                min_hold,
-            },
+            thresholds: Thresholds { fall: raw.fall, rise: raw.rise, min_hold },
             state_dir: raw.state_dir.clone(),
         })
     }
@@ -301,11 +265,8 @@ impl AgentConfig {
     /// Where the upstream is probed: same family as the cache target when there is one.
     pub fn upstream_target(&self) -> SocketAddr {
         let family_v4 = self.addrs.local[0].is_ipv4();
-        let ip = self
-            .upstream
-            .iter()
-            .find(|ip| ip.is_ipv4() == family_v4)
-            .unwrap_or(&self.upstream[0]);
+        let ip =
+            self.upstream.iter().find(|ip| ip.is_ipv4() == family_v4).unwrap_or(&self.upstream[0]);
         SocketAddr::new(*ip, DNS_PORT)
     }
 }
@@ -381,10 +342,7 @@ mod tests {
         let cfg = AgentConfig::from_args(&r, env).unwrap();
         assert_eq!(cfg.upstream, ips(&["10.96.0.12"]));
         let err = AgentConfig::from_args(&r, no_env).unwrap_err();
-        assert!(
-            err.to_string().contains("KUBE_DNS_UPSTREAM_SERVICE_HOST"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("KUBE_DNS_UPSTREAM_SERVICE_HOST"), "{err}");
         let garbage = |_: &str| Some("not-an-ip".into());
         let err = AgentConfig::from_args(&r, garbage).unwrap_err();
         assert!(err.to_string().contains("not-an-ip"), "{err}");
@@ -395,31 +353,16 @@ mod tests {
         type Mutation = Box<dyn Fn(&mut RawRun)>;
         let cases: Vec<(Mutation, &str)> = vec![
             (Box::new(|r| r.local_ip.clear()), "--local-ip is empty"),
-            (
-                Box::new(|r| r.local_ip = ips(&["169.254.20.10", "169.254.20.11"])),
-                "169.254.20.11",
-            ),
-            (
-                Box::new(|r| r.cluster_dns_ip = ips(&["10.96.0.10", "fd00::a"])),
-                "same IP families",
-            ),
-            (
-                Box::new(|r| r.timeout = "100ms".into()),
-                "--timeout (100ms)",
-            ),
+            (Box::new(|r| r.local_ip = ips(&["169.254.20.10", "169.254.20.11"])), "169.254.20.11"),
+            (Box::new(|r| r.cluster_dns_ip = ips(&["10.96.0.10", "fd00::a"])), "same IP families"),
+            (Box::new(|r| r.timeout = "100ms".into()), "--timeout (100ms)"),
             (Box::new(|r| r.timeout = "250ms".into()), "must be shorter"),
-            (
-                Box::new(|r| r.interval = "0s".into()),
-                "--interval must be greater",
-            ),
+            (Box::new(|r| r.interval = "0s".into()), "--interval must be greater"),
             (Box::new(|r| r.interval = "fast".into()), "\"fast\""),
             (Box::new(|r| r.fall = 0), "--fall must be at least 1"),
             (Box::new(|r| r.rise = 0), "--rise must be at least 1"),
             (Box::new(|r| r.min_hold = "2".into()), "--min-hold=\"2\""),
-            (
-                Box::new(|r| r.upstream_timeout = "2s".into()),
-                "--upstream-timeout",
-            ),
+            (Box::new(|r| r.upstream_timeout = "2s".into()), "--upstream-timeout"),
             (Box::new(|r| r.probe_name = "a..b".into()), "a..b"),
         ];
         for (mutate, needle) in cases {

@@ -57,11 +57,7 @@ pub enum Reason {
     /// The route the agent started in (installed before it, or the default).
     Start(Route),
     /// `count` consecutive probes of the cache failed, the last with `last`.
-    CacheFailing {
-        stream: Stream,
-        count: u32,
-        last: &'static str,
-    },
+    CacheFailing { stream: Stream, count: u32, last: &'static str },
     /// A probe of the cache was refused: nothing listens on port 53.
     CacheRefused(Stream),
     /// The cache answered `count` consecutive probes (and `min_hold` passed).
@@ -74,27 +70,18 @@ impl fmt::Display for Reason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Reason::Start(route) => write!(f, "started with route {route}"),
-            Reason::CacheFailing {
-                stream,
-                count,
-                last,
-            } => write!(
-                f,
-                "{count} consecutive {stream} probes failed (last: {last})"
-            ),
+            Reason::CacheFailing { stream, count, last } => {
+                write!(f, "{count} consecutive {stream} probes failed (last: {last})")
+            }
             Reason::CacheRefused(stream) => {
-                write!(
-                    f,
-                    "{stream} probe refused: nothing listens on the cache's port 53"
-                )
+                write!(f, "{stream} probe refused: nothing listens on the cache's port 53")
             }
             Reason::CacheRecovered { count } => {
                 write!(f, "cache answered {count} consecutive probes")
             }
-            Reason::CacheRecoveredUpstreamFailing { count } => write!(
-                f,
-                "cache answered {count} consecutive probes and the upstream is failing"
-            ),
+            Reason::CacheRecoveredUpstreamFailing { count } => {
+                write!(f, "cache answered {count} consecutive probes and the upstream is failing")
+            }
         }
     }
 }
@@ -229,32 +216,25 @@ impl Machine {
         self.since = now;
         self.reason = reason.clone();
         self.held = None;
-        Some(Transition {
-            from,
-            to: self.route,
-            reason,
-        })
+        Some(Transition { from, to: self.route, reason })
     }
 
     fn why_leave_local(&mut self) -> Option<Reason> {
-        let failing = [
-            (Stream::CacheUdp, self.cache_udp),
-            (Stream::CacheTcp, self.cache_tcp),
-        ]
-        .into_iter()
-        .find_map(|(stream, s)| {
-            if s.refused {
-                Some(Reason::CacheRefused(stream))
-            } else if s.bad >= self.thresholds.fall {
-                Some(Reason::CacheFailing {
-                    stream,
-                    count: s.bad,
-                    last: s.last_bad.unwrap_or("bad"),
-                })
-            } else {
-                None
-            }
-        });
+        let failing = [(Stream::CacheUdp, self.cache_udp), (Stream::CacheTcp, self.cache_tcp)]
+            .into_iter()
+            .find_map(|(stream, s)| {
+                if s.refused {
+                    Some(Reason::CacheRefused(stream))
+                } else if s.bad >= self.thresholds.fall {
+                    Some(Reason::CacheFailing {
+                        stream,
+                        count: s.bad,
+                        last: s.last_bad.unwrap_or("bad"),
+                    })
+                } else {
+                    None
+                }
+            });
         let Some(reason) = failing else {
             self.held = None;
             return None;
@@ -292,11 +272,7 @@ mod tests {
     use Sample::{Bad, Good, Refused};
     use Stream::{CacheTcp, CacheUdp};
 
-    const T: Thresholds = Thresholds {
-        fall: 3,
-        rise: 5,
-        min_hold: Duration::from_secs(2),
-    };
+    const T: Thresholds = Thresholds { fall: 3, rise: 5, min_hold: Duration::from_secs(2) };
 
     /// Feeds `samples` of `stream` 100 ms apart starting at `t0 + start_ms`; returns the route
     /// changed to after each one (None when unchanged).
@@ -327,11 +303,7 @@ mod tests {
         assert_eq!(got, [None, None, Some(Upstream)]);
         assert_eq!(
             m.reason(),
-            &Reason::CacheFailing {
-                stream: CacheUdp,
-                count: 3,
-                last: "timeout"
-            }
+            &Reason::CacheFailing { stream: CacheUdp, count: 3, last: "timeout" }
         );
     }
 
@@ -339,13 +311,7 @@ mod tests {
     fn a_good_probe_resets_the_failure_count() {
         let t0 = Instant::now();
         let mut m = Machine::new(T, Local, t0);
-        let got = feed(
-            &mut m,
-            t0,
-            0,
-            CacheUdp,
-            &[TIMEOUT, TIMEOUT, Good, TIMEOUT, TIMEOUT, Good],
-        );
+        let got = feed(&mut m, t0, 0, CacheUdp, &[TIMEOUT, TIMEOUT, Good, TIMEOUT, TIMEOUT, Good]);
         assert_eq!(got, [None; 6]);
         assert_eq!(m.route(), Local);
     }
@@ -395,50 +361,21 @@ mod tests {
             t0,
             5000,
             CacheUdp,
-            &[
-                Good, Good, Good, Good, TIMEOUT, Good, Good, Good, Good, Good,
-            ],
+            &[Good, Good, Good, Good, TIMEOUT, Good, Good, Good, Good, Good],
         );
-        assert_eq!(
-            got,
-            [
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                Some(Local)
-            ]
-        );
+        assert_eq!(got, [None, None, None, None, None, None, None, None, None, Some(Local)]);
     }
 
     #[test]
     fn holds_local_when_the_upstream_fails_too() {
         let t0 = Instant::now();
         let mut m = Machine::new(T, Local, t0);
-        feed(
-            &mut m,
-            t0,
-            0,
-            Stream::Upstream,
-            &[TIMEOUT, TIMEOUT, TIMEOUT],
-        );
+        feed(&mut m, t0, 0, Stream::Upstream, &[TIMEOUT, TIMEOUT, TIMEOUT]);
         let got = feed(&mut m, t0, 300, CacheUdp, &[Bad("servfail"); 4]);
         assert_eq!(got, [None; 4]);
-        assert!(
-            m.held().unwrap().contains("staying local"),
-            "{:?}",
-            m.held()
-        );
+        assert!(m.held().unwrap().contains("staying local"), "{:?}", m.held());
         // The upstream answers again: the cache is still failing, so the route moves at once.
-        assert_eq!(
-            feed(&mut m, t0, 700, Stream::Upstream, &[Good]),
-            [Some(Upstream)]
-        );
+        assert_eq!(feed(&mut m, t0, 700, Stream::Upstream, &[Good]), [Some(Upstream)]);
         assert_eq!(m.held(), None);
     }
 
@@ -451,10 +388,7 @@ mod tests {
         feed(&mut m, t0, 100, Stream::Upstream, &[TIMEOUT; 3]);
         let got = feed(&mut m, t0, 400, CacheUdp, &[Good; 5]);
         assert_eq!(got, [None, None, None, None, Some(Local)]);
-        assert_eq!(
-            m.reason(),
-            &Reason::CacheRecoveredUpstreamFailing { count: 5 }
-        );
+        assert_eq!(m.reason(), &Reason::CacheRecoveredUpstreamFailing { count: 5 });
     }
 
     #[test]
@@ -477,14 +411,7 @@ mod tests {
 
     #[test]
     fn reasons_read_well() {
-        let r = Reason::CacheFailing {
-            stream: CacheUdp,
-            count: 3,
-            last: "timeout",
-        };
-        assert_eq!(
-            r.to_string(),
-            "3 consecutive cache udp probes failed (last: timeout)"
-        );
+        let r = Reason::CacheFailing { stream: CacheUdp, count: 3, last: "timeout" };
+        assert_eq!(r.to_string(), "3 consecutive cache udp probes failed (last: timeout)");
     }
 }

@@ -28,17 +28,11 @@ struct Failure {
 
 impl Failure {
     fn usage(message: impl ToString) -> Failure {
-        Failure {
-            code: 2,
-            message: message.to_string(),
-        }
+        Failure { code: 2, message: message.to_string() }
     }
 
     fn runtime(message: impl ToString) -> Failure {
-        Failure {
-            code: 1,
-            message: message.to_string(),
-        }
+        Failure { code: 1, message: message.to_string() }
     }
 }
 
@@ -47,10 +41,7 @@ fn main() -> ExitCode {
     let filter = match EnvFilter::try_new(&cli.log) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!(
-                "nodelocaldns-ha: --log {:?} is not a valid filter: {e}",
-                cli.log
-            );
+            eprintln!("nodelocaldns-ha: --log {:?} is not a valid filter: {e}", cli.log);
             return ExitCode::from(2);
         }
     };
@@ -76,9 +67,7 @@ fn run(command: Command) -> Result<(), Failure> {
             require_net_admin()?;
             let dataplane = open_dataplane(args.dataplane)?;
             runtime()?.block_on(async {
-                agent::run(cfg, dataplane, shutdown_signal())
-                    .await
-                    .map_err(Failure::runtime)
+                agent::run(cfg, dataplane, shutdown_signal()).await.map_err(Failure::runtime)
             })
         }
         Command::Status(args) => status(&args),
@@ -92,10 +81,7 @@ fn run(command: Command) -> Result<(), Failure> {
             require_net_admin()?;
             let mut dataplane = open_dataplane(args.dataplane)?;
             dataplane.remove().map_err(Failure::runtime)?;
-            println!(
-                "removed everything nodelocaldns-ha installed ({})",
-                dataplane.name()
-            );
+            println!("removed everything nodelocaldns-ha installed ({})", dataplane.name());
             Ok(())
         }
     }
@@ -143,10 +129,9 @@ fn require_net_admin() -> Result<(), Failure> {
 /// Completes on SIGTERM or SIGINT.
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
+    let (Ok(mut term), Ok(mut int)) =
+        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
         tracing::error!("cannot install signal handlers; stop the agent with SIGKILL");
         return std::future::pending().await;
     };
@@ -157,11 +142,9 @@ async fn shutdown_signal() {
 }
 
 fn parse_server(text: &str) -> Option<SocketAddr> {
-    text.parse::<SocketAddr>().ok().or_else(|| {
-        text.parse::<IpAddr>()
-            .ok()
-            .map(|ip| SocketAddr::new(ip, DNS_PORT))
-    })
+    text.parse::<SocketAddr>()
+        .ok()
+        .or_else(|| text.parse::<IpAddr>().ok().map(|ip| SocketAddr::new(ip, DNS_PORT)))
 }
 
 fn probe(args: &ProbeArgs) -> Result<(), Failure> {
@@ -173,11 +156,7 @@ fn probe(args: &ProbeArgs) -> Result<(), Failure> {
     })?;
     let timeout = config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
     let probe = Probe::new(&args.probe_name, timeout).map_err(Failure::usage)?;
-    let transport = if args.tcp {
-        Transport::Tcp
-    } else {
-        Transport::Udp
-    };
+    let transport = if args.tcp { Transport::Tcp } else { Transport::Udp };
     let result = runtime()?.block_on(probe.run(server, transport));
     let ms = result.latency.as_secs_f64() * 1e3;
     let detail = match &result.outcome {
@@ -186,17 +165,11 @@ fn probe(args: &ProbeArgs) -> Result<(), Failure> {
         nodelocaldns_ha::probe::Outcome::Error { reason } => format!(" ({reason})"),
         _ => String::new(),
     };
-    println!(
-        "{server} {transport}: {}{detail} in {ms:.3} ms",
-        result.outcome.label()
-    );
+    println!("{server} {transport}: {}{detail} in {ms:.3} ms", result.outcome.label());
     if result.outcome.is_good() {
         Ok(())
     } else {
-        Err(Failure::runtime(format!(
-            "probe of {server} failed: {}",
-            result.outcome.label()
-        )))
+        Err(Failure::runtime(format!("probe of {server} failed: {}", result.outcome.label())))
     }
 }
 
@@ -223,23 +196,15 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
     }
     let running = match (alive, stale) {
         (true, false) => format!("running (pid {})", st.pid),
-        (true, true) => format!(
-            "pid {} alive but not updating ({})",
-            st.pid,
-            ago(st.updated_unix_ms, now)
-        ),
-        (false, _) => format!(
-            "not running (pid {} gone; its last ruleset stays installed)",
-            st.pid
-        ),
+        (true, true) => {
+            format!("pid {} alive but not updating ({})", st.pid, ago(st.updated_unix_ms, now))
+        }
+        (false, _) => {
+            format!("not running (pid {} gone; its last ruleset stays installed)", st.pid)
+        }
     };
     println!("agent:       {running}");
-    println!(
-        "route:       {} since {} ({})",
-        st.route,
-        ago(st.since_unix_ms, now),
-        st.reason
-    );
+    println!("route:       {} since {} ({})", st.route, ago(st.since_unix_ms, now), st.reason);
     if let Some(held) = &st.held {
         println!("held:        {held}");
     }
@@ -258,8 +223,7 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
             p.good,
             p.bad,
             p.last.as_deref().unwrap_or("-"),
-            p.last_latency_ms
-                .map_or("-".to_owned(), |ms| format!("{ms:.2} ms")),
+            p.last_latency_ms.map_or("-".to_owned(), |ms| format!("{ms:.2} ms")),
             p.streak_good,
             p.streak_bad
         )

@@ -218,24 +218,16 @@ impl Probe {
         if timeout.is_zero() {
             return Err(ProbeError::ZeroTimeout);
         }
-        let mut parsed = Name::from_ascii(name).map_err(|source| ProbeError::InvalidName {
-            name: name.to_owned(),
-            source,
-        })?;
+        let mut parsed = Name::from_ascii(name)
+            .map_err(|source| ProbeError::InvalidName { name: name.to_owned(), source })?;
         parsed.set_fqdn(true);
-        let probe = Probe {
-            name: parsed,
-            timeout,
-        };
+        let probe = Probe { name: parsed, timeout };
         // Encode once so that a name hickory accepts but cannot put on the wire fails here,
         // at configuration time, instead of in every probe.
         probe
             .query()
             .to_vec()
-            .map_err(|source| ProbeError::Encode {
-                name: name.to_owned(),
-                source,
-            })?;
+            .map_err(|source| ProbeError::Encode { name: name.to_owned(), source })?;
         Ok(probe)
     }
 
@@ -282,16 +274,10 @@ impl Probe {
         let query = self.query();
         let wire = match query.to_vec() {
             Ok(wire) => wire,
-            Err(err) => {
-                return Outcome::Error {
-                    reason: format!("encoding the query: {err}"),
-                }
-            }
+            Err(err) => return Outcome::Error { reason: format!("encoding the query: {err}") },
         };
         let Some(question) = query.queries.first() else {
-            return Outcome::Error {
-                reason: "the query has no question".to_owned(),
-            };
+            return Outcome::Error { reason: "the query has no question".to_owned() };
         };
         let id = query.metadata.id;
         match transport {
@@ -386,9 +372,7 @@ fn io_error(doing: &str, server: SocketAddr, err: &io::Error) -> Outcome {
         io::ErrorKind::UnexpectedEof => Outcome::Error {
             reason: format!("{doing} from {server}: connection closed before a reply"),
         },
-        _ => Outcome::Error {
-            reason: format!("{doing} ({server}): {err}"),
-        },
+        _ => Outcome::Error { reason: format!("{doing} ({server}): {err}") },
     }
 }
 
@@ -472,42 +456,12 @@ mod tests {
     fn rcodes_map_to_outcomes() {
         let q = question();
         let cases = [
-            (
-                ResponseCode::NoError,
-                Outcome::Answered {
-                    rcode: Rcode::NOERROR,
-                },
-            ),
-            (
-                ResponseCode::NXDomain,
-                Outcome::Answered {
-                    rcode: Rcode::NXDOMAIN,
-                },
-            ),
-            (
-                ResponseCode::ServFail,
-                Outcome::ServerFailure {
-                    rcode: Rcode::SERVFAIL,
-                },
-            ),
-            (
-                ResponseCode::Refused,
-                Outcome::ServerFailure {
-                    rcode: Rcode::REFUSED,
-                },
-            ),
-            (
-                ResponseCode::FormErr,
-                Outcome::ServerFailure {
-                    rcode: Rcode::FORMERR,
-                },
-            ),
-            (
-                ResponseCode::NotImp,
-                Outcome::ServerFailure {
-                    rcode: Rcode::NOTIMP,
-                },
-            ),
+            (ResponseCode::NoError, Outcome::Answered { rcode: Rcode::NOERROR }),
+            (ResponseCode::NXDomain, Outcome::Answered { rcode: Rcode::NXDOMAIN }),
+            (ResponseCode::ServFail, Outcome::ServerFailure { rcode: Rcode::SERVFAIL }),
+            (ResponseCode::Refused, Outcome::ServerFailure { rcode: Rcode::REFUSED }),
+            (ResponseCode::FormErr, Outcome::ServerFailure { rcode: Rcode::FORMERR }),
+            (ResponseCode::NotImp, Outcome::ServerFailure { rcode: Rcode::NOTIMP }),
         ];
         for (code, want) in cases {
             let got = classify_reply(7, &q, &bytes(&reply(7, code, Some(q.clone()))));
@@ -526,9 +480,7 @@ mod tests {
         ));
         assert_eq!(
             classify_reply(9, &q, &bytes(&message)),
-            Some(Outcome::Answered {
-                rcode: Rcode::NOERROR
-            })
+            Some(Outcome::Answered { rcode: Rcode::NOERROR })
         );
     }
 
@@ -571,9 +523,7 @@ mod tests {
         let formerr = bytes(&reply(7, ResponseCode::FormErr, None));
         assert_eq!(
             classify_reply(7, &q, &formerr),
-            Some(Outcome::ServerFailure {
-                rcode: Rcode::FORMERR
-            })
+            Some(Outcome::ServerFailure { rcode: Rcode::FORMERR })
         );
         let noerror = bytes(&reply(7, ResponseCode::NoError, None));
         assert_eq!(classify_reply(7, &q, &noerror), None);
@@ -594,9 +544,7 @@ mod tests {
         message.metadata.truncation = true;
         assert_eq!(
             classify_reply(7, &q, &bytes(&message)),
-            Some(Outcome::Answered {
-                rcode: Rcode::NOERROR
-            })
+            Some(Outcome::Answered { rcode: Rcode::NOERROR })
         );
         // Truncated in the middle of a record: the header and question still decide.
         message.add_answer(Record::from_rdata(
@@ -606,12 +554,7 @@ mod tests {
         ));
         let mut wire = bytes(&message);
         wire.truncate(wire.len() - 3);
-        assert_eq!(
-            classify_reply(7, &q, &wire),
-            Some(Outcome::Answered {
-                rcode: Rcode::NOERROR
-            })
-        );
+        assert_eq!(classify_reply(7, &q, &wire), Some(Outcome::Answered { rcode: Rcode::NOERROR }));
         // The same cut without TC is malformed.
         message.metadata.truncation = false;
         let mut wire = bytes(&message);
@@ -630,37 +573,22 @@ mod tests {
     #[test]
     fn labels_and_serialisation() {
         assert_eq!(Outcome::Timeout.label(), "timeout");
-        assert_eq!(
-            Outcome::ServerFailure {
-                rcode: Rcode::SERVFAIL
-            }
-            .label(),
-            "servfail"
-        );
+        assert_eq!(Outcome::ServerFailure { rcode: Rcode::SERVFAIL }.label(), "servfail");
         assert!(!Outcome::Refused.is_good());
         assert_eq!(Rcode(23).to_string(), "RCODE23");
         assert_eq!(serde_json::to_string(&Transport::Tcp).unwrap(), "\"tcp\"");
         assert_eq!(
-            serde_json::to_string(&Outcome::ServerFailure {
-                rcode: Rcode::REFUSED
-            })
-            .unwrap(),
+            serde_json::to_string(&Outcome::ServerFailure { rcode: Rcode::REFUSED }).unwrap(),
             r#"{"outcome":"servfail","rcode":"REFUSED"}"#
         );
-        assert_eq!(
-            serde_json::to_string(&Outcome::Timeout).unwrap(),
-            r#"{"outcome":"timeout"}"#
-        );
+        assert_eq!(serde_json::to_string(&Outcome::Timeout).unwrap(), r#"{"outcome":"timeout"}"#);
     }
 
     #[test]
     fn probe_rejects_bad_configuration() {
         let err = Probe::new("bad..name", Duration::from_secs(1)).unwrap_err();
         assert!(err.to_string().contains("bad..name"), "{err}");
-        assert!(matches!(
-            Probe::new("ok.example", Duration::ZERO),
-            Err(ProbeError::ZeroTimeout)
-        ));
+        assert!(matches!(Probe::new("ok.example", Duration::ZERO), Err(ProbeError::ZeroTimeout)));
         let probe = Probe::new("cluster.local", Duration::from_secs(1)).unwrap();
         assert!(probe.name().is_fqdn());
     }
@@ -679,18 +607,13 @@ mod tests {
         let question = query.queries.first().cloned();
         let message = match how {
             Reply::Rcode(code) => reply(query.metadata.id, code, question),
-            Reply::WrongId => reply(
-                query.metadata.id.wrapping_add(1),
-                ResponseCode::NoError,
-                question,
-            ),
+            Reply::WrongId => {
+                reply(query.metadata.id.wrapping_add(1), ResponseCode::NoError, question)
+            }
             Reply::WrongQuestion => reply(
                 query.metadata.id,
                 ResponseCode::NoError,
-                Some(Query::query(
-                    Name::from_ascii("other.example.").unwrap(),
-                    RecordType::A,
-                )),
+                Some(Query::query(Name::from_ascii("other.example.").unwrap(), RecordType::A)),
             ),
             Reply::Garbage => return vec![0xde, 0xad, 0xbe, 0xef],
         };
@@ -742,10 +665,7 @@ mod tests {
 
     /// A loopback port with nobody behind it (bound, then released).
     fn closed_port() -> SocketAddr {
-        std::net::UdpSocket::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
+        std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
     }
 
     #[tokio::test]
@@ -792,10 +712,7 @@ mod tests {
         let cases = [
             (vec![Reply::Rcode(ResponseCode::NoError)], "answered"),
             (vec![Reply::Rcode(ResponseCode::ServFail)], "servfail"),
-            (
-                vec![Reply::WrongId, Reply::Rcode(ResponseCode::NXDomain)],
-                "answered",
-            ),
+            (vec![Reply::WrongId, Reply::Rcode(ResponseCode::NXDomain)], "answered"),
             (vec![], "timeout"),
         ];
         let probe = probe(Duration::from_millis(200));
@@ -827,9 +744,7 @@ mod tests {
             let mut buf = vec![0u8; len];
             stream.read_exact(&mut buf).await.unwrap();
         });
-        let result = probe(Duration::from_secs(2))
-            .run(server, Transport::Tcp)
-            .await;
+        let result = probe(Duration::from_secs(2)).run(server, Transport::Tcp).await;
         assert_eq!(result.outcome.label(), "error", "{result:?}");
     }
 }

@@ -200,11 +200,7 @@ impl RuleSet {
                         Guard::LocalSocket,
                         "pods to cache while it listens",
                     ));
-                    output.push(rule(
-                        Side::Destination,
-                        Guard::LocalAddress,
-                        "host to cache",
-                    ));
+                    output.push(rule(Side::Destination, Guard::LocalAddress, "host to cache"));
                 }
                 // In both routes: a reply the cache sends (a late one, after a hang) must not
                 // leave a conntrack entry that would steer a later query back to it.
@@ -213,25 +209,15 @@ impl RuleSet {
         }
         RuleSet {
             chains: vec![
-                Chain {
-                    hook: Hook::Prerouting,
-                    priority: PRIORITY,
-                    rules: prerouting,
-                },
-                Chain {
-                    hook: Hook::Output,
-                    priority: PRIORITY,
-                    rules: output,
-                },
+                Chain { hook: Hook::Prerouting, priority: PRIORITY, rules: prerouting },
+                Chain { hook: Hook::Output, priority: PRIORITY, rules: output },
             ],
         }
     }
 
     /// Every rule, with the chain it belongs to.
     pub fn rules(&self) -> impl Iterator<Item = (&Chain, &Rule)> {
-        self.chains
-            .iter()
-            .flat_map(|chain| chain.rules.iter().map(move |rule| (chain, rule)))
+        self.chains.iter().flat_map(|chain| chain.rules.iter().map(move |rule| (chain, rule)))
     }
 }
 
@@ -257,13 +243,7 @@ impl fmt::Display for Rule {
             Side::Destination => ("daddr", "dport"),
             Side::Source => ("saddr", "sport"),
         };
-        write!(
-            f,
-            "{family} {addr} {} {} {port} {}",
-            self.addr,
-            self.proto.as_str(),
-            self.port
-        )?;
+        write!(f, "{family} {addr} {} {} {port} {}", self.addr, self.proto.as_str(), self.port)?;
         match self.guard {
             Guard::None => {}
             Guard::LocalAddress => f.write_str(" fib daddr type local")?,
@@ -303,17 +283,13 @@ mod tests {
 
     fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
         let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
-        ListenAddrs {
-            local: parse(local),
-            cluster_dns: parse(cluster_dns),
-        }
+        ListenAddrs { local: parse(local), cluster_dns: parse(cluster_dns) }
     }
 
     /// Compares with a file under testdata/golden; `UPDATE_GOLDEN=1` rewrites it.
     fn golden(name: &str, actual: &str) {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("testdata/golden")
-            .join(name);
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/golden").join(name);
         if std::env::var_os("UPDATE_GOLDEN").is_some() {
             std::fs::write(&path, actual).unwrap();
         }
@@ -337,10 +313,7 @@ mod tests {
     #[test]
     fn golden_dual_stack_local() {
         let set = RuleSet::desired(
-            &addrs(
-                &["169.254.20.10", "fd00:169:254::10"],
-                &["10.96.0.10", "fd00:96::10"],
-            ),
+            &addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"]),
             Route::Local,
         );
         golden("dual-local.nft", &set.to_string());
@@ -349,14 +322,10 @@ mod tests {
     #[test]
     fn upstream_lets_every_query_to_the_cluster_dns_ip_through() {
         let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Upstream);
-        let cluster: Vec<_> = set
-            .rules()
-            .filter(|(_, r)| r.addr.to_string() == "10.96.0.10")
-            .collect();
+        let cluster: Vec<_> =
+            set.rules().filter(|(_, r)| r.addr.to_string() == "10.96.0.10").collect();
         assert_eq!(cluster.len(), 2);
-        assert!(cluster
-            .iter()
-            .all(|(c, r)| c.hook == Hook::Output && r.side == Side::Source));
+        assert!(cluster.iter().all(|(c, r)| c.hook == Hook::Output && r.side == Side::Source));
     }
 
     #[test]
@@ -376,10 +345,7 @@ mod tests {
     #[test]
     fn comments_fit_nftnl_limit() {
         let set = RuleSet::desired(
-            &addrs(
-                &["169.254.20.10", "fd00:169:254::10"],
-                &["10.96.0.10", "fd00:96::10"],
-            ),
+            &addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"]),
             Route::Local,
         );
         assert!(set.rules().all(|(_, r)| r.comment.len() < 128));

@@ -276,10 +276,7 @@ impl SocketWatch {
         // so this use is sound, and it keeps this module free of `unsafe`.
         #[allow(deprecated)]
         let fd = AsyncFd::with_interest(fd, Interest::READABLE).map_err(SockDiagError::Register)?;
-        Ok(SocketWatch {
-            fd,
-            buf: vec![0u8; DATAGRAM_BYTES],
-        })
+        Ok(SocketWatch { fd, buf: vec![0u8; DATAGRAM_BYTES] })
     }
 
     /// Waits for the next announcement datagram and returns the sockets it reports (usually
@@ -368,10 +365,7 @@ mod tests {
         000000ffffffff000000000000000005000a0011000000";
 
     fn unhex(s: &str) -> Vec<u8> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
-            .collect()
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
     }
 
     #[test]
@@ -403,10 +397,7 @@ mod tests {
         let socket = closed[0];
         assert_eq!(socket.transport, Transport::Udp);
         assert_eq!(socket.local, addr("169.254.20.10:53"));
-        let cache: [IpAddr; 2] = [
-            "169.254.20.10".parse().unwrap(),
-            "10.96.0.10".parse().unwrap(),
-        ];
+        let cache: [IpAddr; 2] = ["169.254.20.10".parse().unwrap(), "10.96.0.10".parse().unwrap()];
         assert!(socket.is_listener_on(&cache, 53));
         assert!(!socket.is_listener_on(&cache, 5353));
         assert!(!socket.is_listener_on(&["10.96.0.10".parse().unwrap()], 53));
@@ -415,13 +406,8 @@ mod tests {
     #[test]
     fn tcp6_listener_and_connections() {
         let cache: [IpAddr; 1] = ["fd00::10".parse().unwrap()];
-        let listener = announcement(
-            FAMILY_INET6,
-            7,
-            Some(IPPROTO_TCP),
-            addr("[fd00::10]:53"),
-            addr("[::]:0"),
-        );
+        let listener =
+            announcement(FAMILY_INET6, 7, Some(IPPROTO_TCP), addr("[fd00::10]:53"), addr("[::]:0"));
         let closed = parse(&listener);
         assert_eq!(closed.len(), 1);
         assert_eq!(closed[0].transport, Transport::Tcp);
@@ -452,16 +438,9 @@ mod tests {
             remote: addr("0.0.0.0:0"),
             state: 7,
         };
-        let any6 = ClosedSocket {
-            local: addr("[::]:53"),
-            remote: addr("[::]:0"),
-            ..any4
-        };
-        let mapped = ClosedSocket {
-            local: addr("[::ffff:10.96.0.10]:53"),
-            remote: addr("[::]:0"),
-            ..any4
-        };
+        let any6 = ClosedSocket { local: addr("[::]:53"), remote: addr("[::]:0"), ..any4 };
+        let mapped =
+            ClosedSocket { local: addr("[::ffff:10.96.0.10]:53"), remote: addr("[::]:0"), ..any4 };
         assert!(any4.is_listener_on(&[v4], 53));
         assert!(!any4.is_listener_on(&["fd00::10".parse().unwrap()], 53));
         assert!(any6.is_listener_on(&[v4], 53));
@@ -518,13 +497,7 @@ mod tests {
         // message is still read.
         for bad in [
             announcement(FAMILY_INET, 7, None, addr("1.2.3.4:53"), addr("0.0.0.0:0")),
-            announcement(
-                FAMILY_INET,
-                7,
-                Some(132),
-                addr("1.2.3.4:53"),
-                addr("0.0.0.0:0"),
-            ),
+            announcement(FAMILY_INET, 7, Some(132), addr("1.2.3.4:53"), addr("0.0.0.0:0")),
             {
                 let mut b = good.clone();
                 b[NLMSG_HDRLEN] = 1; // AF_UNIX
@@ -544,13 +517,8 @@ mod tests {
 
     #[test]
     fn truncated_and_garbage_never_panic() {
-        let good = announcement(
-            FAMILY_INET6,
-            7,
-            Some(IPPROTO_TCP),
-            addr("[fd00::10]:53"),
-            addr("[::]:0"),
-        );
+        let good =
+            announcement(FAMILY_INET6, 7, Some(IPPROTO_TCP), addr("[fd00::10]:53"), addr("[::]:0"));
         // Every prefix: nothing complete, nothing reported.
         for cut in 0..good.len() {
             assert!(parse(&good[..cut]).is_empty(), "cut at {cut}");
@@ -636,9 +604,7 @@ mod tests {
 
         impl Drop for Namespace {
             fn drop(&mut self) {
-                let _ = Command::new("ip")
-                    .args(["netns", "delete", &self.0])
-                    .status();
+                let _ = Command::new("ip").args(["netns", "delete", &self.0]).status();
             }
         }
 
@@ -666,15 +632,7 @@ mod tests {
             ip(&["netns", "add", &name]);
             let namespace = Namespace(name);
             ip(&["-n", &namespace.0, "link", "set", "lo", "up"]);
-            ip(&[
-                "-n",
-                &namespace.0,
-                "addr",
-                "add",
-                &format!("{TEST_ADDR}/32"),
-                "dev",
-                "lo",
-            ]);
+            ip(&["-n", &namespace.0, "addr", "add", &format!("{TEST_ADDR}/32"), "dev", "lo"]);
 
             let rt = runtime();
             let mut host_watch = rt.block_on(async {
@@ -785,10 +743,7 @@ mod tests {
                 setsockopt(
                     &accepted,
                     sockopt::Linger,
-                    &nix::libc::linger {
-                        l_onoff: 1,
-                        l_linger: 0,
-                    },
+                    &nix::libc::linger { l_onoff: 1, l_linger: 0 },
                 )
                 .expect("SO_LINGER");
                 let closed_at = Instant::now();

@@ -64,8 +64,7 @@ pub struct State {
 
 /// Milliseconds since the Unix epoch of `t`.
 pub fn unix_ms(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// Path of the state file in `dir`.
@@ -109,10 +108,8 @@ pub fn read(dir: &Path) -> Result<State, ReadError> {
         }
         Err(source) => return Err(ReadError::Io { path: file, source }),
     };
-    let state: State = serde_json::from_slice(&bytes).map_err(|e| ReadError::Invalid {
-        path: file.clone(),
-        detail: e.to_string(),
-    })?;
+    let state: State = serde_json::from_slice(&bytes)
+        .map_err(|e| ReadError::Invalid { path: file.clone(), detail: e.to_string() })?;
     if state.version != VERSION {
         return Err(ReadError::Invalid {
             path: file,

@@ -21,14 +21,7 @@ fn cache_sigkill_loses_no_pod_lookup() {
     let mut load = node.load(
         "pod1",
         POD_SERVER,
-        &[
-            "--rate",
-            "500",
-            "--duration",
-            "8s",
-            "--report-interval",
-            "250ms",
-        ],
+        &["--rate", "500", "--duration", "8s", "--report-interval", "250ms"],
     );
     load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
         field(l, "cache").is_some_and(|n| n > 0)
@@ -84,14 +77,7 @@ fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     let mut load = node.load(
         "pod1",
         POD_SERVER,
-        &[
-            "--rate",
-            "500",
-            "--duration",
-            "6s",
-            "--report-interval",
-            "100ms",
-        ],
+        &["--rate", "500", "--duration", "6s", "--report-interval", "100ms"],
     );
     // Let the load run against the healthy cache first.
     load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
@@ -104,35 +90,21 @@ fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     let detection = switch_ms.saturating_sub(stopped_at);
     println!("hung cache detected in {detection} ms (bound 380 ms + slack)");
     // Scheduling slack: this machine is shared and noisy; the bound is checked, not timed.
-    assert!(
-        detection <= 380 + 600,
-        "detection took {detection} ms: {up}"
-    );
-    assert!(
-        up["reason"].as_str().unwrap().contains("3 consecutive"),
-        "{up}"
-    );
+    assert!(detection <= 380 + 600, "detection took {detection} ms: {up}");
+    assert!(up["reason"].as_str().unwrap().contains("3 consecutive"), "{up}");
 
     // Keep it hung until the client's first attempts to it have timed out (1 s).
-    load.wait_line(
-        "first attempts lost to the hung cache",
-        Duration::from_secs(5),
-        |l| field(l, "first_attempt_lost").is_some_and(|n| n > 0),
-    );
+    load.wait_line("first attempts lost to the hung cache", Duration::from_secs(5), |l| {
+        field(l, "first_attempt_lost").is_some_and(|n| n > 0)
+    });
     let resumed_at = now_ms();
     node.script(&["cache-cont"]);
     let local = agent.wait_route("local", Duration::from_secs(10));
     let back_ms = local["since_unix_ms"].as_u64().unwrap();
-    assert!(
-        back_ms - switch_ms >= 2000,
-        "returned before min-hold: {local}"
-    );
+    assert!(back_ms - switch_ms >= 2000, "returned before min-hold: {local}");
     assert!(back_ms >= resumed_at, "returned before the cache resumed");
     assert!(
-        local["probes"]["cache_udp"]["streak_good"]
-            .as_u64()
-            .unwrap()
-            >= 5,
+        local["probes"]["cache_udp"]["streak_good"].as_u64().unwrap() >= 5,
         "returned before rise good probes: {local}"
     );
     let summary = load.finish();
@@ -140,10 +112,7 @@ fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     assert_eq!(summary["failed"], 0, "{summary}");
     // Lookups sent to the hung cache before the switch lost their first attempt, and only those.
     let lost = summary["first_attempt_lost_at_ms"].as_array().unwrap();
-    assert!(
-        !lost.is_empty(),
-        "no lookup met the hung cache, nothing was tested: {summary}"
-    );
+    assert!(!lost.is_empty(), "no lookup met the hung cache, nothing was tested: {summary}");
     let start = summary["start_unix_ms"].as_u64().unwrap();
     for at in lost {
         let sent = start + at.as_u64().unwrap();
@@ -163,15 +132,9 @@ fn servfail_cache_fails_over_only_when_coredns_works() {
 
     // CoreDNS down first: the agent must see the upstream failing.
     node.script(&["coredns-kill"]);
-    wait_for(
-        "the upstream to be seen failing",
-        Duration::from_secs(10),
-        || {
-            agent
-                .state()
-                .filter(|s| s["probes"]["upstream"]["streak_bad"].as_u64() >= Some(3))
-        },
-    );
+    wait_for("the upstream to be seen failing", Duration::from_secs(10), || {
+        agent.state().filter(|s| s["probes"]["upstream"]["streak_bad"].as_u64() >= Some(3))
+    });
     node.script(&["cache-kill"]);
     node.script(&["cache-start", "--mode", "servfail"]);
     let held = wait_for("the route to be held", Duration::from_secs(10), || {
@@ -184,14 +147,9 @@ fn servfail_cache_fails_over_only_when_coredns_works() {
     // Many more failing probes later, still local.
     let seen = held["probes"]["cache_udp"]["bad"].as_u64().unwrap();
     let later = wait_for("more probes", Duration::from_secs(5), || {
-        agent
-            .state()
-            .filter(|s| s["probes"]["cache_udp"]["bad"].as_u64() >= Some(seen + 10))
+        agent.state().filter(|s| s["probes"]["cache_udp"]["bad"].as_u64() >= Some(seen + 10))
     });
-    assert_eq!(
-        later["route"], "local",
-        "moved although CoreDNS is down: {later}"
-    );
+    assert_eq!(later["route"], "local", "moved although CoreDNS is down: {later}");
 
     // CoreDNS back: the still failing cache is left.
     node.script(&["coredns-start"]);
@@ -215,11 +173,9 @@ fn foreign_changes_to_the_table_are_repaired() {
     ] {
         let out = node.run("node", "nft", &tamper);
         assert!(out.status.success(), "nft {tamper:?}: {}", describe(&out));
-        wait_for(
-            &format!("repair after nft {tamper:?}"),
-            Duration::from_secs(2),
-            || (node.agent_table().as_deref() == Some(expected.as_str())).then_some(()),
-        );
+        wait_for(&format!("repair after nft {tamper:?}"), Duration::from_secs(2), || {
+            (node.agent_table().as_deref() == Some(expected.as_str())).then_some(())
+        });
     }
     let repairs = wait_for("the repairs to be counted", Duration::from_secs(3), || {
         agent.state().filter(|s| s["repairs"].as_u64() >= Some(4))
@@ -235,14 +191,7 @@ fn host_network_client_fails_over_on_sigkill_at_once() {
     let mut load = node.load(
         "node",
         CLUSTER_DNS_IP,
-        &[
-            "--rate",
-            "500",
-            "--duration",
-            "5s",
-            "--report-interval",
-            "250ms",
-        ],
+        &["--rate", "500", "--duration", "5s", "--report-interval", "250ms"],
     );
     load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
         field(l, "cache").is_some_and(|n| n > 0)
@@ -250,10 +199,7 @@ fn host_network_client_fails_over_on_sigkill_at_once() {
     let killed_at = now_ms();
     node.script(&["cache-kill"]);
     let up = agent.wait_route("upstream", Duration::from_secs(5));
-    println!(
-        "switched {} ms after the kill",
-        up["since_unix_ms"].as_u64().unwrap() - killed_at
-    );
+    println!("switched {} ms after the kill", up["since_unix_ms"].as_u64().unwrap() - killed_at);
     assert!(up["reason"].as_str().unwrap().contains("refused"), "{up}");
     let summary = load.finish();
     println!("summary: {summary}");
@@ -266,10 +212,7 @@ fn host_network_client_fails_over_on_sigkill_at_once() {
             "a lookup sent at {sent} failed outside the kill window {killed_at}..{switch_ms}"
         );
     }
-    assert!(
-        summary["by_origin"]["coredns"].as_u64().unwrap() > 0,
-        "{summary}"
-    );
+    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
 }
 
 /// Acceptance 6 and the exit policy: SIGTERM leaves the current route's rules; a restarted agent
@@ -289,11 +232,7 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
         agent.state().filter(|s| s["pid"] != pid_before)
     });
     assert_eq!(st["transitions"], 0, "{st}");
-    assert!(
-        agent.log_text().contains("adopted=true"),
-        "{}",
-        agent.log_text()
-    );
+    assert!(agent.log_text().contains("adopted=true"), "{}", agent.log_text());
     drop(agent);
 
     for _ in 0..2 {
@@ -303,4 +242,50 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
     }
     let tables = node.run("node", "nft", &["list", "tables"]);
     assert!(!String::from_utf8_lossy(&tables.stdout).contains("nodelocaldns-ha"));
+}
+
+/// Dual stack, kube-proxy on iptables-legacy: IPv4 and IPv6 pods both survive a SIGKILL, and
+/// both come back to the cache.
+#[test]
+fn dual_stack_pods_survive_sigkill() {
+    let node = SimNode::up_with(&["--family", "dual", "--kube-proxy", "iptables-legacy"]);
+    let agent = node.agent_for(
+        "169.254.20.10,fd00:169:254::10",
+        "10.96.0.10,fd00:96::10",
+        "10.96.0.11,fd00:96::11",
+        &[],
+    );
+    let args = ["--rate", "300", "--duration", "6s", "--report-interval", "250ms"];
+    let mut v4 = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let mut v6_args = args.to_vec();
+    v6_args.extend(["--qtype", "AAAA"]);
+    let mut v6 = node.load("pod2", "[fd00:96::10]:53", &v6_args);
+    for load in [&mut v4, &mut v6] {
+        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0)
+        });
+    }
+    node.script(&["cache-kill"]);
+    agent.wait_route("upstream", Duration::from_secs(5));
+    for load in [&mut v4, &mut v6] {
+        load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
+            field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
+        });
+    }
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in [&mut v4, &mut v6] {
+        load.wait_line("the cache again", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+        });
+    }
+    for (family, load) in [("IPv4", v4), ("IPv6", v6)] {
+        let summary = load.finish();
+        println!("{family}: {summary}");
+        assert_eq!(summary["failed"], 0, "{family}: {summary}");
+        assert_eq!(summary["by_origin"]["other"], 0, "{family}: {summary}");
+    }
+    let table = node.agent_table().unwrap();
+    assert!(table
+        .contains("ip6 daddr fd00:96::10 udp dport 53 fib daddr type local socket transparent 0"));
 }

@@ -134,21 +134,13 @@ fn parse_positive_duration(s: &str) -> Result<Duration, String> {
 }
 
 fn parse_origin(s: &str) -> Result<Origin, String> {
-    let (addr, label) = s
-        .split_once('=')
-        .ok_or_else(|| format!("expected ADDR=LABEL, got {s:?}"))?;
-    let addr = addr
-        .parse()
-        .map_err(|_| format!("bad address {addr:?} in {s:?}"))?;
+    let (addr, label) =
+        s.split_once('=').ok_or_else(|| format!("expected ADDR=LABEL, got {s:?}"))?;
+    let addr = addr.parse().map_err(|_| format!("bad address {addr:?} in {s:?}"))?;
     if label.is_empty() || label == "other" {
-        return Err(format!(
-            "bad label {label:?} in {s:?} (\"other\" is reserved)"
-        ));
+        return Err(format!("bad label {label:?} in {s:?} (\"other\" is reserved)"));
     }
-    Ok(Origin {
-        addr,
-        label: label.to_string(),
-    })
+    Ok(Origin { addr, label: label.to_string() })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -202,12 +194,7 @@ struct LookupResult {
 impl LookupResult {
     /// A lookup that never reported back (it did not finish in time, or its task failed).
     fn lost(started: Duration) -> Self {
-        LookupResult {
-            started,
-            answer: None,
-            errors: Vec::new(),
-            latency: Duration::ZERO,
-        }
+        LookupResult { started, answer: None, errors: Vec::new(), latency: Duration::ZERO }
     }
 
     fn first_attempt_lost(&self) -> bool {
@@ -237,12 +224,7 @@ async fn lookup(spec: LookupSpec, name: Name, started: Duration) -> LookupResult
             Err(_elapsed) => errors.push(AttemptError::Timeout),
         }
     }
-    LookupResult {
-        started,
-        answer,
-        errors,
-        latency: t0.elapsed(),
-    }
+    LookupResult { started, answer, errors, latency: t0.elapsed() }
 }
 
 /// A new query with a random id and RD set, as (id, wire bytes).
@@ -341,10 +323,7 @@ impl Origins {
     }
 
     fn index(&self, addr: IpAddr) -> usize {
-        self.by_addr
-            .get(&addr)
-            .copied()
-            .unwrap_or(self.labels.len() - 1)
+        self.by_addr.get(&addr).copied().unwrap_or(self.labels.len() - 1)
     }
 }
 
@@ -360,10 +339,7 @@ struct Counts {
 
 impl Counts {
     fn new(origins: &Origins) -> Self {
-        Counts {
-            by_origin: vec![0; origins.labels.len()],
-            ..Counts::default()
-        }
+        Counts { by_origin: vec![0; origins.labels.len()], ..Counts::default() }
     }
 
     fn add(&mut self, origins: &Origins, r: &LookupResult) {
@@ -517,22 +493,14 @@ impl Timeline {
 
     /// Closes the intervals that ended before `now` (all of them if `all`), noting the route.
     fn close(&mut self, now: Duration, all: bool, origins: &Origins) {
-        let open_from = if all {
-            self.first + self.buckets.len()
-        } else {
-            self.index_of(now)
-        };
+        let open_from = if all { self.first + self.buckets.len() } else { self.index_of(now) };
         if open_from > self.first {
             self.bucket(open_from - 1, origins); // intervals without lookups get a line too
         }
         let mut route = None;
         for (i, b) in self.buckets.iter_mut().enumerate() {
             if self.first + i < open_from && b.route.is_none() {
-                b.route = Some(
-                    route
-                        .get_or_insert_with(|| read_route(&self.route_file))
-                        .clone(),
-                );
+                b.route = Some(route.get_or_insert_with(|| read_route(&self.route_file)).clone());
             }
         }
     }
@@ -622,9 +590,8 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
     });
 
     let start = Instant::now();
-    let start_unix_ms = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
+    let start_unix_ms =
+        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let mut send_tick = interval_at(start, Duration::from_secs(1) / args.rate);
     send_tick.set_missed_tick_behavior(MissedTickBehavior::Burst);
     let report_every = args.report_interval.max(Duration::from_millis(1));
@@ -643,8 +610,10 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
         let mut stop = false;
         let mut signalled = false;
         tokio::select! {
-            tick = send_tick.tick(), if sending => {
-                let at = tick.duration_since(start); // the schedule, not this task's delay
+            _ = send_tick.tick(), if sending => {
+                // When the lookup really starts (not when it was scheduled): it lines up with
+                // other processes' events, and it never falls into an interval already closed.
+                let at = start.elapsed();
                 if tasks.len() < max_in_flight {
                     let handle = tasks.spawn(lookup(spec, args.name.clone(), at));
                     in_flight.insert(handle.id(), at);
@@ -692,9 +661,7 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
         if stop || signalled {
             sending = false;
             // Each lookup ends within its attempts' timeouts; the deadline is a safety net.
-            drain
-                .as_mut()
-                .reset(Instant::now() + lookup_budget + Duration::from_millis(500));
+            drain.as_mut().reset(Instant::now() + lookup_budget + Duration::from_millis(500));
             if let Some(tl) = timeline.as_mut() {
                 tl.close(end, true, &origins);
             }
@@ -721,10 +688,7 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("dnsload: cannot start the runtime: {e}");
@@ -762,18 +726,9 @@ mod tests {
 
     #[test]
     fn servers_and_origins() {
-        assert_eq!(
-            parse_server("10.96.0.10"),
-            Ok("10.96.0.10:53".parse().unwrap())
-        );
-        assert_eq!(
-            parse_server("[fd00::10]:5353"),
-            Ok("[fd00::10]:5353".parse().unwrap())
-        );
-        assert_eq!(
-            parse_server("fd00::10"),
-            Ok("[fd00::10]:53".parse().unwrap())
-        );
+        assert_eq!(parse_server("10.96.0.10"), Ok("10.96.0.10:53".parse().unwrap()));
+        assert_eq!(parse_server("[fd00::10]:5353"), Ok("[fd00::10]:5353".parse().unwrap()));
+        assert_eq!(parse_server("fd00::10"), Ok("[fd00::10]:53".parse().unwrap()));
         assert!(parse_server("nope").is_err());
         let o = Origins::new(&[
             parse_origin("1.1.1.1=cache").unwrap(),
@@ -800,22 +755,12 @@ mod tests {
         let query = Query::query(parse_name("who.test").unwrap(), RecordType::A);
         let mut reply = Message::response(7, hickory_proto::op::OpCode::Query);
         reply.add_query(query.clone());
-        reply.add_answer(Record::from_rdata(
-            query.name.clone(),
-            30,
-            RData::A(A::new(1, 1, 1, 1)),
-        ));
+        reply.add_answer(Record::from_rdata(query.name.clone(), 30, RData::A(A::new(1, 1, 1, 1))));
         let bytes = reply.to_vec().unwrap();
         assert_eq!(check_reply(&bytes, 8, &query), None);
-        assert_eq!(
-            check_reply(&bytes, 7, &query),
-            Some(Ok([1, 1, 1, 1].into()))
-        );
+        assert_eq!(check_reply(&bytes, 7, &query), Some(Ok([1, 1, 1, 1].into())));
         reply.metadata.response_code = ResponseCode::ServFail;
         let bytes = reply.to_vec().unwrap();
-        assert_eq!(
-            check_reply(&bytes, 7, &query),
-            Some(Err(AttemptError::ServFail))
-        );
+        assert_eq!(check_reply(&bytes, 7, &query), Some(Err(AttemptError::ServFail)));
     }
 }

@@ -208,15 +208,9 @@ impl Nftables {
         let socket = netfilter_socket(SockFlag::empty(), 0).map_err(Error::Open)?;
         let timeout = TimeVal::new(REPLY_TIMEOUT_SECS, 0);
         socket::setsockopt(&socket, sockopt::ReceiveTimeout, &timeout).map_err(Error::Open)?;
-        let portid = socket::getsockname::<NetlinkAddr>(socket.as_raw_fd())
-            .map_err(Error::Open)?
-            .pid();
-        Ok(Nftables {
-            socket,
-            portid,
-            next_seq: FIRST_REQUEST_SEQ,
-            buf: vec![0; RECV_BUFFER],
-        })
+        let portid =
+            socket::getsockname::<NetlinkAddr>(socket.as_raw_fd()).map_err(Error::Open)?.pid();
+        Ok(Nftables { socket, portid, next_seq: FIRST_REQUEST_SEQ, buf: vec![0; RECV_BUFFER] })
     }
 
     /// A [`ChangeWatch`] that ignores the changes made through `self`, so the agent's own
@@ -239,11 +233,8 @@ impl Nftables {
             batch.add(&table, msg_type);
             described.push(what.to_owned());
         }
-        let chains: Vec<nftnl::Chain<'_>> = rules
-            .chains
-            .iter()
-            .map(|chain| base_chain(chain, &table))
-            .collect();
+        let chains: Vec<nftnl::Chain<'_>> =
+            rules.chains.iter().map(|chain| base_chain(chain, &table)).collect();
         for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
             batch.add(nft_chain, MsgType::Add);
             described.push(format!("chain {}", chain.name()));
@@ -256,11 +247,7 @@ impl Nftables {
                 let comment = CString::new(rule.comment.as_str()).map_err(|_| comment_error())?;
                 nft_rule.set_comment(comment).map_err(|_| comment_error())?;
                 batch.add(&nft_rule, MsgType::Add);
-                described.push(format!(
-                    "chain {}: rule {} ({rule})",
-                    chain.name(),
-                    index + 1
-                ));
+                described.push(format!("chain {}: rule {} ({rule})", chain.name(), index + 1));
             }
         }
         self.send_batch(&batch.finalize(), &described)
@@ -297,11 +284,7 @@ impl Nftables {
         let has_begin_end = seqs.len() == described.len() + 2;
         let describe = |seq: u32| -> String {
             let offset = seq.wrapping_sub(seqs.start) as usize;
-            let index = if has_begin_end {
-                offset.checked_sub(1)
-            } else {
-                Some(offset)
-            };
+            let index = if has_begin_end { offset.checked_sub(1) } else { Some(offset) };
             match index {
                 _ if seq == 0 => "the batch".to_owned(),
                 None => "the batch begin".to_owned(),
@@ -375,12 +358,7 @@ impl Nftables {
         )?;
         match table {
             Err(Errno::ENOENT) => return Ok(Some(Installed::default())),
-            Err(source) => {
-                return Err(Error::List {
-                    what: "tables",
-                    source,
-                })
-            }
+            Err(source) => return Err(Error::List { what: "tables", source }),
             Ok(()) => {}
         }
         // Chain dumps cannot be filtered by table: keep ours.
@@ -487,10 +465,7 @@ impl Nftables {
             // MSG_TRUNC makes recv return the full length, so truncation is detected.
             match socket::recv(self.socket.as_raw_fd(), &mut self.buf, MsgFlags::MSG_TRUNC) {
                 Ok(len) if len > self.buf.len() => {
-                    return Err(Error::Receive {
-                        what,
-                        source: Errno::EMSGSIZE,
-                    })
+                    return Err(Error::Receive { what, source: Errno::EMSGSIZE })
                 }
                 Ok(len) => return Ok(len),
                 Err(Errno::EINTR) => {}
@@ -503,11 +478,7 @@ impl Nftables {
     fn drain(&mut self) {
         // Bounded, in case the kernel kept answering; an abandoned dump ends after a few reads.
         for _ in 0..1024 {
-            match socket::recv(
-                self.socket.as_raw_fd(),
-                &mut self.buf,
-                MsgFlags::MSG_DONTWAIT,
-            ) {
+            match socket::recv(self.socket.as_raw_fd(), &mut self.buf, MsgFlags::MSG_DONTWAIT) {
                 Ok(_) | Err(Errno::EINTR) | Err(Errno::ENOBUFS) => {}
                 Err(_) => return,
             }
@@ -603,10 +574,8 @@ fn first_difference(
         let Some(chain) = chains.iter().find(|chain| chain.name == name) else {
             return Some(format!("chain {name} is missing"));
         };
-        let hook = netlink::ChainHook {
-            hooknum: hook_number(wanted.hook),
-            priority: wanted.priority,
-        };
+        let hook =
+            netlink::ChainHook { hooknum: hook_number(wanted.hook), priority: wanted.priority };
         match chain.hook {
             None => return Some(format!("chain {name} is not a base chain")),
             Some(got) if got != hook => {
@@ -636,11 +605,7 @@ fn first_difference(
         }
         let got: Vec<&netlink::Rule> = rules.iter().filter(|rule| rule.chain == name).collect();
         if got.len() != wanted.rules.len() {
-            return Some(format!(
-                "chain {name}: {} rules, want {}",
-                got.len(),
-                wanted.rules.len()
-            ));
+            return Some(format!("chain {name}: {} rules, want {}", got.len(), wanted.rules.len()));
         }
         for (number, (got, wanted)) in (1..).zip(got.iter().zip(&wanted.rules)) {
             if got.comment.as_deref() != Some(wanted.comment.as_str()) {
@@ -674,9 +639,8 @@ fn first_difference(
             }
         }
     }
-    if let Some(extra) = chains
-        .iter()
-        .find(|chain| !want.chains.iter().any(|wanted| wanted.name() == chain.name))
+    if let Some(extra) =
+        chains.iter().find(|chain| !want.chains.iter().any(|wanted| wanted.name() == chain.name))
     {
         return Some(format!("extra chain {}", extra.name));
     }
@@ -727,11 +691,7 @@ impl ChangeWatch {
     /// A lost announcement (the socket's buffer overflowed, `ENOBUFS`) counts as a change.
     /// Cancel-safe: dropping the future loses nothing that a later call would report.
     pub async fn changed(&mut self) -> Result<(), Error> {
-        let ChangeWatch {
-            socket: fd,
-            ignore_portid,
-            buf,
-        } = self;
+        let ChangeWatch { socket: fd, ignore_portid, buf } = self;
         loop {
             let mut ready = fd.readable().await.map_err(Error::Watch)?;
             let mut changed = false;

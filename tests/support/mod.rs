@@ -37,9 +37,7 @@ pub fn require_root() {
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Waits until `f` returns `Some`, polling every 5 ms, or panics with `what` at the deadline.
@@ -49,10 +47,7 @@ pub fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option
         if let Some(v) = f() {
             return v;
         }
-        assert!(
-            start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for {what}"
-        );
+        assert!(start.elapsed() < deadline, "timed out after {deadline:?} waiting for {what}");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -61,11 +56,7 @@ pub fn wait_for<T>(what: &str, deadline: Duration, mut f: impl FnMut() -> Option
 fn unique_prefix() -> String {
     static NEXT: AtomicU32 = AtomicU32::new(0);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    format!(
-        "t{}{}",
-        std::process::id() % 100_000,
-        (b'a' + (n % 26) as u8) as char
-    )
+    format!("t{}{}", std::process::id() % 100_000, (b'a' + (n % 26) as u8) as char)
 }
 
 /// One simulated node: namespaces node, pod1, pod2, dns.
@@ -78,11 +69,18 @@ impl SimNode {
     /// Sets up the namespaces and the kube-proxy-shaped DNAT rules, starts CoreDNS (dnsmasq)
     /// and the cache (unbound).
     pub fn up() -> SimNode {
+        SimNode::up_with(&[])
+    }
+
+    /// Like [`SimNode::up`], with `simnode.sh up` options (`--family dual`, `--kube-proxy …`).
+    pub fn up_with(options: &[&str]) -> SimNode {
         require_root();
         let prefix = unique_prefix();
         let dir = std::env::temp_dir().join("nlha-e2e").join(&prefix);
         let node = SimNode { prefix, dir };
-        node.script(&["up"]);
+        let mut args = vec!["up"];
+        args.extend_from_slice(options);
+        node.script(&args);
         node.script(&["coredns-start"]);
         node.script(&["cache-start"]);
         node
@@ -98,11 +96,7 @@ impl SimNode {
             .env("SIMNODE_DIR", self.dir.parent().expect("dir has a parent"))
             .output()
             .expect("run testdata/simnode.sh");
-        assert!(
-            out.status.success(),
-            "simnode.sh {args:?} failed:\n{}",
-            describe(&out)
-        );
+        assert!(out.status.success(), "simnode.sh {args:?} failed:\n{}", describe(&out));
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
@@ -120,10 +114,7 @@ impl SimNode {
 
     /// Runs `program args` in `role`'s namespace and returns its output (any exit status).
     pub fn run(&self, role: &str, program: &str, args: &[&str]) -> Output {
-        self.cmd(role, program)
-            .args(args)
-            .output()
-            .expect("ip netns exec")
+        self.cmd(role, program).args(args).output().expect("ip netns exec")
     }
 
     /// The agent's table as `nft list` prints it, counters zeroed; `None` when absent.
@@ -149,18 +140,23 @@ impl SimNode {
 
     /// Starts the agent in the node namespace with the default test settings plus `extra`.
     pub fn agent(&self, extra: &[&str]) -> Agent {
+        self.agent_for(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra)
+    }
+
+    /// Starts the agent for the given (comma-separated, dual-stack) addresses.
+    pub fn agent_for(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+    ) -> Agent {
         let state_dir = self.dir.join("agent-state");
         let log = self.dir.join("agent.log");
         let child = self
             .cmd("node", AGENT)
-            .args([
-                "run",
-                "--local-ip",
-                LOCAL_IP,
-                "--cluster-dns-ip",
-                CLUSTER_DNS_IP,
-            ])
-            .args(["--upstream-ip", UPSTREAM_IP, "--probe-name", "who.test"])
+            .args(["run", "--local-ip", local, "--cluster-dns-ip", cluster_dns])
+            .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
             .arg("--state-dir")
             .arg(&state_dir)
             .args(extra)
@@ -169,11 +165,7 @@ impl SimNode {
             .stderr(std::fs::File::create(&log).expect("create agent log"))
             .spawn()
             .expect("spawn agent");
-        let agent = Agent {
-            child: Some(child),
-            state_dir,
-            log,
-        };
+        let agent = Agent { child: Some(child), state_dir, log };
         agent.wait_route("local", Duration::from_secs(10));
         agent
     }
@@ -182,18 +174,10 @@ impl SimNode {
     pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
         let mut child = self
             .cmd(role, LOAD)
-            .args([
-                "--server",
-                server,
-                "--name",
-                "who.test",
-                "--timeout",
-                "1s",
-                "--attempts",
-                "2",
-            ])
+            .args(["--server", server, "--name", "who.test", "--timeout", "1s", "--attempts", "2"])
             .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
             .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
+            .args(["--origin", "fd00::1:1:1:1=cache", "--origin", "fd00::2:2:2:2=coredns"])
             .args(extra)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -209,11 +193,7 @@ impl SimNode {
                 }
             }
         });
-        Load {
-            child: Some(child),
-            lines: rx,
-            seen: Vec::new(),
-        }
+        Load { child: Some(child), lines: rx, seen: Vec::new() }
     }
 }
 
@@ -332,12 +312,7 @@ impl Load {
 
     /// Waits for the client to finish and returns its summary.
     pub fn finish(mut self) -> Value {
-        let status = self
-            .child
-            .take()
-            .expect("running")
-            .wait()
-            .expect("wait dnsload");
+        let status = self.child.take().expect("running").wait().expect("wait dnsload");
         assert!(status.success(), "dnsload failed: {status}");
         while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
             self.seen.push(line);

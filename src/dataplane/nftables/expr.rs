@@ -95,10 +95,7 @@ impl Expr {
     }
 
     fn cmp_eq(data: impl Into<Vec<u8>>) -> Expr {
-        Expr::Cmp {
-            op: NFT_CMP_EQ,
-            data: data.into(),
-        }
+        Expr::Cmp { op: NFT_CMP_EQ, data: data.into() }
     }
 }
 
@@ -106,12 +103,8 @@ impl fmt::Display for Expr {
     /// Like `nft --debug=netlink`, less the register and with data as plain hex bytes.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Expr::Meta {
-                key: NFT_META_NFPROTO,
-            } => f.write_str("meta load nfproto"),
-            Expr::Meta {
-                key: NFT_META_L4PROTO,
-            } => f.write_str("meta load l4proto"),
+            Expr::Meta { key: NFT_META_NFPROTO } => f.write_str("meta load nfproto"),
+            Expr::Meta { key: NFT_META_L4PROTO } => f.write_str("meta load l4proto"),
             Expr::Meta { key } => write!(f, "meta load key {key}"),
             Expr::Payload { base, offset, len } => {
                 let base = match *base {
@@ -128,14 +121,11 @@ impl fmt::Display for Expr {
                 }
                 data.iter().try_for_each(|byte| write!(f, "{byte:02x}"))
             }
-            Expr::Fib {
-                flags: NFTA_FIB_F_DADDR,
-                result: NFT_FIB_RESULT_ADDRTYPE,
-            } => f.write_str("fib daddr type"),
+            Expr::Fib { flags: NFTA_FIB_F_DADDR, result: NFT_FIB_RESULT_ADDRTYPE } => {
+                f.write_str("fib daddr type")
+            }
             Expr::Fib { flags, result } => write!(f, "fib flags {flags:#x} result {result}"),
-            Expr::Socket {
-                key: NFT_SOCKET_TRANSPARENT,
-            } => f.write_str("socket load transparent"),
+            Expr::Socket { key: NFT_SOCKET_TRANSPARENT } => f.write_str("socket load transparent"),
             Expr::Socket { key } => write!(f, "socket load key {key}"),
             Expr::Counter => f.write_str("counter"),
             Expr::Notrack => f.write_str("notrack"),
@@ -176,9 +166,7 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
         Side::Source => (saddr, 0),
     };
     let mut exprs = vec![
-        Expr::Meta {
-            key: NFT_META_NFPROTO,
-        },
+        Expr::Meta { key: NFT_META_NFPROTO },
         Expr::cmp_eq([nfproto]),
         Expr::Payload {
             base: NFT_PAYLOAD_NETWORK_HEADER,
@@ -186,29 +174,18 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
             len: addr.len() as u32,
         },
         Expr::cmp_eq(addr),
-        Expr::Meta {
-            key: NFT_META_L4PROTO,
-        },
+        Expr::Meta { key: NFT_META_L4PROTO },
         Expr::cmp_eq([rule.proto.number()]),
-        Expr::Payload {
-            base: NFT_PAYLOAD_TRANSPORT_HEADER,
-            offset: port_offset,
-            len: 2,
-        },
+        Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: port_offset, len: 2 },
         Expr::cmp_eq(rule.port.to_be_bytes()),
     ];
     let fib_daddr_type_local = [
-        Expr::Fib {
-            flags: NFTA_FIB_F_DADDR,
-            result: NFT_FIB_RESULT_ADDRTYPE,
-        },
+        Expr::Fib { flags: NFTA_FIB_F_DADDR, result: NFT_FIB_RESULT_ADDRTYPE },
         // The route type is a host-endian u32.
         Expr::cmp_eq(RTN_LOCAL.to_ne_bytes()),
     ];
     let socket_transparent_0 = [
-        Expr::Socket {
-            key: NFT_SOCKET_TRANSPARENT,
-        },
+        Expr::Socket { key: NFT_SOCKET_TRANSPARENT },
         // `transparent` is one bit, stored in one byte.
         Expr::cmp_eq([0]),
     ];
@@ -244,28 +221,19 @@ mod tests {
         rule_expressions(rule).iter().map(Expr::name).collect()
     }
 
-    const MATCH: [&str; 8] = [
-        "meta", "cmp", "payload", "cmp", "meta", "cmp", "payload", "cmp",
-    ];
+    const MATCH: [&str; 8] = ["meta", "cmp", "payload", "cmp", "meta", "cmp", "payload", "cmp"];
 
     #[test]
     fn names_per_guard() {
         let plain = rule("169.254.20.10", Side::Destination, Guard::None);
-        assert_eq!(
-            names(&plain),
-            [&MATCH[..], &["counter", "notrack"]].concat()
-        );
+        assert_eq!(names(&plain), [&MATCH[..], &["counter", "notrack"]].concat());
 
         let address = rule("10.96.0.10", Side::Destination, Guard::LocalAddress);
         let want = [&MATCH[..], &["fib", "cmp", "counter", "notrack"]].concat();
         assert_eq!(names(&address), want);
 
         let socket = rule("fd00:96::10", Side::Destination, Guard::LocalSocket);
-        let want = [
-            &MATCH[..],
-            &["fib", "cmp", "socket", "cmp", "counter", "notrack"],
-        ]
-        .concat();
+        let want = [&MATCH[..], &["fib", "cmp", "socket", "cmp", "counter", "notrack"]].concat();
         assert_eq!(names(&socket), want);
     }
 
@@ -292,11 +260,7 @@ mod tests {
                 "fib daddr type",
                 &format!(
                     "cmp eq {}",
-                    if cfg!(target_endian = "little") {
-                        "02000000"
-                    } else {
-                        "00000002"
-                    }
+                    if cfg!(target_endian = "little") { "02000000" } else { "00000002" }
                 ),
                 "socket load transparent",
                 "cmp eq 00",
@@ -312,19 +276,11 @@ mod tests {
         assert_eq!(exprs[1], Expr::cmp_eq([10]));
         assert_eq!(
             exprs[2],
-            Expr::Payload {
-                base: NFT_PAYLOAD_NETWORK_HEADER,
-                offset: 8,
-                len: 16
-            }
+            Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset: 8, len: 16 }
         );
         assert_eq!(
             exprs[6],
-            Expr::Payload {
-                base: NFT_PAYLOAD_TRANSPORT_HEADER,
-                offset: 0,
-                len: 2
-            }
+            Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset: 0, len: 2 }
         );
     }
 }

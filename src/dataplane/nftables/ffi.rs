@@ -72,10 +72,7 @@ fn nftnl_form(expr: &Expr) -> (&'static CStr, Vec<(u32, Value<'_>)>) {
         ),
         Expr::Counter => (
             c"counter",
-            vec![
-                (sys::NFTNL_EXPR_CTR_PACKETS, U64(0)),
-                (sys::NFTNL_EXPR_CTR_BYTES, U64(0)),
-            ],
+            vec![(sys::NFTNL_EXPR_CTR_PACKETS, U64(0)), (sys::NFTNL_EXPR_CTR_BYTES, U64(0))],
         ),
         Expr::Notrack => (c"notrack", Vec::new()),
     }

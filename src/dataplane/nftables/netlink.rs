@@ -155,14 +155,11 @@ impl<'a> Message<'a> {
 
     /// The ruleset generation (low 16 bits, from `nfgenmsg.res_id`) and the attributes.
     pub fn nft_body(&self) -> Result<(u16, &'a [u8])> {
-        let header = self
-            .payload
-            .get(..NFGENMSG_LEN)
-            .ok_or(ParseError::Truncated {
-                what: "nfgenmsg header",
-                have: self.payload.len(),
-                need: NFGENMSG_LEN,
-            })?;
+        let header = self.payload.get(..NFGENMSG_LEN).ok_or(ParseError::Truncated {
+            what: "nfgenmsg header",
+            have: self.payload.len(),
+            need: NFGENMSG_LEN,
+        })?;
         let generation = u16::from_be_bytes([header[2], header[3]]);
         Ok((generation, &self.payload[NFGENMSG_LEN..]))
     }
@@ -185,11 +182,7 @@ pub fn messages(buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>>> {
 }
 
 fn parse_message(buf: &[u8]) -> Result<(Message<'_>, &[u8])> {
-    let truncated = |need| ParseError::Truncated {
-        what: "netlink message",
-        have: buf.len(),
-        need,
-    };
+    let truncated = |need| ParseError::Truncated { what: "netlink message", have: buf.len(), need };
     let len = ne_u32(buf, 0).ok_or(truncated(NLMSG_HDRLEN))? as usize;
     if len < NLMSG_HDRLEN || len > buf.len() {
         return Err(truncated(len.max(NLMSG_HDRLEN)));
@@ -223,11 +216,8 @@ pub fn attributes(buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>>> {
         if rest.is_empty() {
             return None;
         }
-        let truncated = |need| ParseError::Truncated {
-            what: "netlink attribute",
-            have: rest.len(),
-            need,
-        };
+        let truncated =
+            |need| ParseError::Truncated { what: "netlink attribute", have: rest.len(), need };
         let parsed = match ne_u16(rest, 0).map(usize::from) {
             None => Err(truncated(NLA_HDRLEN)),
             Some(len) if len < NLA_HDRLEN || len > rest.len() => {
@@ -239,9 +229,7 @@ pub fn attributes(buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>>> {
             }),
         };
         rest = match &parsed {
-            Ok(attr) => rest
-                .get(align4(NLA_HDRLEN + attr.value.len())..)
-                .unwrap_or_default(),
+            Ok(attr) => rest.get(align4(NLA_HDRLEN + attr.value.len())..).unwrap_or_default(),
             Err(_) => &[],
         };
         Some(parsed)
@@ -266,20 +254,14 @@ fn required<'a>(value: Option<&'a [u8]>, what: &'static str) -> Result<&'a [u8]>
 }
 
 fn be_u32(value: &[u8], what: &'static str) -> Result<u32> {
-    let bytes: [u8; 4] = value.try_into().map_err(|_| ParseError::Size {
-        what,
-        have: value.len(),
-        want: 4,
-    })?;
+    let bytes: [u8; 4] =
+        value.try_into().map_err(|_| ParseError::Size { what, have: value.len(), want: 4 })?;
     Ok(u32::from_be_bytes(bytes))
 }
 
 fn be_u64(value: &[u8], what: &'static str) -> Result<u64> {
-    let bytes: [u8; 8] = value.try_into().map_err(|_| ParseError::Size {
-        what,
-        have: value.len(),
-        want: 8,
-    })?;
+    let bytes: [u8; 8] =
+        value.try_into().map_err(|_| ParseError::Size { what, have: value.len(), want: 8 })?;
     Ok(u64::from_be_bytes(bytes))
 }
 
@@ -303,10 +285,7 @@ pub fn parse_table(attrs: &[u8]) -> Result<Table> {
     let a = attribute_table::<{ table::MAX }>(attrs)?;
     Ok(Table {
         name: string(required(a[table::NAME as usize], "table name")?),
-        flags: a[table::FLAGS as usize]
-            .map(|v| be_u32(v, "table flags"))
-            .transpose()?
-            .unwrap_or(0),
+        flags: a[table::FLAGS as usize].map(|v| be_u32(v, "table flags")).transpose()?.unwrap_or(0),
     })
 }
 
@@ -354,9 +333,7 @@ pub fn parse_chain(attrs: &[u8]) -> Result<Chain> {
         name: string(required(a[chain::NAME as usize], "chain name")?),
         hook,
         chain_type: a[chain::TYPE as usize].map(string),
-        policy: a[chain::POLICY as usize]
-            .map(|v| be_u32(v, "chain policy"))
-            .transpose()?,
+        policy: a[chain::POLICY as usize].map(|v| be_u32(v, "chain policy")).transpose()?,
     })
 }
 
@@ -400,19 +377,13 @@ pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
             }
             let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
             let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
-            exprs.push(parse_expr(
-                &name,
-                e[rule::EXPR_DATA as usize].unwrap_or_default(),
-            )?);
+            exprs.push(parse_expr(&name, e[rule::EXPR_DATA as usize].unwrap_or_default())?);
         }
     }
     Ok(Rule {
         table: string(required(a[rule::TABLE as usize], "rule table")?),
         chain: string(required(a[rule::CHAIN as usize], "rule chain")?),
-        handle: be_u64(
-            required(a[rule::HANDLE as usize], "rule handle")?,
-            "rule handle",
-        )?,
+        handle: be_u64(required(a[rule::HANDLE as usize], "rule handle")?, "rule handle")?,
         exprs,
         comment: a[rule::USERDATA as usize].and_then(parse_comment),
     })
@@ -431,9 +402,7 @@ pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
             if a[3].is_some() || u32_at(1, "meta register")? != NFT_REG_1 {
                 return other();
             }
-            Expr::Meta {
-                key: u32_at(2, "meta key")?,
-            }
+            Expr::Meta { key: u32_at(2, "meta key")? }
         }
         "payload" => {
             // DREG 1, BASE 2, OFFSET 3, LEN 4, SREG 5 (a payload write).
@@ -462,19 +431,14 @@ pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
             if u32_at(1, "fib register")? != NFT_REG_1 {
                 return other();
             }
-            Expr::Fib {
-                flags: u32_at(3, "fib flags")?,
-                result: u32_at(2, "fib result")?,
-            }
+            Expr::Fib { flags: u32_at(3, "fib flags")?, result: u32_at(2, "fib result")? }
         }
         "socket" => {
             // KEY 1, DREG 2, LEVEL 3.
             if u32_at(2, "socket register")? != NFT_REG_1 {
                 return other();
             }
-            Expr::Socket {
-                key: u32_at(1, "socket key")?,
-            }
+            Expr::Socket { key: u32_at(1, "socket key")? }
         }
         "counter" => Expr::Counter,
         "notrack" => Expr::Notrack,
@@ -564,10 +528,7 @@ mod tests {
     fn expr(name: &str, data: &[Vec<u8>]) -> Vec<u8> {
         nested(
             rule::LIST_ELEM,
-            &[
-                attr(rule::EXPR_NAME, format!("{name}\0").as_bytes()),
-                nested(rule::EXPR_DATA, data),
-            ],
+            &[attr(rule::EXPR_NAME, format!("{name}\0").as_bytes()), nested(rule::EXPR_DATA, data)],
         )
     }
 
@@ -582,14 +543,7 @@ mod tests {
                 rule::EXPRESSIONS,
                 &[
                     expr("meta", &[attr(2, &be(NFT_META_NFPROTO)), attr(1, &be(1))]),
-                    expr(
-                        "cmp",
-                        &[
-                            attr(1, &be(1)),
-                            attr(2, &be(0)),
-                            nested(3, &[attr(1, &[2])]),
-                        ],
-                    ),
+                    expr("cmp", &[attr(1, &be(1)), attr(2, &be(0)), nested(3, &[attr(1, &[2])])]),
                     expr("counter", &[attr(1, &5u64.to_be_bytes())]),
                     expr("notrack", &[]),
                 ],
@@ -598,13 +552,7 @@ mod tests {
         ];
         let mut payload = vec![1, 0, 0, 42];
         payload.extend(attrs.concat());
-        message(
-            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE,
-            0,
-            9,
-            0,
-            &payload,
-        )
+        message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE, 0, 9, 0, &payload)
     }
 
     #[test]
@@ -621,13 +569,7 @@ mod tests {
         assert_eq!(rule.handle, 7);
         assert_eq!(rule.comment.as_deref(), Some("pods"));
         assert_eq!(rule.expr_names(), ["meta", "cmp", "counter", "notrack"]);
-        assert_eq!(
-            rule.exprs[1],
-            Found::Known(Expr::Cmp {
-                op: 0,
-                data: vec![2]
-            })
-        );
+        assert_eq!(rule.exprs[1], Found::Known(Expr::Cmp { op: 0, data: vec![2] }));
     }
 
     #[test]
@@ -643,10 +585,7 @@ mod tests {
             }
         }
         // A header that claims more than there is.
-        assert!(matches!(
-            messages(&buf[..20]).next(),
-            Some(Err(ParseError::Truncated { .. }))
-        ));
+        assert!(matches!(messages(&buf[..20]).next(), Some(Err(ParseError::Truncated { .. }))));
         // Attributes cut inside the expression list.
         let (_, attrs) = messages(&buf).next().unwrap().unwrap().nft_body().unwrap();
         assert!(parse_rule(&attrs[..attrs.len() - 30]).is_err());
@@ -714,10 +653,7 @@ mod tests {
             Chain {
                 table: "nodelocaldns-ha".to_owned(),
                 name: "output".to_owned(),
-                hook: Some(ChainHook {
-                    hooknum: 3,
-                    priority: -310
-                }),
+                hook: Some(ChainHook { hooknum: 3, priority: -310 }),
                 chain_type: Some("filter".to_owned()),
                 policy: Some(1),
             }
@@ -730,32 +666,21 @@ mod tests {
 
     #[test]
     fn parses_table_flags() {
-        let attrs = [
-            attr(table::NAME, b"nodelocaldns-ha\0"),
-            attr(table::FLAGS, &1u32.to_be_bytes()),
-        ]
-        .concat();
+        let attrs =
+            [attr(table::NAME, b"nodelocaldns-ha\0"), attr(table::FLAGS, &1u32.to_be_bytes())]
+                .concat();
         assert_eq!(
             parse_table(&attrs).unwrap(),
-            Table {
-                name: "nodelocaldns-ha".to_owned(),
-                flags: 1
-            }
+            Table { name: "nodelocaldns-ha".to_owned(), flags: 1 }
         );
-        assert_eq!(
-            parse_table(&[]).unwrap_err(),
-            ParseError::Missing("table name")
-        );
+        assert_eq!(parse_table(&[]).unwrap_err(), ParseError::Missing("table name"));
     }
 
     #[test]
     fn comments() {
         assert_eq!(parse_comment(b"\x00\x03hi\x00").as_deref(), Some("hi"));
         // Another TLV first.
-        assert_eq!(
-            parse_comment(b"\x05\x01x\x00\x03hi\x00").as_deref(),
-            Some("hi")
-        );
+        assert_eq!(parse_comment(b"\x05\x01x\x00\x03hi\x00").as_deref(), Some("hi"));
         assert_eq!(parse_comment(b"\x00\x09hi\x00"), None);
         assert_eq!(parse_comment(b"\x00"), None);
         assert_eq!(parse_comment(b""), None);
@@ -763,34 +688,16 @@ mod tests {
 
     #[test]
     fn unknown_and_unusual_expressions_are_other() {
-        assert_eq!(
-            parse_expr("immediate", &[]).unwrap(),
-            Found::Other("immediate".to_owned())
-        );
+        assert_eq!(parse_expr("immediate", &[]).unwrap(), Found::Other("immediate".to_owned()));
         // `meta mark set`: a key and a source register.
         let set = [attr(2, &3u32.to_be_bytes()), attr(3, &1u32.to_be_bytes())].concat();
-        assert_eq!(
-            parse_expr("meta", &set).unwrap(),
-            Found::Other("meta".to_owned())
-        );
-        let socket = [
-            attr(1, &NFT_SOCKET_TRANSPARENT.to_be_bytes()),
-            attr(2, &1u32.to_be_bytes()),
-        ]
-        .concat();
-        assert_eq!(
-            parse_expr("socket", &socket).unwrap(),
-            Found::Known(Expr::Socket { key: 0 })
-        );
-        let meta = [
-            attr(1, &1u32.to_be_bytes()),
-            attr(2, &NFT_META_L4PROTO.to_be_bytes()),
-        ]
-        .concat();
-        assert_eq!(
-            parse_expr("meta", &meta).unwrap(),
-            Found::Known(Expr::Meta { key: 16 })
-        );
+        assert_eq!(parse_expr("meta", &set).unwrap(), Found::Other("meta".to_owned()));
+        let socket =
+            [attr(1, &NFT_SOCKET_TRANSPARENT.to_be_bytes()), attr(2, &1u32.to_be_bytes())].concat();
+        assert_eq!(parse_expr("socket", &socket).unwrap(), Found::Known(Expr::Socket { key: 0 }));
+        let meta =
+            [attr(1, &1u32.to_be_bytes()), attr(2, &NFT_META_L4PROTO.to_be_bytes())].concat();
+        assert_eq!(parse_expr("meta", &meta).unwrap(), Found::Known(Expr::Meta { key: 16 }));
         assert!(parse_expr("meta", &[]).is_err());
     }
 
@@ -798,14 +705,10 @@ mod tests {
     fn error_messages_and_acks() {
         let mut payload = (-2i32).to_ne_bytes().to_vec();
         payload.extend_from_slice(&[0; 16]);
-        let buf = [
-            message(NLMSG_ERROR, 0, 5, 0, &payload),
-            message(NLMSG_ERROR, 0, 6, 0, &[0; 20]),
-        ]
-        .concat();
-        let codes: Vec<i32> = messages(&buf)
-            .map(|m| m.unwrap().error_code().unwrap())
-            .collect();
+        let buf =
+            [message(NLMSG_ERROR, 0, 5, 0, &payload), message(NLMSG_ERROR, 0, 6, 0, &[0; 20])]
+                .concat();
+        let codes: Vec<i32> = messages(&buf).map(|m| m.unwrap().error_code().unwrap()).collect();
         assert_eq!(codes, [2, 0]);
     }
 
@@ -833,10 +736,7 @@ mod tests {
         let theirs = message(newtable, 0, 1, 99, &[1, 0, 0, 0]);
         assert!(!announces_change(&ours, Some(4242)));
         assert!(announces_change(&ours, None));
-        assert!(announces_change(
-            &[ours.clone(), theirs].concat(),
-            Some(4242)
-        ));
+        assert!(announces_change(&[ours.clone(), theirs].concat(), Some(4242)));
         assert!(announces_change(&ours[..10], Some(4242)));
         assert!(!announces_change(&[], None));
     }

@@ -6,26 +6,17 @@ use crate::ruleset::{ListenAddrs, Route, TABLE};
 
 fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
     let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
-    ListenAddrs {
-        local: parse(local),
-        cluster_dns: parse(cluster_dns),
-    }
+    ListenAddrs { local: parse(local), cluster_dns: parse(cluster_dns) }
 }
 
 fn dual_stack() -> ListenAddrs {
-    addrs(
-        &["169.254.20.10", "fd00:169:254::10"],
-        &["10.96.0.10", "fd00:96::10"],
-    )
+    addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"])
 }
 
 /// What the kernel reports for `rules` once they are installed.
 fn installed(rules: &RuleSet) -> Installed {
     Installed {
-        table: Some(netlink::Table {
-            name: TABLE.to_owned(),
-            flags: 0,
-        }),
+        table: Some(netlink::Table { name: TABLE.to_owned(), flags: 0 }),
         chains: rules
             .chains
             .iter()
@@ -46,10 +37,7 @@ fn installed(rules: &RuleSet) -> Installed {
                 table: TABLE.to_owned(),
                 chain: chain.name().to_owned(),
                 handle,
-                exprs: rule_expressions(rule)
-                    .into_iter()
-                    .map(Found::Known)
-                    .collect(),
+                exprs: rule_expressions(rule).into_iter().map(Found::Known).collect(),
                 comment: Some(rule.comment.clone()),
             })
             .collect(),
@@ -88,18 +76,9 @@ fn compare_says_what_differs_first() {
             |i| i.chains[0].hook.as_mut().unwrap().priority = -300,
             "chain prerouting hooks prerouting at priority -300, want prerouting at priority -310",
         ),
-        (
-            |i| i.chains[1].hook = None,
-            "chain output is not a base chain",
-        ),
-        (
-            |i| i.chains[1].policy = Some(0),
-            "chain output has policy drop, want accept",
-        ),
-        (
-            |i| i.rules.retain(|r| r.chain != "prerouting"),
-            "chain prerouting: 0 rules, want 4",
-        ),
+        (|i| i.chains[1].hook = None, "chain output is not a base chain"),
+        (|i| i.chains[1].policy = Some(0), "chain output has policy drop, want accept"),
+        (|i| i.rules.retain(|r| r.chain != "prerouting"), "chain prerouting: 0 rules, want 4"),
         (
             |i| i.rules[6].comment = Some("x".to_owned()),
             "chain output: rule 3 has comment \"x\", want \"host to cache (link-local)\"",
@@ -110,10 +89,8 @@ fn compare_says_what_differs_first() {
         ),
         (
             |i| {
-                i.rules[2].exprs[3] = Found::Known(expr::Expr::Cmp {
-                    op: 0,
-                    data: vec![10, 96, 0, 11],
-                })
+                i.rules[2].exprs[3] =
+                    Found::Known(expr::Expr::Cmp { op: 0, data: vec![10, 96, 0, 11] })
             },
             "chain prerouting: rule 3 expression 4 is `cmp eq 0a60000b`, want `cmp eq 0a60000a` \
              (ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 counter \
@@ -177,11 +154,8 @@ mod kernel {
     impl Netns {
         fn create() -> Netns {
             static NEXT: AtomicUsize = AtomicUsize::new(0);
-            let name = format!(
-                "nft-{}-{}",
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            );
+            let name =
+                format!("nft-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
             run("ip", &["netns", "add", &name]);
             Netns(name)
         }
@@ -189,9 +163,7 @@ mod kernel {
 
     impl Drop for Netns {
         fn drop(&mut self) {
-            let _ = Command::new("ip")
-                .args(["netns", "delete", &self.0])
-                .status();
+            let _ = Command::new("ip").args(["netns", "delete", &self.0]).status();
         }
     }
 
@@ -224,10 +196,7 @@ mod kernel {
         );
         let netns = Netns::create();
         let module = module_path!();
-        let path = format!(
-            "{}::{test}",
-            module.split_once("::").map_or(module, |(_, p)| p)
-        );
+        let path = format!("{}::{test}", module.split_once("::").map_or(module, |(_, p)| p));
         let output = Command::new("ip")
             .args(["netns", "exec", &netns.0])
             .arg(std::env::current_exe().unwrap())
@@ -257,12 +226,7 @@ mod kernel {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        child
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(script.as_bytes())
-            .unwrap();
+        child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
         let output = child.wait_with_output().unwrap();
         assert!(
             output.status.success(),
@@ -354,11 +318,7 @@ mod kernel {
                 &["add", "rule", "inet", TABLE, "output", "accept"],
                 "chain output: 17 rules, want 16",
             );
-            differs(
-                &mut nftables,
-                &["add", "chain", "inet", TABLE, "foo"],
-                "extra chain foo",
-            );
+            differs(&mut nftables, &["add", "chain", "inet", TABLE, "foo"], "extra chain foo");
             differs(
                 &mut nftables,
                 &["add", "table", "inet", TABLE, "{ flags dormant; }"],
@@ -430,10 +390,7 @@ mod kernel {
             rules.chains[1].rules[2].comment = "x".repeat(200);
             let mut nftables = Nftables::new().unwrap();
             let error = nftables.apply(&rules).unwrap_err();
-            assert!(
-                error.to_string().contains("must be under 128 bytes"),
-                "{error}"
-            );
+            assert!(error.to_string().contains("must be under 128 bytes"), "{error}");
             assert_eq!(nft(ns, &["list", "tables"]), "");
         });
     }
@@ -447,10 +404,7 @@ mod kernel {
             let mut nftables = Nftables::new().unwrap();
             assert_eq!(nftables.check(&local).unwrap(), Check::Matches);
             let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-            assert!(matches!(
-                nftables.check(&upstream).unwrap(),
-                Check::Differs(_)
-            ));
+            assert!(matches!(nftables.check(&upstream).unwrap(), Check::Differs(_)));
         });
     }
 
@@ -459,9 +413,7 @@ mod kernel {
         in_netns("remove_twice_is_ok_and_leaves_nothing", |ns| {
             let mut nftables = Nftables::new().unwrap();
             nftables.remove().unwrap();
-            nftables
-                .apply(&RuleSet::desired(&dual_stack(), Route::Local))
-                .unwrap();
+            nftables.apply(&RuleSet::desired(&dual_stack(), Route::Local)).unwrap();
             nft(ns, &["add", "table", "inet", "other"]);
             nftables.remove().unwrap();
             nftables.remove().unwrap();
@@ -474,19 +426,15 @@ mod kernel {
     #[test]
     fn change_watch_hears_other_writers() {
         in_netns("change_watch_hears_other_writers", |ns| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(async {
                 const DEADLINE: Duration = Duration::from_secs(2);
                 let mut nftables = Nftables::new().unwrap();
                 let mut every_change = ChangeWatch::new().unwrap();
                 let mut foreign_changes = nftables.change_watch().unwrap();
 
-                nftables
-                    .apply(&RuleSet::desired(&dual_stack(), Route::Local))
-                    .unwrap();
+                nftables.apply(&RuleSet::desired(&dual_stack(), Route::Local)).unwrap();
                 tokio::time::timeout(DEADLINE, every_change.changed())
                     .await
                     .expect("our apply is announced")
@@ -495,9 +443,7 @@ mod kernel {
                 // returns they are all there: this one finds only ours and keeps waiting.
                 let own = Duration::from_millis(100);
                 assert!(
-                    tokio::time::timeout(own, foreign_changes.changed())
-                        .await
-                        .is_err(),
+                    tokio::time::timeout(own, foreign_changes.changed()).await.is_err(),
                     "our own changes wake the watch"
                 );
 
@@ -516,10 +462,7 @@ mod kernel {
         // listens on it; the counter of that rule shows whether it matched.
         in_netns("socket_guard_follows_the_listening_socket", |ns| {
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
-            run(
-                "ip",
-                &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"],
-            );
+            run("ip", &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"]);
             let rules = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
             Nftables::new().unwrap().apply(&rules).unwrap();
             let guarded = "ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket";
@@ -541,11 +484,7 @@ mod kernel {
             // The port unreachable error comes after the query went through prerouting.
             let refused = client.recv(&mut buf).unwrap_err();
             assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
-            assert_eq!(
-                packets(ns, guarded),
-                1,
-                "no NOTRACK once the socket is gone"
-            );
+            assert_eq!(packets(ns, guarded), 1, "no NOTRACK once the socket is gone");
         });
     }
 }
