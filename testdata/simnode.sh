@@ -24,6 +24,7 @@
 #   up PREFIX [--kube-proxy iptables-nft|iptables-legacy] [--family 4|6|dual]
 #   down PREFIX
 #   cache-start PREFIX [--mode normal|servfail]   cache-kill|cache-stop|cache-cont|cache-pid PREFIX
+#     (kill, stop and cont print when the signal went out, in ms since the epoch)
 #   coredns-start PREFIX                          coredns-kill|coredns-stop|coredns-cont|coredns-pid PREFIX
 #   exec PREFIX node|pod1|pod2|dns CMD...
 # State (configs, pidfiles, logs) lives in ${SIMNODE_DIR:-/tmp/simnode}/PREFIX.
@@ -127,7 +128,10 @@ svc_kill() {
     local pid
     if pid=$(svc_pid "$1"); then
         kill -CONT "$pid" 2>/dev/null || true
+        local at
+        at=$(now_ms)
         kill -KILL "$pid" 2>/dev/null || true
+        echo "$at" # when the signal went out (ms since the epoch), for tests to line events up
         wait_for 5 "$1 (pid $pid) to exit" svc_gone "$1"
     fi
     rm -f "$RUN_DIR/$1.pid"
@@ -136,7 +140,10 @@ svc_kill() {
 svc_signal() { # svc_signal SVC SIG
     local pid
     pid=$(svc_pid "$1") || die "$1 is not running"
+    local at
+    at=$(now_ms)
     kill "-$2" "$pid"
+    echo "$at" # when the signal went out (ms since the epoch)
 }
 
 # ---------------------------------------------------------------------------------------------

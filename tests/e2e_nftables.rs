@@ -27,8 +27,7 @@ fn cache_sigkill_loses_no_pod_lookup() {
         field(l, "cache").is_some_and(|n| n > 0)
     });
 
-    let killed_at = now_ms();
-    node.script(&["cache-kill"]);
+    let killed_at = node.signal("cache-kill");
     let upstream = agent.wait_route("upstream", Duration::from_secs(5));
     println!(
         "route upstream {} ms after the kill",
@@ -54,37 +53,31 @@ fn cache_sigkill_loses_no_pod_lookup() {
     assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
     assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0);
     assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0);
+    // Only queries already queued in the dying cache lose their first attempt; 100 ms of slack
+    // either side for scheduling on a shared machine.
+    let lost = sent_at(&summary, "first_attempt_lost_at_ms");
+    println!("first attempts lost: {}", lost.len());
+    assert_within("first attempt lost", &lost, killed_at - 100, killed_at + 100);
 }
 
-/// Acceptance 2: a hung cache (SIGSTOP) moves the route within fall × interval + timeout plus
-/// slack; after SIGCONT it returns only after `rise` good probes and `min-hold`.
+/// Acceptance 2 (and 5 for a hang): a hung cache (SIGSTOP) moves the route within
+/// fall × interval + timeout plus slack; only queries sent to it before the switch lose their
+/// first attempt, from pods and host-network clients alike; after SIGCONT the route returns only
+/// after `rise` good probes and `min-hold`.
 #[test]
 fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     let node = SimNode::up();
     // fall 3 × interval 100 ms + timeout 80 ms = 380 ms; rise 5; min-hold 2 s.
-    let agent = node.agent(&[
-        "--interval",
-        "100ms",
-        "--timeout",
-        "80ms",
-        "--fall",
-        "3",
-        "--rise",
-        "5",
-        "--min-hold",
-        "2s",
-    ]);
-    let mut load = node.load(
-        "pod1",
-        POD_SERVER,
-        &["--rate", "500", "--duration", "6s", "--report-interval", "100ms"],
-    );
-    // Let the load run against the healthy cache first.
-    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0)
-    });
-    let stopped_at = now_ms();
-    node.script(&["cache-stop"]);
+    let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms"]);
+    let args = ["--rate", "300", "--duration", "6s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", POD_SERVER, &args);
+    let mut host = node.load("node", CLUSTER_DNS_IP, &args);
+    for load in [&mut pod, &mut host] {
+        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0)
+        });
+    }
+    let stopped_at = node.signal("cache-stop");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
     let switch_ms = up["since_unix_ms"].as_u64().unwrap();
     let detection = switch_ms.saturating_sub(stopped_at);
@@ -93,12 +86,13 @@ fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     assert!(detection <= 380 + 600, "detection took {detection} ms: {up}");
     assert!(up["reason"].as_str().unwrap().contains("3 consecutive"), "{up}");
 
-    // Keep it hung until the client's first attempts to it have timed out (1 s).
-    load.wait_line("first attempts lost to the hung cache", Duration::from_secs(5), |l| {
-        field(l, "first_attempt_lost").is_some_and(|n| n > 0)
-    });
-    let resumed_at = now_ms();
-    node.script(&["cache-cont"]);
+    // Keep it hung until the clients' first attempts to it have timed out (1 s).
+    for load in [&mut pod, &mut host] {
+        load.wait_line("first attempts lost to the hung cache", Duration::from_secs(5), |l| {
+            field(l, "first_attempt_lost").is_some_and(|n| n > 0)
+        });
+    }
+    let resumed_at = node.signal("cache-cont");
     let local = agent.wait_route("local", Duration::from_secs(10));
     let back_ms = local["since_unix_ms"].as_u64().unwrap();
     assert!(back_ms - switch_ms >= 2000, "returned before min-hold: {local}");
@@ -107,19 +101,13 @@ fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
         local["probes"]["cache_udp"]["streak_good"].as_u64().unwrap() >= 5,
         "returned before rise good probes: {local}"
     );
-    let summary = load.finish();
-    println!("summary: {summary}");
-    assert_eq!(summary["failed"], 0, "{summary}");
-    // Lookups sent to the hung cache before the switch lost their first attempt, and only those.
-    let lost = summary["first_attempt_lost_at_ms"].as_array().unwrap();
-    assert!(!lost.is_empty(), "no lookup met the hung cache, nothing was tested: {summary}");
-    let start = summary["start_unix_ms"].as_u64().unwrap();
-    for at in lost {
-        let sent = start + at.as_u64().unwrap();
-        assert!(
-            sent + 5 >= stopped_at && sent <= switch_ms + 50,
-            "a first attempt sent at {sent} was lost outside the hang window {stopped_at}..{switch_ms}"
-        );
+    for (client, load) in [("pod", pod), ("host", host)] {
+        let summary = load.finish();
+        println!("{client}: {summary}");
+        assert_eq!(summary["failed"], 0, "{client}: {summary}");
+        let lost = sent_at(&summary, "first_attempt_lost_at_ms");
+        assert!(!lost.is_empty(), "{client}: no lookup met the hung cache: {summary}");
+        assert_within(client, &lost, stopped_at - 5, switch_ms + 50);
     }
 }
 
@@ -196,22 +184,16 @@ fn host_network_client_fails_over_on_sigkill_at_once() {
     load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
         field(l, "cache").is_some_and(|n| n > 0)
     });
-    let killed_at = now_ms();
-    node.script(&["cache-kill"]);
+    let killed_at = node.signal("cache-kill");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
     println!("switched {} ms after the kill", up["since_unix_ms"].as_u64().unwrap() - killed_at);
     assert!(up["reason"].as_str().unwrap().contains("refused"), "{up}");
     let summary = load.finish();
     println!("summary: {summary}");
-    let start = summary["start_unix_ms"].as_u64().unwrap();
     let switch_ms = up["since_unix_ms"].as_u64().unwrap();
-    for at in summary["failures_at_ms"].as_array().unwrap() {
-        let sent = start + at.as_u64().unwrap();
-        assert!(
-            sent + 5 >= killed_at && sent <= switch_ms + 5,
-            "a lookup sent at {sent} failed outside the kill window {killed_at}..{switch_ms}"
-        );
-    }
+    let failed = sent_at(&summary, "failures_at_ms");
+    println!("host lookups failed: {} (all between the kill and the switch)", failed.len());
+    assert_within("failed host lookup", &failed, killed_at - 5, switch_ms + 5);
     assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
 }
 

@@ -100,6 +100,14 @@ impl SimNode {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Sends a signal through `simnode.sh CMD` (`cache-kill`, `cache-stop`, …); returns when it
+    /// went out, in ms since the epoch.
+    pub fn signal(&self, cmd: &str) -> u64 {
+        let out = self.script(&[cmd]);
+        let at = out.lines().next().and_then(|l| l.trim().parse().ok());
+        at.unwrap_or_else(|| panic!("simnode.sh {cmd} printed no time: {out:?}"))
+    }
+
     /// The namespace name of `role` (node, pod1, pod2, dns).
     pub fn ns(&self, role: &str) -> String {
         format!("{}-{role}", self.prefix)
@@ -340,4 +348,27 @@ pub fn field(line: &str, name: &str) -> Option<u64> {
     line.split_whitespace()
         .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
         .and_then(|v| v.parse().ok())
+}
+
+/// The wall-clock send times (ms since the epoch) of the lookups a summary lists under `key`
+/// (`failures_at_ms` or `first_attempt_lost_at_ms`).
+pub fn sent_at(summary: &Value, key: &str) -> Vec<u64> {
+    let start = summary["start_unix_ms"].as_u64().expect("start_unix_ms");
+    summary[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} missing: {summary}"))
+        .iter()
+        .map(|v| start + v.as_u64().expect("ms"))
+        .collect()
+}
+
+/// Asserts every time in `times` lies in `from..=to` (ms since the epoch).
+pub fn assert_within(what: &str, times: &[u64], from: u64, to: u64) {
+    for &t in times {
+        assert!(
+            (from..=to).contains(&t),
+            "{what}: a lookup sent at {t} is outside {from}..={to} ({} ms from the start)",
+            t as i64 - from as i64
+        );
+    }
 }
