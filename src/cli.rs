@@ -185,4 +185,8 @@ pub struct TeardownArgs {
     /// The netfilter backend.
     #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "nftables")]
     pub dataplane: DataplaneKind,
+    /// The agent's --state-dir: teardown refuses while an agent runs there, and removes its
+    /// state file.
+    #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
+    pub state_dir: PathBuf,
 }

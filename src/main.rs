@@ -7,7 +7,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
@@ -79,8 +79,24 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Probe(args) => probe(&args),
         Command::Teardown(args) => {
             require_net_admin()?;
+            if let Ok(st) = state::read(&args.state_dir) {
+                if st.agent_running(SystemTime::now()) {
+                    return Err(Failure::runtime(format!(
+                        "an agent (pid {}) is running with --state-dir {} and would put its \
+                         rules back: stop it first (e.g. delete its DaemonSet), then tear down",
+                        st.pid,
+                        args.state_dir.display()
+                    )));
+                }
+            }
             let mut dataplane = open_dataplane(args.dataplane)?;
             dataplane.remove().map_err(Failure::runtime)?;
+            state::remove(&args.state_dir).map_err(|e| {
+                Failure::runtime(format!(
+                    "removing the state file in {}: {e}",
+                    args.state_dir.display()
+                ))
+            })?;
             println!("removed everything nodelocaldns-ha installed ({})", dataplane.name());
             Ok(())
         }
@@ -181,13 +197,8 @@ fn ago(then_ms: u64, now: SystemTime) -> String {
 fn status(args: &StatusArgs) -> Result<(), Failure> {
     let st = state::read(&args.state_dir).map_err(Failure::runtime)?;
     let now = SystemTime::now();
-    let alive = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(i32::try_from(st.pid).unwrap_or(i32::MAX)),
-        None,
-    )
-    .is_ok();
-    let stale = state::unix_ms(now).saturating_sub(st.updated_unix_ms)
-        > Duration::from_secs(5).as_millis() as u64;
+    let alive = st.pid_alive();
+    let stale = st.is_stale(now);
     if args.json {
         let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
         value["agent_running"] = serde_json::Value::Bool(alive && !stale);

@@ -62,6 +62,39 @@ pub struct State {
     pub probes: Probes,
 }
 
+/// How old a state file may be before its agent counts as wedged (it is rewritten every second).
+pub const STALE_AFTER_MS: u64 = 5_000;
+
+impl State {
+    /// Whether the process that wrote this state still exists.
+    pub fn pid_alive(&self) -> bool {
+        let Ok(pid) = i32::try_from(self.pid) else { return false };
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+    }
+
+    /// Whether the state was written more than [`STALE_AFTER_MS`] before `now`.
+    pub fn is_stale(&self, now: SystemTime) -> bool {
+        unix_ms(now).saturating_sub(self.updated_unix_ms) > STALE_AFTER_MS
+    }
+
+    /// Whether an agent is running and keeping this state current.
+    pub fn agent_running(&self, now: SystemTime) -> bool {
+        self.pid_alive() && !self.is_stale(now)
+    }
+}
+
+/// Removes the state file in `dir`, and `dir` itself when that leaves it empty. `Ok` when there
+/// is nothing to remove.
+pub fn remove(dir: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path(dir)) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    // Fails harmlessly when the directory holds something else or is already gone.
+    let _ = std::fs::remove_dir(dir);
+    Ok(())
+}
+
 /// Milliseconds since the Unix epoch of `t`.
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

@@ -215,12 +215,21 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
     });
     assert_eq!(st["transitions"], 0, "{st}");
     assert!(agent.log_text().contains("adopted=true"), "{}", agent.log_text());
+
+    // Teardown refuses while an agent runs: it would put the rules back.
+    let state_dir = agent.state_dir.display().to_string();
+    let teardown = ["teardown", "--state-dir", state_dir.as_str()];
+    let out = node.run("node", AGENT, &teardown);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("stop it first"), "{}", describe(&out));
+    assert_eq!(node.agent_table(), Some(node.expected_table("local")));
     drop(agent);
 
     for _ in 0..2 {
-        let out = node.run("node", AGENT, &["teardown"]);
+        let out = node.run("node", AGENT, &teardown);
         assert!(out.status.success(), "{}", describe(&out));
         assert_eq!(node.agent_table(), None);
+        assert!(!std::path::Path::new(&state_dir).join("state.json").exists());
     }
     let tables = node.run("node", "nft", &["list", "tables"]);
     assert!(!String::from_utf8_lossy(&tables.stdout).contains("nodelocaldns-ha"));
