@@ -15,11 +15,13 @@
 //! stops, crashes or is upgraded leaves the node exactly as it last decided, and a restarted agent
 //! adopts the installed route instead of flipping. `teardown` removes everything.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{mpsc, Notify};
+use tokio::task::block_in_place;
 use tracing::{debug, error, info, warn};
 
 use crate::config::{AgentConfig, Cadence};
@@ -45,7 +47,16 @@ pub enum AgentError {
     /// A probe setting was rejected.
     #[error(transparent)]
     Probe(#[from] crate::probe::ProbeError),
+    /// Another agent runs with the same state directory, or its lock cannot be taken.
+    #[error(transparent)]
+    Lock(#[from] state::LockError),
+    /// A probe or watch task ended: the agent is blind and exits.
+    #[error("{0}; exiting with the current ruleset left in place")]
+    TaskDied(String),
 }
+
+/// The least time between two repairs of the ruleset.
+const REPAIR_SPACING: Duration = Duration::from_millis(50);
 
 /// A probe result, tagged with the stream it belongs to.
 #[derive(Clone, Debug)]
@@ -72,6 +83,13 @@ pub struct Agent {
     desired: RuleSet,
     /// The last apply failed; the next resync must apply without asking.
     dirty: bool,
+    /// Failed applies in a row, for the retry backoff.
+    apply_failures: u32,
+    /// No resync before this: backing off after failed applies, or after a repair so that a
+    /// tool fighting over the table (or our own change notification) cannot spin the loop.
+    not_before: Option<Instant>,
+    /// The resync period; the unit of the backoff.
+    tick: Duration,
     transitions: u64,
     repairs: u64,
     last_error: Option<String>,
@@ -109,6 +127,9 @@ impl Agent {
             dataplane,
             desired,
             dirty: false,
+            apply_failures: 0,
+            not_before: None,
+            tick: cfg.cache_udp.interval,
             transitions: 0,
             repairs: 0,
             last_error: None,
@@ -159,7 +180,7 @@ impl Agent {
             self.transitions += 1;
             info!(from = %t.from, to = %t.to, reason = %t.reason, "route changed");
             self.desired = RuleSet::desired(&self.addrs, t.to);
-            self.apply();
+            self.apply(now);
         }
     }
 
@@ -172,9 +193,13 @@ impl Agent {
     }
 
     /// Reads the ruleset back and restores it when it is not exactly the current route's.
-    pub fn resync(&mut self) {
+    pub fn resync(&mut self, now: Instant) {
+        if self.not_before.is_some_and(|t| now < t) {
+            return;
+        }
+        self.not_before = None;
         if self.dirty {
-            self.apply();
+            self.apply(now);
             return;
         }
         match self.dataplane.check(&self.desired) {
@@ -182,26 +207,58 @@ impl Agent {
             Ok(drift) => {
                 self.repairs += 1;
                 warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
-                self.apply();
+                self.apply(now);
+                // Whoever keeps changing the table (our own change notification included) cannot
+                // make the agent spin: repairs are spaced.
+                let spacing = self.tick.min(REPAIR_SPACING);
+                self.not_before = Some(self.not_before.unwrap_or(now).max(now + spacing));
             }
             Err(e) => {
                 warn!(error = %e, "reading the ruleset back failed, re-applying");
-                self.apply();
+                self.apply(now);
             }
         }
     }
 
-    fn apply(&mut self) {
+    /// Installs the current route's ruleset; on failure, schedules a retry with exponential
+    /// backoff (one tick, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
+    fn apply(&mut self, now: Instant) {
         match self.dataplane.apply(&self.desired) {
             Ok(()) => {
                 self.dirty = false;
+                self.apply_failures = 0;
+                self.not_before = None;
                 self.last_error = None;
             }
             Err(e) => {
-                error!(route = %self.route(), error = %e, "applying the ruleset failed, will retry");
+                self.apply_failures += 1;
+                let backoff = self
+                    .tick
+                    .saturating_mul(1 << self.apply_failures.min(16))
+                    .min(Duration::from_secs(5));
+                error!(route = %self.route(), error = %e, retry_in = ?backoff, "applying the ruleset failed");
                 self.dirty = true;
+                self.not_before = Some(now + backoff);
                 self.last_error = Some(e.to_string());
             }
+        }
+    }
+
+    /// When a deferred resync (a retry, a spaced repair) is due.
+    pub fn resync_due(&self) -> Option<Instant> {
+        self.not_before
+    }
+
+    /// Whether the kernel may not hold the current route's ruleset (the last apply failed).
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    /// One last attempt to install the current route's ruleset, for shutdown.
+    pub fn settle(&mut self, now: Instant) {
+        if self.dirty {
+            self.not_before = None;
+            self.apply(now);
         }
     }
 
@@ -224,11 +281,6 @@ impl Agent {
             probes: self.probes.clone(),
         }
     }
-
-    /// The dataplane, for tests that tamper with it.
-    pub fn dataplane_mut(&mut self) -> &mut dyn Dataplane {
-        self.dataplane.as_mut()
-    }
 }
 
 /// Probes `target` every `cadence.interval`, and at once when `wake` is notified.
@@ -248,7 +300,14 @@ async fn probe_stream(
             _ = ticker.tick() => {}
             _ = wake.notified() => {}
         }
-        let result = probe.run(target, transport).await;
+        // A wake-up during a probe means a cache socket just closed: the query may have gone to
+        // a socket that is closing too, and would only time out. Ask again.
+        let result = loop {
+            tokio::select! {
+                result = probe.run(target, transport) => break result,
+                _ = wake.notified() => {}
+            }
+        };
         if tx.send(Report { stream, result }).await.is_err() {
             return;
         }
@@ -256,12 +315,13 @@ async fn probe_stream(
 }
 
 /// Wakes the cache probes when the kernel reports one of the cache's listening sockets closed.
-async fn watch_cache_sockets(addrs: Vec<std::net::IpAddr>, wake: Vec<Arc<Notify>>) {
+/// Without the notifications (an old kernel), the probes alone still detect a crash.
+async fn watch_cache_sockets(addrs: Vec<IpAddr>, wake: [Arc<Notify>; 2]) {
     let mut watch = match crate::sockdiag::SocketWatch::open() {
         Ok(w) => w,
         Err(e) => {
             warn!(error = %e, "socket-destroy notifications unavailable; relying on probes");
-            return;
+            return std::future::pending().await;
         }
     };
     loop {
@@ -272,41 +332,60 @@ async fn watch_cache_sockets(addrs: Vec<std::net::IpAddr>, wake: Vec<Arc<Notify>
                     wake.iter().for_each(|w| w.notify_one());
                 }
             }
+            // Notifications were dropped: one of them may have been the cache's.
+            Err(e) if e.is_overrun() => wake.iter().for_each(|w| w.notify_one()),
             Err(e) => {
-                warn!(error = %e, "socket-destroy notification lost, probing now");
-                wake.iter().for_each(|w| w.notify_one());
+                warn!(error = %e, "socket-destroy notifications failed; relying on probes");
+                return std::future::pending().await;
             }
         }
     }
 }
 
-/// Notifies `resync` whenever any nftables ruleset in this network namespace changes.
+/// Notifies `resync` whenever any nftables ruleset in this network namespace changes (the
+/// agent's own changes included: the resync that follows finds them in order and does nothing).
 async fn watch_nftables(resync: Arc<Notify>) {
     let mut watch = match crate::dataplane::nftables::ChangeWatch::new() {
         Ok(w) => w,
         Err(e) => {
             warn!(error = %e, "nftables change notifications unavailable; resyncing on the tick only");
-            return;
+            return std::future::pending().await;
         }
     };
     loop {
         if let Err(e) = watch.changed().await {
-            warn!(error = %e, "nftables change watch failed; resyncing on the tick only");
-            return;
+            warn!(error = %e, "nftables change notifications failed; resyncing on the tick only");
+            return std::future::pending().await;
         }
         resync.notify_one();
     }
 }
 
-/// Runs the agent until `shutdown` completes.
+/// Completes at `at`, never when `None`.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: dataplane calls
+/// block (microseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile.
 pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    // Everything that can be refused is refused before the host is touched.
+    let probe = |cadence: Cadence| Probe::new(&cfg.probe_name, cadence.timeout).map(Arc::new);
+    let cache_udp = probe(cfg.cache_udp)?;
+    let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
+    let upstream = probe(cfg.upstream_probe)?;
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
-    let mut agent = Agent::start(&cfg, dataplane, Instant::now())?;
+    let _lock = state::Lock::acquire(&cfg.state_dir)?;
+
+    let mut agent = block_in_place(|| Agent::start(&cfg, dataplane, Instant::now()))?;
     let write_state = |agent: &Agent| {
         if let Err(e) =
             state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
@@ -317,53 +396,35 @@ pub async fn run(
     write_state(&agent);
 
     let (tx, mut rx) = mpsc::channel(64);
-    let cache_wakes = vec![Arc::new(Notify::new()), Arc::new(Notify::new())];
+    let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
     let mut tasks = tokio::task::JoinSet::new();
-    let spawn_probe = |tasks: &mut tokio::task::JoinSet<()>,
-                       cadence: Cadence,
-                       target,
-                       transport,
-                       stream,
-                       wake: Arc<Notify>|
-     -> Result<(), AgentError> {
-        let probe = Arc::new(Probe::new(&cfg.probe_name, cadence.timeout)?);
-        tasks.spawn(probe_stream(
-            probe,
+    let target = cfg.cache_target();
+    let every = cfg.cache_udp.interval;
+    tasks.spawn(probe_stream(
+        cache_udp,
+        target,
+        Transport::Udp,
+        Stream::CacheUdp,
+        every,
+        cache_wakes[0].clone(),
+        tx.clone(),
+    ));
+    if let Some((cadence, tcp)) = cache_tcp {
+        let wake = cache_wakes[1].clone();
+        let stream = probe_stream(
+            tcp,
             target,
-            transport,
-            stream,
+            Transport::Tcp,
+            Stream::CacheTcp,
             cadence.interval,
             wake,
             tx.clone(),
-        ));
-        Ok(())
-    };
-    spawn_probe(
-        &mut tasks,
-        cfg.cache_udp,
-        cfg.cache_target(),
-        Transport::Udp,
-        Stream::CacheUdp,
-        cache_wakes[0].clone(),
-    )?;
-    if let Some(cadence) = cfg.cache_tcp {
-        spawn_probe(
-            &mut tasks,
-            cadence,
-            cfg.cache_target(),
-            Transport::Tcp,
-            Stream::CacheTcp,
-            cache_wakes[1].clone(),
-        )?;
+        );
+        tasks.spawn(stream);
     }
-    spawn_probe(
-        &mut tasks,
-        cfg.upstream_probe,
-        cfg.upstream_target(),
-        Transport::Udp,
-        Stream::Upstream,
-        Arc::new(Notify::new()),
-    )?;
+    let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
+    let wake = Arc::new(Notify::new());
+    tasks.spawn(probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx));
     let watched: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     tasks.spawn(watch_cache_sockets(watched, cache_wakes));
     let nft_changed = Arc::new(Notify::new());
@@ -374,26 +435,38 @@ pub async fn run(
     let mut state_tick = tokio::time::interval(Duration::from_secs(1));
     state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tokio::pin!(shutdown);
-    loop {
+    let outcome = loop {
         tokio::select! {
             biased;
-            _ = &mut shutdown => break,
+            _ = &mut shutdown => break Ok(()),
             Some(report) = rx.recv() => {
                 let before = agent.route();
-                agent.on_probe(&report, Instant::now());
+                block_in_place(|| agent.on_probe(&report, Instant::now()));
                 if agent.route() != before {
                     write_state(&agent);
                 }
             }
-            _ = nft_changed.notified() => agent.resync(),
-            _ = resync.tick() => agent.resync(),
+            _ = nft_changed.notified() => block_in_place(|| agent.resync(Instant::now())),
+            _ = sleep_until(agent.resync_due()) => block_in_place(|| agent.resync(Instant::now())),
+            _ = resync.tick() => block_in_place(|| agent.resync(Instant::now())),
             _ = state_tick.tick() => write_state(&agent),
+            // Every task runs forever: one that ends has panicked, and the agent can no longer
+            // see what it should. Exit, leaving the current ruleset; the DaemonSet restarts us.
+            Some(ended) = tasks.join_next() => break Err(AgentError::TaskDied(match ended {
+                Err(e) if e.is_panic() => "a probe or watch task panicked".to_owned(),
+                _ => "a probe or watch task ended".to_owned(),
+            })),
         }
-    }
+    };
     tasks.shutdown().await;
+    block_in_place(|| agent.settle(Instant::now()));
     write_state(&agent);
-    info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
-    Ok(())
+    if agent.is_dirty() {
+        error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
+    } else {
+        info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
+    }
+    outcome
 }
 
 #[cfg(test)]
@@ -426,35 +499,38 @@ mod tests {
         Report { stream, result: ProbeResult { outcome, latency: Duration::from_millis(1) } }
     }
 
-    fn installed(agent: &mut Agent) -> Option<Route> {
-        let addrs = cfg().addrs;
-        dataplane::installed_route(agent.dataplane_mut(), &addrs).unwrap()
+    /// The route whose ruleset the fake kernel holds.
+    fn installed(fake: &FakeDataplane) -> Option<Route> {
+        dataplane::installed_route(&mut fake.clone(), &cfg().addrs).unwrap()
+    }
+
+    fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
+        Agent::start(&cfg(), Box::new(fake.clone()), t0).unwrap()
     }
 
     #[test]
     fn installs_local_when_nothing_is_installed() {
-        let t0 = Instant::now();
-        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
-        assert_eq!(installed(&mut agent), Some(Route::Local));
+        let fake = FakeDataplane::default();
+        start(&fake, Instant::now());
+        assert_eq!(installed(&fake), Some(Route::Local));
+        assert_eq!(fake.kernel().applies, 1);
     }
 
     #[test]
     fn adopts_the_installed_route_without_applying() {
-        let t0 = Instant::now();
-        let fake = FakeDataplane {
-            installed: Some(RuleSet::desired(&cfg().addrs, Route::Upstream)),
-            ..FakeDataplane::default()
-        };
-        let agent = Agent::start(&cfg(), Box::new(fake), t0).unwrap();
+        let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Upstream));
+        let agent = start(&fake, Instant::now());
         assert_eq!(agent.route(), Route::Upstream);
+        assert_eq!(fake.kernel().applies, 0);
     }
 
     #[test]
     fn a_refused_probe_switches_the_installed_ruleset() {
         let t0 = Instant::now();
-        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
         agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
-        assert_eq!(installed(&mut agent), Some(Route::Upstream));
+        assert_eq!(installed(&fake), Some(Route::Upstream));
         let st = agent.state(t0, SystemTime::now());
         assert_eq!(st.transitions, 1);
         assert_eq!(st.probes.cache_udp.bad, 1);
@@ -462,39 +538,66 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_apply_is_retried_on_the_next_resync() {
+    fn a_failed_apply_is_retried_with_backoff() {
         let t0 = Instant::now();
-        let fake = FakeDataplane {
-            installed: Some(RuleSet::desired(&cfg().addrs, Route::Local)),
-            fail_next_apply: true,
-            ..FakeDataplane::default()
-        };
-        let mut agent = Agent::start(&cfg(), Box::new(fake), t0).unwrap();
+        let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
+        let mut agent = start(&fake, t0);
+        fake.kernel().fail_next_apply = true;
         agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
         // The kernel still holds Local: the batch failed whole.
-        assert_eq!(installed(&mut agent), Some(Route::Local));
+        assert_eq!(installed(&fake), Some(Route::Local));
+        assert!(agent.is_dirty());
         assert!(agent.state(t0, SystemTime::now()).last_error.is_some());
-        agent.resync();
-        assert_eq!(installed(&mut agent), Some(Route::Upstream));
+        // Not before the backoff (2 ticks after the first failure)...
+        agent.resync(t0 + Duration::from_millis(150));
+        assert_eq!(installed(&fake), Some(Route::Local));
+        // ...but then.
+        agent.resync(t0 + Duration::from_millis(200));
+        assert_eq!(installed(&fake), Some(Route::Upstream));
+        assert!(!agent.is_dirty());
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
     }
 
     #[test]
-    fn resync_restores_a_removed_table_and_counts_it() {
+    fn resync_restores_a_removed_table_with_repairs_spaced() {
         let t0 = Instant::now();
-        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
-        agent.resync();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        agent.resync(t0);
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
-        agent.dataplane_mut().remove().unwrap();
-        agent.resync();
-        assert_eq!(installed(&mut agent), Some(Route::Local));
+        fake.kernel().installed = None;
+        agent.resync(t0);
+        assert_eq!(installed(&fake), Some(Route::Local));
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
+        // Someone removes it again at once: repaired after a pause, not in a loop.
+        fake.kernel().installed = None;
+        agent.resync(t0 + Duration::from_millis(1));
+        assert_eq!(installed(&fake), None);
+        assert_eq!(agent.resync_due(), Some(t0 + REPAIR_SPACING));
+        agent.resync(t0 + REPAIR_SPACING);
+        assert_eq!(installed(&fake), Some(Route::Local));
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 2);
+        // Once due and done, nothing stays scheduled (the loop would spin on it).
+        agent.resync(t0 + REPAIR_SPACING * 3);
+        assert_eq!(agent.resync_due(), None);
+    }
+
+    #[test]
+    fn settle_retries_a_failed_apply_at_shutdown() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        fake.kernel().fail_next_apply = true;
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
+        assert_eq!(installed(&fake), Some(Route::Local));
+        agent.settle(t0);
+        assert_eq!(installed(&fake), Some(Route::Upstream));
     }
 
     #[test]
     fn state_reports_since_on_the_wall_clock() {
         let t0 = Instant::now();
-        let mut agent = Agent::start(&cfg(), Box::new(FakeDataplane::default()), t0).unwrap();
+        let mut agent = start(&FakeDataplane::default(), t0);
         agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
         let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
         let st = agent.state(t0 + Duration::from_secs(3), wall);

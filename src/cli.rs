@@ -176,7 +176,7 @@ pub struct ProbeArgs {
     )]
     pub probe_name: String,
     /// How long to wait for the answer.
-    #[arg(long, env = "NODELOCALDNS_HA_TIMEOUT", default_value = "1s")]
+    #[arg(long, env = "NODELOCALDNS_HA_PROBE_TIMEOUT", default_value = "1s")]
     pub timeout: String,
 }
 

@@ -79,13 +79,13 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
             "h" => value * 3600.0,
             _ => return None,
         };
-        total += Duration::try_from_secs_f64(seconds).ok()?;
+        total = total.checked_add(Duration::try_from_secs_f64(seconds).ok()?)?;
         rest = tail;
     }
     Some(total)
 }
 
-/// A duration flag's raw text, for error messages.
+/// Parses the value of a duration flag; the error names the flag and the value.
 pub fn duration_flag(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
     parse_duration(value).ok_or_else(|| ConfigError::BadDuration { flag, value: value.to_owned() })
 }
@@ -310,7 +310,8 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Some(ms(1500)));
         assert_eq!(parse_duration("1m30s"), Some(ms(90_000)));
         assert_eq!(parse_duration("30m"), Some(ms(1_800_000)));
-        for bad in ["", "100", "ms", "1x", "-1s", "1..2s", "1e9999s", "1s2"] {
+        let huge = "18446744073709551615s18446744073709551615s";
+        for bad in ["", "100", "ms", "1x", "-1s", "1..2s", "1e9999s", "1s2", huge] {
             assert_eq!(parse_duration(bad), None, "{bad:?}");
         }
     }

@@ -7,13 +7,15 @@
 //!    at once when a probe was *refused* (nothing listens on port 53: the cache is gone, no
 //!    reason to wait) — unless the upstream is failing too: a half-dead cache may still serve
 //!    from its cache, and CoreDNS down gains nothing. The machine then *holds* and says so.
-//! 2. **Return to `Local`** after `rise` consecutive good probes of the cache and at least
-//!    `min_hold` in `Upstream` (flap damping). When the upstream itself is failing, `min_hold`
-//!    is waived: the cache is the only working resolver.
+//! 2. **Return to `Local`** after `rise` consecutive good UDP probes of the cache, with the last
+//!    TCP probe (if any) good too, and at least `min_hold` in `Upstream` (flap damping). When the
+//!    upstream itself is failing, `min_hold` is waived: the cache is the only working resolver.
 //! 3. Leaving `Local` is never delayed by `min_hold`: failing over is what the agent is for.
 //!
-//! The upstream counts as failing after `fall` consecutive bad probes, and as healthy again
-//! after one good one; before its first probe it is presumed healthy.
+//! The upstream counts as failing after `fall` consecutive bad probes (a refusal is no
+//! different there: kube-proxy rejects while a Service has no endpoints, which may pass), and as
+//! healthy again after one good one; before its first probe it is presumed healthy. A refusal
+//! from the cache is forgotten as soon as the cache answers on any transport.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -202,6 +204,12 @@ impl Machine {
             Stream::CacheUdp => self.cache_udp.record(sample),
             Stream::CacheTcp => self.cache_tcp.record(sample),
             Stream::Upstream => self.upstream.record(sample),
+        }
+        // A refusal means "nothing listens": an answer on the other transport since proves it
+        // stale. (A transport that keeps failing still trips `fall` on its own.)
+        if sample == Sample::Good && stream != Stream::Upstream {
+            self.cache_udp.refused = false;
+            self.cache_tcp.refused = false;
         }
         let next = match self.route {
             Route::Local => self.why_leave_local(),
@@ -399,6 +407,19 @@ mod tests {
         assert_eq!(m.route(), Upstream);
         assert_eq!(feed(&mut m, t0, 3000, CacheUdp, &[Good; 6]), [None; 6]);
         assert_eq!(feed(&mut m, t0, 3600, CacheTcp, &[Good]), [Some(Local)]);
+    }
+
+    #[test]
+    fn a_stale_tcp_refusal_does_not_move_a_held_route_once_udp_answers() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        feed(&mut m, t0, 0, Stream::Upstream, &[TIMEOUT; 3]);
+        feed(&mut m, t0, 300, CacheTcp, &[Refused]);
+        assert!(m.held().is_some());
+        // The cache answers over UDP again; then the upstream recovers.
+        feed(&mut m, t0, 400, CacheUdp, &[Good]);
+        assert_eq!(feed(&mut m, t0, 500, Stream::Upstream, &[Good]), [None]);
+        assert_eq!(m.route(), Local);
     }
 
     #[test]

@@ -27,17 +27,45 @@ struct Failure {
 }
 
 impl Failure {
-    fn usage(message: impl ToString) -> Failure {
-        Failure { code: 2, message: message.to_string() }
+    fn usage(error: impl std::fmt::Display) -> Failure {
+        Failure { code: 2, message: error.to_string() }
     }
 
-    fn runtime(message: impl ToString) -> Failure {
-        Failure { code: 1, message: message.to_string() }
+    fn runtime(error: impl std::fmt::Display) -> Failure {
+        Failure { code: 1, message: error.to_string() }
     }
 }
 
+/// `error: cause: cause's cause`, so the root of a failure reaches the user.
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text = format!("{text}: {line}");
+        }
+        source = cause.source();
+    }
+    text
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // One line, like every other refusal; `--help` has the rest.
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or("invalid arguments");
+            eprintln!("nodelocaldns-ha: {} (see --help)", first.trim_start_matches("error: "));
+            return ExitCode::from(2);
+        }
+    };
     let filter = match EnvFilter::try_new(&cli.log) {
         Ok(f) => f,
         Err(e) => {
@@ -67,7 +95,9 @@ fn run(command: Command) -> Result<(), Failure> {
             require_net_admin()?;
             let dataplane = open_dataplane(args.dataplane)?;
             runtime()?.block_on(async {
-                agent::run(cfg, dataplane, shutdown_signal()).await.map_err(Failure::runtime)
+                agent::run(cfg, dataplane, shutdown_signal())
+                    .await
+                    .map_err(|e| Failure::runtime(with_causes(&e)))
             })
         }
         Command::Status(args) => status(&args),
@@ -79,18 +109,15 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Probe(args) => probe(&args),
         Command::Teardown(args) => {
             require_net_admin()?;
-            if let Ok(st) = state::read(&args.state_dir) {
-                if st.agent_running(SystemTime::now()) {
-                    return Err(Failure::runtime(format!(
-                        "an agent (pid {}) is running with --state-dir {} and would put its \
-                         rules back: stop it first (e.g. delete its DaemonSet), then tear down",
-                        st.pid,
-                        args.state_dir.display()
-                    )));
-                }
+            if state::agent_running(&args.state_dir) {
+                return Err(Failure::runtime(format!(
+                    "an agent is running with --state-dir {} and would put its rules back: stop \
+                     it first (e.g. delete its DaemonSet), then tear down",
+                    args.state_dir.display()
+                )));
             }
             let mut dataplane = open_dataplane(args.dataplane)?;
-            dataplane.remove().map_err(Failure::runtime)?;
+            dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
             state::remove(&args.state_dir).map_err(|e| {
                 Failure::runtime(format!(
                     "removing the state file in {}: {e}",
@@ -112,12 +139,15 @@ fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {
 
 fn open_dataplane(kind: DataplaneKind) -> Result<Box<dyn Dataplane>, Failure> {
     match kind {
-        DataplaneKind::Nftables => Ok(Box::new(Nftables::new().map_err(Failure::runtime)?)),
+        DataplaneKind::Nftables => {
+            Ok(Box::new(Nftables::new().map_err(|e| Failure::runtime(with_causes(&e)))?))
+        }
     }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
-    tokio::runtime::Builder::new_current_thread()
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| Failure::runtime(format!("cannot start the async runtime: {e}")))
@@ -195,9 +225,9 @@ fn ago(then_ms: u64, now: SystemTime) -> String {
 }
 
 fn status(args: &StatusArgs) -> Result<(), Failure> {
-    let st = state::read(&args.state_dir).map_err(Failure::runtime)?;
+    let st = state::read(&args.state_dir).map_err(|e| Failure::runtime(with_causes(&e)))?;
     let now = SystemTime::now();
-    let alive = st.pid_alive();
+    let alive = state::agent_running(&args.state_dir);
     let stale = st.is_stale(now);
     if args.json {
         let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
@@ -206,13 +236,11 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         return Ok(());
     }
     let running = match (alive, stale) {
-        (true, false) => format!("running (pid {})", st.pid),
+        (true, false) => format!("running (pid {} in its own namespace)", st.pid),
         (true, true) => {
-            format!("pid {} alive but not updating ({})", st.pid, ago(st.updated_unix_ms, now))
+            format!("running but not updating its state ({})", ago(st.updated_unix_ms, now))
         }
-        (false, _) => {
-            format!("not running (pid {} gone; its last ruleset stays installed)", st.pid)
-        }
+        (false, _) => "not running (its last ruleset stays installed)".to_owned(),
     };
     println!("agent:       {running}");
     println!("route:       {} since {} ({})", st.route, ago(st.since_unix_ms, now), st.reason);

@@ -4,8 +4,12 @@
 //! every route change and once a second; `status` reads it. The file is informational: the
 //! route itself is read back from the kernel on restart, never trusted from here.
 
+use std::fs::File;
 use std::io;
 use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
@@ -64,31 +68,74 @@ pub struct State {
 
 /// How old a state file may be before its agent counts as wedged (it is rewritten every second).
 pub const STALE_AFTER_MS: u64 = 5_000;
+/// The lock file a running agent holds in its state directory.
+pub const LOCK_FILE: &str = "agent.lock";
 
 impl State {
-    /// Whether the process that wrote this state still exists.
-    pub fn pid_alive(&self) -> bool {
-        let Ok(pid) = i32::try_from(self.pid) else { return false };
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
-    }
-
     /// Whether the state was written more than [`STALE_AFTER_MS`] before `now`.
     pub fn is_stale(&self, now: SystemTime) -> bool {
         unix_ms(now).saturating_sub(self.updated_unix_ms) > STALE_AFTER_MS
     }
+}
 
-    /// Whether an agent is running and keeping this state current.
-    pub fn agent_running(&self, now: SystemTime) -> bool {
-        self.pid_alive() && !self.is_stale(now)
+/// An exclusive `flock` on `<state-dir>/agent.lock`, held by a running agent for its lifetime.
+///
+/// A lock rather than the pid in the state file: the agent runs in a container's pid namespace
+/// while `status` and `teardown` may run on the host, where that pid means nothing; a lock on a
+/// hostPath file means the same everywhere, and the kernel drops it when the agent dies.
+#[derive(Debug)]
+pub struct Lock(#[allow(dead_code)] Flock<File>);
+
+/// Why the lock could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another agent holds it.
+    #[error("another agent is running with --state-dir {}: stop it, or give this one its own state directory", .0.display())]
+    Held(PathBuf),
+    /// The lock file cannot be opened or locked.
+    #[error("cannot lock {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl Lock {
+    /// Takes the lock in `dir` without waiting.
+    pub fn acquire(dir: &Path) -> Result<Lock, LockError> {
+        let path = dir.join(LOCK_FILE);
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|source| LockError::Io { path: path.clone(), source })?;
+        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => Ok(Lock(lock)),
+            Err((_, Errno::EWOULDBLOCK)) => Err(LockError::Held(dir.to_owned())),
+            Err((_, errno)) => Err(LockError::Io { path, source: errno.into() }),
+        }
     }
 }
 
-/// Removes the state file in `dir`, and `dir` itself when that leaves it empty. `Ok` when there
+/// Whether an agent holds the lock in `dir` (false when there is no lock file).
+pub fn agent_running(dir: &Path) -> bool {
+    match Lock::acquire(dir) {
+        Ok(_released_on_drop) => false,
+        Err(LockError::Held(_)) => true,
+        Err(LockError::Io { .. }) => false,
+    }
+}
+
+/// Removes the state and lock files in `dir`, and `dir` itself when that leaves it empty. `Ok` when there
 /// is nothing to remove.
 pub fn remove(dir: &Path) -> io::Result<()> {
-    match std::fs::remove_file(path(dir)) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
-        _ => {}
+    for file in [path(dir), dir.join(LOCK_FILE)] {
+        match std::fs::remove_file(file) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
     }
     // Fails harmlessly when the directory holds something else or is already gone.
     let _ = std::fs::remove_dir(dir);
@@ -171,6 +218,20 @@ mod tests {
             last_error: None,
             probes: Probes::default(),
         }
+    }
+
+    #[test]
+    fn the_lock_is_exclusive_and_dropped_with_its_holder() {
+        let dir = std::env::temp_dir().join(format!("nlha-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(!agent_running(&dir));
+        let held = Lock::acquire(&dir).unwrap();
+        assert!(agent_running(&dir));
+        assert!(matches!(Lock::acquire(&dir), Err(LockError::Held(_))));
+        drop(held);
+        assert!(!agent_running(&dir));
+        remove(&dir).unwrap();
+        assert!(!dir.exists());
     }
 
     #[test]

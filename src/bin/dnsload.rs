@@ -468,6 +468,9 @@ impl Timeline {
     }
 
     fn bucket(&mut self, index: usize, origins: &Origins) -> &mut Bucket {
+        // A lookup whose task failed is reported with start 0; count it in the oldest open
+        // interval rather than index before the start of the deque.
+        let index = index.max(self.first);
         while self.first + self.buckets.len() <= index {
             self.buckets.push_back(Bucket {
                 started: 0,

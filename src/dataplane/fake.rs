@@ -1,20 +1,42 @@
 //! A stateful in-memory dataplane for tests of the agent's logic.
 //!
-//! Like knftables' fake: a transaction is applied to a copy and kept only when it succeeds, so
-//! tests can inject failures and tamper with the "kernel" state as another process would.
+//! Like knftables' fake: a transaction either applies whole or fails and changes nothing, and a
+//! test keeps a clone of the handle to look at the fake kernel or tamper with it as another
+//! process would.
+
+use std::cell::{RefCell, RefMut};
+use std::rc::Rc;
 
 use super::{Check, Dataplane, Error};
 use crate::ruleset::RuleSet;
 
-/// In-memory dataplane.
+/// What the fake kernel holds, and knobs for tests.
 #[derive(Debug, Default)]
-pub struct FakeDataplane {
-    /// What the fake kernel holds.
+pub struct FakeKernel {
+    /// The installed ruleset.
     pub installed: Option<RuleSet>,
     /// When set, the next `apply` fails and changes nothing.
     pub fail_next_apply: bool,
     /// How many `apply` calls succeeded.
     pub applies: usize,
+}
+
+/// In-memory dataplane; clones share one fake kernel.
+#[derive(Clone, Debug, Default)]
+pub struct FakeDataplane(Rc<RefCell<FakeKernel>>);
+
+impl FakeDataplane {
+    /// A fake kernel that holds `installed`.
+    pub fn holding(installed: RuleSet) -> FakeDataplane {
+        let fake = FakeDataplane::default();
+        fake.kernel().installed = Some(installed);
+        fake
+    }
+
+    /// The fake kernel.
+    pub fn kernel(&self) -> RefMut<'_, FakeKernel> {
+        self.0.borrow_mut()
+    }
 }
 
 impl Dataplane for FakeDataplane {
@@ -23,16 +45,17 @@ impl Dataplane for FakeDataplane {
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
-        if std::mem::take(&mut self.fail_next_apply) {
+        let mut kernel = self.kernel();
+        if std::mem::take(&mut kernel.fail_next_apply) {
             return Err(Error::Injected("apply"));
         }
-        self.installed = Some(rules.clone());
-        self.applies += 1;
+        kernel.installed = Some(rules.clone());
+        kernel.applies += 1;
         Ok(())
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
-        Ok(match &self.installed {
+        Ok(match &self.kernel().installed {
             None => Check::Missing,
             Some(installed) if installed == rules => Check::Matches,
             Some(_) => Check::Differs("installed ruleset differs".to_owned()),
@@ -40,7 +63,7 @@ impl Dataplane for FakeDataplane {
     }
 
     fn remove(&mut self) -> Result<(), Error> {
-        self.installed = None;
+        self.kernel().installed = None;
         Ok(())
     }
 }

@@ -4,6 +4,7 @@
 //! one transaction, so a ruleset on the node is always exactly one that [`RuleSet::desired`]
 //! produced, never a mix.
 
+#[cfg(test)]
 pub mod fake;
 pub mod nftables;
 
@@ -16,6 +17,7 @@ pub enum Error {
     #[error(transparent)]
     Nftables(#[from] nftables::Error),
     /// Injected by the fake dataplane in tests.
+    #[cfg(test)]
     #[error("injected failure: {0}")]
     Injected(&'static str),
 }
