@@ -149,10 +149,32 @@ impl Chain {
     }
 }
 
-/// Everything the agent installs: one `inet` table.
+/// A filter-table hook an ACCEPT rule goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FilterHook {
+    /// Queries arriving for the cache.
+    Input,
+    /// The cache's replies.
+    Output,
+}
+
+/// An ACCEPT in the filter table for DNS to or from a listen address, as node-cache installs:
+/// needed where the host's firewall drops by default (NOTRACKed packets are neither NEW nor
+/// ESTABLISHED to conntrack, so "allow established" rules do not let them through).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Accept {
+    pub hook: FilterHook,
+    /// The match; its guard is always `Guard::None`.
+    pub rule: Rule,
+}
+
+/// Everything the agent installs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RuleSet {
+    /// The NOTRACK chains that switch the route (one `inet` table in nftables).
     pub chains: Vec<Chain>,
+    /// Filter ACCEPTs, route-independent; empty unless the host's firewall drops by default.
+    pub accepts: Vec<Accept>,
 }
 
 /// The addresses node-local-dns listens on, at most one per family in each list.
@@ -208,11 +230,37 @@ impl RuleSet {
             }
         }
         RuleSet {
+            accepts: Vec::new(),
             chains: vec![
                 Chain { hook: Hook::Prerouting, priority: PRIORITY, rules: prerouting },
                 Chain { hook: Hook::Output, priority: PRIORITY, rules: output },
             ],
         }
+    }
+
+    /// This ruleset with filter ACCEPTs for DNS to and from every listen address (both routes:
+    /// a query DNATed to CoreDNS is forwarded, not input, so the ACCEPTs never steer anything).
+    pub fn with_accepts(mut self, addrs: &ListenAddrs) -> RuleSet {
+        let listen = addrs.local.iter().chain(&addrs.cluster_dns);
+        for &ip in listen {
+            for proto in [Proto::Udp, Proto::Tcp] {
+                for (hook, side, comment) in [
+                    (FilterHook::Input, Side::Destination, "queries to cache"),
+                    (FilterHook::Output, Side::Source, "cache replies"),
+                ] {
+                    let rule = Rule {
+                        addr: ip,
+                        side,
+                        proto,
+                        port: DNS_PORT,
+                        guard: Guard::None,
+                        comment: comment.to_owned(),
+                    };
+                    self.accepts.push(Accept { hook, rule });
+                }
+            }
+        }
+        self
     }
 
     /// Every rule, with the chain it belongs to.
@@ -349,6 +397,18 @@ mod tests {
             Route::Local,
         );
         assert!(set.rules().all(|(_, r)| r.comment.len() < 128));
+    }
+
+    #[test]
+    fn accepts_cover_both_directions_of_every_listen_address() {
+        let a = addrs(&["169.254.20.10", "fd00::10"], &["10.96.0.10", "fd00::a"]);
+        let set = RuleSet::desired(&a, Route::Upstream).with_accepts(&a);
+        assert_eq!(set.accepts.len(), 4 * 2 * 2);
+        let inputs = set.accepts.iter().filter(|x| x.hook == FilterHook::Input);
+        assert!(inputs.clone().all(|x| x.rule.side == Side::Destination));
+        assert_eq!(inputs.count(), 8);
+        // The nftables rendering is the NOTRACK table only.
+        assert_eq!(set.to_string(), RuleSet::desired(&a, Route::Upstream).to_string());
     }
 
     #[test]
