@@ -11,6 +11,7 @@ pub mod agent;
 pub mod cli;
 pub mod config;
 pub mod dataplane;
+pub mod detect;
 pub mod health;
 pub mod probe;
 pub mod ruleset;

@@ -213,6 +213,30 @@ impl Nftables {
         Ok(Nftables { socket, portid, next_seq: FIRST_REQUEST_SEQ, buf: vec![0; RECV_BUFFER] })
     }
 
+    /// Whether kube-proxy's nftables mode is at work here: `table ip kube-proxy` or
+    /// `table ip6 kube-proxy` exists.
+    pub fn kube_proxy_tables(&mut self) -> Result<bool, Error> {
+        let name = c"kube-proxy".to_bytes_with_nul();
+        for family in [libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8] {
+            let mut snapshot = Snapshot::default();
+            let answer = self.request_in(
+                family,
+                &mut snapshot,
+                "kube-proxy's table",
+                netlink::NFT_MSG_GETTABLE,
+                NLM_F_REQUEST,
+                &[(netlink::NFTA_TABLE_NAME, name)],
+                |_, _| Ok(()),
+            )?;
+            match answer {
+                Ok(()) => return Ok(true),
+                Err(Errno::ENOENT) => {}
+                Err(source) => return Err(Error::List { what: "tables", source }),
+            }
+        }
+        Ok(false)
+    }
+
     /// A [`ChangeWatch`] that ignores the changes made through `self`, so the agent's own
     /// applies do not wake it. Must be called inside a tokio runtime.
     pub fn change_watch(&self) -> Result<ChangeWatch, Error> {
@@ -415,12 +439,27 @@ impl Nftables {
         msg: u16,
         flags: u16,
         attrs: &[(u16, &[u8])],
+        each: impl FnMut(u16, &[u8]) -> Result<(), ParseError>,
+    ) -> Result<Result<(), Errno>, Error> {
+        self.request_in(FAMILY, snapshot, what, msg, flags, attrs, each)
+    }
+
+    /// [`Self::request`] for tables of another family.
+    #[allow(clippy::too_many_arguments)]
+    fn request_in(
+        &mut self,
+        family: u8,
+        snapshot: &mut Snapshot,
+        what: &'static str,
+        msg: u16,
+        flags: u16,
+        attrs: &[(u16, &[u8])],
         mut each: impl FnMut(u16, &[u8]) -> Result<(), ParseError>,
     ) -> Result<Result<(), Errno>, Error> {
         self.drain();
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1).max(FIRST_REQUEST_SEQ);
-        let request = netlink::request(msg, flags, seq, FAMILY, attrs);
+        let request = netlink::request(msg, flags, seq, family, attrs);
         socket::send(self.socket.as_raw_fd(), &request, MsgFlags::empty())
             .map_err(|source| Error::Send { what, source })?;
 

@@ -1,0 +1,312 @@
+//! What lives in this node's netfilter, and which backend suits it.
+//!
+//! `--dataplane auto` follows the node's kube-proxy, so the agent never mixes iptables-legacy
+//! and iptables-nft rules on one node (kubernetes/dns #338):
+//!
+//! 1. `table ip kube-proxy` (or `ip6`) in nftables → kube-proxy's nftables mode → nftables;
+//! 2. `KUBE-IPTABLES-HINT` or `KUBE-KUBELET-CANARY` in a flavour's mangle table (what
+//!    kubernetes-sigs/iptables-wrappers looks at), iptables-nft first → that flavour;
+//! 3. otherwise the flavour with more rules, if any has rules;
+//! 4. otherwise native nftables.
+//!
+//! Independently, the filter ACCEPTs go to every iptables flavour whose filter INPUT chain drops
+//! by default (an nftables ACCEPT cannot override an iptables DROP), and rules that node-cache
+//! installed itself (it must run with `-setupiptables=false`) are reported.
+//!
+//! [`decide`] and [`parse_save`] are pure; [`gather`] runs `iptables-*-save`.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::process::Command;
+
+/// An iptables flavour.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Flavour {
+    Legacy,
+    Nft,
+}
+
+impl Flavour {
+    /// `legacy` or `nft`, as in the binaries' names.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Flavour::Legacy => "legacy",
+            Flavour::Nft => "nft",
+        }
+    }
+}
+
+impl fmt::Display for Flavour {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "iptables-{}", self.as_str())
+    }
+}
+
+/// Where the switching rules go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    Nftables,
+    Iptables(Flavour),
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Backend::Nftables => f.write_str("nftables"),
+            Backend::Iptables(flavour) => flavour.fmt(f),
+        }
+    }
+}
+
+/// What one flavour's `iptables-save` and `ip6tables-save` show.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SaveFacts {
+    /// kubelet's `KUBE-IPTABLES-HINT` or `KUBE-KUBELET-CANARY` chain is in the mangle table.
+    pub kube_hint: bool,
+    /// Rules (`-A` lines) in all tables.
+    pub rules: usize,
+    /// The filter INPUT chain's policy is DROP.
+    pub input_drops: bool,
+    /// Rules node-cache installed (its comment), or any other NOTRACK for the listen addresses
+    /// outside the agent's chains.
+    pub foreign_notrack: Vec<String>,
+}
+
+/// Everything detection looks at.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Facts {
+    /// `table ip kube-proxy` or `table ip6 kube-proxy` exists.
+    pub kube_proxy_nftables: bool,
+    pub legacy: SaveFacts,
+    pub nft: SaveFacts,
+}
+
+/// The outcome, with its reasons.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Detection {
+    /// The backend `auto` picks.
+    pub backend: Backend,
+    /// Why, in a sentence.
+    pub why: String,
+    /// Flavours whose filter INPUT drops by default: the ACCEPTs go there.
+    pub accepts_in: Vec<Flavour>,
+    /// Rules of node-cache (or anyone else) that NOTRACK the listen addresses, as
+    /// `iptables-nft: -A PREROUTING …`. While they exist, `Upstream` cannot take effect.
+    pub foreign_notrack: Vec<String>,
+}
+
+/// Chains the agent's iptables backend owns: their rules are not foreign.
+const OWN_CHAIN_PREFIX: &str = "NODELOCALDNS-HA-";
+
+/// Reads one flavour's save output (IPv4 and IPv6 concatenated) for `addrs`.
+pub fn parse_save(text: &str, addrs: &[IpAddr]) -> SaveFacts {
+    let mut facts = SaveFacts::default();
+    let mut table = "";
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix('*') {
+            table = name.trim();
+        } else if let Some(chain) = line.strip_prefix(':') {
+            let mut words = chain.split_whitespace();
+            let (name, policy) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+            if table == "mangle" && (name == "KUBE-IPTABLES-HINT" || name == "KUBE-KUBELET-CANARY")
+            {
+                facts.kube_hint = true;
+            }
+            if table == "filter" && name == "INPUT" && policy == "DROP" {
+                facts.input_drops = true;
+            }
+        } else if let Some(rule) = line.strip_prefix("-A ") {
+            facts.rules += 1;
+            let chain = rule.split_whitespace().next().unwrap_or("");
+            let node_cache = rule.contains("NodeLocal DNS Cache");
+            let notracks_ours = table == "raw"
+                && rule.contains("-j NOTRACK")
+                && addrs.iter().any(|ip| {
+                    let host = if ip.is_ipv4() { "/32" } else { "/128" };
+                    rule.contains(&format!("-d {ip}{host}"))
+                        || rule.contains(&format!("-s {ip}{host}"))
+                });
+            if (node_cache || notracks_ours) && !chain.starts_with(OWN_CHAIN_PREFIX) {
+                facts.foreign_notrack.push(format!("-t {table} {line}"));
+            }
+        }
+    }
+    facts
+}
+
+/// The decision, from facts alone.
+pub fn decide(facts: &Facts) -> Detection {
+    let (backend, why) = if facts.kube_proxy_nftables {
+        (
+            Backend::Nftables,
+            "table kube-proxy exists in nftables: kube-proxy runs in nftables mode".to_owned(),
+        )
+    } else if facts.nft.kube_hint {
+        (Backend::Iptables(Flavour::Nft), "kubelet's canary chains are in iptables-nft".to_owned())
+    } else if facts.legacy.kube_hint {
+        (
+            Backend::Iptables(Flavour::Legacy),
+            "kubelet's canary chains are in iptables-legacy".to_owned(),
+        )
+    } else if facts.legacy.rules > facts.nft.rules {
+        let why = format!(
+            "no canary chains; iptables-legacy has more rules ({} vs {})",
+            facts.legacy.rules, facts.nft.rules
+        );
+        (Backend::Iptables(Flavour::Legacy), why)
+    } else if facts.nft.rules > 0 {
+        let why = format!(
+            "no canary chains; iptables-nft has at least as many rules ({} vs {})",
+            facts.nft.rules, facts.legacy.rules
+        );
+        (Backend::Iptables(Flavour::Nft), why)
+    } else {
+        (
+            Backend::Nftables,
+            "no kube-proxy rules in iptables or nftables: native nftables".to_owned(),
+        )
+    };
+    let flavours = [(Flavour::Legacy, &facts.legacy), (Flavour::Nft, &facts.nft)];
+    let accepts_in =
+        flavours.iter().filter(|(_, f)| f.input_drops).map(|(flavour, _)| *flavour).collect();
+    let foreign_notrack = flavours
+        .iter()
+        .flat_map(|(flavour, f)| f.foreign_notrack.iter().map(move |r| format!("{flavour}: {r}")))
+        .collect();
+    Detection { backend, why, accepts_in, foreign_notrack }
+}
+
+/// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
+/// missing or fails (a node without that flavour).
+fn save_output(flavour: Flavour) -> String {
+    let mut text = String::new();
+    for family in ["iptables", "ip6tables"] {
+        let binary = format!("{family}-{}-save", flavour.as_str());
+        if let Ok(out) = Command::new(&binary).output() {
+            if out.status.success() {
+                text.push_str(&String::from_utf8_lossy(&out.stdout));
+            }
+        }
+    }
+    text
+}
+
+/// Looks at this network namespace's netfilter. `kube_proxy_nftables` comes from the nftables
+/// backend's netlink socket.
+pub fn gather(kube_proxy_nftables: bool, addrs: &[IpAddr]) -> Facts {
+    Facts {
+        kube_proxy_nftables,
+        legacy: parse_save(&save_output(Flavour::Legacy), addrs),
+        nft: parse_save(&save_output(Flavour::Nft), addrs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addrs() -> Vec<IpAddr> {
+        vec!["169.254.20.10".parse().unwrap(), "10.96.0.10".parse().unwrap()]
+    }
+
+    const KUBE_PROXY_LEGACY: &str = "\
+*mangle
+:PREROUTING ACCEPT [0:0]
+:KUBE-IPTABLES-HINT - [0:0]
+:KUBE-KUBELET-CANARY - [0:0]
+COMMIT
+*nat
+:PREROUTING ACCEPT [0:0]
+:KUBE-SERVICES - [0:0]
+-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES
+-A KUBE-SERVICES -d 10.96.0.10/32 -p udp -m udp --dport 53 -j KUBE-SVC-TCOU7JCQXEZGVUNU
+COMMIT
+";
+
+    const NODE_CACHE_RAW: &str = "\
+*raw
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:NODELOCALDNS-HA-PREROUTING - [0:0]
+-A PREROUTING -d 10.96.0.10/32 -p udp -m udp --dport 53 -m comment --comment \"NodeLocal DNS Cache: skip conntrack\" -j NOTRACK
+-A PREROUTING -j NODELOCALDNS-HA-PREROUTING
+-A NODELOCALDNS-HA-PREROUTING -d 10.96.0.10/32 -p udp -m udp --dport 53 -j NOTRACK
+-A OUTPUT -s 169.254.20.10/32 -p tcp -m tcp --sport 53 -j NOTRACK
+COMMIT
+*filter
+:INPUT DROP [0:0]
+COMMIT
+";
+
+    fn facts(kube_proxy_nftables: bool, legacy: &str, nft: &str) -> Facts {
+        Facts {
+            kube_proxy_nftables,
+            legacy: parse_save(legacy, &addrs()),
+            nft: parse_save(nft, &addrs()),
+        }
+    }
+
+    #[test]
+    fn parses_hints_counts_policies_and_foreign_notracks() {
+        let f = parse_save(KUBE_PROXY_LEGACY, &addrs());
+        assert!(f.kube_hint);
+        assert_eq!(f.rules, 2);
+        assert!(!f.input_drops);
+        assert!(f.foreign_notrack.is_empty());
+
+        let f = parse_save(NODE_CACHE_RAW, &addrs());
+        assert!(!f.kube_hint);
+        assert!(f.input_drops);
+        // node-cache's commented rule and an uncommented NOTRACK for a listen IP; not our chain's.
+        assert_eq!(f.foreign_notrack.len(), 2, "{:?}", f.foreign_notrack);
+        assert!(f.foreign_notrack[0].starts_with("-t raw -A PREROUTING -d 10.96.0.10/32"));
+    }
+
+    #[test]
+    fn kube_proxy_nftables_mode_wins() {
+        let d = decide(&facts(true, "", KUBE_PROXY_LEGACY));
+        assert_eq!(d.backend, Backend::Nftables);
+        assert!(d.why.contains("nftables mode"), "{}", d.why);
+    }
+
+    #[test]
+    fn canary_chains_pick_their_flavour_nft_first() {
+        assert_eq!(
+            decide(&facts(false, KUBE_PROXY_LEGACY, "")).backend,
+            Backend::Iptables(Flavour::Legacy)
+        );
+        assert_eq!(
+            decide(&facts(false, "", KUBE_PROXY_LEGACY)).backend,
+            Backend::Iptables(Flavour::Nft)
+        );
+        assert_eq!(
+            decide(&facts(false, KUBE_PROXY_LEGACY, KUBE_PROXY_LEGACY)).backend,
+            Backend::Iptables(Flavour::Nft)
+        );
+    }
+
+    #[test]
+    fn without_canaries_the_busier_flavour_wins_then_nftables() {
+        let rules = "*nat\n-A PREROUTING -j KUBE-SERVICES\n-A OUTPUT -j KUBE-SERVICES\nCOMMIT\n";
+        let one = "*nat\n-A PREROUTING -j X\nCOMMIT\n";
+        let d = decide(&facts(false, rules, one));
+        assert_eq!(d.backend, Backend::Iptables(Flavour::Legacy));
+        assert!(d.why.contains("2 vs 1"), "{}", d.why);
+        assert_eq!(decide(&facts(false, one, rules)).backend, Backend::Iptables(Flavour::Nft));
+        assert_eq!(decide(&facts(false, "", "")).backend, Backend::Nftables);
+    }
+
+    #[test]
+    fn accepts_go_where_input_drops_and_foreign_rules_are_named() {
+        let d = decide(&facts(true, "", NODE_CACHE_RAW));
+        assert_eq!(d.backend, Backend::Nftables);
+        assert_eq!(d.accepts_in, vec![Flavour::Nft]);
+        assert_eq!(d.foreign_notrack.len(), 2);
+        assert!(
+            d.foreign_notrack[0].starts_with("iptables-nft: -t raw"),
+            "{:?}",
+            d.foreign_notrack
+        );
+    }
+}
