@@ -77,6 +77,8 @@ pub fn sample(outcome: &Outcome) -> Sample {
 /// The synchronous core of the agent.
 pub struct Agent {
     addrs: ListenAddrs,
+    /// The ruleset carries filter ACCEPTs (the host's firewall drops by default).
+    accepts: bool,
     machine: Machine,
     dataplane: Box<dyn Dataplane>,
     /// The ruleset of the current route, as last rendered.
@@ -104,10 +106,10 @@ impl Agent {
         mut dataplane: Box<dyn Dataplane>,
         now: Instant,
     ) -> Result<Agent, AgentError> {
-        let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs)
+        let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.accepts)
             .map_err(AgentError::Install)?;
         let route = installed.unwrap_or(Route::Local);
-        let desired = RuleSet::desired(&cfg.addrs, route);
+        let desired = dataplane::plan(&cfg.addrs, route, cfg.accepts);
         if installed.is_none() {
             dataplane.apply(&desired).map_err(AgentError::Install)?;
         }
@@ -123,6 +125,7 @@ impl Agent {
         };
         Ok(Agent {
             addrs: cfg.addrs.clone(),
+            accepts: cfg.accepts,
             machine: Machine::new(cfg.thresholds, route, now),
             dataplane,
             desired,
@@ -179,7 +182,7 @@ impl Agent {
         if let Some(t) = transition {
             self.transitions += 1;
             info!(from = %t.from, to = %t.to, reason = %t.reason, "route changed");
-            self.desired = RuleSet::desired(&self.addrs, t.to);
+            self.desired = dataplane::plan(&self.addrs, t.to, self.accepts);
             self.apply(now);
         }
     }
@@ -501,7 +504,7 @@ mod tests {
 
     /// The route whose ruleset the fake kernel holds.
     fn installed(fake: &FakeDataplane) -> Option<Route> {
-        dataplane::installed_route(&mut fake.clone(), &cfg().addrs).unwrap()
+        dataplane::installed_route(&mut fake.clone(), &cfg().addrs, false).unwrap()
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {

@@ -144,6 +144,9 @@ pub struct AgentConfig {
     pub upstream_probe: Cadence,
     pub thresholds: Thresholds,
     pub state_dir: PathBuf,
+    /// Install filter ACCEPTs too: set after detection, when the host's firewall drops by
+    /// default (false from the command line alone).
+    pub accepts: bool,
 }
 
 /// Raw `run` settings as the command line gives them.
@@ -254,6 +257,7 @@ impl AgentConfig {
             upstream_probe,
             thresholds: Thresholds { fall: raw.fall, rise: raw.rise, min_hold },
             state_dir: raw.state_dir.clone(),
+            accepts: false,
         })
     }
 

@@ -46,15 +46,135 @@ pub trait Dataplane {
     fn remove(&mut self) -> Result<(), Error>;
 }
 
+/// The ruleset the agent wants for `route`: the NOTRACK chains, plus the filter ACCEPTs when
+/// `accepts` (the host's firewall drops by default).
+pub fn plan(addrs: &ListenAddrs, route: Route, accepts: bool) -> RuleSet {
+    let rules = RuleSet::desired(addrs, route);
+    if accepts {
+        rules.with_accepts(addrs)
+    } else {
+        rules
+    }
+}
+
 /// The route whose ruleset is installed now, if the installed state is exactly one of them.
 pub fn installed_route(
     dp: &mut dyn Dataplane,
     addrs: &ListenAddrs,
+    accepts: bool,
 ) -> Result<Option<Route>, Error> {
     for route in [Route::Local, Route::Upstream] {
-        if dp.check(&RuleSet::desired(addrs, route))? == Check::Matches {
+        if dp.check(&plan(addrs, route, accepts))? == Check::Matches {
             return Ok(Some(route));
         }
     }
     Ok(None)
+}
+
+/// A switching backend plus the backends that hold the filter ACCEPTs: one dataplane to the
+/// agent. Each part installs only its share of the [`RuleSet`] (the switching backend its
+/// chains, an iptables filter backend its accepts); a change applies the switching part first,
+/// so a failed ACCEPT never delays a failover.
+pub struct Layered {
+    switch: Box<dyn Dataplane>,
+    accepts: Vec<Box<dyn Dataplane>>,
+    name: &'static str,
+}
+
+impl Layered {
+    /// `switch` alone when `accepts` is empty.
+    pub fn new(switch: Box<dyn Dataplane>, accepts: Vec<Box<dyn Dataplane>>) -> Layered {
+        let name = switch.name();
+        Layered { switch, accepts, name }
+    }
+
+    fn parts(&mut self) -> impl Iterator<Item = &mut Box<dyn Dataplane>> {
+        std::iter::once(&mut self.switch).chain(self.accepts.iter_mut())
+    }
+
+    /// Whether ACCEPT backends are part of it (and so the ruleset must carry accepts).
+    pub fn has_accepts(&self) -> bool {
+        !self.accepts.is_empty()
+    }
+
+    /// The names of the ACCEPT backends.
+    pub fn accept_names(&self) -> Vec<&'static str> {
+        self.accepts.iter().map(|d| d.name()).collect()
+    }
+}
+
+impl Dataplane for Layered {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
+        self.switch.apply(rules)?;
+        self.accepts.iter_mut().try_for_each(|d| d.apply(rules))
+    }
+
+    fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
+        let checks = self.parts().map(|p| p.check(rules)).collect::<Result<Vec<_>, _>>()?;
+        if let Some(differs) = checks.iter().find(|c| matches!(c, Check::Differs(_))) {
+            return Ok(differs.clone());
+        }
+        Ok(if checks.iter().all(|c| *c == Check::Missing) {
+            Check::Missing
+        } else if checks.iter().all(|c| *c == Check::Matches) {
+            Check::Matches
+        } else {
+            let missing: Vec<_> = self
+                .parts()
+                .zip(&checks)
+                .filter(|(_, c)| **c == Check::Missing)
+                .map(|(p, _)| p.name())
+                .collect();
+            Check::Differs(format!("missing in {}", missing.join(", ")))
+        })
+    }
+
+    fn remove(&mut self) -> Result<(), Error> {
+        // Every part, even after a failure, then the first failure.
+        let mut first = Ok(());
+        for part in self.parts() {
+            let result = part.remove();
+            if first.is_ok() {
+                first = result;
+            }
+        }
+        first
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fake::FakeDataplane;
+    use super::*;
+
+    fn addrs() -> ListenAddrs {
+        ListenAddrs {
+            local: vec!["169.254.20.10".parse().unwrap()],
+            cluster_dns: vec!["10.96.0.10".parse().unwrap()],
+        }
+    }
+
+    #[test]
+    fn layered_checks_every_part_and_applies_the_switch_first() {
+        let (switch, accepts) = (FakeDataplane::default(), FakeDataplane::default());
+        let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
+        let rules = plan(&addrs(), Route::Local, true);
+        assert_eq!(layered.check(&rules).unwrap(), Check::Missing);
+
+        accepts.kernel().fail_next_apply = true;
+        assert!(layered.apply(&rules).is_err());
+        // The switching part went in; the failed part is reported as missing.
+        assert_eq!(switch.kernel().installed.as_ref(), Some(&rules));
+        assert_eq!(layered.check(&rules).unwrap(), Check::Differs("missing in fake".into()));
+
+        layered.apply(&rules).unwrap();
+        assert_eq!(layered.check(&rules).unwrap(), Check::Matches);
+        assert_eq!(installed_route(&mut layered, &addrs(), true).unwrap(), Some(Route::Local));
+        layered.remove().unwrap();
+        assert_eq!(layered.check(&rules).unwrap(), Check::Missing);
+    }
 }
