@@ -55,6 +55,9 @@ pub enum AgentError {
     TaskDied(String),
 }
 
+/// How often the node is searched for NOTRACK rules of others on the listen addresses.
+const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
+
 /// The least time between two repairs of the ruleset.
 const REPAIR_SPACING: Duration = Duration::from_millis(50);
 
@@ -72,6 +75,15 @@ pub fn sample(outcome: &Outcome) -> Sample {
         Outcome::Refused => Sample::Refused,
         other => Sample::Bad(other.label()),
     }
+}
+
+/// What the agent was told about its dataplane, for `status`.
+#[derive(Clone, Debug, Default)]
+pub struct Notes {
+    /// Why `--dataplane auto` chose the backend.
+    pub why: Option<String>,
+    /// Where the filter ACCEPTs go.
+    pub accepts_in: Vec<String>,
 }
 
 /// The synchronous core of the agent.
@@ -96,6 +108,8 @@ pub struct Agent {
     repairs: u64,
     last_error: Option<String>,
     probes: Probes,
+    notes: Notes,
+    warnings: Vec<String>,
 }
 
 impl Agent {
@@ -141,6 +155,8 @@ impl Agent {
                 cache_tcp: cfg.cache_tcp.map(|_| stats(cfg.cache_target())),
                 upstream: stats(cfg.upstream_target()),
             },
+            notes: Notes::default(),
+            warnings: Vec::new(),
         })
     }
 
@@ -247,6 +263,21 @@ impl Agent {
         }
     }
 
+    /// Records what detection found, for `status`.
+    pub fn set_notes(&mut self, notes: Notes) {
+        self.notes = notes;
+    }
+
+    /// Replaces the warnings about the node (logged when they change).
+    pub fn set_warnings(&mut self, warnings: Vec<String>) {
+        if warnings != self.warnings {
+            for w in warnings.iter().filter(|w| !self.warnings.contains(w)) {
+                warn!(warning = %w, "node problem");
+            }
+            self.warnings = warnings;
+        }
+    }
+
     /// When a deferred resync (a retry, a spaced repair) is due.
     pub fn resync_due(&self) -> Option<Instant> {
         self.not_before
@@ -274,6 +305,9 @@ impl Agent {
             pid: std::process::id(),
             updated_unix_ms: state::unix_ms(wall),
             dataplane: self.dataplane.name().to_owned(),
+            dataplane_why: self.notes.why.clone(),
+            accepts_in: self.notes.accepts_in.clone(),
+            warnings: self.warnings.clone(),
             route: self.route(),
             since_unix_ms: state::unix_ms(since),
             reason: self.machine.reason().to_string(),
@@ -364,6 +398,32 @@ async fn watch_nftables(resync: Arc<Notify>) {
     }
 }
 
+/// Every `period`, looks for NOTRACK rules on the listen addresses that are not the agent's
+/// (node-cache run without `-setupiptables=false` re-inserts its own every 60 s): while they
+/// exist, the `Upstream` route cannot take effect, and only an operator can fix that.
+async fn watch_foreign_rules(addrs: Vec<IpAddr>, period: Duration, tx: mpsc::Sender<Vec<String>>) {
+    let mut ticker = tokio::time::interval(period);
+    loop {
+        ticker.tick().await;
+        let addrs = addrs.clone();
+        let Ok(facts) =
+            tokio::task::spawn_blocking(move || crate::detect::gather(false, &addrs)).await
+        else {
+            continue;
+        };
+        let warnings = crate::detect::decide(&facts)
+            .foreign_notrack
+            .into_iter()
+            .map(|rule| {
+                format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
+            })
+            .collect();
+        if tx.send(warnings).await.is_err() {
+            return;
+        }
+    }
+}
+
 /// Completes at `at`, never when `None`.
 async fn sleep_until(at: Option<Instant>) {
     match at {
@@ -377,6 +437,7 @@ async fn sleep_until(at: Option<Instant>) {
 pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
+    notes: Notes,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
     // Everything that can be refused is refused before the host is touched.
@@ -389,6 +450,7 @@ pub async fn run(
     let _lock = state::Lock::acquire(&cfg.state_dir)?;
 
     let mut agent = block_in_place(|| Agent::start(&cfg, dataplane, Instant::now()))?;
+    agent.set_notes(notes);
     let write_state = |agent: &Agent| {
         if let Err(e) =
             state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
@@ -428,10 +490,12 @@ pub async fn run(
     let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
     let wake = Arc::new(Notify::new());
     tasks.spawn(probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx));
-    let watched: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
-    tasks.spawn(watch_cache_sockets(watched, cache_wakes));
+    let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
+    tasks.spawn(watch_cache_sockets(listen.clone(), cache_wakes));
     let nft_changed = Arc::new(Notify::new());
     tasks.spawn(watch_nftables(nft_changed.clone()));
+    let (warn_tx, mut warnings) = mpsc::channel(1);
+    tasks.spawn(watch_foreign_rules(listen, FOREIGN_RULES_PERIOD, warn_tx));
 
     let mut resync = tokio::time::interval(cfg.cache_udp.interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -453,6 +517,7 @@ pub async fn run(
             _ = sleep_until(agent.resync_due()) => block_in_place(|| agent.resync(Instant::now())),
             _ = resync.tick() => block_in_place(|| agent.resync(Instant::now())),
             _ = state_tick.tick() => write_state(&agent),
+            Some(found) = warnings.recv() => agent.set_warnings(found),
             // Every task runs forever: one that ends has panicked, and the agent can no longer
             // see what it should. Exit, leaving the current ruleset; the DaemonSet restarts us.
             Some(ended) = tasks.join_next() => break Err(AgentError::TaskDied(match ended {

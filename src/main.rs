@@ -95,7 +95,7 @@ fn run(command: Command) -> Result<(), Failure> {
             require_net_admin()?;
             let dataplane = open_dataplane(args.dataplane)?;
             runtime()?.block_on(async {
-                agent::run(cfg, dataplane, shutdown_signal())
+                agent::run(cfg, dataplane, agent::Notes::default(), shutdown_signal())
                     .await
                     .map_err(|e| Failure::runtime(with_causes(&e)))
             })
@@ -251,8 +251,17 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         "dataplane:   {} ({} route changes, {} repairs of foreign changes)",
         st.dataplane, st.transitions, st.repairs
     );
+    if let Some(why) = &st.dataplane_why {
+        println!("             chosen because {why}");
+    }
+    if !st.accepts_in.is_empty() {
+        println!("accepts:     in {} (its filter INPUT drops by default)", st.accepts_in.join(", "));
+    }
     if let Some(err) = &st.last_error {
         println!("last error:  {err}");
+    }
+    for warning in &st.warnings {
+        println!("WARNING:     {warning}");
     }
     let line = |name: &str, p: &state::ProbeStats| {
         println!(

@@ -53,6 +53,15 @@ pub struct State {
     pub pid: u32,
     pub updated_unix_ms: u64,
     pub dataplane: String,
+    /// Why `--dataplane auto` chose it, when it did.
+    #[serde(default)]
+    pub dataplane_why: Option<String>,
+    /// Where the filter ACCEPTs are installed (the host's firewall drops there by default).
+    #[serde(default)]
+    pub accepts_in: Vec<String>,
+    /// Problems on the node the agent cannot fix itself, e.g. node-cache's own NOTRACK rules.
+    #[serde(default)]
+    pub warnings: Vec<String>,
     pub route: Route,
     pub since_unix_ms: u64,
     pub reason: String,
@@ -209,6 +218,9 @@ mod tests {
             pid: 42,
             updated_unix_ms: 1_000,
             dataplane: "nftables".into(),
+            dataplane_why: None,
+            accepts_in: Vec::new(),
+            warnings: Vec::new(),
             route: Route::Upstream,
             since_unix_ms: 900,
             reason: "3 consecutive cache udp probes failed (last: timeout)".into(),
