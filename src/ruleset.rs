@@ -244,9 +244,14 @@ impl RuleSet {
         let listen = addrs.local.iter().chain(&addrs.cluster_dns);
         for &ip in listen {
             for proto in [Proto::Udp, Proto::Tcp] {
+                // Untracked packets are neither NEW nor ESTABLISHED, so a host firewall's
+                // "accept established" lets none of them through: queries in, replies out, and
+                // for host-network clients (over lo) the replies in and the queries out too.
                 for (hook, side, comment) in [
                     (FilterHook::Input, Side::Destination, "queries to cache"),
+                    (FilterHook::Input, Side::Source, "cache replies to host clients"),
                     (FilterHook::Output, Side::Source, "cache replies"),
+                    (FilterHook::Output, Side::Destination, "host queries to cache"),
                 ] {
                     let rule = Rule {
                         addr: ip,
@@ -403,10 +408,13 @@ mod tests {
     fn accepts_cover_both_directions_of_every_listen_address() {
         let a = addrs(&["169.254.20.10", "fd00::10"], &["10.96.0.10", "fd00::a"]);
         let set = RuleSet::desired(&a, Route::Upstream).with_accepts(&a);
-        assert_eq!(set.accepts.len(), 4 * 2 * 2);
-        let inputs = set.accepts.iter().filter(|x| x.hook == FilterHook::Input);
-        assert!(inputs.clone().all(|x| x.rule.side == Side::Destination));
-        assert_eq!(inputs.count(), 8);
+        // 4 addresses × udp/tcp × (input, output) × (queries, replies).
+        assert_eq!(set.accepts.len(), 4 * 2 * 2 * 2);
+        let queries_in = set
+            .accepts
+            .iter()
+            .filter(|x| x.hook == FilterHook::Input && x.rule.side == Side::Destination);
+        assert_eq!(queries_in.count(), 8);
         // The nftables rendering is the NOTRACK table only.
         assert_eq!(set.to_string(), RuleSet::desired(&a, Route::Upstream).to_string());
     }

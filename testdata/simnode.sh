@@ -9,7 +9,7 @@
 #   | $P-node   10.244.0.1/32 on pod1/pod2, /32 routes     10.244.1.1/24 on dns          |
 #   |   lo: 169.254.20.10 (node-local IP), 10.96.0.10 (kube-dns ClusterIP)               |
 #   |   "node-local-dns": unbound on those two IPs, forwarding to 10.96.0.11             |
-#   |   kube-proxy-shaped iptables nat rules (iptables-nft or iptables-legacy):          |
+#   |   kube-proxy-shaped DNAT (iptables-nft, iptables-legacy or nftables mode):         |
 #   |     10.96.0.10:53 (kube-dns)          -> DNAT 10.244.1.2:53 | 10.244.1.3:53        |
 #   |     10.96.0.11:53 (kube-dns-upstream) -> DNAT 10.244.1.2:53 | 10.244.1.3:53        |
 #   +------------------------------------------------------------------------------------+
@@ -20,32 +20,101 @@
 # node lo fd00:169:254::10 (local IP) and fd00:96::10 (cluster DNS), upstream fd00:96::11;
 # who.test AAAA is fd00::1:1:1:1 from the cache, fd00::2:2:2:2 from CoreDNS.
 #
+# --kube-proxy (the backend kube-proxy uses; "the flavour" below is the iptables binary of the
+# node's Kubernetes components: the same as kube-proxy's, iptables-nft for nftables mode):
+#   iptables-nft, iptables-legacy: KUBE-SERVICES / KUBE-SVC-* / KUBE-SEP-* in the nat table,
+#     jumped to from PREROUTING and OUTPUT; kubelet's KUBE-KUBELET-CANARY (mangle, nat,
+#     filter) and KUBE-IPTABLES-HINT (mangle) chains, in the same binary.
+#   nftables: kube-proxy's nftables mode. `table ip kube-proxy` (and `ip6` for 6/dual) shaped like
+#     pkg/proxy/nftables/proxier.go: base chains nat-prerouting / nat-output (-100),
+#     nat-postrouting (100), filter-* (-110, filter-output-post-dnat -90); chain `services` with
+#     `ip daddr . meta l4proto . th dport vmap @service-ips`; per Service port
+#     `service-<HASH>-kube-system/kube-dns/udp/dns` (numgen random mod 2 vmap to goto) and per
+#     endpoint `endpoint-<HASH>-kube-system/kube-dns/udp/dns__10.244.1.2/53` (dnat to), HASH being
+#     base32(sha256(name))[:8] like kube-proxy's; one `nft -f` transaction per family.
+#     kube-proxy itself writes nothing to iptables in this mode (at most it cleans up an iptables
+#     mode's leftovers when it starts). kubelet (>= 1.28, whatever the
+#     proxy mode: kubelet_network_linux.go) still uses the host's `iptables`, iptables-nft on
+#     current distros, in both families: KUBE-IPTABLES-HINT (mangle), KUBE-KUBELET-CANARY
+#     (mangle, nat, filter) and, IPv4 only, filter KUBE-FIREWALL with its "block incoming
+#     localnet connections" DROP rule and `-I INPUT/OUTPUT -j KUBE-FIREWALL`. Those are all made
+#     here, with iptables-nft, so iptables is not empty in nftables mode (as on a real node), but
+#     it has no nat rules at all. (The iptables modes model only the canary and hint chains.)
+# --filter-drop: a host firewall in the flavour's filter table (and ip6tables for 6/dual):
+#   INPUT policy DROP, accepting only `-i lo -d 127.0.0.0/8` (::1), ctstate RELATED,ESTABLISHED
+#   and ICMP (ICMPv6); FORWARD and OUTPUT stay ACCEPT. So DNATed pod traffic (FORWARD) and the
+#   cache's upstream queries (OUTPUT, replies ESTABLISHED) work, but NOTRACKed queries to the
+#   cache (INPUT, ctstate UNTRACKED), from pods and host-network clients alike, are DROPPED unless
+#   someone ACCEPTs them in that same iptables (node-cache's filter INPUT rules do). Real host
+#   firewalls usually accept all of `-i lo`; this one does not, so host-network clients need
+#   ACCEPTs too: for their queries (dport 53 to the IP) and, as NOTRACK leaves the replies
+#   UNTRACKED, for the cache's replies (sport 53 from the IP): node-cache's rules accept only the
+#   first, so with them host-network clients still time out. Because of it, unbound then also
+#   listens on 127.0.0.1:53 (::1 on a v6-only node), which node-cache does not, and cache-start's
+#   readiness check queries that address.
+# --filter-accept-lo (with --filter-drop): accept all of `-i lo` instead, like common host
+#   firewalls (ufw, firewalld, GKE's Container-Optimized OS): there only pods need an ACCEPT,
+#   which is what node-cache's filter rules give them. The cache then listens as without it.
+#
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
-#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy] [--family 4|6|dual]
-#   down PREFIX
+#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables] [--family 4|6|dual]
+#             [--filter-drop [--filter-accept-lo]]
+#   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail]   cache-kill|cache-stop|cache-cont|cache-pid PREFIX
 #     (kill, stop and cont print when the signal went out, in ms since the epoch)
 #   coredns-start PREFIX                          coredns-kill|coredns-stop|coredns-cont|coredns-pid PREFIX
+#   node-cache-rules PREFIX [--remove]
+#     node-cache's own iptables rules (cmd/node-cache/app/cache_app.go), in the flavour's
+#     iptables (ip6tables for the v6 IPs), for 169.254.20.10 and 10.96.0.10 (and the v6 pair):
+#     raw PREROUTING/OUTPUT NOTRACK and filter INPUT/OUTPUT ACCEPT for tcp+udp 53, raw OUTPUT
+#     NOTRACK for the health port 8080, with comments "NodeLocal DNS Cache: skip conntrack" /
+#     "NodeLocal DNS Cache: allow DNS traffic"; each checked with -C and inserted at the top
+#     with `-w 5 -I`, like its EnsureRule(Prepend) (but without its `-W 100000`, which iptables
+#     1.8.9 ignores with a warning). --remove deletes every copy (like its teardown). With the
+#     xtables lock held over 5 s, it fails on iptables-legacy.
+#   cni-noise-start|cni-noise-stop PREFIX
+#     A loop (log: cni-noise.log) that every second makes sure raw PREROUTING's first rule is
+#     `-m comment --comment cali:fake -j ACCEPT`, in the flavour's iptables (and ip6tables for
+#     6/dual), and that it is there once: if not, it deletes every copy and inserts one at 1, in
+#     one `iptables-restore --noflush`, the way a CNI plugin keeps its rule in front.
+#   kube-proxy-resync-start|kube-proxy-resync-stop PREFIX
+#     A loop (log: kube-proxy-resync.log) that every second redoes kube-proxy's sync: iptables
+#     modes: EnsureRule(Prepend) of the PREROUTING/OUTPUT jumps (-C, else -I) and
+#     `iptables-restore -w 5 --noflush` of the nat table declaring KUBE-SERVICES, KUBE-SVC-*,
+#     KUBE-SEP-* (which flushes and rewrites only those chains); nftables mode: `nft -f` of the
+#     transaction that adds and flushes every chain, set and map of `table ip kube-proxy` and
+#     refills them. Both loops return from -start after their first round, and stop at once
+#     (each change is one atomic transaction, so stopping leaves no half-written table).
+#   xtables-lock-hold PREFIX SECONDS              xtables-lock-release PREFIX
+#     Holds the node's xtables lock for SECONDS in the background and prints its path,
+#     <state dir>/xtables.lock. The lock is a file, not per namespace: the host's is
+#     /run/xtables.lock, so each simulated node has its own, named by XTABLES_LOCKFILE, which
+#     iptables-legacy (1.8.9) honours: with it held, `iptables-legacy -w N` fails after N s
+#     (exit 4, "Another app is currently holding the xtables lock"), and without -w it waits
+#     until released. Run the program under test with XTABLES_LOCKFILE=<that path>: every
+#     iptables command of this script uses it. iptables-nft takes no lock at all.
 #   exec PREFIX node|pod1|pod2|dns CMD...
-# State (configs, pidfiles, logs) lives in ${SIMNODE_DIR:-/tmp/simnode}/PREFIX.
+# State (configs, pidfiles, logs, the xtables lock) lives in ${SIMNODE_DIR:-/tmp/simnode}/PREFIX.
 # Nothing here touches the root network namespace. Set SIMNODE_TRACE=1 to trace.
 set -euo pipefail
 if [[ -n "${SIMNODE_TRACE:-}" ]]; then set -x; fi
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 readonly SCRIPT_DIR
+# This script, run again as the noise loops (`bash SELF __loop PREFIX SVC`).
+readonly SELF="$SCRIPT_DIR/${BASH_SOURCE[0]##*/}"
 readonly ROLES=(node pod1 pod2 dns)
 
 # IPv4 plan.
 readonly V4_NODE_POD=10.244.0.1 V4_POD1=10.244.0.2 V4_POD2=10.244.0.3
 readonly V4_NODE_DNS=10.244.1.1 V4_DNS_EPS=(10.244.1.2 10.244.1.3)
 readonly V4_LOCAL_IP=169.254.20.10 V4_CLUSTER_DNS=10.96.0.10 V4_UPSTREAM=10.96.0.11
-readonly V4_SERVICE_CIDR=10.96.0.0/12
+readonly V4_SERVICE_CIDR=10.96.0.0/12 V4_CLUSTER_CIDR=10.244.0.0/16
 # IPv6 plan.
 readonly V6_NODE_POD=fd00:244::1 V6_POD1=fd00:244::2 V6_POD2=fd00:244::3
 readonly V6_NODE_DNS=fd00:244:1::1 V6_DNS_EPS=(fd00:244:1::2 fd00:244:1::3)
 readonly V6_LOCAL_IP=fd00:169:254::10 V6_CLUSTER_DNS=fd00:96::10 V6_UPSTREAM=fd00:96::11
-readonly V6_SERVICE_CIDR=fd00:96::/108
+readonly V6_SERVICE_CIDR=fd00:96::/108 V6_CLUSTER_CIDR=fd00:244::/32
 # Answers that tell who answered.
 readonly CACHE_A=1.1.1.1 CACHE_AAAA=fd00::1:1:1:1 COREDNS_A=2.2.2.2 COREDNS_AAAA=fd00::2:2:2:2
 readonly PROBE_NAME=who.test
@@ -75,6 +144,23 @@ has_v6() { [[ "$FAMILY" != 4 ]]; }
 load_state() {
     [[ -f "$RUN_DIR/family" ]] || die "$PREFIX is not up (no $RUN_DIR/family)"
     FAMILY=$(<"$RUN_DIR/family")
+    KUBE_PROXY=iptables-nft
+    if [[ -f "$RUN_DIR/kube-proxy" ]]; then KUBE_PROXY=$(<"$RUN_DIR/kube-proxy"); fi
+    FILTER_LO="" # --filter-drop: loopback | accept-lo
+    if [[ -f "$RUN_DIR/filter-drop" ]]; then FILTER_LO=$(<"$RUN_DIR/filter-drop"); fi
+    set_flavour
+}
+# The iptables binaries of the node's Kubernetes components: kube-proxy's, or for nftables
+# mode the host's iptables (iptables-nft).
+set_flavour() {
+    IPT4=$KUBE_PROXY
+    [[ "$KUBE_PROXY" != nftables ]] || IPT4=iptables-nft
+    IPT6="ip6${IPT4#ip}"
+}
+# The iptables binaries for the node's families, v4 first.
+ipt_families() {
+    if has_v4; then echo "$IPT4"; fi
+    if has_v6; then echo "$IPT6"; fi
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +168,15 @@ load_state() {
 # is the daemon's pid), recorded in $RUN_DIR/<svc>.pid. Signals go only to that recorded pid,
 # and only while /proc/<pid>/comm still names the program we started.
 
-svc_comm() { case $1 in cache) echo unbound ;; coredns) echo dnsmasq ;; *) die "bad service $1" ;; esac; }
+svc_comm() {
+    case $1 in
+    cache) echo unbound ;;
+    coredns) echo dnsmasq ;;
+    cni-noise | kube-proxy-resync) echo bash ;; # and its command line names the loop
+    xtables-lock) echo sleep ;;
+    *) die "bad service $1" ;;
+    esac
+}
 
 pid_running() { # pid_running PID: exists and is not a zombie
     local stat
@@ -99,6 +193,13 @@ svc_pid() {
     [[ "$pid" =~ ^[0-9]+$ ]] && pid_running "$pid" || return 1
     comm=$(cat "/proc/$pid/comm" 2>/dev/null) || return 1
     [[ "$comm" == "$(svc_comm "$1")" ]] || return 1
+    case $1 in
+    cni-noise | kube-proxy-resync)
+        local cmdline
+        cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 1
+        [[ "$cmdline" == *" $SELF __loop $PREFIX $1 " ]] || return 1
+        ;;
+    esac
     echo "$pid"
 }
 
@@ -146,9 +247,23 @@ svc_signal() { # svc_signal SVC SIG
     echo "$at" # when the signal went out (ms since the epoch)
 }
 
+# svc_term SVC: SIGTERM (a noise loop then stops its running command and exits), SIGKILL if it
+# is still there after 5 s.
+svc_term() {
+    local pid deadline
+    if pid=$(svc_pid "$1"); then
+        kill -TERM "$pid" 2>/dev/null || true
+        deadline=$(($(now_ms) + 5000))
+        while ! svc_gone "$1" && (($(now_ms) < deadline)); do sleep 0.01; done
+        if ! svc_gone "$1"; then kill -KILL "$pid" 2>/dev/null || true; fi
+        wait_for 5 "$1 (pid $pid) to exit" svc_gone "$1"
+    fi
+    rm -f "$RUN_DIR/$1.pid" "$RUN_DIR/$1.ready"
+}
+
 # ---------------------------------------------------------------------------------------------
-# kube-proxy-shaped rules. Chain names are computed like kube-proxy's: "KUBE-SVC-" + the first
-# 16 base32 chars of sha256(servicePortName + protocol), e.g. KUBE-SVC-TCOU7JCQXEZGVUNU for
+# kube-proxy-shaped iptables rules. Chain names are computed like kube-proxy's: "KUBE-SVC-" + the
+# first 16 base32 chars of sha256(servicePortName + protocol), e.g. KUBE-SVC-TCOU7JCQXEZGVUNU for
 # kube-system/kube-dns:dns udp; "KUBE-SEP-" likewise with the endpoint appended.
 
 kube_hash() {
@@ -158,45 +273,217 @@ kube_hash() {
     printf '%b' "$escaped" | base32 | cut -c1-16
 }
 
-# kube_service IPT CLUSTER_IP SVC_NAME EP1 EP2: rules for udp/53 ("dns") and tcp/53 ("dns-tcp").
-kube_service() {
-    local ipt=$1 ip=$2 svc=$3 ep1=$4 ep2=$5 plen=32 proto port_name spn svc_chain ep sep dest
+# kube_service_restore CLUSTER_IP SVC_NAME EP1 EP2: append to KP_CHAINS / KP_RULES the chains and
+# iptables-restore rules for udp/53 ("dns") and tcp/53 ("dns-tcp").
+kube_service_restore() {
+    local ip=$1 svc=$2 ep1=$3 ep2=$4 plen=32 proto port_name spn svc_chain ep sep dest
     [[ "$ip" == *:* ]] && plen=128
     for proto in udp tcp; do
         port_name=dns
         [[ $proto == tcp ]] && port_name=dns-tcp
         spn="kube-system/$svc:$port_name"
         svc_chain="KUBE-SVC-$(kube_hash "$spn$proto")"
-        in_ns node "$ipt" -t nat -N "$svc_chain"
-        in_ns node "$ipt" -t nat -A KUBE-SERVICES -d "$ip/$plen" -p "$proto" \
-            -m comment --comment "$spn cluster IP" -m "$proto" --dport 53 -j "$svc_chain"
+        KP_CHAINS+=("$svc_chain")
+        KP_RULES+=("-A KUBE-SERVICES -d $ip/$plen -p $proto -m comment --comment \"$spn cluster IP\" -m $proto --dport 53 -j $svc_chain")
         for ep in "$ep1" "$ep2"; do
             dest="$ep:53"
             [[ "$ep" == *:* ]] && dest="[$ep]:53"
             sep="KUBE-SEP-$(kube_hash "$spn$proto$dest")"
-            in_ns node "$ipt" -t nat -N "$sep"
-            in_ns node "$ipt" -t nat -A "$sep" -p "$proto" -m comment --comment "$spn" \
-                -m "$proto" -j DNAT --to-destination "$dest"
+            KP_CHAINS+=("$sep")
+            KP_RULES+=("-A $sep -p $proto -m comment --comment \"$spn\" -m $proto -j DNAT --to-destination $dest")
             if [[ "$ep" == "$ep1" ]]; then
-                in_ns node "$ipt" -t nat -A "$svc_chain" -m comment --comment "$spn -> $dest" \
-                    -m statistic --mode random --probability 0.50000000000 -j "$sep"
+                KP_RULES+=("-A $svc_chain -m comment --comment \"$spn -> $dest\" -m statistic --mode random --probability 0.50000000000 -j $sep")
             else
-                in_ns node "$ipt" -t nat -A "$svc_chain" -m comment --comment "$spn -> $dest" -j "$sep"
+                KP_RULES+=("-A $svc_chain -m comment --comment \"$spn -> $dest\" -j $sep")
             fi
         done
     done
 }
 
+# kube_nat_restore CLUSTER_DNS UPSTREAM EP1 EP2: kube-proxy's nat table as its syncProxyRules
+# writes it for `iptables-restore --noflush`: every KUBE-* chain declared (so flushed), then its
+# rules.
+kube_nat_restore() {
+    KP_CHAINS=(KUBE-SERVICES) KP_RULES=()
+    kube_service_restore "$1" kube-dns "$3" "$4"
+    kube_service_restore "$2" kube-dns-upstream "$3" "$4"
+    echo "*nat"
+    printf ':%s - [0:0]\n' "${KP_CHAINS[@]}"
+    printf '%s\n' "${KP_RULES[@]}"
+    echo COMMIT
+}
+
+# The jumps kube-proxy keeps in the built-in chains (with EnsureRule(Prepend) on every sync).
+readonly KUBE_PORTALS=(-m comment --comment "kubernetes service portals" -j KUBE-SERVICES)
+
 kube_rules() { # kube_rules IPT CLUSTER_DNS UPSTREAM EP1 EP2
-    local ipt=$1 table
+    local ipt=$1 table v=4
+    [[ "$ipt" == ip6* ]] && v=6
     # kubelet's canaries (and its hint chain) tell iptables-wrappers which backend is in use.
     for table in mangle nat filter; do in_ns node "$ipt" -t "$table" -N KUBE-KUBELET-CANARY; done
     in_ns node "$ipt" -t mangle -N KUBE-IPTABLES-HINT
     in_ns node "$ipt" -t nat -N KUBE-SERVICES
-    in_ns node "$ipt" -t nat -A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
-    in_ns node "$ipt" -t nat -A OUTPUT -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
-    kube_service "$ipt" "$2" kube-dns "$4" "$5"
-    kube_service "$ipt" "$3" kube-dns-upstream "$4" "$5"
+    in_ns node "$ipt" -t nat -A PREROUTING "${KUBE_PORTALS[@]}"
+    in_ns node "$ipt" -t nat -A OUTPUT "${KUBE_PORTALS[@]}"
+    kube_nat_restore "$2" "$3" "$4" "$5" >"$RUN_DIR/kube-proxy-nat-v$v.rules"
+    in_ns node "$ipt-restore" -w 5 --noflush "$RUN_DIR/kube-proxy-nat-v$v.rules"
+}
+
+# ---------------------------------------------------------------------------------------------
+# kube-proxy's nftables mode (pkg/proxy/nftables/proxier.go, setupNFTables + syncProxyRules).
+
+# kube_nft FAMILY FIRST CLUSTER_DNS UPSTREAM EP1 EP2: the transaction kube-proxy sends for FAMILY
+# (ip|ip6). Every chain it owns is added and flushed, every set and map added and flushed, then
+# refilled; FIRST=1 adds its first-sync "add + delete" of the base chains.
+kube_nft() {
+    local fam=$1 first=$2 cluster_dns=$3 upstream=$4 ep1=$5 ep2=$6
+    local t="$fam kube-proxy" addr_type=ipv4_addr no_localhost="ip daddr != 127.0.0.0/8"
+    local svc_cidr=$V4_SERVICE_CIDR cluster_cidr=$V4_CLUSTER_CIDR
+    if [[ $fam == ip6 ]]; then
+        addr_type=ipv6_addr no_localhost="ip6 daddr != ::1"
+        svc_cidr=$V6_SERVICE_CIDR cluster_cidr=$V6_CLUSTER_CIDR
+    fi
+    local base_chains=(
+        "filter-prerouting filter prerouting -110" "filter-input filter input -110"
+        "filter-forward filter forward -110" "filter-output filter output -110"
+        "filter-output-post-dnat filter output -90" "nat-prerouting nat prerouting -100"
+        "nat-output nat output -100" "nat-postrouting nat postrouting 100")
+    local jumps=(
+        "nodeport-endpoints-check filter-input ct state new"
+        "service-endpoints-check filter-input ct state new"
+        "service-endpoints-check filter-forward ct state new"
+        "service-endpoints-check filter-output ct state new"
+        "firewall-check filter-prerouting ct state new"
+        "firewall-check filter-output ct state new"
+        "services nat-output" "services nat-prerouting" "masquerading nat-postrouting"
+        "cluster-ips-check filter-forward ct state new"
+        "cluster-ips-check filter-output-post-dnat ct state new")
+    local -A created=()
+    local spec name type hook prio dst src extra chain
+    ensure_chain() {
+        [[ -z "${created[$1]:-}" ]] || return 0
+        created[$1]=1
+        echo "add chain $t $1"
+        echo "flush chain $t $1"
+    }
+
+    echo "add table $t { comment \"rules for kube-proxy\" ; }"
+    if ((first)); then
+        for spec in "${base_chains[@]}"; do
+            read -r name _ <<<"$spec"
+            echo "add chain $t $name"
+            echo "delete chain $t $name"
+        done
+    fi
+    for spec in "${base_chains[@]}"; do
+        read -r name type hook prio <<<"$spec"
+        echo "add chain $t $name { type $type hook $hook priority $prio ; }"
+        echo "flush chain $t $name"
+    done
+    for spec in "${jumps[@]}"; do
+        read -r dst src extra <<<"$spec"
+        ensure_chain "$dst"
+        echo "add rule $t $src ${extra:+$extra }jump $dst"
+    done
+    for chain in services cluster-ips-check masquerading mark-for-masquerade; do ensure_chain "$chain"; done
+    echo "add rule $t mark-for-masquerade mark set mark or 0x4000"
+    echo "add rule $t masquerading mark and 0x4000 == 0 return"
+    echo "add rule $t masquerading mark set mark xor 0x4000"
+    echo "add rule $t masquerading masquerade fully-random"
+    echo "add set $t cluster-ips { type $addr_type ; comment \"Active ClusterIPs\" ; }"
+    echo "add rule $t cluster-ips-check $fam daddr @cluster-ips reject comment \"Reject traffic to invalid ports of ClusterIPs\""
+    echo "add rule $t cluster-ips-check $fam daddr { $svc_cidr } drop comment \"Drop traffic to unallocated ClusterIPs\""
+    # --nodeport-addresses unset: NodePorts on every local address (no nodeport-ips set).
+    echo "add set $t nodeport-ips { type $addr_type ; comment \"IPs that accept NodePort traffic\" ; }"
+    echo "delete set $t nodeport-ips"
+    echo "add map $t no-endpoint-services { type $addr_type . inet_proto . inet_service : verdict ; comment \"vmap to drop or reject packets to services with no endpoints\" ; }"
+    echo "add map $t no-endpoint-nodeports { type inet_proto . inet_service : verdict ; comment \"vmap to drop or reject packets to service nodeports with no endpoints\" ; }"
+    echo "add chain $t reject-chain { comment \"helper for @no-endpoint-services / @no-endpoint-nodeports\" ; }"
+    echo "flush chain $t reject-chain"
+    echo "add rule $t reject-chain reject"
+    echo "add rule $t service-endpoints-check $fam daddr . meta l4proto . th dport vmap @no-endpoint-services"
+    echo "add rule $t nodeport-endpoints-check $no_localhost meta l4proto . th dport vmap @no-endpoint-nodeports"
+    echo "add map $t firewall-ips { type $addr_type . inet_proto . inet_service : verdict ; comment \"destinations that are subject to LoadBalancerSourceRanges\" ; }"
+    echo "add rule $t firewall-check $fam daddr . meta l4proto . th dport vmap @firewall-ips"
+    echo "add map $t service-ips { type $addr_type . inet_proto . inet_service : verdict ; comment \"ClusterIP, ExternalIP and LoadBalancer IP traffic\" ; }"
+    echo "add map $t service-nodeports { type inet_proto . inet_service : verdict ; comment \"NodePort traffic\" ; }"
+    echo "add rule $t services $fam daddr . meta l4proto . th dport vmap @service-ips"
+    echo "add rule $t services fib daddr type local $no_localhost meta l4proto . th dport vmap @service-nodeports"
+    echo "flush set $t cluster-ips"
+    for name in service-ips firewall-ips no-endpoint-services no-endpoint-nodeports service-nodeports; do
+        echo "flush map $t $name"
+    done
+
+    local ip svc proto port base schain ep epname ebase echains dest i
+    for spec in "$cluster_dns kube-dns" "$upstream kube-dns-upstream"; do
+        read -r ip svc <<<"$spec"
+        echo "add element $t cluster-ips { $ip }"
+        for proto in udp tcp; do
+            port=dns
+            [[ $proto == tcp ]] && port=dns-tcp
+            base="kube-system/$svc/$proto/$port"
+            schain="service-$(kube_hash "$base" | cut -c1-8)-$base"
+            echains=()
+            for ep in "$ep1" "$ep2"; do
+                epname=${ep//:/.}
+                ebase="${base}__$epname/53"
+                echains+=("endpoint-$(kube_hash "$ebase" | cut -c1-8)-$ebase")
+            done
+            # kube-proxy creates (adds and flushes) all its chains before writing their rules.
+            for chain in "$schain" "${echains[@]}"; do
+                echo "add chain $t $chain"
+                echo "flush chain $t $chain"
+            done
+            echo "add rule $t $schain $fam daddr $ip $fam saddr != $cluster_cidr jump mark-for-masquerade"
+            echo "add rule $t $schain numgen random mod 2 vmap { 0 : goto ${echains[0]} , 1 : goto ${echains[1]} }"
+            for i in 0 1; do
+                ep=$ep1
+                ((i == 0)) || ep=$ep2
+                dest="$ep:53"
+                [[ "$ep" == *:* ]] && dest="[$ep]:53"
+                echo "add rule $t ${echains[i]} $fam saddr $ep jump mark-for-masquerade"
+                echo "add rule $t ${echains[i]} meta l4proto $proto dnat to $dest"
+            done
+            echo "add element $t service-ips { $ip . $proto . 53 : goto $schain }"
+        done
+    done
+}
+
+# kubelet's iptables (the host's iptables: iptables-nft) on a node whose kube-proxy uses nftables.
+kubelet_iptables() {
+    local ipt table
+    for ipt in iptables-nft ip6tables-nft; do
+        in_ns node "$ipt" -t mangle -N KUBE-IPTABLES-HINT
+        for table in mangle nat filter; do in_ns node "$ipt" -t "$table" -N KUBE-KUBELET-CANARY; done
+    done
+    in_ns node iptables-nft -t filter -N KUBE-FIREWALL
+    in_ns node iptables-nft -t filter -I OUTPUT -j KUBE-FIREWALL
+    in_ns node iptables-nft -t filter -I INPUT -j KUBE-FIREWALL
+    in_ns node iptables-nft -t filter -A KUBE-FIREWALL -m comment --comment "block incoming localnet connections" \
+        --dst 127.0.0.0/8 ! --src 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP
+}
+
+kube_nft_rules() { # kube_nft_rules FAMILY CLUSTER_DNS UPSTREAM EP1 EP2
+    local fam=$1
+    shift
+    kube_nft "$fam" 1 "$@" >"$RUN_DIR/kube-proxy-$fam.nft"
+    kube_nft "$fam" 0 "$@" >"$RUN_DIR/kube-proxy-$fam.resync.nft"
+    in_ns node nft -f "$RUN_DIR/kube-proxy-$fam.nft"
+}
+
+# host_firewall LO: the host firewall of --filter-drop; LO: "loopback" accepts `-i lo -d
+# 127.0.0.0/8` (::1) only, "accept-lo" all of `-i lo`.
+host_firewall() {
+    local ipt lo=127.0.0.0/8 icmp=icmp
+    for ipt in $(ipt_families); do
+        if [[ "$ipt" == ip6* ]]; then lo=::1/128 icmp=ipv6-icmp; fi
+        [[ $1 == loopback ]] || lo=""
+        in_ns node "$ipt" -t filter -A INPUT -i lo ${lo:+-d "$lo"} -m comment --comment "simnode host firewall" -j ACCEPT
+        in_ns node "$ipt" -t filter -A INPUT -m conntrack --ctstate RELATED,ESTABLISHED \
+            -m comment --comment "simnode host firewall" -j ACCEPT
+        in_ns node "$ipt" -t filter -A INPUT -p "$icmp" -m comment --comment "simnode host firewall" -j ACCEPT
+        in_ns node "$ipt" -t filter -P INPUT DROP
+    done
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -245,20 +532,26 @@ add_dns() {
 }
 
 cmd_up() {
-    local kube_proxy=iptables-nft role
+    local kube_proxy=iptables-nft filter_drop=0 filter_lo=loopback role
     FAMILY=4
     while (($#)); do
         case $1 in
         --kube-proxy) kube_proxy=${2:-}; shift 2 || usage ;;
         --family) FAMILY=${2:-}; shift 2 || usage ;;
+        --filter-drop) filter_drop=1; shift ;;
+        --filter-accept-lo) filter_lo=accept-lo; shift ;;
         *) usage ;;
         esac
     done
-    [[ "$kube_proxy" =~ ^iptables-(nft|legacy)$ ]] || die "--kube-proxy must be iptables-nft or iptables-legacy"
+    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables)$ ]] ||
+        die "--kube-proxy must be iptables-nft, iptables-legacy or nftables"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
+    [[ $filter_lo == loopback ]] || ((filter_drop)) || die "--filter-accept-lo needs --filter-drop"
     for role in "${ROLES[@]}"; do
         ! ns_exists "$role" || die "namespace $(ns_name "$role") already exists (run: $0 down $PREFIX)"
     done
+    KUBE_PROXY=$kube_proxy
+    set_flavour
 
     # From here on, a failure tears down whatever was set up.
     trap 'up_failed $?' EXIT
@@ -266,6 +559,7 @@ cmd_up() {
     mkdir -p "$RUN_DIR"
     echo "$FAMILY" >"$RUN_DIR/family"
     echo "$kube_proxy" >"$RUN_DIR/kube-proxy"
+    if ((filter_drop)); then echo "$filter_lo" >"$RUN_DIR/filter-drop"; fi
 
     for role in "${ROLES[@]}"; do
         ip netns add "$(ns_name "$role")"
@@ -279,11 +573,16 @@ cmd_up() {
     add_pod pod1 "$V4_POD1" "$V6_POD1"
     add_pod pod2 "$V4_POD2" "$V6_POD2"
     add_dns
+    if [[ $kube_proxy == nftables ]]; then kubelet_iptables; fi
     if has_v4; then
         ip -n "$(ns_name node)" addr add "$V4_LOCAL_IP/32" dev lo
         ip -n "$(ns_name node)" addr add "$V4_CLUSTER_DNS/32" dev lo
-        kube_rules "$kube_proxy" "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
-    else
+        if [[ $kube_proxy == nftables ]]; then
+            kube_nft_rules ip "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
+        else
+            kube_rules "$kube_proxy" "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
+        fi
+    elif [[ $kube_proxy != nftables ]]; then
         # kubelet creates its canaries in both families even on a single-stack node.
         local table
         for table in mangle nat filter; do in_ns node "$kube_proxy" -t "$table" -N KUBE-KUBELET-CANARY; done
@@ -291,10 +590,15 @@ cmd_up() {
     if has_v6; then
         ip -n "$(ns_name node)" addr add "$V6_LOCAL_IP/128" dev lo nodad
         ip -n "$(ns_name node)" addr add "$V6_CLUSTER_DNS/128" dev lo nodad
-        kube_rules "ip6${kube_proxy#ip}" "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"
+        if [[ $kube_proxy == nftables ]]; then
+            kube_nft_rules ip6 "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"
+        else
+            kube_rules "ip6${kube_proxy#ip}" "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"
+        fi
     fi
+    if ((filter_drop)); then host_firewall "$filter_lo"; fi
     trap - EXIT
-    echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy, namespaces ${ROLES[*]/#/$PREFIX-}"
+    echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy$( ((filter_drop)) && echo ", filter INPUT policy DROP ($filter_lo)"), namespaces ${ROLES[*]/#/$PREFIX-}"
 }
 
 up_failed() {
@@ -308,6 +612,9 @@ up_failed() {
 cmd_down() {
     local role
     if [[ -d "$RUN_DIR" ]]; then
+        svc_term cni-noise
+        svc_term kube-proxy-resync
+        svc_term xtables-lock
         svc_kill cache
         svc_kill coredns
     fi
@@ -342,6 +649,15 @@ cmd_cache_start() {
     if has_v6; then
         for ip in "$V6_LOCAL_IP" "$V6_CLUSTER_DNS"; do interfaces+="    interface: $ip"$'\n'; done
     fi
+    local server=$V4_LOCAL_IP
+    has_v4 || server=$V6_LOCAL_IP
+    if [[ $FILTER_LO == loopback ]]; then
+        # The host firewall drops what reaches the node-local IPs from the node itself: check
+        # readiness on loopback (see the header).
+        server=127.0.0.1
+        has_v4 || server=::1
+        interfaces+="    interface: $server"$'\n'
+    fi
     if [[ $mode == normal ]]; then
         local_data="    local-zone: \"$PROBE_NAME.\" static"$'\n'
         local_data+="    local-data: \"$PROBE_NAME. 30 IN A $CACHE_A\""$'\n'
@@ -367,8 +683,6 @@ cmd_cache_start() {
 
     echo "--- cache-start --mode $mode" >>"$RUN_DIR/cache.log"
     svc_start cache node unbound -d -p -c "$RUN_DIR/unbound.conf"
-    local server=$V4_LOCAL_IP
-    has_v4 || server=$V6_LOCAL_IP
     if [[ $mode == normal ]]; then
         wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A"
     else
@@ -399,6 +713,197 @@ cmd_coredns_start() {
     svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
 }
 
+# ---------------------------------------------------------------------------------------------
+# node-cache's rules (kubernetes-sigs/node-local-dns cmd/node-cache/app/cache_app.go,
+# initIptables): per -localip, in this order, each put in with EnsureRule(Prepend).
+
+readonly NODE_CACHE_SKIP="NodeLocal DNS Cache: skip conntrack"
+readonly NODE_CACHE_ALLOW="NodeLocal DNS Cache: allow DNS traffic"
+
+# node_cache_each IP FN: FN TABLE CHAIN ARGS... for each of node-cache's rules for IP, in its order.
+node_cache_each() {
+    local ip=$1 fn=$2 proto
+    local skip=(-m comment --comment "$NODE_CACHE_SKIP") allow=(-m comment --comment "$NODE_CACHE_ALLOW")
+    for proto in tcp udp; do "$fn" raw PREROUTING -p "$proto" -d "$ip" --dport 53 -j NOTRACK "${skip[@]}"; done
+    for proto in tcp udp; do "$fn" filter INPUT -p "$proto" -d "$ip" --dport 53 -j ACCEPT "${allow[@]}"; done
+    for proto in tcp udp; do "$fn" raw OUTPUT -p "$proto" -s "$ip" --sport 53 -j NOTRACK "${skip[@]}"; done
+    for proto in tcp udp; do "$fn" filter OUTPUT -p "$proto" -s "$ip" --sport 53 -j ACCEPT "${allow[@]}"; done
+    # Host-network clients' queries.
+    for proto in tcp udp; do "$fn" raw OUTPUT -p "$proto" -d "$ip" --dport 53 -j NOTRACK "${skip[@]}"; done
+    # The health port, for the liveness probe's connections.
+    "$fn" raw OUTPUT -p tcp -d "$ip" --dport 8080 -j NOTRACK "${skip[@]}"
+    "$fn" raw OUTPUT -p tcp -s "$ip" --sport 8080 -j NOTRACK "${skip[@]}"
+}
+
+# k8s.io/kubernetes/pkg/util/iptables runs `iptables -w 5 [-W 100000] -C|-I|-D CHAIN -t TABLE
+# ARGS...`; -W only earns "Ignoring deprecated --wait-interval option" from iptables 1.8.9.
+node_cache_ensure() { # EnsureRule(Prepend)
+    local table=$1 chain=$2
+    shift 2
+    in_ns node "$NC_IPT" -w 5 -C "$chain" -t "$table" "$@" 2>/dev/null ||
+        in_ns node "$NC_IPT" -w 5 -I "$chain" -t "$table" "$@"
+}
+node_cache_delete() { # every copy, like TeardownNetworking
+    local table=$1 chain=$2
+    shift 2
+    while in_ns node "$NC_IPT" -w 5 -C "$chain" -t "$table" "$@" 2>/dev/null; do
+        in_ns node "$NC_IPT" -w 5 -D "$chain" -t "$table" "$@"
+    done
+}
+
+cmd_node_cache_rules() {
+    local fn=node_cache_ensure ip
+    while (($#)); do
+        case $1 in
+        --remove) fn=node_cache_delete; shift ;;
+        *) usage ;;
+        esac
+    done
+    load_state
+    for NC_IPT in $(ipt_families); do
+        if [[ "$NC_IPT" == ip6* ]]; then
+            for ip in "$V6_LOCAL_IP" "$V6_CLUSTER_DNS"; do node_cache_each "$ip" "$fn"; done
+        else
+            for ip in "$V4_LOCAL_IP" "$V4_CLUSTER_DNS"; do node_cache_each "$ip" "$fn"; done
+        fi
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+# Noise loops: this script run again (`bash SELF __loop PREFIX SVC`) in the node namespace.
+# Each command runs as a background child so that SIGTERM stops the loop at once (the trap kills
+# the child); the loop writes its pid to $RUN_DIR/<svc>.ready after its first round.
+
+LOOP_CHILD=""
+loop_exit() {
+    if [[ -n "$LOOP_CHILD" ]]; then
+        kill -TERM "$LOOP_CHILD" 2>/dev/null || true
+        wait "$LOOP_CHILD" 2>/dev/null || true
+    fi
+    echo "$(now_ms) stopped"
+    exit 0
+}
+loop_run() { # loop_run CMD...: run CMD as a child the TERM trap can stop; its exit status
+    "$@" &
+    LOOP_CHILD=$!
+    local rc=0
+    wait "$LOOP_CHILD" || rc=$?
+    LOOP_CHILD=""
+    return "$rc"
+}
+loop_log() { echo "$(now_ms) $*"; }
+
+# One round of the CNI plugin: its rule first in raw PREROUTING, and there once.
+cni_noise_round() {
+    local ipt out="$RUN_DIR/cni-noise.out" restore="$RUN_DIR/cni-noise.restore" want line
+    local -a rules
+    want="-A PREROUTING -m comment --comment cali:fake -j ACCEPT"
+    for ipt in $(ipt_families); do
+        if ! loop_run "$ipt" -w 5 -t raw -S PREROUTING >"$out"; then
+            loop_log "$ipt -S failed"
+            continue
+        fi
+        rules=()
+        while IFS= read -r line; do
+            line=${line//\"/} # iptables -S quotes comments (1.8.9 always, older ones if needed)
+            [[ "$line" == "-A PREROUTING "* ]] && rules+=("$line")
+        done <"$out"
+        local n=0 r
+        for r in "${rules[@]}"; do [[ "$r" != "$want" ]] || n=$((n + 1)); done
+        if ((n == 1)) && [[ "${rules[0]}" == "$want" ]]; then continue; fi
+        {
+            echo "*raw"
+            for ((r = 0; r < n; r++)); do echo "-D PREROUTING -m comment --comment cali:fake -j ACCEPT"; done
+            echo "-I PREROUTING 1 -m comment --comment cali:fake -j ACCEPT"
+            echo COMMIT
+        } >"$restore"
+        if loop_run "$ipt-restore" -w 5 --noflush "$restore"; then
+            loop_log "$ipt: cali:fake put first (had $n, first rule was: ${rules[0]:-none})"
+        else
+            loop_log "$ipt-restore failed"
+        fi
+    done
+}
+
+# One round of kube-proxy's periodic sync.
+kube_proxy_resync_round() {
+    local ipt v fam chain ok=1
+    if [[ "$KUBE_PROXY" == nftables ]]; then
+        for fam in ip ip6; do
+            [[ -f "$RUN_DIR/kube-proxy-$fam.resync.nft" ]] || continue
+            loop_run nft -f "$RUN_DIR/kube-proxy-$fam.resync.nft" || { ok=0; loop_log "nft -f ($fam) failed"; }
+        done
+    else
+        for ipt in $(ipt_families); do
+            v=4
+            [[ "$ipt" == ip6* ]] && v=6
+            for chain in PREROUTING OUTPUT; do
+                loop_run "$ipt" -w 5 -C "$chain" -t nat "${KUBE_PORTALS[@]}" 2>/dev/null ||
+                    loop_run "$ipt" -w 5 -I "$chain" -t nat "${KUBE_PORTALS[@]}" ||
+                    { ok=0; loop_log "$ipt: jump from $chain failed"; }
+            done
+            loop_run "$ipt-restore" -w 5 --noflush "$RUN_DIR/kube-proxy-nat-v$v.rules" ||
+                { ok=0; loop_log "$ipt-restore failed"; }
+        done
+    fi
+    if ((ok)); then loop_log "synced"; fi
+}
+
+run_loop() { # run_loop SVC
+    local svc=$1 round tick="$RUN_DIR/$1.tick" first=1
+    case $svc in
+    cni-noise) round=cni_noise_round ;;
+    kube-proxy-resync) round=kube_proxy_resync_round ;;
+    *) die "bad loop $svc" ;;
+    esac
+    load_state
+    trap loop_exit TERM INT
+    loop_log "started (pid $$)"
+    # A FIFO nobody writes to: `read -t 1` on it is a sleep the TERM trap interrupts.
+    rm -f "$tick"
+    mkfifo "$tick"
+    exec 9<>"$tick"
+    rm -f "$tick"
+    while :; do
+        "$round" || loop_log "round failed"
+        if ((first)); then
+            echo "$$" >"$RUN_DIR/$svc.ready"
+            first=0
+        fi
+        read -r -t 1 -u 9 _ || true
+    done
+}
+
+loop_start() { # loop_start SVC
+    local svc=$1 pid deadline
+    load_state
+    ns_exists node || die "namespace $(ns_name node) does not exist"
+    rm -f "$RUN_DIR/$svc.ready"
+    svc_start "$svc" node bash "$SELF" __loop "$PREFIX" "$svc"
+    pid=$(<"$RUN_DIR/$svc.pid")
+    deadline=$(($(now_ms) + 15000))
+    until [[ -f "$RUN_DIR/$svc.ready" && "$(<"$RUN_DIR/$svc.ready")" == "$pid" ]]; do
+        if ! svc_pid "$svc" >/dev/null || (($(now_ms) > deadline)); then
+            tail -n 5 "$RUN_DIR/$svc.log" >&2
+            svc_term "$svc"
+            die "$svc failed to start (log: $RUN_DIR/$svc.log)"
+        fi
+        sleep 0.01
+    done
+}
+
+# ---------------------------------------------------------------------------------------------
+
+cmd_xtables_lock_hold() {
+    if (($# != 1)) || [[ ! "$1" =~ ^[0-9]+(\.[0-9]+)?$ ]]; then usage; fi
+    load_state
+    # The background shell takes the lock on its fd 9, then becomes `sleep`, keeping the fd: the
+    # lock is held exactly as long as that process lives.
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    svc_start xtables-lock node bash -c 'exec 9>>"$1" && flock -x 9 && exec sleep "$2"' _ "$XTABLES_LOCKFILE" "$1"
+    echo "$XTABLES_LOCKFILE"
+}
+
 cmd_exec() {
     (($# >= 2)) || usage
     local role=$1
@@ -415,6 +920,8 @@ main() {
     shift 2
     [[ "$PREFIX" =~ ^[a-z0-9]{1,8}$ ]] || die "PREFIX must be 1-8 chars of [a-z0-9], got '$PREFIX'"
     RUN_DIR="${SIMNODE_DIR:-/tmp/simnode}/$PREFIX"
+    # Each simulated node has its own xtables lock (see xtables-lock-hold).
+    export XTABLES_LOCKFILE="$RUN_DIR/xtables.lock"
     [[ $(id -u) == 0 ]] || die "must run as root"
     case $cmd in
     up) cmd_up "$@" ;;
@@ -425,6 +932,12 @@ main() {
     cache-stop | coredns-stop) (($# == 0)) || usage; svc_signal "${cmd%-stop}" STOP ;;
     cache-cont | coredns-cont) (($# == 0)) || usage; svc_signal "${cmd%-cont}" CONT ;;
     cache-pid | coredns-pid) (($# == 0)) || usage; svc_pid "${cmd%-pid}" || die "${cmd%-pid} is not running" ;;
+    node-cache-rules) cmd_node_cache_rules "$@" ;;
+    cni-noise-start | kube-proxy-resync-start) (($# == 0)) || usage; loop_start "${cmd%-start}" ;;
+    cni-noise-stop | kube-proxy-resync-stop) (($# == 0)) || usage; svc_term "${cmd%-stop}" ;;
+    __loop) (($# == 1)) || usage; run_loop "$1" ;; # internal: the noise loops
+    xtables-lock-hold) cmd_xtables_lock_hold "$@" ;;
+    xtables-lock-release) (($# == 0)) || usage; svc_term xtables-lock ;;
     exec) cmd_exec "$@" ;;
     *) usage ;;
     esac
