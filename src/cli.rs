@@ -35,11 +35,17 @@ pub enum Command {
     Teardown(TeardownArgs),
 }
 
-/// The netfilter backend.
+/// The netfilter backend for the switching rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DataplaneKind {
+    /// What the node's kube-proxy uses (see `status` for what was found and why).
+    Auto,
     /// Native nftables over netlink: one table, replaced atomically.
     Nftables,
+    /// The agent's chains in iptables-legacy, one iptables-restore transaction per change.
+    IptablesLegacy,
+    /// The agent's chains in iptables-nft, one iptables-restore transaction per change.
+    IptablesNft,
 }
 
 /// The addresses node-local-dns listens on.
@@ -95,9 +101,12 @@ pub struct RunArgs {
     /// Minimum time on the upstream before switching back to the cache.
     #[arg(long, env = "NODELOCALDNS_HA_MIN_HOLD", default_value = "2s")]
     pub min_hold: String,
-    /// The netfilter backend.
-    #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "nftables")]
+    /// The netfilter backend for the switching rules.
+    #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "auto")]
     pub dataplane: DataplaneKind,
+    /// How long an iptables change waits for the xtables lock before it is retried later.
+    #[arg(long, env = "NODELOCALDNS_HA_XTABLES_WAIT", default_value = "1s")]
+    pub xtables_wait: String,
     /// Where the state file for `status` is written.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,
@@ -182,9 +191,9 @@ pub struct ProbeArgs {
 
 #[derive(Debug, Args)]
 pub struct TeardownArgs {
-    /// The netfilter backend.
-    #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "nftables")]
-    pub dataplane: DataplaneKind,
+    /// How long to wait for the xtables lock.
+    #[arg(long, env = "NODELOCALDNS_HA_XTABLES_WAIT", default_value = "5s")]
+    pub xtables_wait: String,
     /// The agent's --state-dir: teardown refuses while an agent runs there, and removes its
     /// state file.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]

@@ -7,7 +7,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
@@ -15,7 +15,9 @@ use tracing_subscriber::EnvFilter;
 use nodelocaldns_ha::agent;
 use nodelocaldns_ha::cli::{Cli, Command, DataplaneKind, ListenArgs, ProbeArgs, StatusArgs};
 use nodelocaldns_ha::config::{self, AgentConfig};
-use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane};
+use nodelocaldns_ha::dataplane::iptables::{Iptables, Table};
+use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane, Layered};
+use nodelocaldns_ha::detect::{self, Backend, Flavour};
 use nodelocaldns_ha::probe::{Probe, Transport};
 use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
 use nodelocaldns_ha::state;
@@ -90,12 +92,16 @@ fn main() -> ExitCode {
 fn run(command: Command) -> Result<(), Failure> {
     match command {
         Command::Run(args) => {
-            let cfg = AgentConfig::from_args(&args.raw(), |k| std::env::var(k).ok())
+            let mut cfg = AgentConfig::from_args(&args.raw(), |k| std::env::var(k).ok())
+                .map_err(Failure::usage)?;
+            let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
-            let dataplane = open_dataplane(args.dataplane)?;
+            let (dataplane, notes) = open_dataplane(args.dataplane, &cfg.addrs, xtables_wait)?;
+            cfg.accepts = dataplane.has_accepts();
+            let dataplane = Box::new(dataplane);
             runtime()?.block_on(async {
-                agent::run(cfg, dataplane, agent::Notes::default(), shutdown_signal())
+                agent::run(cfg, dataplane, notes, shutdown_signal())
                     .await
                     .map_err(|e| Failure::runtime(with_causes(&e)))
             })
@@ -108,6 +114,8 @@ fn run(command: Command) -> Result<(), Failure> {
         }
         Command::Probe(args) => probe(&args),
         Command::Teardown(args) => {
+            let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
+                .map_err(Failure::usage)?;
             require_net_admin()?;
             if state::agent_running(&args.state_dir) {
                 return Err(Failure::runtime(format!(
@@ -116,7 +124,8 @@ fn run(command: Command) -> Result<(), Failure> {
                     args.state_dir.display()
                 )));
             }
-            let mut dataplane = open_dataplane(args.dataplane)?;
+            // Whatever backend an agent used, with whatever flags: everything goes.
+            let mut dataplane = every_dataplane(xtables_wait)?;
             dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
             state::remove(&args.state_dir).map_err(|e| {
                 Failure::runtime(format!(
@@ -124,7 +133,7 @@ fn run(command: Command) -> Result<(), Failure> {
                     args.state_dir.display()
                 ))
             })?;
-            println!("removed everything nodelocaldns-ha installed ({})", dataplane.name());
+            println!("removed everything nodelocaldns-ha installed (nftables and iptables)");
             Ok(())
         }
     }
@@ -137,12 +146,57 @@ fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {
     Ok(ListenAddrs { local, cluster_dns })
 }
 
-fn open_dataplane(kind: DataplaneKind) -> Result<Box<dyn Dataplane>, Failure> {
-    match kind {
-        DataplaneKind::Nftables => {
-            Ok(Box::new(Nftables::new().map_err(|e| Failure::runtime(with_causes(&e)))?))
+fn nftables() -> Result<Nftables, Failure> {
+    Nftables::new().map_err(|e| Failure::runtime(with_causes(&e)))
+}
+
+fn iptables(flavour: Flavour, table: Table, wait: Duration) -> Result<Box<dyn Dataplane>, Failure> {
+    let backend = Iptables::new(flavour.into(), table, wait);
+    Ok(Box::new(backend.map_err(|e| Failure::runtime(with_causes(&e)))?))
+}
+
+/// The switching backend `kind` names (or detection picks), plus iptables filter backends for
+/// the ACCEPTs wherever the host's filter INPUT drops by default.
+fn open_dataplane(
+    kind: DataplaneKind,
+    addrs: &ListenAddrs,
+    wait: Duration,
+) -> Result<(Layered, agent::Notes), Failure> {
+    let mut nft = nftables()?;
+    let kube_proxy_nftables = nft.kube_proxy_tables().unwrap_or(false);
+    let listen: Vec<_> = addrs.local.iter().chain(&addrs.cluster_dns).copied().collect();
+    let found = detect::decide(&detect::gather(kube_proxy_nftables, &listen));
+    let (backend, why) = match kind {
+        DataplaneKind::Auto => (found.backend, Some(found.why)),
+        DataplaneKind::Nftables => (Backend::Nftables, None),
+        DataplaneKind::IptablesLegacy => (Backend::Iptables(Flavour::Legacy), None),
+        DataplaneKind::IptablesNft => (Backend::Iptables(Flavour::Nft), None),
+    };
+    let switch: Box<dyn Dataplane> = match backend {
+        Backend::Nftables => Box::new(nft),
+        Backend::Iptables(flavour) => iptables(flavour, Table::Raw, wait)?,
+    };
+    let accepts = found
+        .accepts_in
+        .iter()
+        .map(|&flavour| iptables(flavour, Table::Filter, wait))
+        .collect::<Result<Vec<_>, _>>()?;
+    let accepts_in = found.accepts_in.iter().map(ToString::to_string).collect();
+    Ok((Layered::new(switch, accepts), agent::Notes { why, accepts_in }))
+}
+
+/// Every backend the agent could have used, to remove all of it.
+fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
+    let mut parts = Vec::new();
+    for flavour in [Flavour::Legacy, Flavour::Nft] {
+        for table in [Table::Raw, Table::Filter] {
+            // A node without this flavour's binaries has nothing of ours in it.
+            if let Ok(backend) = Iptables::new(flavour.into(), table, wait) {
+                parts.push(Box::new(backend) as Box<dyn Dataplane>);
+            }
         }
     }
+    Ok(Layered::new(Box::new(nftables()?), parts))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
@@ -255,7 +309,10 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         println!("             chosen because {why}");
     }
     if !st.accepts_in.is_empty() {
-        println!("accepts:     in {} (its filter INPUT drops by default)", st.accepts_in.join(", "));
+        println!(
+            "accepts:     in {} (its filter INPUT drops by default)",
+            st.accepts_in.join(", ")
+        );
     }
     if let Some(err) = &st.last_error {
         println!("last error:  {err}");

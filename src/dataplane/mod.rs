@@ -6,6 +6,7 @@
 
 #[cfg(test)]
 pub mod fake;
+pub mod iptables;
 pub mod nftables;
 
 use crate::ruleset::{ListenAddrs, Route, RuleSet};
@@ -16,6 +17,9 @@ pub enum Error {
     /// The nftables backend failed.
     #[error(transparent)]
     Nftables(#[from] nftables::Error),
+    /// The iptables backend failed.
+    #[error(transparent)]
+    Iptables(#[from] iptables::Error),
     /// Injected by the fake dataplane in tests.
     #[cfg(test)]
     #[error("injected failure: {0}")]

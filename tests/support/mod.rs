@@ -165,6 +165,12 @@ impl SimNode {
             .cmd("node", AGENT)
             .args(["run", "--local-ip", local, "--cluster-dns-ip", cluster_dns])
             .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
+            // nftables unless the test picks a backend.
+            .args(if extra.contains(&"--dataplane") {
+                &[][..]
+            } else {
+                &["--dataplane", "nftables"][..]
+            })
             .arg("--state-dir")
             .arg(&state_dir)
             .args(extra)

@@ -1,0 +1,545 @@
+//! iptables backend: installs a [`RuleSet`] in the raw table (its NOTRACK chains) or the filter
+//! table (its ACCEPTs) with `iptables-restore`, for nodes whose kube-proxy uses iptables.
+//!
+//! The agent owns two chains per table, each reached by one jump at the top of a built-in
+//! chain: raw `PREROUTING` → `NODELOCALDNS-HA-PREROUTING` and `OUTPUT` →
+//! `NODELOCALDNS-HA-OUTPUT`; filter `INPUT` → `NODELOCALDNS-HA-INPUT` and `OUTPUT` →
+//! `NODELOCALDNS-HA-OUTPUT`. The jumps carry the comment `nodelocaldns-ha`.
+//!
+//! * [`Iptables::apply`] reads the table with `iptables-save -t <table>`, then runs **one**
+//!   `iptables-restore --noflush` transaction per address family: it declares the agent's
+//!   chains (which creates or flushes them), appends their rules, and, unless the jump is
+//!   already the first rule and the only one, deletes every copy of the jump and inserts it at
+//!   position 1, in the same transaction. So the jump is exactly once and first, atomically with
+//!   the chain contents; there is no per-rule `-C`/`-I` loop (node-cache's duplicate rules,
+//!   kubernetes/dns #568). A family the ruleset has no rules for is cleaned of the agent's
+//!   objects. Then the table is read back.
+//! * [`Iptables::check`] parses `iptables-save -t <table>` and compares text lines: the rules are
+//!   written exactly in the form `iptables-save` prints them ([`render`] shows them).
+//! * [`Iptables::remove`] deletes every jump to the agent's chains, then flushes and deletes the
+//!   chains, in one transaction per family; nothing runs when nothing is there.
+//!
+//! Transactions are atomic per address family (IPv4 and IPv6 are separate tables to iptables):
+//! after a failure between the two, the next apply finishes the job.
+//!
+//! iptables-legacy serialises writers with the xtables lock (`/run/xtables.lock`, or the file
+//! named by `XTABLES_LOCKFILE`, which is passed through). `iptables-legacy-restore` waits for it
+//! at most the configured time (`-w`, whole seconds, at least 1: `-w 0` would wait forever) and
+//! a timeout there is [`Error::LockBusy`]. iptables-nft takes no lock. Every child process is
+//! killed if it outlives the lock wait by 2 s, so the agent never hangs on iptables.
+
+mod command;
+mod text;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use super::{Check, Dataplane};
+use crate::detect::Flavour;
+use crate::ruleset::RuleSet;
+use command::{Finished, RunError};
+use text::{Family, Hooked, Saved, State, MAX_COMMENT_BYTES};
+
+pub use text::ParseError;
+
+/// Where the binaries are looked for after `PATH` (a service's `PATH` may lack the sbin dirs).
+const FALLBACK_DIRS: [&str; 3] = ["/usr/sbin", "/sbin", "/usr/local/sbin"];
+/// How much longer than the lock wait a child process may run before it is killed.
+const KILL_GRACE: Duration = Duration::from_secs(2);
+/// What `iptables-legacy` prints when `-w` ran out.
+const LOCK_BUSY_TEXT: &str = "holding the xtables lock";
+/// `iptables-legacy`'s exit status for resource problems, a held lock among them.
+const RESOURCE_PROBLEM: i32 = 4;
+
+/// Which iptables implementation the rules go to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// `iptables-legacy`: the x_tables kernel API, serialised by the xtables lock.
+    Legacy,
+    /// `iptables-nft`: the same rules as nftables tables `ip raw`, `ip6 filter`, etc.
+    Nft,
+}
+
+impl Variant {
+    /// `legacy` or `nft`, as in the binaries' names.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Variant::Legacy => "legacy",
+            Variant::Nft => "nft",
+        }
+    }
+}
+
+impl From<Flavour> for Variant {
+    fn from(flavour: Flavour) -> Variant {
+        match flavour {
+            Flavour::Legacy => Variant::Legacy,
+            Flavour::Nft => Variant::Nft,
+        }
+    }
+}
+
+/// Which table a backend writes, and so which part of the [`RuleSet`] it installs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Table {
+    /// The NOTRACK chains ([`RuleSet::chains`]).
+    Raw,
+    /// The ACCEPTs ([`RuleSet::accepts`]).
+    Filter,
+}
+
+impl Table {
+    /// The table's name, as after `-t`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Table::Raw => "raw",
+            Table::Filter => "filter",
+        }
+    }
+
+    /// The built-in chains the agent jumps from, and its chains: the first for
+    /// prerouting/input, the second for output.
+    fn hooks(self) -> [Hooked; 2] {
+        match self {
+            Table::Raw => [
+                Hooked { builtin: "PREROUTING", own: "NODELOCALDNS-HA-PREROUTING" },
+                Hooked { builtin: "OUTPUT", own: "NODELOCALDNS-HA-OUTPUT" },
+            ],
+            Table::Filter => [
+                Hooked { builtin: "INPUT", own: "NODELOCALDNS-HA-INPUT" },
+                Hooked { builtin: "OUTPUT", own: "NODELOCALDNS-HA-OUTPUT" },
+            ],
+        }
+    }
+}
+
+/// What the iptables backend failed to do.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A binary the backend runs is not installed.
+    #[error(
+        "{binary} is not installed (looked in PATH and {}): install the Debian package \
+         `iptables` (it ships iptables-legacy and iptables-nft), or use the nftables dataplane",
+        FALLBACK_DIRS.join(", ")
+    )]
+    NotInstalled {
+        /// The binary's name, e.g. `ip6tables-nft-restore`.
+        binary: &'static str,
+    },
+    /// A binary could not be started.
+    #[error("starting {binary} failed: {source} (is it executable by the agent's user?)")]
+    Spawn {
+        /// Its name.
+        binary: &'static str,
+        /// Why it could not be started or waited for.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A binary ran past its time bound and was killed.
+    #[error(
+        "{binary} on the {table} table did not finish within {limit:?} and was killed \
+         (iptables-restore commits all of a transaction or nothing; the next check shows \
+         which); is another process stuck holding the xtables lock or the kernel's netfilter?"
+    )]
+    Timeout {
+        /// Its name.
+        binary: &'static str,
+        /// The table it worked on.
+        table: &'static str,
+        /// How long it was allowed to run.
+        limit: Duration,
+    },
+    /// Another process held the xtables lock for the whole wait; nothing was changed.
+    #[error(
+        "xtables lock held by another process: {binary} gave up on the {table} table after \
+         waiting {waited:?}; nothing was changed (kube-proxy or a CNI plugin rewriting its rules; \
+         the agent retries, raise the lock wait if this persists)"
+    )]
+    LockBusy {
+        /// The binary that waited.
+        binary: &'static str,
+        /// The table it was to change.
+        table: &'static str,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// `iptables-restore` refused the transaction; nothing of it was applied.
+    #[error(
+        "{binary} failed on the {table} table ({status}): {stderr}{at}; nothing was changed \
+         (needs CAP_NET_ADMIN in the node's network namespace, and the kernel modules the rules \
+         use: xt_comment, xt_addrtype, xt_socket, xt_CT)"
+    )]
+    RestoreFailed {
+        /// Its name.
+        binary: &'static str,
+        /// The table.
+        table: &'static str,
+        /// How it exited.
+        status: ExitStatus,
+        /// What it said, in one line.
+        stderr: String,
+        /// The line of the transaction it refused, as ` (at `…`)`, if it said which.
+        at: String,
+    },
+    /// `iptables-save` failed.
+    #[error(
+        "{binary} -t {table} failed ({status}): {stderr} (needs CAP_NET_ADMIN in the node's \
+         network namespace; with iptables-legacy, the ip_tables kernel modules)"
+    )]
+    SaveFailed {
+        /// Its name.
+        binary: &'static str,
+        /// The table.
+        table: &'static str,
+        /// How it exited.
+        status: ExitStatus,
+        /// What it said, in one line.
+        stderr: String,
+    },
+    /// `iptables-save` printed something this backend cannot read.
+    #[error(
+        "the output of {binary} -t {table} could not be parsed: {source} (an iptables version \
+         this agent does not know; please report it with `iptables --version`)"
+    )]
+    Unparsable {
+        /// Its name.
+        binary: &'static str,
+        /// The table.
+        table: &'static str,
+        /// What is wrong with it.
+        #[source]
+        source: ParseError,
+    },
+    /// A rule's comment cannot be stored by iptables as it is; nothing was changed.
+    #[error(
+        "the rule comment {0:?} cannot be stored by iptables: it must be at most \
+         {MAX_COMMENT_BYTES} bytes (longer ones are cut short), without control characters"
+    )]
+    Comment(String),
+    /// The transaction went in but the table read back is not what was applied.
+    #[error(
+        "the {table} table read back after iptables-restore differs from the one applied: \
+         {difference} (did another process change it at the same moment?)"
+    )]
+    NotApplied {
+        /// The table.
+        table: &'static str,
+        /// What differs first.
+        difference: String,
+    },
+}
+
+/// The binaries for one address family.
+#[derive(Clone, Debug)]
+struct Binaries {
+    restore: Binary,
+    save: Binary,
+}
+
+/// A binary, found.
+#[derive(Clone, Debug)]
+struct Binary {
+    name: &'static str,
+    path: PathBuf,
+}
+
+/// The iptables dataplane: owns the agent's chains of one table, in IPv4 and IPv6.
+#[derive(Clone, Debug)]
+pub struct Iptables {
+    variant: Variant,
+    table: Table,
+    /// `-w` for `iptables-legacy-restore`: whole seconds, at least 1.
+    lock_wait_secs: u64,
+    /// Indexed like [`Family::ALL`].
+    binaries: [Binaries; 2],
+}
+
+impl Iptables {
+    /// A backend for `table` through `variant`'s binaries, which must be installed. It waits at
+    /// most `lock_wait` (rounded up to whole seconds, at least 1) for the xtables lock.
+    pub fn new(variant: Variant, table: Table, lock_wait: Duration) -> Result<Self, Error> {
+        let dirs = search_dirs();
+        let find = |family, kind| find_binary(binary_name(family, variant, kind), &dirs);
+        let binaries = |family| -> Result<Binaries, Error> {
+            Ok(Binaries { restore: find(family, Kind::Restore)?, save: find(family, Kind::Save)? })
+        };
+        Ok(Iptables {
+            variant,
+            table,
+            lock_wait_secs: lock_wait_secs(lock_wait),
+            binaries: [binaries(Family::V4)?, binaries(Family::V6)?],
+        })
+    }
+
+    /// The iptables implementation it writes through.
+    pub fn variant(&self) -> Variant {
+        self.variant
+    }
+
+    /// The table it writes.
+    pub fn table(&self) -> Table {
+        self.table
+    }
+
+    fn binaries(&self, family: Family) -> &Binaries {
+        &self.binaries[family.index()]
+    }
+
+    /// How long a child process may run.
+    fn limit(&self) -> Duration {
+        Duration::from_secs(self.lock_wait_secs) + KILL_GRACE
+    }
+
+    /// `iptables-save -t <table>` for `family`, parsed.
+    fn save(&self, family: Family) -> Result<Saved, Error> {
+        let binary = &self.binaries(family).save;
+        let table = self.table.as_str();
+        let done = self.run(binary, &["-t", table], None)?;
+        if !done.status.success() {
+            return Err(Error::SaveFailed {
+                binary: binary.name,
+                table,
+                status: done.status,
+                stderr: summary(&done.stderr),
+            });
+        }
+        text::parse_save(&done.stdout, table).map_err(|source| Error::Unparsable {
+            binary: binary.name,
+            table,
+            source,
+        })
+    }
+
+    /// Runs `script` as one `iptables-restore --noflush` transaction for `family`.
+    fn restore(&self, family: Family, script: &str) -> Result<(), Error> {
+        let binary = &self.binaries(family).restore;
+        let wait = self.lock_wait_secs.to_string();
+        let mut args = vec!["--noflush"];
+        // iptables-nft-restore takes no lock (it accepts -w and ignores it). -W is left out:
+        // iptables 1.8.9 ignores it with a warning.
+        if self.variant == Variant::Legacy {
+            args.extend(["-w", wait.as_str()]);
+        }
+        let done = self.run(binary, &args, Some(script))?;
+        classify(
+            binary.name,
+            self.table.as_str(),
+            &done,
+            Duration::from_secs(self.lock_wait_secs),
+            script,
+        )
+    }
+
+    fn run(&self, binary: &Binary, args: &[&str], input: Option<&str>) -> Result<Finished, Error> {
+        let limit = self.limit();
+        command::run(&binary.path, args, input, limit).map_err(|error| match error {
+            RunError::Io(source) => Error::Spawn { binary: binary.name, source },
+            RunError::TimedOut => {
+                Error::Timeout { binary: binary.name, table: self.table.as_str(), limit }
+            }
+        })
+    }
+
+    /// Brings `family` to `rules`: its share installed, or nothing of the agent's when the
+    /// ruleset has no rules of that family. Runs no transaction when it already is.
+    fn apply_family(&self, family: Family, rules: &RuleSet) -> Result<(), Error> {
+        let saved = self.save(family)?;
+        let script = match text::wanted(rules, self.table, family) {
+            None => text::remove_script(self.table, &saved),
+            Some(wanted) => match text::compare(self.table, family, &saved, Some(&wanted)) {
+                State::Matches => None,
+                State::Nothing | State::Differs(_) => {
+                    Some(text::apply_script(self.table, &saved, &wanted))
+                }
+            },
+        };
+        match script {
+            Some(script) => self.restore(family, &script),
+            None => Ok(()),
+        }
+    }
+
+    fn check_families(&self, rules: &RuleSet) -> Result<Check, Error> {
+        let mut states = Vec::new();
+        for family in Family::ALL {
+            let saved = self.save(family)?;
+            let wanted = text::wanted(rules, self.table, family);
+            let state = text::compare(self.table, family, &saved, wanted.as_ref());
+            states.push((family, wanted.is_some(), state));
+        }
+        Ok(text::combine(self.table, states))
+    }
+
+    fn remove_families(&self) -> Result<(), Error> {
+        for family in Family::ALL {
+            if let Some(script) = text::remove_script(self.table, &self.save(family)?) {
+                self.restore(family, &script)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Dataplane for Iptables {
+    fn name(&self) -> &'static str {
+        match (self.variant, self.table) {
+            (Variant::Legacy, Table::Raw) => "iptables-legacy",
+            (Variant::Nft, Table::Raw) => "iptables-nft",
+            (Variant::Legacy, Table::Filter) => "iptables-legacy filter",
+            (Variant::Nft, Table::Filter) => "iptables-nft filter",
+        }
+    }
+
+    fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
+        if let Some(comment) = text::unstorable_comment(rules, self.table) {
+            return Err(Error::Comment(comment.to_owned()).into());
+        }
+        for family in Family::ALL {
+            self.apply_family(family, rules)?;
+        }
+        let wants_any = Family::ALL.iter().any(|&f| text::wanted(rules, self.table, f).is_some());
+        match self.check_families(rules)? {
+            Check::Matches => Ok(()),
+            Check::Missing if !wants_any => Ok(()),
+            Check::Missing => Err(Error::NotApplied {
+                table: self.table.as_str(),
+                difference: "nothing of the agent's is there".to_owned(),
+            }
+            .into()),
+            Check::Differs(difference) => {
+                Err(Error::NotApplied { table: self.table.as_str(), difference }.into())
+            }
+        }
+    }
+
+    fn check(&mut self, rules: &RuleSet) -> Result<Check, super::Error> {
+        Ok(self.check_families(rules)?)
+    }
+
+    fn remove(&mut self) -> Result<(), super::Error> {
+        Ok(self.remove_families()?)
+    }
+}
+
+/// Which of a family's binaries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Restore,
+    Save,
+}
+
+fn binary_name(family: Family, variant: Variant, kind: Kind) -> &'static str {
+    use {Family::*, Kind::*, Variant::*};
+    match (family, variant, kind) {
+        (V4, Legacy, Restore) => "iptables-legacy-restore",
+        (V4, Legacy, Save) => "iptables-legacy-save",
+        (V4, Nft, Restore) => "iptables-nft-restore",
+        (V4, Nft, Save) => "iptables-nft-save",
+        (V6, Legacy, Restore) => "ip6tables-legacy-restore",
+        (V6, Legacy, Save) => "ip6tables-legacy-save",
+        (V6, Nft, Restore) => "ip6tables-nft-restore",
+        (V6, Nft, Save) => "ip6tables-nft-save",
+    }
+}
+
+/// `PATH`, then [`FALLBACK_DIRS`].
+fn search_dirs() -> Vec<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).chain(FALLBACK_DIRS.iter().map(PathBuf::from)).collect()
+}
+
+/// The first executable file `name` in `dirs`.
+fn find_binary(name: &'static str, dirs: &[PathBuf]) -> Result<Binary, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |path: &Path| {
+        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    dirs.iter()
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(name))
+        .find(|path| executable(path))
+        .map(|path| Binary { name, path })
+        .ok_or(Error::NotInstalled { binary: name })
+}
+
+/// `-w` takes whole seconds, and `-w 0` waits forever: round up, at least 1.
+fn lock_wait_secs(wait: Duration) -> u64 {
+    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    secs.max(1)
+}
+
+/// What a failed iptables command said, in one line: its first few non-empty lines but the
+/// usage hint (iptables-nft puts its message on the second line).
+fn summary(stderr: &str) -> String {
+    const LINES: usize = 3;
+    let lines: Vec<&str> = stderr
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with("Try `"))
+        .take(LINES)
+        .collect();
+    if lines.is_empty() {
+        "(no message)".to_owned()
+    } else {
+        lines.join(" ")
+    }
+}
+
+/// The line of `script` that iptables-restore names in `stderr` ("line 5 failed",
+/// "Error occurred at line: 5", "line 5: CHAIN_DEL failed").
+fn failed_line<'a>(stderr: &str, script: &'a str) -> Option<&'a str> {
+    let after = stderr.split("line").skip(1);
+    let number = after
+        .filter_map(|rest| {
+            let digits: String = rest
+                .trim_start_matches([':', ' '])
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect();
+            digits.parse::<usize>().ok()
+        })
+        .next()?;
+    script.lines().nth(number.checked_sub(1)?)
+}
+
+/// The outcome of one `iptables-restore` run.
+fn classify(
+    binary: &'static str,
+    table: &'static str,
+    done: &Finished,
+    waited: Duration,
+    script: &str,
+) -> Result<(), Error> {
+    if done.status.success() {
+        return Ok(());
+    }
+    if done.status.code() == Some(RESOURCE_PROBLEM) && done.stderr.contains(LOCK_BUSY_TEXT) {
+        return Err(Error::LockBusy { binary, table, waited });
+    }
+    let at = failed_line(&done.stderr, script).map(|line| format!(" (at `{line}`)"));
+    Err(Error::RestoreFailed {
+        binary,
+        table,
+        status: done.status,
+        stderr: summary(&done.stderr),
+        at: at.unwrap_or_default(),
+    })
+}
+
+/// The agent's share of `rules` for `table`, as `iptables-save -t <table>` prints it on a node
+/// with nothing else in the table: the agent's chains, the jumps, the rules; one section per
+/// address family with rules. This is what `apply` installs and `check` compares with.
+pub fn render(rules: &RuleSet, table: Table) -> String {
+    let mut text = String::new();
+    for family in Family::ALL {
+        if let Some(wanted) = text::wanted(rules, table, family) {
+            text.push_str(&format!("# {} ({}tables)\n", family.label(), family.prefix()));
+            text.push_str(&text::render_family(table, &wanted));
+        }
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,510 @@
+//! The pure half of the iptables backend: the agent's rules as `iptables-save` lines, a parser
+//! for `iptables-save` output, the comparison of the two, and the `iptables-restore`
+//! transactions that install or remove them. No I/O.
+//!
+//! Rules are rendered exactly as `iptables-save` 1.8 prints them back (legacy and nft alike):
+//! `-d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m socket --nowildcard]]
+//! -m comment --comment "…" -j NOTRACK`, so read-back compares text lines, and the same lines
+//! are fed to `iptables-restore`.
+
+use std::net::IpAddr;
+
+use super::Table;
+use crate::ruleset::{FilterHook, Guard, Hook, Rule, RuleSet, Side};
+
+/// The comment on the agent's jumps.
+pub(super) const JUMP_COMMENT: &str = "nodelocaldns-ha";
+
+/// An address family, and so a pair of binaries (`iptables-*` or `ip6tables-*`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    /// IPv4 first.
+    pub(super) const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    fn of(addr: IpAddr) -> Family {
+        match addr {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+
+    /// `IPv4` or `IPv6`, for messages.
+    pub(super) fn label(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+
+    /// `ip` or `ip6`, as in `iptables` and `ip6tables`.
+    pub(super) fn prefix(self) -> &'static str {
+        match self {
+            Family::V4 => "ip",
+            Family::V6 => "ip6",
+        }
+    }
+
+    /// Its position in [`Family::ALL`].
+    pub(super) fn index(self) -> usize {
+        match self {
+            Family::V4 => 0,
+            Family::V6 => 1,
+        }
+    }
+
+    /// The prefix length of one host, which `iptables-save` always prints.
+    fn host_bits(self) -> u8 {
+        match self {
+            Family::V4 => 32,
+            Family::V6 => 128,
+        }
+    }
+}
+
+/// A built-in chain and the agent's chain it jumps to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Hooked {
+    pub builtin: &'static str,
+    pub own: &'static str,
+}
+
+impl Hooked {
+    /// `-m comment --comment nodelocaldns-ha -j <own>`.
+    fn jump_spec(self) -> String {
+        format!("-m comment --comment {} -j {}", save_string(JUMP_COMMENT), self.own)
+    }
+
+    /// The jump as `iptables-save` prints it.
+    pub(super) fn jump(self) -> String {
+        format!("-A {} {}", self.builtin, self.jump_spec())
+    }
+}
+
+/// One of the agent's chains with the rule lines it should hold.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct WantedChain {
+    pub hooked: Hooked,
+    /// `-A <own> …` lines, in order.
+    pub rules: Vec<String>,
+}
+
+/// What one family's table should hold of the agent's: both of its chains, each with its jump.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Wanted {
+    pub chains: Vec<WantedChain>,
+}
+
+/// The share of `rules` that `table` holds for `family`; `None` when it has no rules there (the
+/// family must then hold nothing of the agent's).
+pub(super) fn wanted(rules: &RuleSet, table: Table, family: Family) -> Option<Wanted> {
+    let hooks = table.hooks();
+    let mut chains: Vec<WantedChain> =
+        hooks.iter().map(|&hooked| WantedChain { hooked, rules: Vec::new() }).collect();
+    // (index into hooks, rule, target)
+    let entries: Vec<(usize, &Rule, &str)> = match table {
+        Table::Raw => rules
+            .rules()
+            .map(|(chain, rule)| {
+                let index = match chain.hook {
+                    Hook::Prerouting => 0,
+                    Hook::Output => 1,
+                };
+                (index, rule, "NOTRACK")
+            })
+            .collect(),
+        Table::Filter => rules
+            .accepts
+            .iter()
+            .map(|accept| {
+                let index = match accept.hook {
+                    FilterHook::Input => 0,
+                    FilterHook::Output => 1,
+                };
+                (index, &accept.rule, "ACCEPT")
+            })
+            .collect(),
+    };
+    let mut any = false;
+    for (index, rule, target) in entries {
+        if Family::of(rule.addr) == family {
+            let chain = &mut chains[index];
+            chain.rules.push(format!("-A {} {} -j {target}", chain.hooked.own, rule_spec(rule)));
+            any = true;
+        }
+    }
+    any.then_some(Wanted { chains })
+}
+
+/// The longest comment xt_comment stores; iptables 1.8.9 cuts longer ones short silently.
+pub(super) const MAX_COMMENT_BYTES: usize = 255;
+
+/// The first comment of `table`'s share of `rules` that iptables cannot store as it is: too
+/// long, or with a control character (a newline would end the restore line).
+pub(super) fn unstorable_comment(rules: &RuleSet, table: Table) -> Option<&str> {
+    let comments: Vec<&str> = match table {
+        Table::Raw => rules.rules().map(|(_, rule)| rule.comment.as_str()).collect(),
+        Table::Filter => rules.accepts.iter().map(|accept| accept.rule.comment.as_str()).collect(),
+    };
+    comments
+        .into_iter()
+        .find(|comment| comment.len() > MAX_COMMENT_BYTES || comment.chars().any(char::is_control))
+}
+
+/// A rule's matches as `iptables-save` prints them.
+fn rule_spec(rule: &Rule) -> String {
+    let (addr, port) = match rule.side {
+        Side::Destination => ("-d", "--dport"),
+        Side::Source => ("-s", "--sport"),
+    };
+    let proto = rule.proto.as_str();
+    let bits = Family::of(rule.addr).host_bits();
+    let mut spec =
+        format!("{addr} {}/{bits} -p {proto} -m {proto} {port} {}", rule.addr, rule.port);
+    // `--nowildcard` makes xt_socket count sockets bound to 0.0.0.0 / ::, as nftables' socket
+    // expression does: a cache bound to the wildcard address still gets the fast path.
+    spec.push_str(match rule.guard {
+        Guard::None => "",
+        Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
+        Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket --nowildcard",
+    });
+    spec.push_str(" -m comment --comment ");
+    spec.push_str(&save_string(&rule.comment));
+    spec
+}
+
+/// A string as `iptables-save` prints it (libxtables' `xtables_save_string`): bare when it is
+/// only `[A-Za-z0-9_-]`, else in double quotes with `"`, `\` and `'` escaped by a backslash.
+/// `iptables-restore` reads either form back.
+pub(super) fn save_string(value: &str) -> String {
+    let bare = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    if !value.is_empty() && value.chars().all(bare) {
+        return value.to_owned();
+    }
+    let mut quoted = String::with_capacity(value.len() + 2);
+    quoted.push('"');
+    for c in value.chars() {
+        if matches!(c, '"' | '\\' | '\'') {
+            quoted.push('\\');
+        }
+        quoted.push(c);
+    }
+    quoted.push('"');
+    quoted
+}
+
+/// The family's share as `iptables-save -t <table>` prints it where nothing else is in the
+/// table (built-in chains aside): user chains sorted by name, jumps in built-in chain order,
+/// then each user chain's rules.
+pub(super) fn render_family(table: Table, wanted: &Wanted) -> String {
+    let mut chains: Vec<&WantedChain> = wanted.chains.iter().collect();
+    chains.sort_by_key(|chain| chain.hooked.own);
+    let mut text = format!("*{}\n", table.as_str());
+    for chain in &chains {
+        text.push_str(&format!(":{} - [0:0]\n", chain.hooked.own));
+    }
+    for chain in &wanted.chains {
+        text.push_str(&chain.hooked.jump());
+        text.push('\n');
+    }
+    for chain in &chains {
+        for rule in &chain.rules {
+            text.push_str(rule);
+            text.push('\n');
+        }
+    }
+    text.push_str("COMMIT\n");
+    text
+}
+
+/// Output of `iptables-save` that this parser does not understand.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("line {line}: {reason}: `{text}`")]
+pub struct ParseError {
+    /// 1-based.
+    line: usize,
+    reason: &'static str,
+    text: String,
+}
+
+/// One table as `iptables-save` printed it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(super) struct Saved {
+    /// In the order printed (built-in chains first).
+    pub chains: Vec<SavedChain>,
+}
+
+/// A chain and its rules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct SavedChain {
+    pub name: String,
+    /// `-A <name> …` lines, in order.
+    pub rules: Vec<String>,
+}
+
+impl Saved {
+    fn chain(&self, name: &str) -> Option<&SavedChain> {
+        self.chains.iter().find(|chain| chain.name == name)
+    }
+
+    /// A chain's rules; none when it does not exist.
+    fn rules(&self, name: &str) -> &[String] {
+        self.chain(name).map_or(&[], |chain| chain.rules.as_slice())
+    }
+}
+
+/// Parses `iptables-save` output and keeps `table` (empty when it is not printed). Comments
+/// (`# …`, also iptables-nft's warnings) are skipped; a table without `COMMIT` is an error, so a
+/// truncated output is never taken for a short table.
+pub(super) fn parse_save(text: &str, table: &str) -> Result<Saved, ParseError> {
+    let mut saved = Saved::default();
+    let mut current: Option<&str> = None;
+    let error =
+        |line: usize, reason, text: &str| ParseError { line, reason, text: text.to_owned() };
+    for (number, line) in (1..).zip(text.lines()) {
+        let line = line.trim_end();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if let Some(name) = line.strip_prefix('*') {
+            if current.is_some() {
+                return Err(error(number, "a table starts before the last one's COMMIT", line));
+            }
+            current = Some(name);
+            continue;
+        }
+        let Some(name) = current else {
+            return Err(error(number, "outside a table", line));
+        };
+        let ours = name == table;
+        if line == "COMMIT" {
+            current = None;
+        } else if let Some(declaration) = line.strip_prefix(':') {
+            let chain = declaration.split(' ').next().unwrap_or_default();
+            if chain.is_empty() {
+                return Err(error(number, "a chain without a name", line));
+            }
+            if ours {
+                saved.chains.push(SavedChain { name: chain.to_owned(), rules: Vec::new() });
+            }
+        } else if let Some(rule) = line.strip_prefix("-A ") {
+            if ours {
+                let chain = rule.split(' ').next().unwrap_or_default();
+                let Some(entry) = saved.chains.iter_mut().find(|c| c.name == chain) else {
+                    return Err(error(number, "a rule in an undeclared chain", line));
+                };
+                entry.rules.push(line.to_owned());
+            }
+        } else {
+            return Err(error(number, "not a chain, a rule or COMMIT", line));
+        }
+    }
+    match current {
+        Some(name) => Err(error(text.lines().count(), "no COMMIT at the end of table", name)),
+        None => Ok(saved),
+    }
+}
+
+/// Whether a saved rule jumps (or goes) to `chain`: a jump to a user chain has no target
+/// options, so `-j <chain>` ends the line (a comment ending so would end with a quote).
+fn targets(line: &str, chain: &str) -> bool {
+    line.strip_suffix(chain).is_some_and(|head| head.ends_with(" -j ") || head.ends_with(" -g "))
+}
+
+/// `-A <chain> <spec>` as the `-D <chain> <spec>` that deletes it.
+fn delete_line(line: &str) -> String {
+    format!("-D {}", line.strip_prefix("-A ").unwrap_or(line))
+}
+
+/// How one family's table compares with its share of the ruleset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum State {
+    /// Nothing of the agent's is there.
+    Nothing,
+    /// Exactly the share wanted.
+    Matches,
+    /// Something else; what differs first.
+    Differs(String),
+}
+
+/// The first of the agent's objects found in `saved`, in words.
+fn leftover(table: Table, saved: &Saved) -> Option<String> {
+    let hooks = table.hooks();
+    if let Some(hooked) = hooks.iter().find(|h| saved.chain(h.own).is_some()) {
+        return Some(format!("chain {} exists", hooked.own));
+    }
+    saved.chains.iter().flat_map(|chain| &chain.rules).find_map(|rule| {
+        hooks.iter().any(|h| targets(rule, h.own)).then(|| format!("`{rule}` is there"))
+    })
+}
+
+/// Compares one family's table with `wanted` (`None`: the ruleset has no rules there).
+pub(super) fn compare(
+    table: Table,
+    family: Family,
+    saved: &Saved,
+    wanted: Option<&Wanted>,
+) -> State {
+    let place = |chain: &str| format!("{} {} {chain}", family.label(), table.as_str());
+    let Some(wanted) = wanted else {
+        return match leftover(table, saved) {
+            None => State::Nothing,
+            Some(what) => State::Differs(format!(
+                "{} {}: {what}, but the ruleset has no {} rules",
+                family.label(),
+                table.as_str(),
+                family.label()
+            )),
+        };
+    };
+    if leftover(table, saved).is_none() {
+        return State::Nothing;
+    }
+    for chain in &wanted.chains {
+        let hooked = chain.hooked;
+        let Some(own) = saved.chain(hooked.own) else {
+            return State::Differs(format!("{}: the chain is missing", place(hooked.own)));
+        };
+        let builtin = saved.rules(hooked.builtin);
+        let jump = hooked.jump();
+        let copies = builtin.iter().filter(|rule| targets(rule, hooked.own)).count();
+        match builtin.first() {
+            None => {
+                return State::Differs(format!(
+                    "{}: no rules, want the agent's jump `{jump}` first",
+                    place(hooked.builtin)
+                ))
+            }
+            Some(first) if *first != jump => {
+                return State::Differs(if copies == 0 {
+                    format!(
+                        "{}: no jump to {}, want `{jump}` first",
+                        place(hooked.builtin),
+                        hooked.own
+                    )
+                } else {
+                    format!(
+                        "{}: first rule is `{first}`, not the agent's jump",
+                        place(hooked.builtin)
+                    )
+                })
+            }
+            Some(_) if copies > 1 => {
+                return State::Differs(format!(
+                    "{}: {copies} jumps to {}, want 1",
+                    place(hooked.builtin),
+                    hooked.own
+                ))
+            }
+            Some(_) => {}
+        }
+        if own.rules.len() != chain.rules.len() {
+            return State::Differs(format!(
+                "{}: {} rules, want {}",
+                place(hooked.own),
+                own.rules.len(),
+                chain.rules.len()
+            ));
+        }
+        if let Some((number, (got, want))) =
+            (1..).zip(own.rules.iter().zip(&chain.rules)).find(|(_, (got, want))| got != want)
+        {
+            return State::Differs(format!(
+                "{}: rule {number} is `{got}`, want `{want}`",
+                place(hooked.own)
+            ));
+        }
+    }
+    State::Matches
+}
+
+/// One [`Check`](super::Check) from the families' states (`(family, wanted, state)`): the first
+/// difference; `Missing` when nothing of the agent's is anywhere; a wanted family with nothing
+/// while another has its share differs.
+pub(super) fn combine(table: Table, states: Vec<(Family, bool, State)>) -> super::Check {
+    use super::Check;
+    if let Some(difference) = states.iter().find_map(|(_, _, state)| match state {
+        State::Differs(difference) => Some(difference.clone()),
+        _ => None,
+    }) {
+        return Check::Differs(difference);
+    }
+    if states.iter().all(|(_, _, state)| *state == State::Nothing) {
+        return Check::Missing;
+    }
+    match states.iter().find(|(_, wanted, state)| *wanted && *state == State::Nothing) {
+        Some((family, _, _)) => Check::Differs(format!(
+            "{} {}: nothing of the agent's is installed",
+            family.label(),
+            table.as_str()
+        )),
+        None => Check::Matches,
+    }
+}
+
+/// The `iptables-restore --noflush` transaction that makes `saved` hold `wanted`: declaring the
+/// agent's chains creates or flushes them; their rules follow; each jump that is not already
+/// the first rule and the only copy is deleted (every copy) and inserted at position 1.
+pub(super) fn apply_script(table: Table, saved: &Saved, wanted: &Wanted) -> String {
+    let mut script = format!("*{}\n", table.as_str());
+    for chain in &wanted.chains {
+        script.push_str(&format!(":{} - [0:0]\n", chain.hooked.own));
+    }
+    for chain in &wanted.chains {
+        for rule in &chain.rules {
+            script.push_str(rule);
+            script.push('\n');
+        }
+    }
+    for chain in &wanted.chains {
+        let hooked = chain.hooked;
+        let builtin = saved.rules(hooked.builtin);
+        let copies: Vec<&String> =
+            builtin.iter().filter(|rule| targets(rule, hooked.own)).collect();
+        if copies.len() == 1 && builtin.first() == Some(&hooked.jump()) {
+            continue;
+        }
+        for copy in copies {
+            script.push_str(&delete_line(copy));
+            script.push('\n');
+        }
+        script.push_str(&format!("-I {} 1 {}\n", hooked.builtin, hooked.jump_spec()));
+    }
+    script.push_str("COMMIT\n");
+    script
+}
+
+/// The transaction that removes everything of the agent's from `saved`: every rule in another
+/// chain that jumps to one of its chains, then the chains (flushed, then deleted). `None` when
+/// nothing is there.
+pub(super) fn remove_script(table: Table, saved: &Saved) -> Option<String> {
+    let own: Vec<&str> = table.hooks().iter().map(|h| h.own).collect();
+    let mut deletes = Vec::new();
+    for chain in saved.chains.iter().filter(|c| !own.contains(&c.name.as_str())) {
+        for rule in chain.rules.iter().filter(|r| own.iter().any(|o| targets(r, o))) {
+            deletes.push(delete_line(rule));
+        }
+    }
+    let present: Vec<&str> =
+        own.iter().copied().filter(|name| saved.chain(name).is_some()).collect();
+    if deletes.is_empty() && present.is_empty() {
+        return None;
+    }
+    let mut script = format!("*{}\n", table.as_str());
+    for line in deletes {
+        script.push_str(&line);
+        script.push('\n');
+    }
+    for name in &present {
+        script.push_str(&format!("-F {name}\n"));
+    }
+    for name in &present {
+        script.push_str(&format!("-X {name}\n"));
+    }
+    script.push_str("COMMIT\n");
+    Some(script)
+}

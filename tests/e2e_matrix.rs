@@ -1,0 +1,166 @@
+//! The compatibility matrix: every kube-proxy shape × every agent dataplane × IPv4/IPv6, with a
+//! pod and a host-network client in each cell, on the simulated node.
+//!
+//! Each cell: the backend `auto` picks is the right one; a cache SIGKILL loses no pod lookup; a
+//! hang moves the route within the probe bound; the route returns after recovery; `teardown`
+//! leaves nothing of the agent in nftables or in either iptables flavour.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+#[derive(Clone, Copy)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn flag(self) -> &'static str {
+        match self {
+            Family::V4 => "4",
+            Family::V6 => "6",
+        }
+    }
+
+    /// (local, cluster DNS, upstream) for the agent.
+    fn addrs(self) -> (&'static str, &'static str, &'static str) {
+        match self {
+            Family::V4 => (LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP),
+            Family::V6 => ("fd00:169:254::10", "fd00:96::10", "fd00:96::11"),
+        }
+    }
+
+    /// The cluster-DNS server as dnsload takes it, and the query type.
+    fn server(self) -> (&'static str, &'static str) {
+        match self {
+            Family::V4 => (CLUSTER_DNS_IP, "A"),
+            Family::V6 => ("[fd00:96::10]:53", "AAAA"),
+        }
+    }
+}
+
+/// What `auto` must pick for a kube-proxy shape.
+fn auto_choice(kube_proxy: &str) -> &'static str {
+    match kube_proxy {
+        "iptables-legacy" => "iptables-legacy",
+        "iptables-nft" => "iptables-nft",
+        "nftables" => "nftables",
+        other => panic!("unknown kube-proxy shape {other}"),
+    }
+}
+
+/// Nothing of the agent's anywhere in the node's netfilter.
+fn assert_nothing_left(node: &SimNode) {
+    let ruleset = node.run("node", "nft", &["list", "ruleset"]);
+    let text = String::from_utf8_lossy(&ruleset.stdout);
+    assert!(!text.contains("nodelocaldns-ha"), "nftables still has the agent's table:\n{text}");
+    assert!(
+        !text.contains("NODELOCALDNS-HA"),
+        "iptables-nft still has the agent's chains:\n{text}"
+    );
+    for save in ["iptables-legacy-save", "ip6tables-legacy-save"] {
+        let out = node.run("node", save, &[]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains("NODELOCALDNS-HA"), "{save} still has the agent's chains:\n{text}");
+    }
+}
+
+fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
+    let (local, cluster_dns, upstream) = family.addrs();
+    let agent = node.agent_for(
+        local,
+        cluster_dns,
+        upstream,
+        &["--dataplane", dataplane, "--interval", "100ms", "--timeout", "80ms"],
+    );
+    let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
+    let st = agent.state().expect("state");
+    assert_eq!(st["dataplane"], expected, "{st}");
+
+    let (server, qtype) = family.server();
+    let args =
+        ["--rate", "200", "--duration", "7s", "--report-interval", "100ms", "--qtype", qtype];
+    let mut pod = node.load("pod1", server, &args);
+    let mut host = node.load("node", server, &args);
+    for load in [&mut pod, &mut host] {
+        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0)
+        });
+    }
+
+    node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    pod.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
+        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
+    });
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+
+    let stopped_at = node.signal("cache-stop");
+    let up = agent.wait_route("upstream", Duration::from_secs(5));
+    let detection = up["since_unix_ms"].as_u64().unwrap().saturating_sub(stopped_at);
+    assert!(detection <= 380 + 600, "hang detected after {detection} ms: {up}");
+    node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in [&mut pod, &mut host] {
+        load.wait_line("the cache again", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+        });
+    }
+
+    let summary = pod.finish();
+    println!("{kube_proxy} × {dataplane} pod: {summary}");
+    assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
+    assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
+    let summary = host.finish();
+    println!("{kube_proxy} × {dataplane} host: {summary}");
+    // Host clients may lose the lookups refused in the milliseconds before the switch.
+    assert!(summary["failed"].as_u64().unwrap() <= 5, "host lookups failed: {summary}");
+
+    drop(agent);
+    let out = node.run("node", AGENT, &["teardown", "--state-dir", "/nonexistent-nlha"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_nothing_left(&node);
+}
+
+macro_rules! matrix {
+    ($($name:ident: $kube_proxy:literal, $dataplane:literal, $family:ident;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                cell($kube_proxy, $dataplane, Family::$family);
+            }
+        )*
+    };
+}
+
+matrix! {
+    legacy_auto_v4: "iptables-legacy", "auto", V4;
+    legacy_nftables_v4: "iptables-legacy", "nftables", V4;
+    legacy_legacy_v4: "iptables-legacy", "iptables-legacy", V4;
+    legacy_nft_v4: "iptables-legacy", "iptables-nft", V4;
+    legacy_auto_v6: "iptables-legacy", "auto", V6;
+    legacy_nftables_v6: "iptables-legacy", "nftables", V6;
+    legacy_legacy_v6: "iptables-legacy", "iptables-legacy", V6;
+    legacy_nft_v6: "iptables-legacy", "iptables-nft", V6;
+    nft_auto_v4: "iptables-nft", "auto", V4;
+    nft_nftables_v4: "iptables-nft", "nftables", V4;
+    nft_legacy_v4: "iptables-nft", "iptables-legacy", V4;
+    nft_nft_v4: "iptables-nft", "iptables-nft", V4;
+    nft_auto_v6: "iptables-nft", "auto", V6;
+    nft_nftables_v6: "iptables-nft", "nftables", V6;
+    nft_legacy_v6: "iptables-nft", "iptables-legacy", V6;
+    nft_nft_v6: "iptables-nft", "iptables-nft", V6;
+    nftmode_auto_v4: "nftables", "auto", V4;
+    nftmode_nftables_v4: "nftables", "nftables", V4;
+    nftmode_legacy_v4: "nftables", "iptables-legacy", V4;
+    nftmode_nft_v4: "nftables", "iptables-nft", V4;
+    nftmode_auto_v6: "nftables", "auto", V6;
+    nftmode_nftables_v6: "nftables", "nftables", V6;
+    nftmode_legacy_v6: "nftables", "iptables-legacy", V6;
+    nftmode_nft_v6: "nftables", "iptables-nft", V6;
+}
