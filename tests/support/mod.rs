@@ -159,6 +159,18 @@ impl SimNode {
         upstream: &str,
         extra: &[&str],
     ) -> Agent {
+        self.agent_env(local, cluster_dns, upstream, extra, &[])
+    }
+
+    /// [`SimNode::agent_for`] with extra environment variables.
+    pub fn agent_env(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
         let state_dir = self.dir.join("agent-state");
         let log = self.dir.join("agent.log");
         let child = self
@@ -175,6 +187,7 @@ impl SimNode {
             .arg(&state_dir)
             .args(extra)
             .env("NODELOCALDNS_HA_LOG", "nodelocaldns_ha=debug")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("create agent log"))
             .spawn()

@@ -1,0 +1,284 @@
+//! Living beside the node's other netfilter owners: a host firewall that drops by default, a CNI
+//! plugin that keeps its raw ACCEPT in front, kube-proxy re-syncing its chains, a process holding
+//! the xtables lock, and node-cache installing its own rules.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+/// Issue 3, acceptance 3: with filter INPUT DROP (strict: not even all of lo is accepted), DNS to
+/// the cache works from a pod and from the host with every dataplane choice.
+fn filter_drop(dataplane: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft", "--filter-drop"]);
+    let agent = node.agent(&["--dataplane", dataplane]);
+    let st = agent.state().expect("state");
+    assert_eq!(st["accepts_in"], serde_json::json!(["iptables-nft"]), "{st}");
+    let args = ["--rate", "200", "--duration", "2s", "--report-interval", "0"];
+    let pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let host = node.load("node", CLUSTER_DNS_IP, &args);
+    for (client, load) in [("pod", pod), ("host", host)] {
+        let summary = load.finish();
+        println!("{dataplane} {client}: {summary}");
+        assert_eq!(summary["failed"], 0, "{client}: {summary}");
+        assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{client}: {summary}");
+    }
+}
+
+#[test]
+fn filter_drop_auto() {
+    filter_drop("auto");
+}
+
+#[test]
+fn filter_drop_nftables() {
+    filter_drop("nftables");
+}
+
+#[test]
+fn filter_drop_iptables_legacy() {
+    filter_drop("iptables-legacy");
+}
+
+#[test]
+fn filter_drop_iptables_nft() {
+    filter_drop("iptables-nft");
+}
+
+/// Issue 3, acceptance 4: a CNI that puts an ACCEPT-everything rule at the top of raw
+/// PREROUTING every second. nftables' chain runs before every iptables raw chain, so nothing
+/// changes; the iptables backends get their jump back within a tick each time.
+fn cni_noise(kube_proxy: &str, dataplane: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
+    let agent = node.agent(&["--dataplane", dataplane]);
+    node.script(&["cni-noise-start"]);
+    let load = node.load(
+        "pod1",
+        CLUSTER_DNS_IP,
+        &["--rate", "200", "--duration", "5s", "--report-interval", "0"],
+    );
+    let summary = load.finish();
+    node.script(&["cni-noise-stop"]);
+    let st = agent.state().expect("state");
+    println!("{dataplane}: repairs {} summary {summary}", st["repairs"]);
+    assert_eq!(summary["failed"], 0, "{summary}");
+    let coredns = summary["by_origin"]["coredns"].as_u64().unwrap();
+    let sent = summary["sent"].as_u64().unwrap();
+    if dataplane == "nftables" {
+        assert_eq!(coredns, 0, "the CNI's raw ACCEPT got in front of nftables: {summary}");
+    } else {
+        // The CNI wins for at most a tick (100 ms) per second: at most ~10% plus slack.
+        assert!(st["repairs"].as_u64().unwrap() >= 3, "the agent never fought back: {st}");
+        assert!(coredns * 4 <= sent, "CoreDNS answered {coredns} of {sent}: {summary}");
+    }
+}
+
+#[test]
+fn cni_noise_nftables() {
+    cni_noise("iptables-nft", "nftables");
+}
+
+#[test]
+fn cni_noise_iptables_nft() {
+    cni_noise("iptables-nft", "iptables-nft");
+}
+
+#[test]
+fn cni_noise_iptables_legacy() {
+    cni_noise("iptables-legacy", "iptables-legacy");
+}
+
+/// Issue 3, acceptance 4: kube-proxy re-running `iptables-restore --noflush` of its own chains
+/// (or its nftables transaction) every second never touches the agent's rules.
+fn kube_proxy_resync(kube_proxy: &str, dataplane: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
+    let agent = node.agent(&["--dataplane", dataplane]);
+    node.script(&["kube-proxy-resync-start"]);
+    let load = node.load(
+        "pod1",
+        CLUSTER_DNS_IP,
+        &["--rate", "200", "--duration", "4s", "--report-interval", "0"],
+    );
+    let summary = load.finish();
+    node.script(&["kube-proxy-resync-stop"]);
+    let st = agent.state().expect("state");
+    assert_eq!(st["repairs"], 0, "kube-proxy's sync changed the agent's rules: {st}");
+    assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
+}
+
+#[test]
+fn kube_proxy_resync_iptables_legacy() {
+    kube_proxy_resync("iptables-legacy", "iptables-legacy");
+}
+
+#[test]
+fn kube_proxy_resync_iptables_nft() {
+    kube_proxy_resync("iptables-nft", "iptables-nft");
+}
+
+#[test]
+fn kube_proxy_resync_nftables_mode() {
+    kube_proxy_resync("nftables", "nftables");
+}
+
+/// Issue 3, acceptance 5: another process holds the xtables lock for 10 s. iptables-legacy
+/// changes wait (reported in the state), the agent keeps running, the ruleset is never half
+/// written, and the change lands once the lock is free. Pods fail over meanwhile through the
+/// kernel fast path.
+#[test]
+fn xtables_lock_held_delays_legacy_changes_only() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    let agent = node.agent_env(
+        LOCAL_IP,
+        CLUSTER_DNS_IP,
+        UPSTREAM_IP,
+        &["--dataplane", "iptables-legacy", "--xtables-wait", "1s"],
+        &[("XTABLES_LOCKFILE", &lock)],
+    );
+    let held = node.script(&["xtables-lock-hold", "10"]);
+    assert_eq!(held.trim(), lock);
+    let load = node.load(
+        "pod1",
+        CLUSTER_DNS_IP,
+        &["--rate", "200", "--duration", "6s", "--report-interval", "0"],
+    );
+    node.signal("cache-kill");
+    let busy = wait_for("the lock to be reported", Duration::from_secs(8), || {
+        agent.state().filter(|s| s["last_error"].as_str().is_some_and(|e| e.contains("lock")))
+    });
+    println!("while locked: {}", busy["last_error"]);
+    assert_eq!(busy["route"], "upstream", "{busy}");
+    // The kernel still holds the Local ruleset, whole: the fast path fails pods over.
+    let raw = node.run("node", "iptables-legacy-save", &["-t", "raw"]);
+    let raw = String::from_utf8_lossy(&raw.stdout);
+    assert!(raw.contains("-d 10.96.0.10/32 -p udp -m udp --dport 53 -m addrtype"), "{raw}");
+    // The agent is alive and writing its state while it waits.
+    let before = busy["updated_unix_ms"].as_u64().unwrap();
+    wait_for("the state to keep updating", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["updated_unix_ms"].as_u64() > Some(before))
+    });
+    node.script(&["xtables-lock-release"]);
+    wait_for("the change to land", Duration::from_secs(10), || {
+        agent.state().filter(|s| s["last_error"].is_null())
+    });
+    let raw = node.run("node", "iptables-legacy-save", &["-t", "raw"]);
+    let raw = String::from_utf8_lossy(&raw.stdout);
+    assert!(!raw.contains("-d 10.96.0.10/32"), "Upstream not installed after the lock: {raw}");
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+}
+
+#[test]
+fn xtables_lock_held_does_not_touch_nftables() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    let agent = node.agent_env(
+        LOCAL_IP,
+        CLUSTER_DNS_IP,
+        UPSTREAM_IP,
+        &["--dataplane", "nftables"],
+        &[("XTABLES_LOCKFILE", &lock)],
+    );
+    node.script(&["xtables-lock-hold", "10"]);
+    node.signal("cache-kill");
+    let up = agent.wait_route("upstream", Duration::from_secs(2));
+    assert!(up["last_error"].is_null(), "{up}");
+    assert_eq!(node.agent_table(), Some(node.expected_table("upstream")));
+    node.script(&["xtables-lock-release"]);
+}
+
+/// Issue 3, acceptance 6: node-cache's own rules (it runs without -setupiptables=false) are
+/// reported in the state and by `status`.
+#[test]
+fn node_cache_rules_are_reported() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
+    node.script(&["node-cache-rules"]);
+    let agent = node.agent(&["--dataplane", "auto"]);
+    let st = wait_for("a warning", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| !w.is_empty()))
+    });
+    let warnings = st["warnings"].to_string();
+    assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
+    assert!(warnings.contains("-setupiptables=false"), "{warnings}");
+    let out =
+        node.run("node", AGENT, &["status", "--state-dir", &agent.state_dir.display().to_string()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("WARNING"), "{text}");
+
+    // Once node-cache's rules are gone, so is the warning.
+    node.script(&["node-cache-rules", "--remove"]);
+    wait_for("the warning to clear", Duration::from_secs(15), || {
+        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| w.is_empty()))
+    });
+}
+
+/// Issue 3, drift: someone flushes the raw table, deletes the jump, or replaces the agent's
+/// chain; the agent puts back exactly its ruleset within a tick (100 ms) plus slack.
+fn iptables_drift(flavour: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", flavour]);
+    let dataplane = format!("iptables-{}", flavour.trim_start_matches("iptables-"));
+    let agent = node.agent(&["--dataplane", &dataplane]);
+    let iptables = flavour.to_owned();
+    let save = format!("{flavour}-save");
+    let restore = format!("{flavour}-restore");
+    let ours = || {
+        let out = node.run("node", &save, &["-t", "raw"]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let mut lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains("NODELOCALDNS-HA") && l.starts_with("-A"))
+            .map(str::to_owned)
+            .collect();
+        lines.sort();
+        lines
+    };
+    let installed = ours();
+    assert!(installed.len() > 4, "{installed:?}");
+    let tampers: Vec<Box<dyn Fn()>> = vec![
+        Box::new(|| {
+            node.run("node", &iptables, &["-t", "raw", "-F"]);
+        }),
+        Box::new(|| {
+            let jump = ["-t", "raw", "-D", "PREROUTING", "-m", "comment", "--comment"];
+            let mut args = jump.to_vec();
+            args.extend(["nodelocaldns-ha", "-j", "NODELOCALDNS-HA-PREROUTING"]);
+            let out = node.run("node", &iptables, &args);
+            assert!(out.status.success(), "{}", describe(&out));
+        }),
+        Box::new(|| {
+            // A restore that declares the agent's chain replaces its contents.
+            let script = "*raw\n:NODELOCALDNS-HA-PREROUTING - [0:0]\n-A NODELOCALDNS-HA-PREROUTING -j RETURN\nCOMMIT\n";
+            let mut child = node
+                .cmd("node", &restore)
+                .arg("--noflush")
+                .stdin(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+            assert!(child.wait().unwrap().success());
+        }),
+    ];
+    for (i, tamper) in tampers.iter().enumerate() {
+        tamper();
+        wait_for(&format!("repair of tamper {i}"), Duration::from_secs(1), || {
+            (ours() == installed).then_some(())
+        });
+    }
+    wait_for("the repairs to be counted", Duration::from_secs(3), || {
+        agent.state().filter(|s| s["repairs"].as_u64() >= Some(3))
+    });
+}
+
+#[test]
+fn iptables_nft_drift_is_repaired() {
+    iptables_drift("iptables-nft");
+}
+
+#[test]
+fn iptables_legacy_drift_is_repaired() {
+    iptables_drift("iptables-legacy");
+}
