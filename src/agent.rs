@@ -540,26 +540,11 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::RawRun;
+    use crate::config::{test_raw, RawRun};
     use crate::dataplane::fake::FakeDataplane;
 
     fn cfg() -> AgentConfig {
-        let raw = RawRun {
-            local_ip: vec!["169.254.20.10".parse().unwrap()],
-            cluster_dns_ip: vec!["10.96.0.10".parse().unwrap()],
-            upstream_ip: vec!["10.96.0.11".parse().unwrap()],
-            upstream_svc: "kube-dns-upstream".into(),
-            probe_name: "kubernetes.default.svc.cluster.local".into(),
-            interval: "100ms".into(),
-            timeout: "80ms".into(),
-            tcp_interval: "1s".into(),
-            upstream_interval: "1s".into(),
-            upstream_timeout: "500ms".into(),
-            fall: 3,
-            rise: 5,
-            min_hold: "2s".into(),
-            state_dir: "/nonexistent".into(),
-        };
+        let raw = RawRun { state_dir: "/nonexistent".into(), ..test_raw() };
         AgentConfig::from_args(&raw, |_| None).unwrap()
     }
 

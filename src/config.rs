@@ -275,31 +275,35 @@ impl AgentConfig {
     }
 }
 
+/// Valid `run` settings for tests: one IPv4 address of each kind, the command line's defaults
+/// for the rest.
+#[cfg(test)]
+pub(crate) fn test_raw() -> RawRun {
+    let ip = |s: &str| vec![s.parse().unwrap()];
+    RawRun {
+        local_ip: ip("169.254.20.10"),
+        cluster_dns_ip: ip("10.96.0.10"),
+        upstream_ip: ip("10.96.0.11"),
+        upstream_svc: "kube-dns-upstream".into(),
+        probe_name: "kubernetes.default.svc.cluster.local".into(),
+        interval: "100ms".into(),
+        timeout: "80ms".into(),
+        tcp_interval: "1s".into(),
+        upstream_interval: "1s".into(),
+        upstream_timeout: "500ms".into(),
+        fall: 3,
+        rise: 5,
+        min_hold: "2s".into(),
+        state_dir: "/run/nodelocaldns-ha".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn ips(list: &[&str]) -> Vec<IpAddr> {
         list.iter().map(|s| s.parse().unwrap()).collect()
-    }
-
-    fn raw() -> RawRun {
-        RawRun {
-            local_ip: ips(&["169.254.20.10"]),
-            cluster_dns_ip: ips(&["10.96.0.10"]),
-            upstream_ip: ips(&["10.96.0.11"]),
-            upstream_svc: "kube-dns-upstream".into(),
-            probe_name: "kubernetes.default.svc.cluster.local".into(),
-            interval: "100ms".into(),
-            timeout: "80ms".into(),
-            tcp_interval: "1s".into(),
-            upstream_interval: "1s".into(),
-            upstream_timeout: "500ms".into(),
-            fall: 3,
-            rise: 5,
-            min_hold: "2s".into(),
-            state_dir: "/run/nodelocaldns-ha".into(),
-        }
     }
 
     fn no_env(_: &str) -> Option<String> {
@@ -322,7 +326,7 @@ mod tests {
 
     #[test]
     fn defaults_validate() {
-        let cfg = AgentConfig::from_args(&raw(), no_env).unwrap();
+        let cfg = AgentConfig::from_args(&test_raw(), no_env).unwrap();
         assert_eq!(cfg.cache_target().to_string(), "169.254.20.10:53");
         assert_eq!(cfg.upstream_target().to_string(), "10.96.0.11:53");
         assert_eq!(cfg.cache_tcp.unwrap().interval, Duration::from_secs(1));
@@ -330,7 +334,7 @@ mod tests {
 
     #[test]
     fn dual_stack_orders_v4_first_and_probes_same_family() {
-        let mut r = raw();
+        let mut r = test_raw();
         r.local_ip = ips(&["fd00::10", "169.254.20.10"]);
         r.cluster_dns_ip = ips(&["10.96.0.10", "fd00::a"]);
         r.upstream_ip = ips(&["fd00::b", "10.96.0.11"]);
@@ -341,7 +345,7 @@ mod tests {
 
     #[test]
     fn upstream_falls_back_to_the_service_env_var() {
-        let mut r = raw();
+        let mut r = test_raw();
         r.upstream_ip.clear();
         let env = |k: &str| (k == "KUBE_DNS_UPSTREAM_SERVICE_HOST").then(|| "10.96.0.12".into());
         let cfg = AgentConfig::from_args(&r, env).unwrap();
@@ -371,7 +375,7 @@ mod tests {
             (Box::new(|r| r.probe_name = "a..b".into()), "a..b"),
         ];
         for (mutate, needle) in cases {
-            let mut r = raw();
+            let mut r = test_raw();
             mutate(&mut r);
             let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} should contain {needle:?}");
@@ -380,7 +384,7 @@ mod tests {
 
     #[test]
     fn tcp_probes_can_be_disabled() {
-        let mut r = raw();
+        let mut r = test_raw();
         r.tcp_interval = "0s".into();
         assert_eq!(AgentConfig::from_args(&r, no_env).unwrap().cache_tcp, None);
     }

@@ -17,3 +17,5 @@ pub mod probe;
 pub mod ruleset;
 pub mod sockdiag;
 pub mod state;
+#[cfg(test)]
+mod testutil;

@@ -333,22 +333,11 @@ impl fmt::Display for RuleSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::golden;
 
     fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
         let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
         ListenAddrs { local: parse(local), cluster_dns: parse(cluster_dns) }
-    }
-
-    /// Compares with a file under testdata/golden; `UPDATE_GOLDEN=1` rewrites it.
-    fn golden(name: &str, actual: &str) {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/golden").join(name);
-        if std::env::var_os("UPDATE_GOLDEN").is_some() {
-            std::fs::write(&path, actual).unwrap();
-        }
-        let expected = std::fs::read_to_string(&path)
-            .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 creates it)", path.display()));
-        assert_eq!(actual, expected, "{name} differs from the golden file");
     }
 
     #[test]

@@ -311,6 +311,7 @@ impl SocketWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil;
 
     /// Builds one netlink message as the kernel does: nlmsghdr, inet_diag_msg, attributes.
     fn announcement(
@@ -555,10 +556,10 @@ mod tests {
     /// Real kernel, in a network namespace of its own: see `netns` below.
     #[test]
     fn kernel_announces_closes_in_own_namespace_only() {
-        if std::env::var_os(netns::INNER_ENV).is_some() {
+        if testutil::inside_netns().is_some() {
             netns::inner();
         } else {
-            netns::outer("sockdiag::tests::kernel_announces_closes_in_own_namespace_only");
+            netns::outer(testutil::test_path!());
         }
     }
 
@@ -570,12 +571,12 @@ mod tests {
         use super::*;
 
         use std::net::{TcpListener, TcpStream, UdpSocket};
-        use std::process::Command;
         use std::time::{Duration, Instant};
 
         use nix::sys::socket::{getsockname, sendto, MsgFlags};
 
-        pub const INNER_ENV: &str = "NODELOCALDNS_HA_SOCKDIAG_INNER";
+        use crate::testutil::{run, Netns};
+
         /// A documentation address (RFC 5737) put on the namespace's loopback: no socket of the
         /// host can carry it by chance.
         const TEST_ADDR: &str = "192.0.2.53";
@@ -588,24 +589,6 @@ mod tests {
                 .enable_all()
                 .build()
                 .expect("tokio runtime")
-        }
-
-        fn ip(args: &[&str]) {
-            let status = Command::new("ip").args(args).status();
-            assert!(
-                matches!(status, Ok(s) if s.success()),
-                "`ip {}` failed ({status:?}): this test needs root and iproute2",
-                args.join(" ")
-            );
-        }
-
-        /// Deletes the namespace however the test ends.
-        struct Namespace(String);
-
-        impl Drop for Namespace {
-            fn drop(&mut self) {
-                let _ = Command::new("ip").args(["netns", "delete", &self.0]).status();
-            }
         }
 
         /// Waits (bounded) for an announcement satisfying `wanted`; returns it and how long after
@@ -627,30 +610,18 @@ mod tests {
             found.expect("no announcement within the deadline")
         }
 
-        pub fn outer(test_name: &str) {
-            let name = format!("sdt-{}", std::process::id());
-            ip(&["netns", "add", &name]);
-            let namespace = Namespace(name);
-            ip(&["-n", &namespace.0, "link", "set", "lo", "up"]);
-            ip(&["-n", &namespace.0, "addr", "add", &format!("{TEST_ADDR}/32"), "dev", "lo"]);
+        /// `path` is the test's path ([`testutil::test_path!`]).
+        pub fn outer(path: &str) {
+            let namespace = Netns::create("sdt");
+            run("ip", &["-n", namespace.name(), "link", "set", "lo", "up"]);
+            let test_addr = format!("{TEST_ADDR}/32");
+            run("ip", &["-n", namespace.name(), "addr", "add", &test_addr, "dev", "lo"]);
 
             let rt = runtime();
             let mut host_watch = rt.block_on(async {
                 SocketWatch::open().expect("SocketWatch::open in the test's namespace")
             });
-            let exe = std::env::current_exe().expect("test binary path");
-            let output = Command::new("ip")
-                .args(["netns", "exec", &namespace.0])
-                .arg(exe)
-                .args(["--exact", test_name, "--nocapture", "--test-threads=1"])
-                .env(INNER_ENV, "1")
-                .output()
-                .expect("running the test binary inside the namespace");
-            let stdout = String::from_utf8_lossy(&output.stdout);
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            eprintln!("{stdout}{stderr}");
-            assert!(output.status.success(), "inner test failed");
-            assert!(stdout.contains("1 passed"), "inner test did not run");
+            eprintln!("{}", namespace.run_test(path));
 
             // The inner watch heard its sockets, so the kernel has already broadcast them. Close
             // a control socket here afterwards: once the host watch hears it, anything leaked

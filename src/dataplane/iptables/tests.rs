@@ -8,6 +8,7 @@ use super::text::{
 };
 use super::*;
 use crate::ruleset::{ListenAddrs, Route};
+use crate::testutil::golden;
 
 fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
     let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
@@ -20,17 +21,6 @@ fn ipv4() -> ListenAddrs {
 
 fn dual_stack() -> ListenAddrs {
     addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"])
-}
-
-/// Compares with a file under testdata/golden; `UPDATE_GOLDEN=1` rewrites it.
-fn golden(name: &str, actual: &str) {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/golden").join(name);
-    if std::env::var_os("UPDATE_GOLDEN").is_some() {
-        std::fs::write(&path, actual).unwrap();
-    }
-    let expected = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 creates it)", path.display()));
-    assert_eq!(actual, expected, "{name} differs from the golden file");
 }
 
 #[test]
@@ -592,91 +582,14 @@ fn commands_get_their_input_and_are_killed_when_late() {
 /// file of its own, so nothing here touches the host's netfilter or its xtables lock.
 mod kernel {
     use std::io::ErrorKind;
-    use std::os::unix::fs::MetadataExt;
-    use std::process::Command;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Instant;
 
     use nix::fcntl::{Flock, FlockArg};
 
     use super::*;
+    use crate::testutil::{in_netns, run, test_path, LOCKFILE_ENV};
 
-    const NETNS_ENV: &str = "NODELOCALDNS_HA_TEST_NETNS";
-    const LOCKFILE_ENV: &str = "XTABLES_LOCKFILE";
     const WAIT: Duration = Duration::from_secs(1);
-
-    /// A network namespace and its xtables lock file, deleted on drop.
-    struct Netns {
-        name: String,
-        lockfile: PathBuf,
-    }
-
-    impl Netns {
-        fn create() -> Netns {
-            static NEXT: AtomicUsize = AtomicUsize::new(0);
-            let name =
-                format!("ipt-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-            run("ip", &["netns", "add", &name]);
-            let lockfile =
-                std::env::temp_dir().join(format!("nodelocaldns-ha-{name}.xtables.lock"));
-            Netns { name, lockfile }
-        }
-    }
-
-    impl Drop for Netns {
-        fn drop(&mut self) {
-            let _ = Command::new("ip").args(["netns", "delete", &self.name]).status();
-            let _ = std::fs::remove_file(&self.lockfile);
-        }
-    }
-
-    fn run(program: &str, args: &[&str]) -> String {
-        let output = Command::new(program).args(args).output().unwrap();
-        assert!(
-            output.status.success(),
-            "{program} {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap()
-    }
-
-    /// Runs `body` in a fresh network namespace; `path` is the calling test's path.
-    fn in_netns(path: &str, body: impl FnOnce(&str)) {
-        if let Ok(ns) = std::env::var(NETNS_ENV) {
-            let here = std::fs::metadata("/proc/self/ns/net").unwrap();
-            let there = std::fs::metadata(format!("/run/netns/{ns}")).unwrap();
-            assert_eq!(
-                (here.dev(), here.ino()),
-                (there.dev(), there.ino()),
-                "not inside network namespace {ns}: refusing to touch netfilter"
-            );
-            let lockfile = std::env::var(LOCKFILE_ENV).expect("XTABLES_LOCKFILE is set");
-            assert!(lockfile.contains(&ns), "{lockfile} is not this test's lock file");
-            return body(&ns);
-        }
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "the iptables kernel tests need root (to create network namespaces and use \
-             iptables in them); run them as root"
-        );
-        let netns = Netns::create();
-        let path = path.split_once("::").map_or(path, |(_, p)| p);
-        let output = Command::new("ip")
-            .args(["netns", "exec", &netns.name])
-            .arg(std::env::current_exe().unwrap())
-            .args([path, "--exact", "--nocapture", "--test-threads=1"])
-            .env(NETNS_ENV, &netns.name)
-            .env(LOCKFILE_ENV, &netns.lockfile)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            output.status.success() && stdout.contains("1 passed"),
-            "{path} failed in network namespace {}:\n{stdout}\n{stderr}",
-            netns.name
-        );
-    }
 
     /// `ip6tables` for IPv6.
     fn family_prefix(family: Family) -> &'static str {
@@ -734,14 +647,12 @@ mod kernel {
 
                 #[test]
                 fn legacy() {
-                    in_netns(&format!("{}::legacy", module_path!()), |ns| {
-                        super::$name(ns, Variant::Legacy)
-                    });
+                    in_netns("ipt", test_path!(), |ns| super::$name(ns, Variant::Legacy));
                 }
 
                 #[test]
                 fn nft() {
-                    in_netns(&format!("{}::nft", module_path!()), |ns| super::$name(ns, Variant::Nft));
+                    in_netns("ipt", test_path!(), |ns| super::$name(ns, Variant::Nft));
                 }
             }
         )*};

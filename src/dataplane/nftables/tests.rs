@@ -139,79 +139,11 @@ fn compare_counts_expressions() {
 /// nothing here can touch the host's netfilter.
 mod kernel {
     use std::io::{ErrorKind, Write};
-    use std::os::unix::fs::MetadataExt;
     use std::process::{Command, Stdio};
-    use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
     use super::*;
-
-    const NETNS_ENV: &str = "NODELOCALDNS_HA_TEST_NETNS";
-
-    /// A network namespace, deleted on drop (also when the test fails).
-    struct Netns(String);
-
-    impl Netns {
-        fn create() -> Netns {
-            static NEXT: AtomicUsize = AtomicUsize::new(0);
-            let name =
-                format!("nft-{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-            run("ip", &["netns", "add", &name]);
-            Netns(name)
-        }
-    }
-
-    impl Drop for Netns {
-        fn drop(&mut self) {
-            let _ = Command::new("ip").args(["netns", "delete", &self.0]).status();
-        }
-    }
-
-    fn run(program: &str, args: &[&str]) -> String {
-        let output = Command::new(program).args(args).output().unwrap();
-        assert!(
-            output.status.success(),
-            "{program} {args:?} failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap()
-    }
-
-    /// Runs `body` in a fresh network namespace; `test` is the calling test's function name.
-    fn in_netns(test: &str, body: impl FnOnce(&str)) {
-        if let Ok(ns) = std::env::var(NETNS_ENV) {
-            let here = std::fs::metadata("/proc/self/ns/net").unwrap();
-            let there = std::fs::metadata(format!("/run/netns/{ns}")).unwrap();
-            assert_eq!(
-                (here.dev(), here.ino()),
-                (there.dev(), there.ino()),
-                "not inside network namespace {ns}: refusing to touch netfilter"
-            );
-            return body(&ns);
-        }
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "the nftables kernel tests need root (to create network namespaces and use \
-             nf_tables in them); run them as root"
-        );
-        let netns = Netns::create();
-        let module = module_path!();
-        let path = format!("{}::{test}", module.split_once("::").map_or(module, |(_, p)| p));
-        let output = Command::new("ip")
-            .args(["netns", "exec", &netns.0])
-            .arg(std::env::current_exe().unwrap())
-            .args([path.as_str(), "--exact", "--nocapture", "--test-threads=1"])
-            .env(NETNS_ENV, &netns.0)
-            .output()
-            .unwrap();
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            output.status.success() && stdout.contains("1 passed"),
-            "{path} failed in network namespace {}:\n{stdout}\n{stderr}",
-            netns.0
-        );
-    }
+    use crate::testutil::{in_netns, run, test_path};
 
     fn nft(ns: &str, args: &[&str]) -> String {
         let args = [&["netns", "exec", ns, "nft"], args].concat();
@@ -266,7 +198,7 @@ mod kernel {
 
     #[test]
     fn apply_local_lists_exactly_the_rendering() {
-        in_netns("apply_local_lists_exactly_the_rendering", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let local = RuleSet::desired(&dual_stack(), Route::Local);
             let mut nftables = Nftables::new().unwrap();
             nftables.apply(&local).unwrap();
@@ -280,7 +212,7 @@ mod kernel {
 
     #[test]
     fn switching_to_upstream_drops_the_cluster_dns_rules() {
-        in_netns("switching_to_upstream_drops_the_cluster_dns_rules", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let local = RuleSet::desired(&dual_stack(), Route::Local);
             let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
             let mut nftables = Nftables::new().unwrap();
@@ -297,7 +229,7 @@ mod kernel {
 
     #[test]
     fn tampering_is_seen_and_repaired() {
-        in_netns("tampering_is_seen_and_repaired", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let local = RuleSet::desired(&dual_stack(), Route::Local);
             let mut nftables = Nftables::new().unwrap();
             let differs = |nftables: &mut Nftables, tamper: &[&str], want: &str| {
@@ -361,7 +293,7 @@ mod kernel {
 
     #[test]
     fn a_rejected_batch_changes_nothing() {
-        in_netns("a_rejected_batch_changes_nothing", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let local = RuleSet::desired(&dual_stack(), Route::Local);
             let mut nftables = Nftables::new().unwrap();
             nftables.apply(&local).unwrap();
@@ -385,7 +317,7 @@ mod kernel {
 
     #[test]
     fn an_unstorable_comment_is_refused_before_sending() {
-        in_netns("an_unstorable_comment_is_refused_before_sending", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let mut rules = RuleSet::desired(&dual_stack(), Route::Upstream);
             rules.chains[1].rules[2].comment = "x".repeat(200);
             let mut nftables = Nftables::new().unwrap();
@@ -398,7 +330,7 @@ mod kernel {
     #[test]
     fn a_table_written_by_nft_matches() {
         // nft generates the expressions; check() compares every value with rule_expressions().
-        in_netns("a_table_written_by_nft_matches", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let local = RuleSet::desired(&dual_stack(), Route::Local);
             nft_load(ns, &local.to_string());
             let mut nftables = Nftables::new().unwrap();
@@ -410,7 +342,7 @@ mod kernel {
 
     #[test]
     fn remove_twice_is_ok_and_leaves_nothing() {
-        in_netns("remove_twice_is_ok_and_leaves_nothing", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let mut nftables = Nftables::new().unwrap();
             nftables.remove().unwrap();
             nftables.apply(&RuleSet::desired(&dual_stack(), Route::Local)).unwrap();
@@ -425,7 +357,7 @@ mod kernel {
 
     #[test]
     fn change_watch_hears_other_writers() {
-        in_netns("change_watch_hears_other_writers", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             let runtime =
                 tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             runtime.block_on(async {
@@ -460,7 +392,7 @@ mod kernel {
     fn socket_guard_follows_the_listening_socket() {
         // The kernel fast path: prerouting NOTRACKs the cluster-DNS IP only while a socket
         // listens on it; the counter of that rule shows whether it matched.
-        in_netns("socket_guard_follows_the_listening_socket", |ns| {
+        in_netns("nft", test_path!(), |ns| {
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
             run("ip", &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"]);
             let rules = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
