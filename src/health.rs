@@ -66,6 +66,49 @@ pub enum Reason {
     CacheRecovered { count: u32 },
     /// The cache answered `count` consecutive probes while the upstream is failing.
     CacheRecoveredUpstreamFailing { count: u32 },
+    /// An operator (or a drain) forced the route.
+    Forced { kind: ForceKind, why: String },
+    /// A forced route was released, or its time ran out: automatic again.
+    Automatic { expired: bool },
+}
+
+impl Reason {
+    /// A short, fixed name for metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Reason::Start(_) => "start",
+            Reason::CacheFailing { .. } => "cache_failing",
+            Reason::CacheRefused(_) => "cache_refused",
+            Reason::CacheRecovered { .. } => "cache_recovered",
+            Reason::CacheRecoveredUpstreamFailing { .. } => "cache_recovered_upstream_failing",
+            Reason::Forced { kind: ForceKind::Manual, .. } => "manual",
+            Reason::Forced { kind: ForceKind::Drain, .. } => "drain",
+            Reason::Automatic { expired: true } => "override_expired",
+            Reason::Automatic { expired: false } => "released",
+        }
+    }
+}
+
+/// Who forced a route.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ForceKind {
+    /// `nodelocaldns-ha flip`: held until released or until it expires.
+    Manual,
+    /// `nodelocaldns-ha drain`: `Upstream` until the cache it drained is gone (a probe fails);
+    /// from then on the automatic policy brings the route back once the new cache answers.
+    Drain,
+}
+
+/// A route forced by hand, overriding the automatic decision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Forced {
+    pub route: Route,
+    pub kind: ForceKind,
+    /// When it ends by itself, if ever.
+    pub until: Option<Instant>,
+    /// What the operator said.
+    pub why: String,
 }
 
 impl fmt::Display for Reason {
@@ -84,6 +127,10 @@ impl fmt::Display for Reason {
             Reason::CacheRecoveredUpstreamFailing { count } => {
                 write!(f, "cache answered {count} consecutive probes and the upstream is failing")
             }
+            Reason::Forced { kind: ForceKind::Manual, why } => write!(f, "forced by hand: {why}"),
+            Reason::Forced { kind: ForceKind::Drain, why } => write!(f, "draining the cache: {why}"),
+            Reason::Automatic { expired: true } => f.write_str("forced route expired; automatic"),
+            Reason::Automatic { expired: false } => f.write_str("forced route released; automatic"),
         }
     }
 }
@@ -150,6 +197,8 @@ pub struct Machine {
     cache_udp: Streak,
     cache_tcp: Streak,
     upstream: Streak,
+    /// The operator's override, while it lasts.
+    forced: Option<Forced>,
 }
 
 impl Machine {
@@ -164,6 +213,65 @@ impl Machine {
             cache_udp: Streak::default(),
             cache_tcp: Streak::default(),
             upstream: Streak::default(),
+            forced: None,
+        }
+    }
+
+    /// The route forced by hand, if any.
+    pub fn forced(&self) -> Option<&Forced> {
+        self.forced.as_ref()
+    }
+
+    /// Forces a route until released (or until `forced.until`); probes go on being counted.
+    pub fn force(&mut self, forced: Forced, now: Instant) -> Option<Transition> {
+        let reason = Reason::Forced { kind: forced.kind, why: forced.why.clone() };
+        let to = forced.route;
+        self.forced = Some(forced);
+        self.held = None;
+        if to == self.route {
+            self.reason = reason;
+            return None;
+        }
+        Some(self.switch(to, reason, now))
+    }
+
+    /// Back to automatic: the policy decides at once from the streaks it kept counting (a
+    /// resulting change carries the policy's reason).
+    pub fn release(&mut self, now: Instant) -> Option<Transition> {
+        self.unforce(Reason::Automatic { expired: false }, now)
+    }
+
+    /// Releases a forced route whose time has come; call it on every tick.
+    pub fn expire(&mut self, now: Instant) -> Option<Transition> {
+        match self.forced.as_ref().and_then(|f| f.until) {
+            Some(until) if now >= until => self.unforce(Reason::Automatic { expired: true }, now),
+            _ => None,
+        }
+    }
+
+    fn unforce(&mut self, reason: Reason, now: Instant) -> Option<Transition> {
+        self.forced.take()?;
+        self.reason = reason.clone();
+        match self.decide(now) {
+            Some(next) => Some(self.switch(self.route.other(), next, now)),
+            None => None,
+        }
+    }
+
+    fn switch(&mut self, to: Route, reason: Reason, now: Instant) -> Transition {
+        let from = self.route;
+        self.route = to;
+        self.since = now;
+        self.reason = reason.clone();
+        self.held = None;
+        Transition { from, to, reason }
+    }
+
+    /// The automatic policy's verdict now: why the route should change, if it should.
+    fn decide(&mut self, now: Instant) -> Option<Reason> {
+        match self.route {
+            Route::Local => self.why_leave_local(),
+            Route::Upstream => self.why_return_local(now),
         }
     }
 
@@ -211,20 +319,20 @@ impl Machine {
             self.cache_udp.refused = false;
             self.cache_tcp.refused = false;
         }
-        let next = match self.route {
-            Route::Local => self.why_leave_local(),
-            Route::Upstream => self.why_return_local(now),
-        };
-        let reason = next?;
-        let from = self.route;
-        self.route = match from {
-            Route::Local => Route::Upstream,
-            Route::Upstream => Route::Local,
-        };
-        self.since = now;
-        self.reason = reason.clone();
-        self.held = None;
-        Some(Transition { from, to: self.route, reason })
+        if let Some(forced) = &self.forced {
+            // A drain ends when the drained cache is gone: from then on the new one must earn
+            // its way back with `rise` good probes, like after any failure.
+            let drained = forced.kind == ForceKind::Drain
+                && stream != Stream::Upstream
+                && sample != Sample::Good;
+            if drained {
+                self.forced = None;
+                self.reason = Reason::Automatic { expired: false };
+            }
+            return None;
+        }
+        let reason = self.decide(now)?;
+        Some(self.switch(self.route.other(), reason, now))
     }
 
     fn why_leave_local(&mut self) -> Option<Reason> {
@@ -428,6 +536,62 @@ mod tests {
         let mut m = Machine::new(T, Upstream, t0);
         assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[TIMEOUT; 10]), [None; 10]);
         assert_eq!(m.reason(), &Reason::Start(Upstream));
+    }
+
+    fn forced(route: Route, kind: ForceKind, until: Option<Instant>) -> Forced {
+        Forced { route, kind, until, why: "maintenance".into() }
+    }
+
+    #[test]
+    fn a_forced_route_holds_whatever_the_probes_say() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        let t = m.force(forced(Upstream, ForceKind::Manual, None), t0).unwrap();
+        assert_eq!((t.from, t.to, t.reason.kind()), (Local, Upstream, "manual"));
+        assert_eq!(feed(&mut m, t0, 100, CacheUdp, &[Good; 50]), [None; 50]);
+        // Released with a healthy cache: back at once (the streak was counted meanwhile).
+        let t = m.release(t0 + Duration::from_secs(10)).unwrap();
+        assert_eq!((t.to, t.reason), (Local, Reason::CacheRecovered { count: 50 }));
+    }
+
+    #[test]
+    fn forcing_local_onto_a_dead_cache_lasts_only_while_forced() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        assert_eq!(m.force(forced(Local, ForceKind::Manual, None), t0), None);
+        assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[Refused; 5]), [None; 5]);
+        assert_eq!(m.route(), Local);
+        let t = m.release(t0 + Duration::from_secs(1)).unwrap();
+        assert_eq!(t.to, Upstream);
+    }
+
+    #[test]
+    fn a_forced_route_expires_by_itself() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        let until = t0 + Duration::from_secs(2);
+        m.force(forced(Upstream, ForceKind::Manual, Some(until)), t0);
+        feed(&mut m, t0, 0, CacheUdp, &[Good; 10]);
+        assert_eq!(m.expire(t0 + Duration::from_millis(1999)), None);
+        let t = m.expire(until).unwrap();
+        assert_eq!((t.to, t.reason.kind()), (Local, "cache_recovered"));
+        assert_eq!(m.forced(), None);
+    }
+
+    #[test]
+    fn a_drain_ends_when_the_cache_goes_and_the_new_one_must_rise() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        m.force(forced(Upstream, ForceKind::Drain, None), t0);
+        // The old cache still answers: the drain holds.
+        assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[Good; 30]), [None; 30]);
+        assert!(m.forced().is_some());
+        // It is stopped: the drain is over, the route stays on the upstream...
+        assert_eq!(feed(&mut m, t0, 3000, CacheUdp, &[Refused]), [None]);
+        assert_eq!(m.forced(), None);
+        // ...until the new cache answers `rise` probes (min-hold long past).
+        let got = feed(&mut m, t0, 3100, CacheUdp, &[Good; 5]);
+        assert_eq!(got, [None, None, None, None, Some(Local)]);
     }
 
     #[test]

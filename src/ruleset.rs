@@ -43,6 +43,14 @@ pub enum Route {
 }
 
 impl Route {
+    /// The other route.
+    pub fn other(self) -> Route {
+        match self {
+            Route::Local => Route::Upstream,
+            Route::Upstream => Route::Local,
+        }
+    }
+
     /// Lower-case name, as used on the command line.
     pub fn as_str(self) -> &'static str {
         match self {
