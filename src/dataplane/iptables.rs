@@ -420,6 +420,21 @@ impl Dataplane for Iptables {
     fn remove(&mut self) -> Result<(), super::Error> {
         Ok(self.remove_families()?)
     }
+
+    fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {
+        if self.table != Table::Raw {
+            return Ok(None);
+        }
+        let mut total = 0;
+        for family in Family::ALL {
+            let binary = &self.binaries(family).save;
+            let done = self.run(binary, &["-c", "-t", "raw"], None)?;
+            if done.status.success() {
+                total += text::reply_packets(&done.stdout);
+            }
+        }
+        Ok(Some(total))
+    }
 }
 
 /// Which of a family's binaries.

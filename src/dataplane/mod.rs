@@ -48,7 +48,16 @@ pub trait Dataplane {
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error>;
     /// Removes everything the agent installed; `Ok` when nothing was.
     fn remove(&mut self) -> Result<(), Error>;
+    /// Packets the cache has sent from its listen addresses so far, as counted by the agent's
+    /// "cache replies" rules: a drain waits for this to stop moving. `None` when the backend
+    /// has no such counters.
+    fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
+        Ok(None)
+    }
 }
+
+/// The comment prefix of the rules that count the cache's replies.
+pub const REPLY_COMMENT: &str = "cache replies";
 
 /// The ruleset the agent wants for `route`: the NOTRACK chains, plus the filter ACCEPTs when
 /// `accepts` (the host's firewall drops by default).
@@ -135,6 +144,10 @@ impl Dataplane for Layered {
                 .collect();
             Check::Differs(format!("missing in {}", missing.join(", ")))
         })
+    }
+
+    fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
+        self.switch.reply_packets()
     }
 
     fn remove(&mut self) -> Result<(), Error> {

@@ -547,6 +547,15 @@ impl Dataplane for Nftables {
         Ok(self.check_table(rules)?)
     }
 
+    fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {
+        let installed = self.read_installed()?;
+        let replies = installed
+            .rules
+            .iter()
+            .filter(|r| r.comment.as_deref().is_some_and(|c| c.starts_with(super::REPLY_COMMENT)));
+        Ok(Some(replies.filter_map(|r| r.packets).sum()))
+    }
+
     fn remove(&mut self) -> Result<(), super::Error> {
         Ok(self.delete()?)
     }

@@ -508,3 +508,31 @@ pub(super) fn remove_script(table: Table, saved: &Saved) -> Option<String> {
     script.push_str("COMMIT\n");
     Some(script)
 }
+
+/// The packets counted by the agent's "cache replies" rules in `iptables-save -c` output, whose
+/// rule lines start with `[packets:bytes]`.
+pub(super) fn reply_packets(saved: &str) -> u64 {
+    let comment = crate::dataplane::REPLY_COMMENT;
+    saved
+        .lines()
+        .filter(|l| {
+            l.contains(" -A NODELOCALDNS-HA-") && l.contains(&format!("--comment \"{comment}"))
+        })
+        .filter_map(|l| l.strip_prefix('[')?.split_once(':')?.0.parse::<u64>().ok())
+        .sum()
+}
+
+#[cfg(test)]
+mod reply_tests {
+    #[test]
+    fn sums_the_reply_rules_counters_only() {
+        let saved = "*raw\n\
+            :OUTPUT ACCEPT [9:9]\n\
+            [7:700] -A NODELOCALDNS-HA-OUTPUT -s 10.96.0.10/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies\" -j NOTRACK\n\
+            [5:500] -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies (link-local)\" -j NOTRACK\n\
+            [3:300] -A NODELOCALDNS-HA-OUTPUT -d 10.96.0.10/32 -p udp -m udp --dport 53 -m comment --comment \"host to cache\" -j NOTRACK\n\
+            [2:200] -A OUTPUT -s 10.96.0.10/32 -m comment --comment \"cache replies\" -j NOTRACK\n\
+            COMMIT\n";
+        assert_eq!(super::reply_packets(saved), 12);
+    }
+}

@@ -350,6 +350,8 @@ pub struct Rule {
     pub exprs: Vec<Found>,
     /// The comment from the rule's userdata.
     pub comment: Option<String>,
+    /// Packets counted by the rule's `counter`, if it has one.
+    pub packets: Option<u64>,
 }
 
 impl Rule {
@@ -369,6 +371,7 @@ impl Rule {
 pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
     let a = attribute_table::<{ rule::MAX }>(attrs)?;
     let mut exprs = Vec::new();
+    let mut packets = None;
     if let Some(list) = a[rule::EXPRESSIONS as usize] {
         for elem in attributes(list) {
             let elem = elem?;
@@ -377,7 +380,13 @@ pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
             }
             let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
             let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
-            exprs.push(parse_expr(&name, e[rule::EXPR_DATA as usize].unwrap_or_default())?);
+            let data = e[rule::EXPR_DATA as usize].unwrap_or_default();
+            if name == "counter" {
+                // NFTA_COUNTER_BYTES 1, NFTA_COUNTER_PACKETS 2.
+                let c = attribute_table::<3>(data)?;
+                packets = c[2].map(|v| be_u64(v, "counter packets")).transpose()?;
+            }
+            exprs.push(parse_expr(&name, data)?);
         }
     }
     Ok(Rule {
@@ -386,6 +395,7 @@ pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
         handle: be_u64(required(a[rule::HANDLE as usize], "rule handle")?, "rule handle")?,
         exprs,
         comment: a[rule::USERDATA as usize].and_then(parse_comment),
+        packets,
     })
 }
 

@@ -39,6 +39,7 @@ fn installed(rules: &RuleSet) -> Installed {
                 handle,
                 exprs: rule_expressions(rule).into_iter().map(Found::Known).collect(),
                 comment: Some(rule.comment.clone()),
+                packets: None,
             })
             .collect(),
     }
