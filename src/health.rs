@@ -128,7 +128,9 @@ impl fmt::Display for Reason {
                 write!(f, "cache answered {count} consecutive probes and the upstream is failing")
             }
             Reason::Forced { kind: ForceKind::Manual, why } => write!(f, "forced by hand: {why}"),
-            Reason::Forced { kind: ForceKind::Drain, why } => write!(f, "draining the cache: {why}"),
+            Reason::Forced { kind: ForceKind::Drain, why } => {
+                write!(f, "draining the cache: {why}")
+            }
             Reason::Automatic { expired: true } => f.write_str("forced route expired; automatic"),
             Reason::Automatic { expired: false } => f.write_str("forced route released; automatic"),
         }
