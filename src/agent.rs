@@ -26,10 +26,12 @@ use tracing::{debug, error, info, warn};
 
 use crate::config::{AgentConfig, Cadence};
 use crate::dataplane::{self, Check, Dataplane};
-use crate::health::{Machine, Sample, Stream};
+use crate::health::{Forced, Machine, Sample, Stream, Transition};
+use crate::metrics::{Health, Metrics};
 use crate::probe::{Outcome, Probe, ProbeResult, Transport};
 use crate::ruleset::{ListenAddrs, Route, RuleSet, DNS_PORT};
 use crate::state::{self, ProbeStats, Probes, State};
+use crate::{control, maintenance};
 
 /// What can stop the agent.
 #[derive(Debug, thiserror::Error)]
@@ -50,10 +52,20 @@ pub enum AgentError {
     /// Another agent runs with the same state directory, or its lock cannot be taken.
     #[error(transparent)]
     Lock(#[from] state::LockError),
+    /// The metrics endpoint cannot listen.
+    #[error("cannot listen on --metrics-addr {addr}: {source} (pick a free address, or \"off\")")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     /// A probe or watch task ended: the agent is blind and exits.
     #[error("{0}; exiting with the current ruleset left in place")]
     TaskDied(String),
 }
+
+/// `/healthz` fails when the control loop has not turned for this long.
+const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
 
 /// How often the node is searched for NOTRACK rules of others on the listen addresses.
 const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
@@ -110,6 +122,9 @@ pub struct Agent {
     probes: Probes,
     notes: Notes,
     warnings: Vec<String>,
+    metrics: Arc<Metrics>,
+    /// Route changes not yet taken by [`Agent::take_changes`].
+    changes: Vec<Transition>,
 }
 
 impl Agent {
@@ -118,11 +133,13 @@ impl Agent {
     pub fn start(
         cfg: &AgentConfig,
         mut dataplane: Box<dyn Dataplane>,
+        metrics: Arc<Metrics>,
         now: Instant,
     ) -> Result<Agent, AgentError> {
         let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.accepts)
             .map_err(AgentError::Install)?;
         let route = installed.unwrap_or(Route::Local);
+        metrics.set_route(route);
         let desired = dataplane::plan(&cfg.addrs, route, cfg.accepts);
         if installed.is_none() {
             dataplane.apply(&desired).map_err(AgentError::Install)?;
@@ -157,6 +174,8 @@ impl Agent {
             },
             notes: Notes::default(),
             warnings: Vec::new(),
+            metrics,
+            changes: Vec::new(),
         })
     }
 
@@ -195,11 +214,91 @@ impl Agent {
                 warn!(reason = held, "cache failing, route held");
             }
         }
+        self.metrics.probe(report.stream, outcome.label(), report.result.latency);
         if let Some(t) = transition {
-            self.transitions += 1;
-            info!(from = %t.from, to = %t.to, reason = %t.reason, "route changed");
-            self.desired = dataplane::plan(&self.addrs, t.to, self.accepts);
-            self.apply(now);
+            self.switched(t, now);
+        }
+    }
+
+    /// Installs the new route's ruleset and records the change.
+    fn switched(&mut self, t: Transition, now: Instant) {
+        self.transitions += 1;
+        let evidence = self.evidence();
+        info!(from = %t.from, to = %t.to, reason = %t.reason, evidence = %evidence, "route changed");
+        self.metrics.transition(t.from, t.to, t.reason.kind());
+        self.metrics.set_route(t.to);
+        self.desired = dataplane::plan(&self.addrs, t.to, self.accepts);
+        self.apply(now);
+        self.changes.push(t);
+    }
+
+    /// The probe streaks behind a decision, for the log.
+    fn evidence(&self) -> String {
+        let s = |stream| {
+            let k = self.machine.streak(stream);
+            format!("{stream} +{}/-{}", k.good, k.bad)
+        };
+        [s(Stream::CacheUdp), s(Stream::CacheTcp), s(Stream::Upstream)].join(", ")
+    }
+
+    /// Forces a route by hand (or for a drain).
+    pub fn force(&mut self, forced: Forced, now: Instant) {
+        info!(route = %forced.route, kind = ?forced.kind, why = %forced.why, "route forced");
+        if let Some(t) = self.machine.force(forced, now) {
+            self.switched(t, now);
+        }
+        self.metrics.set_override(self.machine.forced().map(|f| f.route));
+    }
+
+    /// Ends a forced route.
+    pub fn release(&mut self, now: Instant) {
+        if self.machine.forced().is_some() {
+            info!("forced route released");
+        }
+        if let Some(t) = self.machine.release(now) {
+            self.switched(t, now);
+        }
+        self.metrics.set_override(None);
+    }
+
+    /// Ends a forced route whose time has come.
+    pub fn expire(&mut self, now: Instant) {
+        let before = self.machine.forced().is_some();
+        if let Some(t) = self.machine.expire(now) {
+            self.switched(t, now);
+        }
+        if before && self.machine.forced().is_none() {
+            info!("forced route expired");
+            self.metrics.set_override(None);
+        }
+    }
+
+    /// The forced route, if any.
+    pub fn forced(&self) -> Option<&Forced> {
+        self.machine.forced()
+    }
+
+    /// The route changes since the last call, oldest first.
+    pub fn take_changes(&mut self) -> Vec<Transition> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// What the cache's probes say now, for an operator forcing `Local`.
+    pub fn cache_failing(&self) -> Option<String> {
+        let k = self.machine.streak(Stream::CacheUdp);
+        (k.bad > 0).then(|| {
+            format!("{} consecutive probes failed (last: {})", k.bad, k.last_bad.unwrap_or("bad"))
+        })
+    }
+
+    /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
+    pub fn reply_packets(&mut self) -> Option<u64> {
+        match self.dataplane.reply_packets() {
+            Ok(n) => n,
+            Err(e) => {
+                warn!(error = %e, "reading the reply counters failed");
+                None
+            }
         }
     }
 
@@ -225,6 +324,7 @@ impl Agent {
             Ok(Check::Matches) => {}
             Ok(drift) => {
                 self.repairs += 1;
+                self.metrics.repair();
                 warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
                 self.apply(now);
                 // Whoever keeps changing the table (our own change notification included) cannot
@@ -242,7 +342,10 @@ impl Agent {
     /// Installs the current route's ruleset; on failure, schedules a retry with exponential
     /// backoff (one tick, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
     fn apply(&mut self, now: Instant) {
-        match self.dataplane.apply(&self.desired) {
+        let started = Instant::now();
+        let result = self.dataplane.apply(&self.desired);
+        self.metrics.apply(started.elapsed(), result.is_ok());
+        match result {
             Ok(()) => {
                 self.dirty = false;
                 self.apply_failures = 0;
@@ -445,12 +548,37 @@ pub async fn run(
     let cache_udp = probe(cfg.cache_udp)?;
     let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
     let upstream = probe(cfg.upstream_probe)?;
+    let http = match cfg.metrics_addr {
+        Some(addr) => Some(
+            std::net::TcpListener::bind(addr)
+                .and_then(|l| l.set_nonblocking(true).map(|()| l))
+                .and_then(tokio::net::TcpListener::from_std)
+                .map_err(|source| AgentError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
     let _lock = state::Lock::acquire(&cfg.state_dir)?;
 
-    let mut agent = block_in_place(|| Agent::start(&cfg, dataplane, Instant::now()))?;
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new());
+    let mut agent =
+        block_in_place(|| Agent::start(&cfg, dataplane, metrics.clone(), Instant::now()))?;
+    health.set_ready();
     agent.set_notes(notes);
+    match control::read_override(&cfg.state_dir) {
+        Ok(Some(o)) => match maintenance::forced_from(&o, Instant::now(), SystemTime::now()) {
+            Some(forced) => block_in_place(|| agent.force(forced, Instant::now())),
+            None => {
+                info!("the recorded override has expired");
+                let _ = control::clear_override(&cfg.state_dir);
+            }
+        },
+        Ok(None) => {}
+        // A damaged file must not keep the agent from failing over: automatic, and say so.
+        Err(e) => warn!(error = %e, "ignoring the recorded override"),
+    }
     let write_state = |agent: &Agent| {
         if let Err(e) =
             state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
@@ -465,27 +593,28 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
     let target = cfg.cache_target();
     let every = cfg.cache_udp.interval;
+    let wake = cache_wakes[0].clone();
     tasks.spawn(probe_stream(
         cache_udp,
         target,
         Transport::Udp,
         Stream::CacheUdp,
         every,
-        cache_wakes[0].clone(),
+        wake,
         tx.clone(),
     ));
     if let Some((cadence, tcp)) = cache_tcp {
         let wake = cache_wakes[1].clone();
-        let stream = probe_stream(
+        let every = cadence.interval;
+        tasks.spawn(probe_stream(
             tcp,
             target,
             Transport::Tcp,
             Stream::CacheTcp,
-            cadence.interval,
+            every,
             wake,
             tx.clone(),
-        );
-        tasks.spawn(stream);
+        ));
     }
     let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
     let wake = Arc::new(Notify::new());
@@ -496,26 +625,46 @@ pub async fn run(
     tasks.spawn(watch_nftables(nft_changed.clone()));
     let (warn_tx, mut warnings) = mpsc::channel(1);
     tasks.spawn(watch_foreign_rules(listen, FOREIGN_RULES_PERIOD, warn_tx));
+    let (control_tx, mut requests) = mpsc::channel(8);
+    let dir = cfg.state_dir.clone();
+    tasks.spawn(async move {
+        // Without the socket the agent still switches; operators lose the manual flip only.
+        let Err(e) = control::serve(&dir, control_tx).await;
+        error!(error = %e, "the control socket is unavailable");
+        std::future::pending().await
+    });
+    if let Some(listener) = http {
+        let (metrics, health) = (metrics.clone(), health.clone());
+        tasks.spawn(async move {
+            let e = crate::metrics::serve(listener, metrics, health, LIVENESS_SILENCE).await;
+            error!(error = %e, "the metrics endpoint stopped");
+            std::future::pending().await
+        });
+    }
 
     let mut resync = tokio::time::interval(cfg.cache_udp.interval);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut state_tick = tokio::time::interval(Duration::from_secs(1));
     state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain: Option<maintenance::Drain> = None;
     tokio::pin!(shutdown);
     let outcome = loop {
+        health.beat(Instant::now());
         tokio::select! {
             biased;
             _ = &mut shutdown => break Ok(()),
-            Some(report) = rx.recv() => {
-                let before = agent.route();
-                block_in_place(|| agent.on_probe(&report, Instant::now()));
-                if agent.route() != before {
-                    write_state(&agent);
-                }
-            }
+            Some(report) = rx.recv() => block_in_place(|| agent.on_probe(&report, Instant::now())),
+            Some(incoming) = requests.recv() => block_in_place(|| {
+                maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, Instant::now())
+            }),
             _ = nft_changed.notified() => block_in_place(|| agent.resync(Instant::now())),
             _ = sleep_until(agent.resync_due()) => block_in_place(|| agent.resync(Instant::now())),
-            _ = resync.tick() => block_in_place(|| agent.resync(Instant::now())),
+            _ = resync.tick() => block_in_place(|| {
+                let now = Instant::now();
+                agent.expire(now);
+                agent.resync(now);
+                drain = drain.take().and_then(|d| d.progress(&mut agent, now));
+            }),
             _ = state_tick.tick() => write_state(&agent),
             Some(found) = warnings.recv() => agent.set_warnings(found),
             // Every task runs forever: one that ends has panicked, and the agent can no longer
@@ -524,6 +673,21 @@ pub async fn run(
                 Err(e) if e.is_panic() => "a probe or watch task panicked".to_owned(),
                 _ => "a probe or watch task ended".to_owned(),
             })),
+        }
+        let changes = agent.take_changes();
+        if !changes.is_empty() {
+            write_state(&agent);
+            // A drain that ended by itself (the drained cache went away), or an expiry, leaves
+            // nothing forced: the record goes too.
+            if agent.forced().is_none() {
+                let _ = control::clear_override(&cfg.state_dir);
+            }
+        }
+        if let Some(hook) = &cfg.on_transition {
+            for t in changes {
+                let run = maintenance::run_hook(hook.clone(), t, cfg.hook_timeout, metrics.clone());
+                tokio::spawn(run);
+            }
         }
     };
     tasks.shutdown().await;
@@ -558,7 +722,7 @@ mod tests {
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
-        Agent::start(&cfg(), Box::new(fake.clone()), t0).unwrap()
+        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), t0).unwrap()
     }
 
     #[test]

@@ -19,6 +19,15 @@ pub struct Cli {
     /// Log filter (tracing-subscriber syntax), e.g. `info` or `nodelocaldns_ha=debug`.
     #[arg(long, global = true, env = "NODELOCALDNS_HA_LOG", default_value = "info")]
     pub log: String,
+    /// Log format: one line of text, or one JSON object, per event.
+    #[arg(
+        long,
+        global = true,
+        env = "NODELOCALDNS_HA_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
+    pub log_format: LogFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -33,6 +42,58 @@ pub enum Command {
     Probe(ProbeArgs),
     /// Remove everything the agent installed. Fine to run when nothing is installed.
     Teardown(TeardownArgs),
+    /// Force a route for maintenance (`flip upstream`, `flip local`).
+    Flip(FlipArgs),
+    /// End a forced route: automatic again.
+    Release(ControlArgs),
+    /// Before restarting node-local-dns: route to CoreDNS, wait until the cache has gone quiet.
+    /// The agent returns to the cache once the new one passes its probes.
+    Drain(DrainArgs),
+}
+
+/// Where the running agent is.
+#[derive(Debug, Args)]
+pub struct ControlArgs {
+    /// The running agent's --state-dir.
+    #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
+    pub state_dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct FlipArgs {
+    /// The route to force.
+    #[arg(value_enum)]
+    pub route: RouteArg,
+    /// Release by itself after this long (e.g. 30m); default: until `release`.
+    #[arg(long = "for")]
+    pub for_: Option<String>,
+    /// Why, for `status` and the log.
+    #[arg(long, default_value = "")]
+    pub reason: String,
+    #[command(flatten)]
+    pub control: ControlArgs,
+    /// With no agent running: node-local-dns's link-local IP(s), to install the rules directly.
+    #[arg(long, env = "NODELOCALDNS_HA_LOCAL_IP", value_delimiter = ',')]
+    pub local_ip: Vec<IpAddr>,
+    /// With no agent running: the kube-dns ClusterIP(s), to install the rules directly.
+    #[arg(long, env = "NODELOCALDNS_HA_CLUSTER_DNS_IP", value_delimiter = ',')]
+    pub cluster_dns_ip: Vec<IpAddr>,
+}
+
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    /// How long to wait for the cache to go quiet.
+    #[arg(long, default_value = "10s")]
+    pub timeout: String,
+    #[command(flatten)]
+    pub control: ControlArgs,
+}
+
+/// How log lines look.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 /// The netfilter backend for the switching rules.
@@ -107,9 +168,19 @@ pub struct RunArgs {
     /// How long an iptables change waits for the xtables lock before it is retried later.
     #[arg(long, env = "NODELOCALDNS_HA_XTABLES_WAIT", default_value = "1s")]
     pub xtables_wait: String,
-    /// Where the state file for `status` is written.
+    /// Where the state file, the override and the control socket live.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,
+    /// Where /metrics, /healthz and /readyz are served (IP:port), or `off`.
+    #[arg(long, env = "NODELOCALDNS_HA_METRICS_ADDR", default_value = "127.0.0.1:9254")]
+    pub metrics_addr: String,
+    /// An executable run on every route change, with NODELOCALDNS_HA_FROM, _TO, _REASON,
+    /// _REASON_KIND and _UNIX_MS in its environment; it never delays a switch.
+    #[arg(long, env = "NODELOCALDNS_HA_ON_TRANSITION")]
+    pub on_transition: Option<PathBuf>,
+    /// How long the transition hook may run before it is killed.
+    #[arg(long, env = "NODELOCALDNS_HA_HOOK_TIMEOUT", default_value = "5s")]
+    pub hook_timeout: String,
 }
 
 impl RunArgs {
@@ -130,6 +201,9 @@ impl RunArgs {
             rise: self.rise,
             min_hold: self.min_hold.clone(),
             state_dir: self.state_dir.clone(),
+            metrics_addr: self.metrics_addr.clone(),
+            on_transition: self.on_transition.clone(),
+            hook_timeout: self.hook_timeout.clone(),
         }
     }
 }

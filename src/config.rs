@@ -52,6 +52,12 @@ pub enum ConfigError {
     /// `--fall 0` or `--rise 0`.
     #[error("{flag} must be at least 1 (consecutive probes)")]
     ZeroCount { flag: &'static str },
+    /// An address that is not `host:port`.
+    #[error("{flag} {value:?} is not an address: write IP:port, e.g. 127.0.0.1:9254, or off")]
+    BadAddress { flag: &'static str, value: String },
+    /// The transition hook is not a file.
+    #[error("--on-transition {}: no such file (give the path of an executable)", .0.display())]
+    NoHook(PathBuf),
     /// A probe name that is not a DNS name.
     #[error("--probe-name {0:?} is not a valid DNS name")]
     BadProbeName(String),
@@ -147,6 +153,12 @@ pub struct AgentConfig {
     /// Install filter ACCEPTs too: set after detection, when the host's firewall drops by
     /// default (false from the command line alone).
     pub accepts: bool,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served; `None` when off.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Run on every route change, with the change in its environment.
+    pub on_transition: Option<PathBuf>,
+    /// How long the transition hook may run before it is killed.
+    pub hook_timeout: Duration,
 }
 
 /// Raw `run` settings as the command line gives them.
@@ -166,6 +178,10 @@ pub struct RawRun {
     pub rise: u32,
     pub min_hold: String,
     pub state_dir: PathBuf,
+    /// `host:port`, or `off`.
+    pub metrics_addr: String,
+    pub on_transition: Option<PathBuf>,
+    pub hook_timeout: String,
 }
 
 fn cadence(
@@ -248,6 +264,22 @@ impl AgentConfig {
             }
         }
         let min_hold = duration_flag("--min-hold", &raw.min_hold)?;
+        let metrics_addr = match raw.metrics_addr.trim() {
+            "off" => None,
+            text => Some(text.parse().map_err(|_| ConfigError::BadAddress {
+                flag: "--metrics-addr",
+                value: text.to_owned(),
+            })?),
+        };
+        let hook_timeout = duration_flag("--hook-timeout", &raw.hook_timeout)?;
+        if hook_timeout.is_zero() {
+            return Err(ConfigError::ZeroDuration { flag: "--hook-timeout" });
+        }
+        if let Some(hook) = &raw.on_transition {
+            if !hook.is_file() {
+                return Err(ConfigError::NoHook(hook.clone()));
+            }
+        }
         Ok(AgentConfig {
             addrs: ListenAddrs { local, cluster_dns },
             upstream,
@@ -258,6 +290,9 @@ impl AgentConfig {
             thresholds: Thresholds { fall: raw.fall, rise: raw.rise, min_hold },
             state_dir: raw.state_dir.clone(),
             accepts: false,
+            metrics_addr,
+            on_transition: raw.on_transition.clone(),
+            hook_timeout,
         })
     }
 
@@ -295,6 +330,9 @@ pub(crate) fn test_raw() -> RawRun {
         rise: 5,
         min_hold: "2s".into(),
         state_dir: "/run/nodelocaldns-ha".into(),
+        metrics_addr: "127.0.0.1:9254".into(),
+        on_transition: None,
+        hook_timeout: "5s".into(),
     }
 }
 

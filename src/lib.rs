@@ -10,9 +10,12 @@
 pub mod agent;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod dataplane;
 pub mod detect;
 pub mod health;
+pub mod maintenance;
+pub mod metrics;
 pub mod probe;
 pub mod ruleset;
 pub mod sockdiag;

@@ -13,12 +13,17 @@ use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
 use nodelocaldns_ha::agent;
-use nodelocaldns_ha::cli::{Cli, Command, DataplaneKind, ListenArgs, ProbeArgs, StatusArgs};
+use nodelocaldns_ha::cli::{
+    Cli, Command, DataplaneKind, FlipArgs, ListenArgs, LogFormat, ProbeArgs, StatusArgs,
+};
 use nodelocaldns_ha::config::{self, AgentConfig};
+use nodelocaldns_ha::control::{self, ControlError, Override, OverrideKind, Request, Response};
+use nodelocaldns_ha::dataplane;
 use nodelocaldns_ha::dataplane::iptables::{Iptables, Table};
 use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane, Layered};
 use nodelocaldns_ha::detect::{self, Backend, Flavour};
 use nodelocaldns_ha::probe::{Probe, Transport};
+use nodelocaldns_ha::ruleset::Route;
 use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
 use nodelocaldns_ha::state;
 
@@ -75,11 +80,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .init();
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => {
+            logs.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).init()
+        }
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
@@ -107,6 +114,32 @@ fn run(command: Command) -> Result<(), Failure> {
             })
         }
         Command::Status(args) => status(&args),
+        Command::Flip(args) => flip(&args),
+        Command::Release(args) => {
+            let answer = control::call(&args.state_dir, &Request::Release, CALL_TIMEOUT);
+            match answer {
+                Err(ControlError::NoAgent { .. }) => {
+                    control::clear_override(&args.state_dir).map_err(Failure::runtime)?;
+                    println!("no agent is running; removed the recorded override, if any");
+                    Ok(())
+                }
+                other => answered(other),
+            }
+        }
+        Command::Drain(args) => {
+            let timeout =
+                config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
+            let request = Request::Drain { timeout_ms: timeout.as_millis() as u64 };
+            match control::call(&args.control.state_dir, &request, timeout + CALL_TIMEOUT) {
+                // Without an agent the kernel fast path alone fails pods over when the cache
+                // stops: nothing to wait for, and a preStop hook must not fail for it.
+                Err(ControlError::NoAgent { .. }) => {
+                    println!("no agent is running: nothing to drain");
+                    Ok(())
+                }
+                other => answered(other),
+            }
+        }
         Command::Rules(args) => {
             let addrs = listen_addrs(&args.listen)?;
             print!("{}", RuleSet::desired(&addrs, args.route.into()));
@@ -137,6 +170,72 @@ fn run(command: Command) -> Result<(), Failure> {
             Ok(())
         }
     }
+}
+
+/// How long the CLI waits for the agent's answer (a drain adds its own timeout).
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Prints the agent's answer; an error answer is a runtime failure.
+fn answered(answer: Result<Response, ControlError>) -> Result<(), Failure> {
+    match answer.map_err(|e| Failure::runtime(with_causes(&e)))? {
+        Response::Ok { message } => {
+            println!("{message}");
+            Ok(())
+        }
+        Response::Error { message } => Err(Failure::runtime(message)),
+    }
+}
+
+fn flip(args: &FlipArgs) -> Result<(), Failure> {
+    let route: Route = args.route.into();
+    let for_ = args.for_.as_deref().map(|d| config::duration_flag("--for", d)).transpose();
+    let for_ = for_.map_err(Failure::usage)?;
+    if for_.is_some_and(|d| d.is_zero()) {
+        return Err(Failure::usage("--for must be greater than zero"));
+    }
+    let request = Request::Flip {
+        route,
+        for_ms: for_.map(|d| d.as_millis() as u64),
+        reason: args.reason.clone(),
+    };
+    let dir = &args.control.state_dir;
+    match control::call(dir, &request, CALL_TIMEOUT) {
+        Err(ControlError::NoAgent { .. }) => {}
+        other => return answered(other),
+    }
+    // No agent: install the route's rules here, and record the override for the next agent.
+    if args.local_ip.is_empty() || args.cluster_dns_ip.is_empty() {
+        return Err(Failure::runtime(
+            "no agent is running: give --local-ip and --cluster-dns-ip to install the rules directly",
+        ));
+    }
+    let addrs = listen_addrs(&ListenArgs {
+        local_ip: args.local_ip.clone(),
+        cluster_dns_ip: args.cluster_dns_ip.clone(),
+    })?;
+    require_net_admin()?;
+    let (mut dataplane, _) = open_dataplane(DataplaneKind::Auto, &addrs, Duration::from_secs(5))?;
+    let rules = dataplane::plan(&addrs, route, dataplane.has_accepts());
+    dataplane.apply(&rules).map_err(|e| Failure::runtime(with_causes(&e)))?;
+    let wall = SystemTime::now();
+    let record = Override {
+        version: control::OVERRIDE_VERSION,
+        route,
+        until_unix_ms: for_.map(|d| state::unix_ms(wall + d)),
+        reason: args.reason.clone(),
+        set_by: "nodelocaldns-ha flip (no agent running)".to_owned(),
+        set_unix_ms: state::unix_ms(wall),
+        kind: OverrideKind::Manual,
+    };
+    std::fs::create_dir_all(dir).map_err(Failure::runtime)?;
+    control::write_override(dir, &record).map_err(Failure::runtime)?;
+    println!(
+        "no agent is running: installed the {route} ruleset directly ({}) and recorded the \
+         override in {} for the next agent",
+        dataplane.name(),
+        dir.display()
+    );
+    Ok(())
 }
 
 fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {
@@ -286,6 +385,10 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
     if args.json {
         let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
         value["agent_running"] = serde_json::Value::Bool(alive && !stale);
+        value["override"] = match control::read_override(&args.state_dir) {
+            Ok(o) => serde_json::to_value(o).map_err(Failure::runtime)?,
+            Err(e) => serde_json::Value::String(e.to_string()),
+        };
         println!("{value}");
         return Ok(());
     }
@@ -298,6 +401,17 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
     };
     println!("agent:       {running}");
     println!("route:       {} since {} ({})", st.route, ago(st.since_unix_ms, now), st.reason);
+    match control::read_override(&args.state_dir) {
+        Ok(Some(o)) => {
+            let until = o.until_unix_ms.map_or("until released".to_owned(), |ms| {
+                format!("for {:.0}s more", ms.saturating_sub(state::unix_ms(now)) as f64 / 1e3)
+            });
+            let why = if o.reason.is_empty() { String::new() } else { format!(": {}", o.reason) };
+            println!("override:    {} ({:?}, {until}) set by {}{why}", o.route, o.kind, o.set_by);
+        }
+        Ok(None) => {}
+        Err(e) => println!("override:    unreadable: {e}"),
+    }
     if let Some(held) = &st.held {
         println!("held:        {held}");
     }

@@ -48,15 +48,16 @@ pub trait Dataplane {
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error>;
     /// Removes everything the agent installed; `Ok` when nothing was.
     fn remove(&mut self) -> Result<(), Error>;
-    /// Packets the cache has sent from its listen addresses so far, as counted by the agent's
-    /// "cache replies" rules: a drain waits for this to stop moving. `None` when the backend
+    /// Packets the cache has sent from the cluster-DNS IP so far (to pods and host clients), as
+    /// counted by the agent's "cache replies" rules: a drain waits for this to stop moving. The
+    /// link-local address is left out: the agent's own probes go there. `None` when the backend
     /// has no such counters.
     fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
         Ok(None)
     }
 }
 
-/// The comment prefix of the rules that count the cache's replies.
+/// The comment of the rules that count the cache's replies from the cluster-DNS IP.
 pub const REPLY_COMMENT: &str = "cache replies";
 
 /// The ruleset the agent wants for `route`: the NOTRACK chains, plus the filter ACCEPTs when

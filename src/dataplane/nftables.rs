@@ -549,10 +549,8 @@ impl Dataplane for Nftables {
 
     fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {
         let installed = self.read_installed()?;
-        let replies = installed
-            .rules
-            .iter()
-            .filter(|r| r.comment.as_deref().is_some_and(|c| c.starts_with(super::REPLY_COMMENT)));
+        let replies =
+            installed.rules.iter().filter(|r| r.comment.as_deref() == Some(super::REPLY_COMMENT));
         Ok(Some(replies.filter_map(|r| r.packets).sum()))
     }
 

@@ -171,6 +171,18 @@ impl SimNode {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Agent {
+        self.spawn_agent(local, cluster_dns, upstream, extra, env, true)
+    }
+
+    fn spawn_agent(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        wait_local: bool,
+    ) -> Agent {
         let state_dir = self.dir.join("agent-state");
         let log = self.dir.join("agent.log");
         let child = self
@@ -193,8 +205,19 @@ impl SimNode {
             .spawn()
             .expect("spawn agent");
         let agent = Agent { child: Some(child), state_dir, log };
-        agent.wait_route("local", Duration::from_secs(10));
+        if wait_local {
+            agent.wait_route("local", Duration::from_secs(10));
+        } else {
+            wait_for("the agent's state", Duration::from_secs(10), || agent.state());
+        }
         agent
+    }
+
+    /// Starts the agent (v4, nftables unless `extra` says otherwise) without assuming its first
+    /// route: the state file of an earlier agent is removed first.
+    pub fn agent_starting(&self, extra: &[&str]) -> Agent {
+        let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
+        self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, &[], false)
     }
 
     /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags.
@@ -389,5 +412,24 @@ pub fn assert_within(what: &str, times: &[u64], from: u64, to: u64) {
             "{what}: a lookup sent at {t} is outside {from}..={to} ({} ms from the start)",
             t as i64 - from as i64
         );
+    }
+}
+
+impl SimNode {
+    /// `GET path` on the agent's metrics address in the node namespace: (status, body).
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        let script = format!(
+            "exec 3<>/dev/tcp/127.0.0.1/9254 && printf 'GET {path} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n\\r\\n' >&3 && cat <&3"
+        );
+        let out = self.run("node", "bash", &["-c", &script]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let status = text.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+        (status, body)
+    }
+
+    /// Runs the agent binary's CLI in the node namespace.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.run("node", AGENT, args)
     }
 }

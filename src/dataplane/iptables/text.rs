@@ -509,14 +509,14 @@ pub(super) fn remove_script(table: Table, saved: &Saved) -> Option<String> {
     Some(script)
 }
 
-/// The packets counted by the agent's "cache replies" rules in `iptables-save -c` output, whose
+/// The packets counted by the agent's "cache replies" rules (cluster-DNS IP) in `iptables-save -c` output, whose
 /// rule lines start with `[packets:bytes]`.
 pub(super) fn reply_packets(saved: &str) -> u64 {
     let comment = crate::dataplane::REPLY_COMMENT;
     saved
         .lines()
         .filter(|l| {
-            l.contains(" -A NODELOCALDNS-HA-") && l.contains(&format!("--comment \"{comment}"))
+            l.contains(" -A NODELOCALDNS-HA-") && l.contains(&format!("--comment \"{comment}\" "))
         })
         .filter_map(|l| l.strip_prefix('[')?.split_once(':')?.0.parse::<u64>().ok())
         .sum()
@@ -533,6 +533,7 @@ mod reply_tests {
             [3:300] -A NODELOCALDNS-HA-OUTPUT -d 10.96.0.10/32 -p udp -m udp --dport 53 -m comment --comment \"host to cache\" -j NOTRACK\n\
             [2:200] -A OUTPUT -s 10.96.0.10/32 -m comment --comment \"cache replies\" -j NOTRACK\n\
             COMMIT\n";
-        assert_eq!(super::reply_packets(saved), 12);
+        // Only the cluster-DNS replies: the link-local ones answer the agent's own probes.
+        assert_eq!(super::reply_packets(saved), 7);
     }
 }

@@ -1,0 +1,220 @@
+//! Operators' hands on the agent: manual flips, drains, and the transition hook.
+//!
+//! Requests arrive over the control socket ([`crate::control`]); [`handle`] applies them to the
+//! [`Agent`] and persists the override so it survives a restart. A drain answers later, once the
+//! cache has gone quiet ([`Drain::progress`]). [`run_hook`] tells an external program (a CNI
+//! agent, say) about every route change without ever holding the switch up.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+
+use crate::agent::Agent;
+use crate::control::{self, Incoming, Override, OverrideKind, Request, Response};
+use crate::health::{ForceKind, Forced, Transition};
+use crate::metrics::Metrics;
+use crate::ruleset::Route;
+use crate::state;
+
+/// How long a drain holds `Upstream` at most if the drained cache never goes away.
+pub const DRAIN_HOLD_MAX: Duration = Duration::from_secs(600);
+/// Reply counters unchanged for this many checks in a row: the cache has gone quiet.
+const QUIET_CHECKS: u32 = 3;
+
+/// A drain waiting for the cache to go quiet.
+pub struct Drain {
+    reply: oneshot::Sender<Response>,
+    started: Instant,
+    deadline: Instant,
+    last: Option<u64>,
+    quiet: u32,
+}
+
+impl Drain {
+    /// Checks the reply counters once (call it every tick); answers the requester and returns
+    /// `None` when done.
+    pub fn progress(mut self, agent: &mut Agent, now: Instant) -> Option<Drain> {
+        let Some(count) = agent.reply_packets() else {
+            let message = "route is upstream; this dataplane cannot count the cache's replies";
+            let _ = self.reply.send(Response::Ok { message: message.to_owned() });
+            return None;
+        };
+        if self.last == Some(count) {
+            self.quiet += 1;
+        } else {
+            self.last = Some(count);
+            self.quiet = 0;
+        }
+        let waited = now.saturating_duration_since(self.started);
+        let message = if self.quiet >= QUIET_CHECKS {
+            format!("route is upstream and the cache has gone quiet (after {waited:.1?})")
+        } else if now >= self.deadline {
+            format!("route is upstream; the cache still answered after {waited:.1?} (timed out)")
+        } else {
+            return Some(self);
+        };
+        info!(waited = ?waited, quiet = self.quiet >= QUIET_CHECKS, "drain done");
+        let _ = self.reply.send(Response::Ok { message });
+        None
+    }
+}
+
+/// Instant `at` on the wall clock, given that `now` and `wall` are the same moment.
+fn unix_ms_at(at: Instant, now: Instant, wall: SystemTime) -> u64 {
+    let wall_at = if at >= now { wall + (at - now) } else { wall - (now - at) };
+    state::unix_ms(wall_at)
+}
+
+/// The forced route an override file describes, or `None` when it has expired.
+pub fn forced_from(o: &Override, now: Instant, wall: SystemTime) -> Option<Forced> {
+    let now_ms = state::unix_ms(wall);
+    if o.expired(now_ms) {
+        return None;
+    }
+    let until = o.until_unix_ms.map(|ms| now + Duration::from_millis(ms.saturating_sub(now_ms)));
+    let kind = match o.kind {
+        OverrideKind::Manual => ForceKind::Manual,
+        OverrideKind::Drain => ForceKind::Drain,
+    };
+    Some(Forced { route: o.route, kind, until, why: o.reason.clone() })
+}
+
+/// Applies one control request. Returns a drain that answers later, if the request was one.
+pub fn handle(
+    agent: &mut Agent,
+    dir: &Path,
+    incoming: Incoming,
+    drain: &mut Option<Drain>,
+    now: Instant,
+) {
+    let Incoming { request, peer, reply } = incoming;
+    let wall = SystemTime::now();
+    let who = peer.to_string();
+    let record = |route, kind, until: Option<Instant>, reason: &str| {
+        let o = Override {
+            version: control::OVERRIDE_VERSION,
+            route,
+            until_unix_ms: until.map(|u| unix_ms_at(u, now, wall)),
+            reason: reason.to_owned(),
+            set_by: who.clone(),
+            set_unix_ms: state::unix_ms(wall),
+            kind,
+        };
+        control::write_override(dir, &o).map_err(|e| {
+            format!("the route is forced, but recording it in {} failed: {e}", dir.display())
+        })
+    };
+    let response = match request {
+        Request::Flip { route, for_ms, reason } => {
+            let until = for_ms.map(|ms| now + Duration::from_millis(ms));
+            let why = if reason.is_empty() { format!("by {who}") } else { reason.clone() };
+            let warning = match route {
+                Route::Local => {
+                    agent.cache_failing().map(|f| format!("; WARNING: the cache is failing ({f})"))
+                }
+                Route::Upstream => None,
+            };
+            agent.force(Forced { route, kind: ForceKind::Manual, until, why: why.clone() }, now);
+            match record(route, OverrideKind::Manual, until, &why) {
+                Ok(()) => {
+                    let until = for_ms.map_or(" until released".to_owned(), |ms| {
+                        format!(" for {:?}", Duration::from_millis(ms))
+                    });
+                    Response::Ok {
+                        message: format!(
+                            "route forced to {route}{until}{}",
+                            warning.unwrap_or_default()
+                        ),
+                    }
+                }
+                Err(message) => Response::Error { message },
+            }
+        }
+        Request::Release => {
+            agent.release(now);
+            match control::clear_override(dir) {
+                Ok(()) => {
+                    Response::Ok { message: format!("automatic again; route is {}", agent.route()) }
+                }
+                Err(e) => Response::Error {
+                    message: format!("released, but removing the override file failed: {e}"),
+                },
+            }
+        }
+        Request::Drain { timeout_ms } => {
+            if drain.is_some() {
+                Response::Error { message: "a drain is already running".to_owned() }
+            } else {
+                let why = format!("drain requested by {who}");
+                let until = Some(now + DRAIN_HOLD_MAX);
+                agent.force(
+                    Forced {
+                        route: Route::Upstream,
+                        kind: ForceKind::Drain,
+                        until,
+                        why: why.clone(),
+                    },
+                    now,
+                );
+                if let Err(message) = record(Route::Upstream, OverrideKind::Drain, until, &why) {
+                    warn!(error = %message, "drain not persisted");
+                }
+                let timeout = Duration::from_millis(timeout_ms);
+                *drain = Some(Drain {
+                    reply,
+                    started: now,
+                    deadline: now + timeout,
+                    last: None,
+                    quiet: 0,
+                });
+                return;
+            }
+        }
+        Request::Status => match serde_json::to_string(&agent.state(now, wall)) {
+            Ok(message) => Response::Ok { message },
+            Err(e) => Response::Error { message: e.to_string() },
+        },
+    };
+    let _ = reply.send(response);
+}
+
+/// Runs the transition hook for `t`, bounded by `timeout`; never fails the caller. The program
+/// gets the change in its environment: `NODELOCALDNS_HA_FROM`, `_TO`, `_REASON`,
+/// `_REASON_KIND`, `_UNIX_MS`.
+pub async fn run_hook(path: PathBuf, t: Transition, timeout: Duration, metrics: Arc<Metrics>) {
+    let mut command = tokio::process::Command::new(&path);
+    command
+        .env("NODELOCALDNS_HA_FROM", t.from.as_str())
+        .env("NODELOCALDNS_HA_TO", t.to.as_str())
+        .env("NODELOCALDNS_HA_REASON", t.reason.to_string())
+        .env("NODELOCALDNS_HA_REASON_KIND", t.reason.kind())
+        .env("NODELOCALDNS_HA_UNIX_MS", state::unix_ms(SystemTime::now()).to_string())
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let result = match command.spawn() {
+        Err(e) => {
+            warn!(hook = %path.display(), error = %e, "transition hook could not start");
+            "failed"
+        }
+        Ok(mut child) => match tokio::time::timeout(timeout, child.wait()).await {
+            Ok(Ok(status)) if status.success() => "ok",
+            Ok(Ok(status)) => {
+                warn!(hook = %path.display(), %status, "transition hook failed");
+                "failed"
+            }
+            Ok(Err(e)) => {
+                warn!(hook = %path.display(), error = %e, "transition hook failed");
+                "failed"
+            }
+            Err(_) => {
+                warn!(hook = %path.display(), timeout = ?timeout, "transition hook timed out; killed");
+                let _ = child.kill().await;
+                "timeout"
+            }
+        },
+    };
+    metrics.hook(result);
+}

@@ -1,0 +1,659 @@
+//! Observability: Prometheus metrics, and the liveness and readiness the control loop reports.
+//!
+//! [`Metrics`] holds every metric family, typed by label, and renders them in the OpenMetrics
+//! text format; the control loop records into it and never reads it back. [`Health`] is two
+//! atomics: the time of the loop's last turn (liveness) and whether a ruleset has been applied
+//! (readiness). Liveness says only that the loop turns — never whether DNS works: a cache or a
+//! CoreDNS that fails must not get the agent restarted, since failing over is its job.
+//! [`serve`] exposes both over HTTP (`/metrics`, `/healthz`, `/readyz`).
+//!
+//! Families whose labels come from a closed set (routes, probe streams and outcomes, hook
+//! results) are created at zero up front, so a series exists before its first event and
+//! `increase()` counts that event.
+//!
+//! | metric | type | labels |
+//! |---|---|---|
+//! | `nodelocaldns_ha_route` | gauge | `route` |
+//! | `nodelocaldns_ha_route_transitions_total` | counter | `from`, `to`, `reason` |
+//! | `nodelocaldns_ha_probes_total` | counter | `target`, `protocol`, `outcome` |
+//! | `nodelocaldns_ha_probe_duration_seconds` | histogram | `target`, `protocol` |
+//! | `nodelocaldns_ha_dataplane_apply_duration_seconds` | histogram | |
+//! | `nodelocaldns_ha_dataplane_apply_errors_total` | counter | |
+//! | `nodelocaldns_ha_drift_repairs_total` | counter | |
+//! | `nodelocaldns_ha_override_active` | gauge | `route` |
+//! | `nodelocaldns_ha_transition_hook_runs_total` | counter | `result` |
+
+mod http;
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::health::Stream;
+use crate::probe::Transport;
+use crate::ruleset::Route;
+
+pub use http::serve;
+
+/// Every metric name starts with this, then `_`.
+const PREFIX: &str = "nodelocaldns_ha";
+
+/// Probe latency buckets, in seconds: 50 µs (a refusal on loopback) to 1 s (beyond any probe
+/// timeout), in 1–2.5–5 steps so that the usual timeouts (80 ms, 500 ms) fall just under a bound.
+const PROBE_BUCKETS: [f64; 14] = [
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0,
+];
+
+/// Dataplane apply buckets, in seconds: 100 µs (a netlink batch) to 5 s (an `iptables-restore`
+/// waiting out the xtables lock).
+const APPLY_BUCKETS: [f64; 15] = [
+    0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0,
+];
+
+/// The outcomes a probe can have (`probe::Outcome::label`), created at zero for every stream.
+const PROBE_OUTCOMES: [&str; 5] = ["answered", "servfail", "timeout", "refused", "error"];
+
+/// The results of a transition hook run, created at zero.
+const HOOK_RESULTS: [&str; 3] = ["ok", "failed", "timeout"];
+
+const ROUTES: [Route; 2] = [Route::Local, Route::Upstream];
+const STREAMS: [Stream; 3] = [Stream::CacheUdp, Stream::CacheTcp, Stream::Upstream];
+
+/// What a probe asks: the node-local cache or the upstream (CoreDNS).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Target {
+    Cache,
+    Upstream,
+}
+
+impl Target {
+    fn as_str(self) -> &'static str {
+        match self {
+            Target::Cache => "cache",
+            Target::Upstream => "upstream",
+        }
+    }
+}
+
+// Label values are the lower-case names used everywhere else (the command line, `status`, logs).
+// The derive would write the variant names as they are (`Local`), hence these by hand.
+
+impl EncodeLabelValue for Route {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
+impl EncodeLabelValue for Transport {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
+impl EncodeLabelValue for Target {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: Route,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TransitionLabels {
+    from: Route,
+    to: Route,
+    /// A short kind such as `cache_failing` (`health::Reason::kind`).
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StreamLabels {
+    target: Target,
+    protocol: Transport,
+}
+
+impl StreamLabels {
+    fn of(stream: Stream) -> StreamLabels {
+        let (target, protocol) = match stream {
+            Stream::CacheUdp => (Target::Cache, Transport::Udp),
+            Stream::CacheTcp => (Target::Cache, Transport::Tcp),
+            Stream::Upstream => (Target::Upstream, Transport::Udp),
+        };
+        StreamLabels { target, protocol }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProbeLabels {
+    target: Target,
+    protocol: Transport,
+    /// `probe::Outcome::label`: `answered`, `servfail`, `timeout`, `refused` or `error`.
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HookLabels {
+    /// `ok`, `failed` or `timeout`.
+    result: &'static str,
+}
+
+fn probe_histogram() -> Histogram {
+    Histogram::new(PROBE_BUCKETS)
+}
+
+/// The agent's metrics. Cheap to record into from any thread; `encode` renders a scrape.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    route: Family<RouteLabels, Gauge>,
+    transitions: Family<TransitionLabels, Counter>,
+    probes: Family<ProbeLabels, Counter>,
+    probe_duration: Family<StreamLabels, Histogram, fn() -> Histogram>,
+    apply_duration: Histogram,
+    apply_errors: Counter,
+    repairs: Counter,
+    override_active: Family<RouteLabels, Gauge>,
+    hook_runs: Family<HookLabels, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// Every family registered, the closed label sets created at zero.
+    pub fn new() -> Metrics {
+        let metrics = Metrics {
+            registry: Registry::with_prefix(PREFIX),
+            route: Family::default(),
+            transitions: Family::default(),
+            probes: Family::default(),
+            probe_duration: Family::new_with_constructor(probe_histogram),
+            apply_duration: Histogram::new(APPLY_BUCKETS),
+            apply_errors: Counter::default(),
+            repairs: Counter::default(),
+            override_active: Family::default(),
+            hook_runs: Family::default(),
+        };
+        // `get_or_create` creates the series; its guard is dropped at once.
+        for route in ROUTES {
+            drop(metrics.route.get_or_create(&RouteLabels { route }));
+            drop(metrics.override_active.get_or_create(&RouteLabels { route }));
+        }
+        for stream in STREAMS {
+            let StreamLabels { target, protocol } = StreamLabels::of(stream);
+            drop(metrics.probe_duration.get_or_create(&StreamLabels { target, protocol }));
+            for outcome in PROBE_OUTCOMES {
+                drop(metrics.probes.get_or_create(&ProbeLabels { target, protocol, outcome }));
+            }
+        }
+        for result in HOOK_RESULTS {
+            drop(metrics.hook_runs.get_or_create(&HookLabels { result }));
+        }
+        metrics.register()
+    }
+
+    fn register(mut self) -> Metrics {
+        // The registry appends `_total` to counters and the unit to the name, and a full stop
+        // to the help text.
+        let r = &mut self.registry;
+        r.register(
+            "route",
+            "The route DNS for the cluster-DNS IP takes: 1 for the current one, 0 for the other",
+            self.route.clone(),
+        );
+        r.register(
+            "route_transitions",
+            "Route changes, by the route left, the route taken and why",
+            self.transitions.clone(),
+        );
+        r.register(
+            "probes",
+            "DNS probes sent, by target (cache or upstream), protocol and outcome",
+            self.probes.clone(),
+        );
+        r.register_with_unit(
+            "probe_duration",
+            "Time from sending a probe to its outcome (a reply, a refusal, the timeout)",
+            Unit::Seconds,
+            self.probe_duration.clone(),
+        );
+        r.register_with_unit(
+            "dataplane_apply_duration",
+            "Time to install a route's ruleset and read it back, failed attempts included",
+            Unit::Seconds,
+            self.apply_duration.clone(),
+        );
+        r.register(
+            "dataplane_apply_errors",
+            "Attempts to install a ruleset that failed (retried with backoff)",
+            self.apply_errors.clone(),
+        );
+        r.register(
+            "drift_repairs",
+            "Times the installed ruleset was found changed or removed by someone else and restored",
+            self.repairs.clone(),
+        );
+        r.register(
+            "override_active",
+            "1 for the route an operator forced (flip or drain) while it is forced, 0 otherwise",
+            self.override_active.clone(),
+        );
+        r.register(
+            "transition_hook_runs",
+            "Runs of the transition hook, by result (ok, failed, timeout)",
+            self.hook_runs.clone(),
+        );
+        self
+    }
+
+    /// The route now taken: its series 1, the other's 0.
+    pub fn set_route(&self, route: Route) {
+        for r in ROUTES {
+            self.route.get_or_create(&RouteLabels { route: r }).set(i64::from(r == route));
+        }
+    }
+
+    /// Counts a route change; `reason` is a short kind (`health::Reason::kind`). Does not touch
+    /// the `route` gauge: call [`Metrics::set_route`] too.
+    pub fn transition(&self, from: Route, to: Route, reason: &'static str) {
+        self.transitions.get_or_create(&TransitionLabels { from, to, reason }).inc();
+    }
+
+    /// Counts one probe of `stream` with `outcome` (`probe::Outcome::label`) and records how
+    /// long it took.
+    pub fn probe(&self, stream: Stream, outcome: &'static str, latency: Duration) {
+        let StreamLabels { target, protocol } = StreamLabels::of(stream);
+        self.probes.get_or_create(&ProbeLabels { target, protocol, outcome }).inc();
+        self.probe_duration
+            .get_or_create(&StreamLabels { target, protocol })
+            .observe(latency.as_secs_f64());
+    }
+
+    /// Records one attempt to install a ruleset, successful or not.
+    pub fn apply(&self, duration: Duration, ok: bool) {
+        self.apply_duration.observe(duration.as_secs_f64());
+        if !ok {
+            self.apply_errors.inc();
+        }
+    }
+
+    /// Counts one repair of a ruleset someone else changed or removed.
+    pub fn repair(&self) {
+        self.repairs.inc();
+    }
+
+    /// The route an operator forced, if any: its series 1, every other 0.
+    pub fn set_override(&self, active: Option<Route>) {
+        for r in ROUTES {
+            let forced = active == Some(r);
+            self.override_active.get_or_create(&RouteLabels { route: r }).set(i64::from(forced));
+        }
+    }
+
+    /// Counts one run of the transition hook: `result` is `ok`, `failed` or `timeout`.
+    pub fn hook(&self, result: &'static str) {
+        self.hook_runs.get_or_create(&HookLabels { result }).inc();
+    }
+
+    /// Every metric in the OpenMetrics text format, `# EOF` included.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing into a String cannot fail, nor can the label encoders above.
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)
+            .expect("encoding metrics into a String");
+        text
+    }
+}
+
+/// Liveness and readiness, shared with the control loop.
+///
+/// The loop [`beat`](Health::beat)s every turn and marks itself [ready](Health::set_ready) after
+/// its first successful apply. Creating a `Health` counts as a beat, so the loop has
+/// `max_silence` to make its first turn.
+#[derive(Debug)]
+pub struct Health {
+    /// The instant the offsets below count from.
+    epoch: Instant,
+    /// The last beat, in nanoseconds from `epoch` (negative: before it).
+    last_beat: AtomicI64,
+    ready: AtomicBool,
+}
+
+impl Default for Health {
+    fn default() -> Health {
+        Health::new()
+    }
+}
+
+impl Health {
+    pub fn new() -> Health {
+        Health {
+            epoch: Instant::now(),
+            last_beat: AtomicI64::new(0),
+            ready: AtomicBool::new(false),
+        }
+    }
+
+    /// The control loop turned at `now`.
+    pub fn beat(&self, now: Instant) {
+        // Ordering: the value stands alone; it publishes nothing else.
+        self.last_beat.store(self.offset(now), Ordering::Relaxed);
+    }
+
+    /// The first ruleset is installed: the agent does its job from now on.
+    pub fn set_ready(&self) {
+        self.ready.store(true, Ordering::Relaxed);
+    }
+
+    /// The control loop turned within `max_silence` before `now`. Says nothing about DNS.
+    pub fn live(&self, now: Instant, max_silence: Duration) -> bool {
+        self.silence(now) <= max_silence
+    }
+
+    /// A ruleset has been applied.
+    pub fn ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// How long before `now` the loop last turned (zero if it turned later).
+    fn silence(&self, now: Instant) -> Duration {
+        let nanos = self.offset(now).saturating_sub(self.last_beat.load(Ordering::Relaxed));
+        Duration::from_nanos(u64::try_from(nanos).unwrap_or(0))
+    }
+
+    /// `at` in signed nanoseconds from `epoch` (saturating after 292 years either way).
+    fn offset(&self, at: Instant) -> i64 {
+        let nanos = |d: Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+        match at.checked_duration_since(self.epoch) {
+            Some(after) => nanos(after),
+            None => -nanos(self.epoch.duration_since(at)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::probe::Outcome;
+
+    /// A scrape, parsed: `# TYPE` lines by family, samples by series (`name{labels}`).
+    struct Scrape {
+        types: HashMap<String, String>,
+        helps: HashMap<String, String>,
+        samples: HashMap<String, f64>,
+    }
+
+    impl Scrape {
+        fn of(metrics: &Metrics) -> Scrape {
+            let text = metrics.encode();
+            assert!(text.ends_with("# EOF\n"), "{text}");
+            let mut scrape =
+                Scrape { types: HashMap::new(), helps: HashMap::new(), samples: HashMap::new() };
+            for line in text.lines().filter(|l| *l != "# EOF") {
+                if let Some(rest) = line.strip_prefix("# TYPE ") {
+                    let (name, kind) = rest.split_once(' ').unwrap();
+                    scrape.types.insert(name.to_owned(), kind.to_owned());
+                } else if let Some(rest) = line.strip_prefix("# HELP ") {
+                    let (name, help) = rest.split_once(' ').unwrap();
+                    scrape.helps.insert(name.to_owned(), help.to_owned());
+                } else if line.starts_with("# UNIT ") {
+                } else {
+                    assert!(!line.starts_with('#'), "unexpected line {line:?}");
+                    let (series, value) = line.rsplit_once(' ').unwrap();
+                    let value = value.parse().unwrap_or_else(|_| panic!("{line:?}"));
+                    assert!(scrape.samples.insert(series.to_owned(), value).is_none(), "{line}");
+                }
+            }
+            scrape
+        }
+
+        fn family(&self, name: &str, kind: &str) {
+            assert_eq!(self.types.get(name).map(String::as_str), Some(kind), "# TYPE of {name}");
+            let help = &self.helps[name];
+            assert!(help.len() > 10 && help.ends_with('.'), "{name}: {help:?}");
+        }
+
+        #[track_caller]
+        fn value(&self, series: &str) -> f64 {
+            *self.samples.get(series).unwrap_or_else(|| {
+                let mut known: Vec<_> = self.samples.keys().collect();
+                known.sort();
+                panic!("no sample {series}; have {known:#?}")
+            })
+        }
+    }
+
+    #[test]
+    fn metrics_and_health_are_send_and_sync() {
+        fn shared<T: Send + Sync>() {}
+        shared::<Metrics>();
+        shared::<Health>();
+    }
+
+    #[test]
+    fn every_name_has_the_prefix_help_and_a_type() {
+        let m = Metrics::new();
+        m.transition(Route::Local, Route::Upstream, "cache_refused");
+        let s = Scrape::of(&m);
+        assert_eq!(s.types.len(), 9, "{:?}", s.types.keys());
+        for name in s.types.keys().chain(s.samples.keys()) {
+            assert!(name.starts_with("nodelocaldns_ha_"), "{name}");
+        }
+        assert_eq!(s.helps.len(), s.types.len());
+    }
+
+    #[test]
+    fn route_gauge_follows_set_route() {
+        let m = Metrics::new();
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_route", "gauge");
+        assert_eq!(s.value(r#"nodelocaldns_ha_route{route="local"}"#), 0.0);
+        m.set_route(Route::Local);
+        m.set_route(Route::Upstream);
+        let s = Scrape::of(&m);
+        assert_eq!(s.value(r#"nodelocaldns_ha_route{route="local"}"#), 0.0);
+        assert_eq!(s.value(r#"nodelocaldns_ha_route{route="upstream"}"#), 1.0);
+    }
+
+    #[test]
+    fn transitions_are_counted_by_from_to_and_reason() {
+        let m = Metrics::new();
+        // No reason is known up front: the family shows once something happened.
+        assert!(!m.encode().contains("route_transitions"));
+        m.transition(Route::Local, Route::Upstream, "cache_refused");
+        m.transition(Route::Upstream, Route::Local, "cache_recovered");
+        m.transition(Route::Local, Route::Upstream, "cache_refused");
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_route_transitions", "counter");
+        let series = |from, to, reason| {
+            format!(
+                r#"nodelocaldns_ha_route_transitions_total{{from="{from}",to="{to}",reason="{reason}"}}"#
+            )
+        };
+        assert_eq!(s.value(&series("local", "upstream", "cache_refused")), 2.0);
+        assert_eq!(s.value(&series("upstream", "local", "cache_recovered")), 1.0);
+    }
+
+    #[test]
+    fn probes_are_counted_and_timed_per_stream() {
+        let m = Metrics::new();
+        m.probe(Stream::CacheUdp, "answered", Duration::from_micros(300));
+        m.probe(Stream::CacheUdp, "refused", Duration::from_micros(40));
+        m.probe(Stream::CacheTcp, "timeout", Duration::from_millis(80));
+        m.probe(Stream::Upstream, "answered", Duration::from_millis(3));
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_probes", "counter");
+        s.family("nodelocaldns_ha_probe_duration_seconds", "histogram");
+        let probes = |target, protocol, outcome| {
+            let labels = format!(r#"target="{target}",protocol="{protocol}",outcome="{outcome}""#);
+            s.value(&format!("nodelocaldns_ha_probes_total{{{labels}}}"))
+        };
+        assert_eq!(probes("cache", "udp", "answered"), 1.0);
+        assert_eq!(probes("cache", "udp", "refused"), 1.0);
+        assert_eq!(probes("cache", "tcp", "timeout"), 1.0);
+        assert_eq!(probes("upstream", "udp", "answered"), 1.0);
+        // Created at zero before they happen.
+        assert_eq!(probes("upstream", "udp", "servfail"), 0.0);
+        assert_eq!(probes("cache", "tcp", "error"), 0.0);
+
+        let duration = |labels: &str, suffix: &str| {
+            s.value(&format!("nodelocaldns_ha_probe_duration_seconds_{suffix}{{{labels}}}"))
+        };
+        let cache_udp = r#"target="cache",protocol="udp""#;
+        assert_eq!(duration(cache_udp, "count"), 2.0);
+        assert!((duration(cache_udp, "sum") - 0.000_34).abs() < 1e-9);
+        // The `le` label comes first in a family's buckets.
+        let bucket = |labels: &str, le: &str| duration(&format!(r#"le="{le}",{labels}"#), "bucket");
+        assert_eq!(bucket(cache_udp, "0.00005"), 1.0);
+        assert_eq!(bucket(cache_udp, "0.00025"), 1.0);
+        assert_eq!(bucket(cache_udp, "0.0005"), 2.0);
+        assert_eq!(bucket(cache_udp, "+Inf"), 2.0);
+        let cache_tcp = r#"target="cache",protocol="tcp""#;
+        assert_eq!(bucket(cache_tcp, "0.05"), 0.0);
+        assert_eq!(bucket(cache_tcp, "0.1"), 1.0);
+        assert_eq!(duration(r#"target="upstream",protocol="udp""#, "count"), 1.0);
+    }
+
+    #[test]
+    fn probe_buckets_span_50_microseconds_to_1_second() {
+        let s = Scrape::of(&Metrics::new());
+        let mut bounds: Vec<&str> = s
+            .samples
+            .keys()
+            .filter_map(|k| {
+                let rest =
+                    k.strip_prefix(r#"nodelocaldns_ha_probe_duration_seconds_bucket{le=""#)?;
+                rest.strip_suffix(r#"",target="cache",protocol="udp"}"#)
+            })
+            .collect();
+        bounds.sort_by(|a, b| {
+            let v = |s: &str| if s == "+Inf" { f64::INFINITY } else { s.parse::<f64>().unwrap() };
+            v(a).total_cmp(&v(b))
+        });
+        assert_eq!(bounds.first(), Some(&"0.00005"));
+        assert_eq!(bounds[bounds.len() - 2..], ["1.0", "+Inf"]);
+        assert_eq!(bounds.len(), PROBE_BUCKETS.len() + 1);
+        assert!(PROBE_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+        assert!(APPLY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!((APPLY_BUCKETS[0], APPLY_BUCKETS[APPLY_BUCKETS.len() - 1]), (0.000_1, 5.0));
+    }
+
+    #[test]
+    fn probe_outcomes_created_up_front_are_the_probes_labels() {
+        let outcomes = [
+            Outcome::Answered { rcode: crate::probe::Rcode::NOERROR },
+            Outcome::ServerFailure { rcode: crate::probe::Rcode::SERVFAIL },
+            Outcome::Timeout,
+            Outcome::Refused,
+            Outcome::Error { reason: String::new() },
+        ];
+        let labels: Vec<_> = outcomes.iter().map(Outcome::label).collect();
+        assert_eq!(labels, PROBE_OUTCOMES);
+    }
+
+    #[test]
+    fn applies_are_timed_and_failures_counted() {
+        let m = Metrics::new();
+        m.apply(Duration::from_micros(700), true);
+        m.apply(Duration::from_secs(2), false);
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_dataplane_apply_duration_seconds", "histogram");
+        s.family("nodelocaldns_ha_dataplane_apply_errors", "counter");
+        let bucket = |le: &str| {
+            s.value(&format!(
+                r#"nodelocaldns_ha_dataplane_apply_duration_seconds_bucket{{le="{le}"}}"#
+            ))
+        };
+        assert_eq!(bucket("0.0001"), 0.0);
+        assert_eq!(bucket("0.001"), 1.0);
+        assert_eq!(bucket("1.0"), 1.0);
+        assert_eq!(bucket("2.5"), 2.0);
+        assert_eq!(bucket("5.0"), 2.0);
+        assert_eq!(bucket("+Inf"), 2.0);
+        assert_eq!(s.value("nodelocaldns_ha_dataplane_apply_duration_seconds_count"), 2.0);
+        assert_eq!(s.value("nodelocaldns_ha_dataplane_apply_errors_total"), 1.0);
+    }
+
+    #[test]
+    fn repairs_are_counted() {
+        let m = Metrics::new();
+        assert_eq!(Scrape::of(&m).value("nodelocaldns_ha_drift_repairs_total"), 0.0);
+        m.repair();
+        m.repair();
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_drift_repairs", "counter");
+        assert_eq!(s.value("nodelocaldns_ha_drift_repairs_total"), 2.0);
+    }
+
+    #[test]
+    fn override_gauge_marks_the_forced_route() {
+        let m = Metrics::new();
+        let local = r#"nodelocaldns_ha_override_active{route="local"}"#;
+        let upstream = r#"nodelocaldns_ha_override_active{route="upstream"}"#;
+        m.set_override(Some(Route::Upstream));
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_override_active", "gauge");
+        assert_eq!((s.value(local), s.value(upstream)), (0.0, 1.0));
+        m.set_override(Some(Route::Local));
+        let s = Scrape::of(&m);
+        assert_eq!((s.value(local), s.value(upstream)), (1.0, 0.0));
+        m.set_override(None);
+        let s = Scrape::of(&m);
+        assert_eq!((s.value(local), s.value(upstream)), (0.0, 0.0));
+    }
+
+    #[test]
+    fn hook_runs_are_counted_by_result() {
+        let m = Metrics::new();
+        m.hook("ok");
+        m.hook("timeout");
+        m.hook("ok");
+        let s = Scrape::of(&m);
+        s.family("nodelocaldns_ha_transition_hook_runs", "counter");
+        let runs = |result| {
+            s.value(&format!(r#"nodelocaldns_ha_transition_hook_runs_total{{result="{result}"}}"#))
+        };
+        assert_eq!((runs("ok"), runs("failed"), runs("timeout")), (2.0, 0.0, 1.0));
+    }
+
+    #[test]
+    fn liveness_follows_the_beat_only() {
+        let t0 = Instant::now();
+        let h = Health::new();
+        let limit = Duration::from_secs(5);
+        // Creation counts as a beat.
+        assert!(h.live(t0, limit));
+        h.beat(t0 + Duration::from_secs(10));
+        assert!(h.live(t0 + Duration::from_secs(15), limit));
+        assert!(!h.live(t0 + Duration::from_secs(16), limit));
+        // A beat stamped before the Health was made still counts from its own time.
+        let h = Health::new();
+        if let Some(old) = t0.checked_sub(Duration::from_secs(60)) {
+            h.beat(old);
+            assert!(!h.live(t0, limit));
+            assert_eq!(h.silence(t0), Duration::from_secs(60));
+            assert!(h.live(t0, Duration::from_secs(60)));
+        }
+        // Readiness is separate from liveness.
+        assert!(!h.ready());
+        h.set_ready();
+        assert!(h.ready());
+    }
+}

@@ -1,0 +1,195 @@
+//! Operating the agent on the simulated node: manual flips, drains for a rolling update of
+//! node-local-dns, metrics and health endpoints, the transition hook.
+
+mod support;
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use support::*;
+
+fn state_dir(agent: &Agent) -> String {
+    agent.state_dir.display().to_string()
+}
+
+/// Issue 4, acceptance 1: `flip upstream --for 2s` routes to CoreDNS at once and is automatic
+/// again after 2 s.
+#[test]
+fn flip_for_a_while_then_automatic() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    let out =
+        node.cli(&["flip", "upstream", "--for", "2s", "--reason", "test", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let flipped_at = now_ms();
+    let up = agent.wait_route("upstream", Duration::from_secs(1));
+    assert!(up["reason"].as_str().unwrap().contains("forced by hand: test"), "{up}");
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), COREDNS_ANSWER);
+    let status = node.cli(&["status", "--state-dir", &dir]);
+    assert!(
+        String::from_utf8_lossy(&status.stdout).contains("override:    upstream"),
+        "{}",
+        describe(&status)
+    );
+
+    let local = agent.wait_route("local", Duration::from_secs(5));
+    let back = local["since_unix_ms"].as_u64().unwrap();
+    assert!(back >= flipped_at + 1900, "automatic again too early: {local}");
+    assert!(
+        !agent.state_dir.join("override.json").exists(),
+        "the expired override is still recorded"
+    );
+}
+
+/// Issue 4, acceptance 1: the override survives killing and restarting the agent; `release`
+/// ends it; a non-root peer is refused.
+#[test]
+fn override_survives_restart_and_only_root_may_flip() {
+    let node = SimNode::up();
+    let mut agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    let out = node.cli(&["flip", "upstream", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    agent.wait_route("upstream", Duration::from_secs(1));
+    agent.stop(Signal::SIGKILL);
+    drop(agent);
+
+    let agent = node.agent_starting(&[]);
+    let st = agent.wait_route("upstream", Duration::from_secs(5));
+    assert!(st["reason"].as_str().unwrap().contains("forced"), "{st}");
+    // Still upstream after many good probes: the override holds.
+    wait_for("good probes", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["probes"]["cache_udp"]["streak_good"].as_u64() >= Some(10))
+    });
+    assert_eq!(agent.state().unwrap()["route"], "upstream");
+
+    let nobody = node.run(
+        "node",
+        "setpriv",
+        &[
+            "--reuid",
+            "65534",
+            "--regid",
+            "65534",
+            "--clear-groups",
+            AGENT,
+            "release",
+            "--state-dir",
+            &dir,
+        ],
+    );
+    assert!(!nobody.status.success(), "{}", describe(&nobody));
+    let err = String::from_utf8_lossy(&nobody.stderr).to_lowercase();
+    assert!(err.contains("root") || err.contains("permission"), "{}", describe(&nobody));
+    assert_eq!(agent.state().unwrap()["route"], "upstream");
+
+    let out = node.cli(&["release", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    agent.wait_route("local", Duration::from_secs(2));
+}
+
+/// Issue 4, acceptance 2: `drain` (the preStop hook of node-local-dns), then the cache is killed
+/// and a new one starts: no lookup fails and no first attempt is lost.
+#[test]
+fn drain_makes_a_rolling_update_lossless() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    let mut load = node.load(
+        "pod1",
+        CLUSTER_DNS_IP,
+        &["--rate", "500", "--duration", "7s", "--report-interval", "250ms"],
+    );
+    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0)
+    });
+    let out = node.cli(&["drain", "--timeout", "5s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("quiet"), "drain did not see the cache go quiet: {said}");
+    assert_eq!(agent.state().unwrap()["route"], "upstream");
+
+    node.signal("cache-kill");
+    node.script(&["cache-start"]);
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    println!("back: {}", local["reason"]);
+    load.wait_line("the new cache answering", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+    });
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_eq!(summary["first_attempt_lost"], 0, "{summary}");
+}
+
+/// Issue 4, acceptance 3: every metric family is served and parses; /healthz stays 200 while
+/// the cache is dead (liveness is never tied to DNS); /readyz is 200 once the ruleset is in.
+#[test]
+fn metrics_and_health_endpoints() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    let (status, body) = node.http_get("/metrics");
+    assert_eq!(status, 200, "{body}");
+    let lines = body.lines().map(|l| Ok(l.to_owned()));
+    let scrape = prometheus_parse::Scrape::parse(lines).expect("the exposition parses");
+    let names: std::collections::BTreeSet<_> =
+        scrape.samples.iter().map(|s| s.metric.clone()).collect();
+    for family in [
+        "nodelocaldns_ha_route",
+        "nodelocaldns_ha_route_transitions_total",
+        "nodelocaldns_ha_probes_total",
+        // Histograms, as the parser groups their buckets.
+        "nodelocaldns_ha_probe_duration_seconds",
+        "nodelocaldns_ha_dataplane_apply_duration_seconds",
+        "nodelocaldns_ha_dataplane_apply_errors_total",
+        "nodelocaldns_ha_drift_repairs_total",
+        "nodelocaldns_ha_override_active",
+        "nodelocaldns_ha_transition_hook_runs_total",
+    ] {
+        assert!(names.contains(family), "{family} missing from {names:?}");
+    }
+    let upstream = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == "nodelocaldns_ha_route" && s.labels.get("route") == Some("upstream"));
+    assert!(
+        matches!(upstream.map(|s| &s.value), Some(prometheus_parse::Value::Gauge(v)) if *v == 1.0),
+        "{upstream:?}"
+    );
+    assert_eq!(node.http_get("/healthz").0, 200, "liveness failed while the cache is dead");
+    assert_eq!(node.http_get("/readyz").0, 200);
+}
+
+/// Issue 4, acceptance 4: a transition hook that never ends does not delay the switch, and its
+/// timeout is counted.
+#[test]
+fn a_hung_transition_hook_never_delays_a_switch() {
+    let node = SimNode::up();
+    let hook = node.dir.join("hook.sh");
+    std::fs::write(&hook, "#!/bin/sh\nexec sleep 1000\n").unwrap();
+    let executable = std::os::unix::fs::PermissionsExt::from_mode(0o755);
+    std::fs::set_permissions(&hook, executable).unwrap();
+    let hook = hook.display().to_string();
+    let agent = node.agent(&["--on-transition", &hook, "--hook-timeout", "1s"]);
+    let killed_at = node.signal("cache-kill");
+    let up = agent.wait_route("upstream", Duration::from_secs(2));
+    let took = up["since_unix_ms"].as_u64().unwrap().saturating_sub(killed_at);
+    assert!(took < 500, "the switch took {took} ms");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    wait_for("both hook timeouts to be counted", Duration::from_secs(5), || {
+        let (_, body) = node.http_get("/metrics");
+        body.lines()
+            .any(|l| {
+                l.starts_with("nodelocaldns_ha_transition_hook_runs_total")
+                    && l.contains("timeout")
+                    && l.trim_end().ends_with(" 2")
+            })
+            .then_some(())
+    });
+}

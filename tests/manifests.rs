@@ -1,0 +1,1258 @@
+//! The deployment files: `manifests/` (a kustomize base and an overlay), the `Dockerfile` and
+//! `packaging/nodelocaldns-ha.service`, checked without a cluster, an image build or systemd.
+//!
+//! * Every YAML document parses into the k8s-openapi type of its `kind`, and nothing in it is
+//!   dropped on the way back out (a misspelt or misplaced field would be).
+//! * What `kustomize build` would do: every resource and patch a kustomization names exists and
+//!   parses, every patch targets an object of the build, the `images` transformer applies. With
+//!   `kubectl` on the machine, its built-in kustomize builds both for real, too.
+//! * The agent's DaemonSet keeps its promises (capabilities, probes on the metrics address,
+//!   settings that `nodelocaldns-ha run` accepts), and the overlay gives node-cache the flags and
+//!   the `drain` preStop hook the agent relies on.
+//! * The systemd unit and the Dockerfile say what the issue asked, consistently with the
+//!   manifests.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use clap::CommandFactory;
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::core::v1::{Container, PodSpec, Probe, Service, ServiceAccount, Volume};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use nodelocaldns_ha::cli::Cli;
+use nodelocaldns_ha::config::parse_duration;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+const NAMESPACE: &str = "kube-system";
+const AGENT: &str = "nodelocaldns-ha";
+/// The image name the manifests use, mapped to a real image by each kustomization's `images`.
+const IMAGE: &str = "nodelocaldns-ha";
+/// node-local-dns's DaemonSet, which the overlay patches.
+const NODE_LOCAL_DNS: &str = "node-local-dns";
+const NODE_CACHE: &str = "node-cache";
+const STATE_DIR: &str = "/run/nodelocaldns-ha";
+const XTABLES_LOCK: &str = "/run/xtables.lock";
+/// Where the Dockerfile puts the self-contained client that the overlay copies out.
+const CLIENT_BUNDLE: &str = "/opt/nodelocaldns-ha";
+/// The capabilities the agent may ask for. NET_ADMIN: nftables, sock_diag, iptables changes.
+/// NET_RAW: iptables-legacy (libiptc) works through a raw socket; without it the agent cannot
+/// even read an iptables-legacy node (`iptables-legacy-save`: "Permission denied").
+const CAPABILITIES: [&str; 2] = ["NET_ADMIN", "NET_RAW"];
+/// How much longer than its `--timeout` the `drain` client waits for the agent's answer
+/// (`CALL_TIMEOUT` in src/main.rs).
+const DRAIN_CALL_SLACK: Duration = Duration::from_secs(5);
+/// What node-cache keeps of the grace period, at least, after the longest drain.
+const NODE_CACHE_SHUTDOWN: Duration = Duration::from_secs(5);
+/// The values of node-local-dns's placeholders in the manifests' comments (and its docs).
+const PLACEHOLDERS: [(&str, &str); 2] =
+    [("__PILLAR__LOCAL__DNS__", "169.254.20.10"), ("__PILLAR__DNS__SERVER__", "10.96.0.10")];
+/// The keys a kustomization here may use: anything else is a typo kustomize would reject.
+const KUSTOMIZATION_KEYS: [&str; 8] =
+    ["apiVersion", "kind", "resources", "patches", "images", "namespace", "labels", "components"];
+
+/// node-local-dns's DaemonSet as its stock manifest has it (abridged to what the overlay
+/// touches): the overlay's target when its remote resource cannot be fetched.
+const STOCK_NODE_LOCAL_DNS: &str = r#"
+apiVersion: apps/v1
+kind: DaemonSet
+metadata:
+  name: node-local-dns
+  namespace: kube-system
+  labels:
+    k8s-app: node-local-dns
+spec:
+  selector:
+    matchLabels:
+      k8s-app: node-local-dns
+  template:
+    metadata:
+      labels:
+        k8s-app: node-local-dns
+    spec:
+      priorityClassName: system-node-critical
+      serviceAccountName: node-local-dns
+      hostNetwork: true
+      dnsPolicy: Default
+      containers:
+        - name: node-cache
+          image: registry.k8s.io/dns/k8s-dns-node-cache:1.26.4
+          args: ["-localip", "__PILLAR__LOCAL__DNS__,__PILLAR__DNS__SERVER__", "-conf",
+                 "/etc/Corefile", "-upstreamsvc", "kube-dns-upstream"]
+          securityContext:
+            capabilities:
+              add: ["NET_ADMIN"]
+          volumeMounts:
+            - name: xtables-lock
+              mountPath: /run/xtables.lock
+      volumes:
+        - name: xtables-lock
+          hostPath:
+            path: /run/xtables.lock
+            type: FileOrCreate
+"#;
+
+// ---------------------------------------------------------------------------------------------
+// Files and documents
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// `path` relative to the repository, for messages.
+fn shown(path: &Path) -> String {
+    path.strip_prefix(repo()).unwrap_or(path).display().to_string()
+}
+
+/// Every `.yaml`/`.yml` file under `dir`, sorted.
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// The documents of a YAML stream, as JSON values; empty documents are left out.
+fn yaml_docs(text: &str, origin: &str) -> Vec<Value> {
+    serde_norway::Deserializer::from_str(text)
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{origin}: not YAML: {e}")))
+        .filter(|doc| !doc.is_null())
+        .collect()
+}
+
+fn file_docs(path: &Path) -> Vec<Value> {
+    yaml_docs(&read(path), &shown(path))
+}
+
+fn str_at<'a>(doc: &'a Value, pointer: &str) -> Option<&'a str> {
+    doc.pointer(pointer).and_then(Value::as_str)
+}
+
+/// `value` as `T`, checking that serializing `T` back keeps everything `value` said: k8s-openapi
+/// types ignore unknown fields, so a misspelt or misplaced field shows up as dropped here.
+fn typed<T: DeserializeOwned + Serialize>(value: &Value, origin: &str) -> T {
+    let typed: T = serde_json::from_value(value.clone())
+        .unwrap_or_else(|e| panic!("{origin}: not a valid {}: {e}", std::any::type_name::<T>()));
+    let back = serde_json::to_value(&typed).unwrap();
+    let mut lost = Vec::new();
+    kept(value, &back, "", &mut lost);
+    assert!(lost.is_empty(), "{origin}: dropped or changed by the API types: {}", lost.join("; "));
+    typed
+}
+
+/// Collects in `lost` every place where `original` says something `back` does not.
+fn kept(original: &Value, back: &Value, at: &str, lost: &mut Vec<String>) {
+    match (original, back) {
+        (Value::Object(original), Value::Object(back)) => {
+            for (key, value) in original {
+                let here = format!("{at}.{key}");
+                match back.get(key) {
+                    Some(back) => kept(value, back, &here, lost),
+                    None => lost.push(format!("{here} (unknown field)")),
+                }
+            }
+        }
+        (Value::Array(original), Value::Array(back)) if original.len() == back.len() => {
+            for (i, (original, back)) in original.iter().zip(back).enumerate() {
+                kept(original, back, &format!("{at}[{i}]"), lost);
+            }
+        }
+        (original, back) if original == back => {}
+        (original, back) => lost.push(format!("{at}: {original} came back as {back}")),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A kustomize build, as far as these manifests need one
+
+/// An object's identity in a build.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct ObjectId {
+    kind: String,
+    namespace: String,
+    name: String,
+}
+
+impl ObjectId {
+    fn of(doc: &Value) -> Option<ObjectId> {
+        Some(ObjectId {
+            kind: str_at(doc, "/kind")?.to_owned(),
+            namespace: str_at(doc, "/metadata/namespace").unwrap_or("default").to_owned(),
+            name: str_at(doc, "/metadata/name")?.to_owned(),
+        })
+    }
+
+    fn new(kind: &str, name: &str) -> ObjectId {
+        ObjectId { kind: kind.into(), namespace: NAMESPACE.into(), name: name.into() }
+    }
+}
+
+/// What a patch applies to.
+#[derive(Debug)]
+enum PatchBody {
+    /// A strategic-merge patch: an object.
+    StrategicMerge(Value),
+    /// An RFC 6902 JSON patch: a list of operations.
+    Json(Vec<Value>),
+}
+
+#[derive(Debug)]
+struct Patch {
+    file: PathBuf,
+    target: ObjectId,
+    body: PatchBody,
+}
+
+/// A kustomization, loaded and checked the way `kustomize build` would refuse it.
+#[derive(Debug)]
+struct Kustomization {
+    dir: PathBuf,
+    /// The objects of its local resources.
+    objects: Vec<Value>,
+    /// Resources kustomize fetches at build time.
+    remote: Vec<String>,
+    patches: Vec<Patch>,
+    /// `images`: name → the image it becomes.
+    images: BTreeMap<String, String>,
+}
+
+impl Kustomization {
+    fn load(dir: &Path) -> Kustomization {
+        let file = dir.join("kustomization.yaml");
+        let origin = shown(&file);
+        let docs = file_docs(&file);
+        assert_eq!(docs.len(), 1, "{origin}: one document");
+        let doc = &docs[0];
+        assert_eq!(str_at(doc, "/kind"), Some("Kustomization"), "{origin}: kind");
+        assert!(
+            str_at(doc, "/apiVersion").is_some_and(|v| v.starts_with("kustomize.config.k8s.io/")),
+            "{origin}: apiVersion"
+        );
+        for key in doc.as_object().unwrap().keys() {
+            assert!(KUSTOMIZATION_KEYS.contains(&key.as_str()), "{origin}: unknown key {key}");
+        }
+
+        let mut objects = Vec::new();
+        let mut remote = Vec::new();
+        for entry in list(doc, "/resources", &origin) {
+            let entry = entry.as_str().unwrap_or_else(|| panic!("{origin}: resource {entry}"));
+            if entry.contains("://") {
+                assert!(entry.starts_with("https://"), "{origin}: {entry}: fetch over https");
+                remote.push(entry.to_owned());
+                continue;
+            }
+            let path = dir.join(entry);
+            assert!(path.exists(), "{origin}: resource {entry} does not exist");
+            if path.is_dir() {
+                objects.extend(Kustomization::load(&path).build(&[]));
+            } else {
+                for object in file_docs(&path) {
+                    assert!(
+                        ObjectId::of(&object).is_some(),
+                        "{}: every document is an object with a kind and a name",
+                        shown(&path)
+                    );
+                    objects.push(object);
+                }
+            }
+        }
+
+        let patches = list(doc, "/patches", &origin)
+            .iter()
+            .map(|entry| {
+                let path = entry
+                    .get("path")
+                    .and_then(Value::as_str)
+                    .unwrap_or_else(|| panic!("{origin}: every patch is a file: {entry}"));
+                Patch::load(&dir.join(path), entry.get("target"))
+            })
+            .collect();
+
+        let images = list(doc, "/images", &origin)
+            .iter()
+            .map(|image| {
+                let name = str_at(image, "/name").unwrap_or_else(|| panic!("{origin}: {image}"));
+                let new_name = str_at(image, "/newName").unwrap_or(name);
+                let new = match str_at(image, "/newTag") {
+                    Some(tag) => format!("{new_name}:{tag}"),
+                    None => new_name.to_owned(),
+                };
+                (name.to_owned(), new)
+            })
+            .collect();
+
+        Kustomization { dir: dir.to_path_buf(), objects, remote, patches, images }
+    }
+
+    /// The build's output: local objects plus `fetched` (standing in for the remote resources),
+    /// patched, with images replaced. Fails like kustomize on duplicate objects, on patches
+    /// without a target and on images that name no container.
+    fn build(&self, fetched: &[Value]) -> Vec<Value> {
+        let origin = shown(&self.dir);
+        let mut objects: Vec<Value> = self.objects.iter().chain(fetched).cloned().collect();
+        let mut ids = BTreeSet::new();
+        for object in &objects {
+            let id = ObjectId::of(object).unwrap();
+            assert!(ids.insert(id.clone()), "{origin}: {id:?} twice (kustomize refuses that)");
+        }
+        for patch in &self.patches {
+            let object = objects
+                .iter_mut()
+                .find(|o| ObjectId::of(o).as_ref() == Some(&patch.target))
+                .unwrap_or_else(|| {
+                    panic!("{}: no {:?} in the build", shown(&patch.file), patch.target)
+                });
+            match &patch.body {
+                PatchBody::Json(ops) => json_patch(object, ops)
+                    .unwrap_or_else(|e| panic!("{}: {e}", shown(&patch.file))),
+                // Merge keys and directives are kustomize's business: the tests below look
+                // at the patch itself.
+                PatchBody::StrategicMerge(_) => {}
+            }
+        }
+        for (name, new) in &self.images {
+            let mut replaced = 0;
+            for object in &mut objects {
+                for container in containers_mut(object) {
+                    let Some(image) = container.get("image").and_then(Value::as_str) else {
+                        continue;
+                    };
+                    if image == name
+                        || image
+                            .strip_prefix(name.as_str())
+                            .is_some_and(|rest| rest.starts_with(':') || rest.starts_with('@'))
+                    {
+                        container["image"] = json!(new);
+                        replaced += 1;
+                    }
+                }
+            }
+            for patch in &self.patches {
+                if let PatchBody::StrategicMerge(body) = &patch.body {
+                    replaced +=
+                        containers(body).filter(|c| c.image.as_deref() == Some(name)).count();
+                }
+            }
+            assert!(replaced > 0, "{origin}: image {name} is in no container");
+        }
+        objects
+    }
+
+    /// The strategic-merge patches, as the objects they are.
+    fn merge_patches(&self) -> impl Iterator<Item = (&Patch, &Value)> {
+        self.patches.iter().filter_map(|patch| match &patch.body {
+            PatchBody::StrategicMerge(body) => Some((patch, body)),
+            PatchBody::Json(_) => None,
+        })
+    }
+}
+
+impl Patch {
+    fn load(file: &Path, target: Option<&Value>) -> Patch {
+        let origin = shown(file);
+        assert!(file.is_file(), "{origin}: the patch does not exist");
+        let docs = file_docs(file);
+        assert_eq!(docs.len(), 1, "{origin}: one patch a file");
+        let doc = docs.into_iter().next().unwrap();
+        let target = target.map(|target| {
+            for key in target.as_object().unwrap().keys() {
+                assert!(
+                    ["group", "version", "kind", "name", "namespace"].contains(&key.as_str()),
+                    "{origin}: target has {key}"
+                );
+            }
+            ObjectId {
+                kind: str_at(target, "/kind").expect("target kind").into(),
+                namespace: str_at(target, "/namespace").expect("target namespace").into(),
+                name: str_at(target, "/name").expect("target name").into(),
+            }
+        });
+        match doc {
+            Value::Array(ops) => {
+                for op in &ops {
+                    check_json_patch_op(op, &origin);
+                }
+                let target =
+                    target.unwrap_or_else(|| panic!("{origin}: a JSON patch needs a target"));
+                Patch { file: file.to_path_buf(), target, body: PatchBody::Json(ops) }
+            }
+            object => {
+                let own = ObjectId::of(&object)
+                    .unwrap_or_else(|| panic!("{origin}: a strategic merge names its object"));
+                assert_eq!(target.as_ref().unwrap_or(&own), &own, "{origin}: target and object");
+                Patch {
+                    file: file.to_path_buf(),
+                    target: own,
+                    body: PatchBody::StrategicMerge(object),
+                }
+            }
+        }
+    }
+}
+
+fn list<'a>(doc: &'a Value, pointer: &str, origin: &str) -> &'a [Value] {
+    match doc.pointer(pointer) {
+        None => &[],
+        Some(Value::Array(items)) => items,
+        Some(other) => panic!("{origin}: {pointer} is not a list: {other}"),
+    }
+}
+
+fn check_json_patch_op(op: &Value, origin: &str) {
+    let fields = op.as_object().unwrap_or_else(|| panic!("{origin}: {op} is not an operation"));
+    for key in fields.keys() {
+        assert!(["op", "path", "value", "from"].contains(&key.as_str()), "{origin}: {op}: {key}");
+    }
+    let name = str_at(op, "/op").unwrap_or_default();
+    assert!(
+        ["add", "remove", "replace", "move", "copy", "test"].contains(&name),
+        "{origin}: {op}: no such operation"
+    );
+    assert!(str_at(op, "/path").is_some_and(|p| p.starts_with('/')), "{origin}: {op}: path");
+    if ["add", "replace", "test"].contains(&name) {
+        assert!(fields.contains_key("value"), "{origin}: {op}: value");
+    }
+}
+
+/// Applies the `test`, `add`, `replace` and `remove` operations of an RFC 6902 patch.
+fn json_patch(doc: &mut Value, ops: &[Value]) -> Result<(), String> {
+    for op in ops {
+        let path = str_at(op, "/path").unwrap();
+        let (parent, last) = path.rsplit_once('/').unwrap();
+        let last = last.replace("~1", "/").replace("~0", "~");
+        match str_at(op, "/op").unwrap() {
+            "test" => {
+                if doc.pointer(path) != op.get("value") {
+                    return Err(format!("test failed: {path} is {:?}", doc.pointer(path)));
+                }
+            }
+            "replace" => {
+                *doc.pointer_mut(path).ok_or(format!("no {path}"))? = op["value"].clone();
+            }
+            "add" => match doc.pointer_mut(parent).ok_or(format!("no {parent}"))? {
+                Value::Array(items) if last == "-" => items.push(op["value"].clone()),
+                Value::Array(items) => {
+                    let at: usize = last.parse().map_err(|_| format!("index {last}"))?;
+                    if at > items.len() {
+                        return Err(format!("{path}: out of range"));
+                    }
+                    items.insert(at, op["value"].clone());
+                }
+                Value::Object(fields) => {
+                    fields.insert(last, op["value"].clone());
+                }
+                _ => return Err(format!("{parent} is neither a list nor an object")),
+            },
+            "remove" => match doc.pointer_mut(parent).ok_or(format!("no {parent}"))? {
+                Value::Array(items) => {
+                    let at: usize = last.parse().map_err(|_| format!("index {last}"))?;
+                    (at < items.len()).then(|| items.remove(at)).ok_or(format!("no {path}"))?;
+                }
+                Value::Object(fields) => {
+                    fields.remove(&last).ok_or(format!("no {path}"))?;
+                }
+                _ => return Err(format!("no {path}")),
+            },
+            other => return Err(format!("{other}: not used here")),
+        }
+    }
+    Ok(())
+}
+
+/// The containers and init containers of a workload object.
+fn containers_mut(object: &mut Value) -> Vec<&mut Value> {
+    let Some(spec) = object.pointer_mut("/spec/template/spec").and_then(Value::as_object_mut)
+    else {
+        return Vec::new();
+    };
+    spec.iter_mut()
+        .filter(|(key, _)| *key == "containers" || *key == "initContainers")
+        .filter_map(|(_, list)| list.as_array_mut())
+        .flatten()
+        .collect()
+}
+
+fn containers(object: &Value) -> impl Iterator<Item = Container> + '_ {
+    ["containers", "initContainers"]
+        .into_iter()
+        .filter_map(|key| object.pointer(&format!("/spec/template/spec/{key}")))
+        .filter_map(Value::as_array)
+        .flatten()
+        .map(|c| serde_json::from_value::<Container>(c.clone()).unwrap())
+}
+
+fn base() -> Kustomization {
+    Kustomization::load(&repo().join("manifests/base"))
+}
+
+fn overlay() -> Kustomization {
+    Kustomization::load(&repo().join("manifests/overlays/node-local-dns"))
+}
+
+/// The stock node-local-dns DaemonSet, standing in for the overlay's remote resource.
+fn stock() -> Value {
+    let docs = yaml_docs(STOCK_NODE_LOCAL_DNS, "the stock fixture");
+    typed::<DaemonSet>(&docs[0], "the stock fixture");
+    docs[0].clone()
+}
+
+fn find<'a>(objects: &'a [Value], id: &ObjectId) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| ObjectId::of(o).as_ref() == Some(id))
+        .unwrap_or_else(|| panic!("no {id:?} in the build"))
+}
+
+fn pod_spec(daemonset: &DaemonSet) -> &PodSpec {
+    daemonset.spec.as_ref().unwrap().template.spec.as_ref().expect("a pod spec")
+}
+
+fn container<'a>(spec: &'a PodSpec, name: &str) -> &'a Container {
+    spec.containers.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no container {name}"))
+}
+
+fn volume<'a>(spec: &'a PodSpec, name: &str) -> &'a Volume {
+    let volumes = spec.volumes.as_deref().unwrap_or_default();
+    volumes.iter().find(|v| v.name == name).unwrap_or_else(|| panic!("no volume {name}"))
+}
+
+/// The volume mounted at `path` in `container`, and whether read-only.
+fn mounted_at<'a>(spec: &'a PodSpec, container: &Container, path: &str) -> (&'a Volume, bool) {
+    let mounts = container.volume_mounts.as_deref().unwrap_or_default();
+    let mount = mounts
+        .iter()
+        .find(|m| m.mount_path == path)
+        .unwrap_or_else(|| panic!("{}: nothing mounted at {path}", container.name));
+    (volume(spec, &mount.name), mount.read_only == Some(true))
+}
+
+/// The host path and type behind a volume.
+fn host_path(volume: &Volume) -> (&str, Option<&str>) {
+    let host = volume.host_path.as_ref().unwrap_or_else(|| panic!("{}: hostPath", volume.name));
+    (&host.path, host.type_.as_deref())
+}
+
+fn env<'a>(container: &'a Container, name: &str) -> Option<&'a str> {
+    let vars = container.env.as_deref().unwrap_or_default();
+    vars.iter().find(|v| v.name == name).and_then(|v| v.value.as_deref())
+}
+
+/// The value a container gives `--flag`: its args first (as clap reads them), else its env.
+fn setting<'a>(container: &'a Container, flag: &str, var: &str) -> Option<&'a str> {
+    let args = container.args.as_deref().unwrap_or_default();
+    let from_args = args.iter().enumerate().find_map(|(i, arg)| {
+        if arg == flag {
+            args.get(i + 1).map(String::as_str)
+        } else {
+            arg.strip_prefix(flag).and_then(|rest| rest.strip_prefix('='))
+        }
+    });
+    from_args.or_else(|| env(container, var))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agent's command line
+
+/// `nodelocaldns-ha run`'s flags by environment variable: long name and default.
+fn run_flags() -> BTreeMap<String, (String, Option<String>)> {
+    let mut cli = Cli::command();
+    cli.build();
+    let run = cli.find_subcommand("run").expect("a run subcommand");
+    run.get_arguments()
+        .filter_map(|arg| {
+            let var = arg.get_env()?.to_str()?.to_owned();
+            let long = arg.get_long()?.to_owned();
+            let default = arg.get_default_values().first().and_then(|d| d.to_str()).map(Into::into);
+            Some((var, (long, default)))
+        })
+        .collect()
+}
+
+/// node-local-dns's placeholders replaced by example values, as its installation does.
+fn filled(value: &str) -> String {
+    PLACEHOLDERS
+        .iter()
+        .fold(value.to_owned(), |v, (placeholder, example)| v.replace(placeholder, example))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Every document
+
+#[test]
+fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
+    let files = yaml_files(&repo().join("manifests"));
+    assert!(files.len() >= 6, "manifests/: {files:?}");
+    let mut kinds = BTreeSet::new();
+    for file in &files {
+        for (i, doc) in file_docs(file).iter().enumerate() {
+            let origin = format!("{} (document {})", shown(file), i + 1);
+            if let Value::Array(ops) = doc {
+                for op in ops {
+                    check_json_patch_op(op, &origin);
+                }
+                kinds.insert("JSON patch".to_owned());
+                continue;
+            }
+            let kind = str_at(doc, "/kind").unwrap_or_else(|| panic!("{origin}: no kind"));
+            match kind {
+                "DaemonSet" => drop(typed::<DaemonSet>(doc, &origin)),
+                "ServiceAccount" => drop(typed::<ServiceAccount>(doc, &origin)),
+                "Service" => drop(typed::<Service>(doc, &origin)),
+                // Checked key by key when loaded (below).
+                "Kustomization" => drop(Kustomization::load(file.parent().unwrap())),
+                other => panic!("{origin}: kind {other} is not expected here"),
+            }
+            kinds.insert(kind.to_owned());
+        }
+    }
+    let expected = ["DaemonSet", "JSON patch", "Kustomization", "Service", "ServiceAccount"];
+    assert_eq!(kinds, expected.iter().map(|k| k.to_string()).collect());
+}
+
+#[test]
+fn the_round_trip_catches_a_misspelt_field() {
+    let doc = yaml_docs(
+        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: x}\nspec:\n  selector: {}\n  \
+         template:\n    spec:\n      containers: [{name: a, livenesProbe: {}}]\n",
+        "inline",
+    );
+    let err = std::panic::catch_unwind(|| typed::<DaemonSet>(&doc[0], "inline")).unwrap_err();
+    let message = err.downcast_ref::<String>().unwrap();
+    assert!(message.contains(".spec.template.spec.containers[0].livenesProbe"), "{message}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kustomizations
+
+#[test]
+fn the_base_builds_into_the_agent_its_service_account_and_kube_dns_upstream() {
+    let base = base();
+    assert!(base.remote.is_empty(), "the base is self-contained");
+    let ids: BTreeSet<ObjectId> =
+        base.build(&[]).iter().map(|o| ObjectId::of(o).unwrap()).collect();
+    let expected = BTreeSet::from([
+        ObjectId::new("DaemonSet", AGENT),
+        ObjectId::new("ServiceAccount", AGENT),
+        ObjectId::new("Service", "kube-dns-upstream"),
+    ]);
+    assert_eq!(ids, expected);
+}
+
+#[test]
+fn the_overlay_patches_node_local_dns_and_nothing_else() {
+    let overlay = overlay();
+    assert!(overlay.objects.is_empty(), "node-local-dns's manifest is not part of this repo");
+    assert_eq!(overlay.remote.len(), 1, "the node-local-dns manifest to patch");
+    assert!(overlay.remote[0].ends_with("/nodelocaldns.yaml"), "{}", overlay.remote[0]);
+    assert!(!overlay.patches.is_empty());
+    for patch in &overlay.patches {
+        assert_eq!(patch.target, ObjectId::new("DaemonSet", NODE_LOCAL_DNS), "{:?}", patch.file);
+    }
+    // Builds against the stock DaemonSet (the JSON patch's `test` passes, the target exists).
+    overlay.build(&[stock()]);
+}
+
+#[test]
+fn both_kustomizations_deploy_the_same_image() {
+    let (base, overlay) = (base(), overlay());
+    assert_eq!(base.images.keys().collect::<Vec<_>>(), [IMAGE]);
+    assert_eq!(base.images, overlay.images, "the drain client must be the agent's build");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The agent's DaemonSet
+
+fn agent_daemonset() -> DaemonSet {
+    let objects = base().build(&[]);
+    typed(find(&objects, &ObjectId::new("DaemonSet", AGENT)), "the agent's DaemonSet")
+}
+
+#[test]
+fn the_agent_runs_on_every_node_in_the_host_network_as_critical() {
+    let ds = agent_daemonset();
+    let spec = pod_spec(&ds);
+    assert_eq!(spec.host_network, Some(true));
+    assert_eq!(spec.priority_class_name.as_deref(), Some("system-node-critical"));
+    assert_eq!(spec.dns_policy.as_deref(), Some("Default"), "never the cluster DNS it rescues");
+    let tolerations = spec.tolerations.as_deref().unwrap_or_default();
+    assert!(
+        tolerations.iter().any(|t| t.operator.as_deref() == Some("Exists")
+            && t.key.is_none()
+            && t.effect.is_none()),
+        "tolerates every taint: {tolerations:?}"
+    );
+    assert_eq!(spec.service_account_name.as_deref(), Some(AGENT));
+    assert_eq!(spec.automount_service_account_token, Some(false));
+    assert_eq!(spec.containers.len(), 1);
+}
+
+#[test]
+fn the_agent_asks_for_its_capabilities_and_nothing_more() {
+    let ds = agent_daemonset();
+    let spec = pod_spec(&ds);
+    assert!(spec.host_pid != Some(true) && spec.host_ipc != Some(true));
+    for container in spec.containers.iter().chain(spec.init_containers.iter().flatten()) {
+        let sc = container.security_context.as_ref().expect("a securityContext");
+        assert_ne!(sc.privileged, Some(true), "{}: not privileged", container.name);
+        assert_eq!(sc.allow_privilege_escalation, Some(false), "{}", container.name);
+        assert_eq!(sc.read_only_root_filesystem, Some(true), "{}", container.name);
+        let caps = sc.capabilities.as_ref().expect("capabilities");
+        assert_eq!(caps.drop.as_deref(), Some(&["ALL".to_owned()][..]), "{}", container.name);
+        let added = caps.add.as_deref().unwrap_or_default();
+        assert!(added.iter().any(|c| c == "NET_ADMIN"), "{}: NET_ADMIN", container.name);
+        for cap in added {
+            assert!(CAPABILITIES.contains(&cap.as_str()), "{}: {cap}", container.name);
+        }
+    }
+}
+
+#[test]
+fn the_agent_requests_what_it_uses_and_has_no_cpu_limit() {
+    let ds = agent_daemonset();
+    let resources = container(pod_spec(&ds), "agent").resources.clone().expect("resources");
+    let quantities = |map: Option<BTreeMap<String, _>>| -> BTreeMap<String, String> {
+        map.unwrap_or_default()
+            .into_iter()
+            .map(|(k, v): (String, k8s_openapi::apimachinery::pkg::api::resource::Quantity)| {
+                (k, v.0)
+            })
+            .collect()
+    };
+    let requests = quantities(resources.requests);
+    let limits = quantities(resources.limits);
+    assert_eq!(requests.get("cpu").map(String::as_str), Some("10m"));
+    assert_eq!(requests.get("memory").map(String::as_str), Some("16Mi"));
+    assert_eq!(limits.get("memory").map(String::as_str), Some("64Mi"));
+    assert!(!limits.contains_key("cpu"), "CPU throttling would become probe timeouts");
+}
+
+#[test]
+fn the_agent_settings_are_flags_it_accepts() {
+    let ds = agent_daemonset();
+    let spec = pod_spec(&ds);
+    let agent = container(spec, "agent");
+    let flags = run_flags();
+    let mut argv = vec![AGENT.to_owned()];
+    argv.extend(agent.args.iter().flatten().cloned());
+    assert_eq!(argv.get(1).map(String::as_str), Some("run"));
+    for var in agent.env.iter().flatten() {
+        if !var.name.starts_with("NODELOCALDNS_HA_") {
+            continue;
+        }
+        let (long, _) = flags
+            .get(&var.name)
+            .unwrap_or_else(|| panic!("{}: no flag of `run` reads it", var.name));
+        let value = var.value.as_deref().unwrap_or_else(|| panic!("{}: a value", var.name));
+        argv.extend([format!("--{long}"), filled(value)]);
+    }
+    if let Err(e) = Cli::command().try_get_matches_from(&argv) {
+        panic!("`{}` is refused:\n{e}", argv.join(" "));
+    }
+    assert_eq!(env(agent, "NODELOCALDNS_HA_LOCAL_IP"), Some("__PILLAR__LOCAL__DNS__"));
+    assert_eq!(env(agent, "NODELOCALDNS_HA_CLUSTER_DNS_IP"), Some("__PILLAR__DNS__SERVER__"));
+
+    // The upstream comes from the kube-dns-upstream Service's variables.
+    assert_eq!(spec.enable_service_links, Some(true));
+    let upstream_svc = setting(agent, "--upstream-svc", "NODELOCALDNS_HA_UPSTREAM_SVC")
+        .map(str::to_owned)
+        .or_else(|| flags["NODELOCALDNS_HA_UPSTREAM_SVC"].1.clone())
+        .unwrap();
+    assert!(setting(agent, "--upstream-ip", "NODELOCALDNS_HA_UPSTREAM_IP").is_none());
+    let objects = base().build(&[]);
+    find(&objects, &ObjectId::new("Service", &upstream_svc));
+}
+
+#[test]
+fn kube_dns_upstream_selects_coredns_on_port_53() {
+    let objects = base().build(&[]);
+    let service: Service =
+        typed(find(&objects, &ObjectId::new("Service", "kube-dns-upstream")), "kube-dns-upstream");
+    let spec = service.spec.unwrap();
+    assert_eq!(
+        spec.selector,
+        Some(BTreeMap::from([("k8s-app".to_owned(), "kube-dns".to_owned())])),
+        "kube-dns's selector"
+    );
+    let mut ports: Vec<(i32, String)> = spec
+        .ports
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| (p.port, p.protocol.unwrap_or_else(|| "TCP".into())))
+        .collect();
+    ports.sort();
+    assert_eq!(ports, [(53, "TCP".to_owned()), (53, "UDP".to_owned())]);
+    assert_eq!(spec.cluster_ip, None, "a ClusterIP of its own, not headless");
+}
+
+#[test]
+fn the_service_account_carries_no_token() {
+    let objects = base().build(&[]);
+    let account: ServiceAccount =
+        typed(find(&objects, &ObjectId::new("ServiceAccount", AGENT)), "the service account");
+    assert_eq!(account.automount_service_account_token, Some(false));
+    let everything = base().objects;
+    assert!(
+        everything.iter().all(|o| !str_at(o, "/kind").unwrap().contains("Role")),
+        "the agent needs no API rights"
+    );
+}
+
+/// The metrics address the agent is given, explicitly.
+fn metrics_addr(agent: &Container) -> SocketAddr {
+    let addr = setting(agent, "--metrics-addr", "NODELOCALDNS_HA_METRICS_ADDR")
+        .expect("the manifest sets the metrics address that its probes rely on");
+    addr.parse().unwrap_or_else(|e| panic!("metrics address {addr:?}: {e}"))
+}
+
+/// Checks that `probe` is an HTTP GET of `path` that reaches `addr` from the kubelet.
+fn check_probe(
+    which: &str,
+    probe: Option<&Probe>,
+    agent: &Container,
+    addr: SocketAddr,
+    path: &str,
+) {
+    let get = probe
+        .and_then(|p| p.http_get.as_ref())
+        .unwrap_or_else(|| panic!("{which}: an httpGet probe"));
+    assert_eq!(get.path.as_deref(), Some(path), "{which}");
+    assert!(matches!(get.scheme.as_deref(), None | Some("HTTP")), "{which}: plain HTTP");
+    let port = match &get.port {
+        IntOrString::Int(port) => *port,
+        IntOrString::String(name) => {
+            let ports = agent.ports.as_deref().unwrap_or_default();
+            ports.iter().find(|p| p.name.as_deref() == Some(name.as_str())).unwrap().container_port
+        }
+    };
+    assert_eq!(port, i32::from(addr.port()), "{which}: the metrics port");
+    // The kubelet probes from the host's network namespace, the pod IP being the node IP: an
+    // agent bound to one address is reached only with `host` set to it.
+    if !addr.ip().is_unspecified() {
+        assert_eq!(get.host.as_deref(), Some(addr.ip().to_string().as_str()), "{which}: host");
+    }
+}
+
+#[test]
+fn the_probes_reach_the_metrics_address() {
+    let ds = agent_daemonset();
+    let agent = container(pod_spec(&ds), "agent");
+    let addr = metrics_addr(agent);
+    assert!(addr.ip().is_loopback(), "{addr}: metrics stay off the node's network");
+    check_probe("liveness", agent.liveness_probe.as_ref(), agent, addr, "/healthz");
+    check_probe("readiness", agent.readiness_probe.as_ref(), agent, addr, "/readyz");
+}
+
+#[test]
+fn the_state_dir_and_the_xtables_lock_are_the_hosts() {
+    let ds = agent_daemonset();
+    let spec = pod_spec(&ds);
+    let agent = container(spec, "agent");
+    let state_dir = setting(agent, "--state-dir", "NODELOCALDNS_HA_STATE_DIR").unwrap_or(STATE_DIR);
+    assert_eq!(state_dir, STATE_DIR, "where `status` and `drain` look by default");
+    let (state, read_only) = mounted_at(spec, agent, state_dir);
+    assert!(!read_only);
+    assert_eq!(host_path(state), (STATE_DIR, Some("DirectoryOrCreate")));
+    let (lock, read_only) = mounted_at(spec, agent, XTABLES_LOCK);
+    assert!(!read_only);
+    let (path, kind) = host_path(lock);
+    assert_eq!(path, XTABLES_LOCK);
+    assert!(matches!(kind, Some("File" | "FileOrCreate")), "a file, not a directory: {kind:?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The overlay on node-local-dns
+
+/// The overlay's strategic-merge patch of node-local-dns, typed.
+fn node_local_dns_patch() -> DaemonSet {
+    let overlay = overlay();
+    let mut patches = overlay.merge_patches();
+    let (patch, body) = patches.next().expect("a strategic-merge patch");
+    assert!(patches.next().is_none(), "one strategic-merge patch");
+    typed(body, &shown(&patch.file))
+}
+
+#[test]
+fn node_cache_leaves_the_rules_to_the_agent() {
+    let stock = stock();
+    let objects = overlay().build(std::slice::from_ref(&stock));
+    let built: DaemonSet =
+        typed(find(&objects, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS)), "built");
+    let before: DaemonSet = typed(&stock, "stock");
+    let args =
+        |ds: &DaemonSet| container(pod_spec(ds), NODE_CACHE).args.clone().unwrap_or_default();
+    let (before, after) = (args(&before), args(&built));
+    assert_eq!(after[..before.len()], before[..], "node-cache's own args are kept");
+    let added: BTreeSet<&str> = after[before.len()..].iter().map(String::as_str).collect();
+    assert_eq!(added, BTreeSet::from(["-setupiptables=false", "-skipteardown"]));
+}
+
+#[test]
+fn node_cache_drains_through_the_agent_before_it_stops() {
+    let patch = node_local_dns_patch();
+    let spec = pod_spec(&patch);
+    let node_cache = container(spec, NODE_CACHE);
+    let command = node_cache
+        .lifecycle
+        .as_ref()
+        .and_then(|l| l.pre_stop.as_ref())
+        .and_then(|h| h.exec.as_ref())
+        .and_then(|e| e.command.clone())
+        .expect("an exec preStop hook");
+
+    // `… nodelocaldns-ha drain [flags]`, as the agent's command line takes it.
+    let at = command.iter().position(|w| w == "drain").expect("runs drain");
+    let binary = &command[at - 1];
+    assert!(binary.ends_with("/nodelocaldns-ha"), "{command:?}");
+    let argv: Vec<&str> =
+        [AGENT].into_iter().chain(command[at..].iter().map(String::as_str)).collect();
+    let matches = Cli::command()
+        .try_get_matches_from(&argv)
+        .unwrap_or_else(|e| panic!("`{}` is refused:\n{e}", argv.join(" ")));
+    let drain = matches.subcommand_matches("drain").unwrap();
+    let timeout = drain.get_one::<String>("timeout").expect("a drain timeout");
+    let timeout = parse_duration(timeout).expect("a duration");
+
+    // The grace period holds the longest drain and node-cache's own shutdown.
+    let grace = Duration::from_secs(spec.termination_grace_period_seconds.expect("set") as u64);
+    assert!(
+        grace >= timeout + DRAIN_CALL_SLACK + NODE_CACHE_SHUTDOWN,
+        "terminationGracePeriodSeconds {grace:?} for a drain of up to {:?}",
+        timeout + DRAIN_CALL_SLACK
+    );
+
+    // Everything the hook runs comes from one emptyDir, filled by an init container from the
+    // agent's image before node-cache starts.
+    let dir = Path::new(binary).parent().unwrap().to_str().unwrap();
+    assert!(Path::new(&command[0]).starts_with(dir), "{command:?}: all from {dir}");
+    let (client, _) = mounted_at(spec, node_cache, dir);
+    assert!(client.empty_dir.is_some(), "{}: an emptyDir", client.name);
+    let init = spec.init_containers.as_deref().unwrap_or_default();
+    let copier = init
+        .iter()
+        .find(|c| {
+            c.volume_mounts
+                .iter()
+                .flatten()
+                .any(|m| m.name == client.name && m.read_only != Some(true))
+        })
+        .expect("an init container fills the client volume");
+    assert_eq!(copier.image.as_deref(), Some(IMAGE), "the agent's image (see `images`)");
+    let copies = copier.command.iter().chain(copier.args.iter()).flatten();
+    assert!(copies.clone().any(|w| w.starts_with(CLIENT_BUNDLE)), "copies {CLIENT_BUNDLE}");
+    let sc = copier.security_context.as_ref().expect("a securityContext");
+    assert_eq!(sc.allow_privilege_escalation, Some(false));
+    let drops = sc.capabilities.as_ref().and_then(|c| c.drop.clone()).unwrap_or_default();
+    assert_eq!(drops, ["ALL"], "copying files needs no capability");
+
+    // `drain` finds the agent's control socket where the agent's state dir is on the host.
+    let state_dir = drain.get_one::<std::path::PathBuf>("state_dir").expect("a state dir");
+    assert_eq!(state_dir, Path::new(STATE_DIR));
+    let (state, _) = mounted_at(spec, node_cache, STATE_DIR);
+    assert_eq!(host_path(state).0, STATE_DIR);
+}
+
+#[test]
+fn the_drain_client_comes_from_the_dockerfile_bundle() {
+    let dockerfile = Dockerfile::load();
+    let runtime = dockerfile.stages.last().unwrap();
+    let bundle = runtime
+        .iter()
+        .filter(|(keyword, _)| keyword == "COPY")
+        .any(|(_, rest)| rest.split_whitespace().last() == Some(CLIENT_BUNDLE));
+    assert!(bundle, "the runtime image has the client bundle in {CLIENT_BUNDLE}");
+    let patch = node_local_dns_patch();
+    let node_cache = container(pod_spec(&patch), NODE_CACHE);
+    let command = node_cache.lifecycle.as_ref().unwrap().pre_stop.as_ref().unwrap();
+    let command = command.exec.as_ref().unwrap().command.clone().unwrap();
+    // The bundle's loader runs the binary, with the bundle's libraries.
+    let loader = Path::new(&command[0]);
+    assert_eq!(loader.file_name().unwrap(), "ld.so");
+    let dir = loader.parent().unwrap().to_str().unwrap();
+    assert_eq!(command[1..3], ["--library-path", dir]);
+    let built = dockerfile.stages[0].iter().any(|(k, rest)| k == "RUN" && rest.contains("ld.so"));
+    assert!(built, "the build stage makes the bundle's ld.so");
+}
+
+// ---------------------------------------------------------------------------------------------
+// A real kustomize, where there is one
+
+/// `kubectl kustomize DIR`, or `None` without kubectl.
+fn kubectl_kustomize(dir: &Path) -> Option<Vec<Value>> {
+    let out = Command::new("kubectl").arg("kustomize").arg(dir).output().ok()?;
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(yaml_docs(&String::from_utf8(out.stdout).unwrap(), "kubectl kustomize"))
+}
+
+#[test]
+fn kubectl_kustomize_builds_both_when_installed() {
+    let Some(built) = kubectl_kustomize(&repo().join("manifests/base")) else {
+        eprintln!("kubectl is not installed: the kustomize build is checked by this file alone");
+        return;
+    };
+    let ids: BTreeSet<_> = built.iter().map(|o| ObjectId::of(o).unwrap()).collect();
+    let ours: BTreeSet<_> = base().build(&[]).iter().map(|o| ObjectId::of(o).unwrap()).collect();
+    assert_eq!(ids, ours);
+    let agent: DaemonSet = typed(find(&built, &ObjectId::new("DaemonSet", AGENT)), "built");
+    let image = container(pod_spec(&agent), "agent").image.clone().unwrap();
+    assert_eq!(Some(&image), base().images.get(IMAGE));
+
+    // The overlay, with the stock DaemonSet in place of the manifest it fetches.
+    let src = repo().join("manifests/overlays/node-local-dns");
+    let dir = std::env::temp_dir().join(format!("nodelocaldns-ha-overlay-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut kustomization = file_docs(&src.join("kustomization.yaml")).remove(0);
+    kustomization["resources"] = json!(["stock.yaml"]);
+    std::fs::write(dir.join("kustomization.yaml"), kustomization.to_string()).unwrap();
+    std::fs::write(dir.join("stock.yaml"), STOCK_NODE_LOCAL_DNS).unwrap();
+    let built = kubectl_kustomize(&dir).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let ds: DaemonSet = typed(find(&built, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS)), "built");
+    let spec = pod_spec(&ds);
+    let node_cache = container(spec, NODE_CACHE);
+    let args = node_cache.args.clone().unwrap();
+    assert!(args.ends_with(&["-setupiptables=false".into(), "-skipteardown".into()]), "{args:?}");
+    assert_eq!(args[0], "-localip", "node-cache's own args first");
+    let pre_stop = node_cache.lifecycle.as_ref().unwrap().pre_stop.as_ref().unwrap();
+    assert!(pre_stop.exec.as_ref().unwrap().command.as_ref().unwrap().contains(&"drain".into()));
+    let mounts: BTreeSet<&str> =
+        node_cache.volume_mounts.iter().flatten().map(|m| m.mount_path.as_str()).collect();
+    assert!(mounts.is_superset(&BTreeSet::from([XTABLES_LOCK, STATE_DIR, "/ha"])), "{mounts:?}");
+    let init = &spec.init_containers.as_ref().unwrap()[0];
+    assert_eq!(init.image, Some(image), "the same image as the agent's");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The systemd unit
+
+/// A unit file: section → key → values (a key may repeat).
+type Unit = BTreeMap<String, BTreeMap<String, Vec<String>>>;
+
+fn unit_text() -> String {
+    read(&repo().join("packaging/nodelocaldns-ha.service"))
+}
+
+fn parse_unit(text: &str) -> Unit {
+    let mut unit = Unit::new();
+    let mut section = None;
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+            continue;
+        }
+        assert!(!line.ends_with('\\'), "line {}: keep each setting on one line", n + 1);
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            section = Some(name.to_owned());
+            continue;
+        }
+        let (key, value) = line.split_once('=').unwrap_or_else(|| panic!("line {}: {line}", n + 1));
+        let section = section.clone().unwrap_or_else(|| panic!("line {}: before a section", n + 1));
+        let values = unit.entry(section).or_default().entry(key.trim().to_owned()).or_default();
+        values.push(value.trim().to_owned());
+    }
+    unit
+}
+
+fn one<'a>(unit: &'a Unit, section: &str, key: &str) -> &'a str {
+    match unit.get(section).and_then(|s| s.get(key)).map(Vec::as_slice) {
+        Some([value]) => value,
+        other => panic!("[{section}] {key}: {other:?}"),
+    }
+}
+
+#[test]
+fn the_unit_runs_the_agent_sandboxed_with_its_capabilities() {
+    let unit = parse_unit(&unit_text());
+    let sections: Vec<&str> = unit.keys().map(String::as_str).collect();
+    assert_eq!(sections, ["Install", "Service", "Unit"]);
+    let service = "Service";
+    for (key, value) in [
+        ("ExecStart", "/usr/local/bin/nodelocaldns-ha run"),
+        ("EnvironmentFile", "-/etc/default/nodelocaldns-ha"),
+        ("Restart", "always"),
+        ("RuntimeDirectory", "nodelocaldns-ha"),
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("KillSignal", "SIGTERM"),
+    ] {
+        assert_eq!(one(&unit, service, key), value, "[Service] {key}");
+    }
+    let words = |key| one(&unit, service, key).split_whitespace().collect::<BTreeSet<_>>();
+    let expected: BTreeSet<String> = CAPABILITIES.iter().map(|c| format!("CAP_{c}")).collect();
+    let expected: BTreeSet<&str> = expected.iter().map(String::as_str).collect();
+    assert_eq!(words("CapabilityBoundingSet"), expected, "the DaemonSet's capabilities");
+    assert_eq!(words("AmbientCapabilities"), expected);
+    let after: Vec<&str> =
+        unit["Unit"]["After"].iter().flat_map(|v| v.split_whitespace()).collect();
+    assert!(after.contains(&"network-online.target"), "{after:?}");
+    assert_eq!(one(&unit, "Install", "WantedBy"), "multi-user.target");
+    // Settings of [Unit] that systemd ignores (with a warning) in [Service].
+    for key in ["StartLimitIntervalSec", "StartLimitBurst", "After", "Wants", "Requires"] {
+        assert!(!unit[service].contains_key(key), "{key} belongs in [Unit]");
+    }
+    // The state dir is RuntimeDirectory's: /run/<name>.
+    assert_eq!(format!("/run/{}", one(&unit, service, "RuntimeDirectory")), STATE_DIR);
+}
+
+#[test]
+fn the_unit_documents_real_variables_and_its_exit_policy() {
+    let text = unit_text();
+    let flags = run_flags();
+    let mut documented = BTreeSet::new();
+    for word in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("NODELOCALDNS_HA_") {
+            assert!(flags.contains_key(word), "{word}: no flag of `run` reads it");
+            documented.insert(word);
+        }
+    }
+    for required in ["NODELOCALDNS_HA_LOCAL_IP", "NODELOCALDNS_HA_CLUSTER_DNS_IP"] {
+        assert!(documented.contains(required), "{required} is documented");
+    }
+    let comments: String = text.lines().filter(|l| l.starts_with('#')).collect();
+    assert!(comments.contains("Exit policy"), "says what stopping leaves behind");
+    assert!(comments.contains("ruleset of the current route"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Dockerfile
+
+/// A Dockerfile's instructions (continuation lines joined, comments left out), by stage.
+struct Dockerfile {
+    stages: Vec<Vec<(String, String)>>,
+}
+
+impl Dockerfile {
+    fn load() -> Dockerfile {
+        let text = read(&repo().join("Dockerfile"));
+        let mut instructions = Vec::new();
+        let mut current = String::new();
+        for line in text.lines() {
+            let trimmed = line.trim();
+            if trimmed.starts_with('#') || (current.is_empty() && trimmed.is_empty()) {
+                continue;
+            }
+            match trimmed.strip_suffix('\\') {
+                Some(head) => {
+                    current.push_str(head);
+                    current.push(' ');
+                }
+                None => {
+                    current.push_str(trimmed);
+                    let (keyword, rest) = current.split_once(' ').unwrap_or((&current, ""));
+                    instructions.push((keyword.to_ascii_uppercase(), rest.trim().to_owned()));
+                    current.clear();
+                }
+            }
+        }
+        assert!(current.is_empty(), "the Dockerfile ends inside an instruction");
+        let mut stages: Vec<Vec<(String, String)>> = Vec::new();
+        for instruction in instructions {
+            if instruction.0 == "FROM" {
+                stages.push(Vec::new());
+            }
+            stages.last_mut().expect("FROM first").push(instruction);
+        }
+        Dockerfile { stages }
+    }
+}
+
+/// `image:tag` of a stage's FROM.
+fn from(stage: &[(String, String)]) -> (&str, &str) {
+    let image = stage[0].1.split_whitespace().next().unwrap();
+    image.split_once(':').unwrap_or((image, "latest"))
+}
+
+fn installs(stage: &[(String, String)]) -> BTreeSet<&str> {
+    stage
+        .iter()
+        .filter(|(k, _)| k == "RUN")
+        .filter_map(|(_, run)| run.split("apt-get install").nth(1))
+        .flat_map(|rest| rest.split("&&").next().unwrap().split_whitespace())
+        .filter(|word| !word.starts_with('-'))
+        .collect()
+}
+
+#[test]
+fn the_image_is_built_on_bookworm_and_runs_on_slim_bookworm() {
+    let dockerfile = Dockerfile::load();
+    assert_eq!(dockerfile.stages.len(), 2, "build, then runtime");
+    let (build, runtime) = (&dockerfile.stages[0], &dockerfile.stages[1]);
+
+    let (image, tag) = from(build);
+    assert_eq!(image, "rust");
+    let (version, release) = tag.split_once('-').expect("rust:VERSION-RELEASE");
+    let msrv = read(&repo().join("Cargo.toml"))
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = ").map(|v| v.trim_matches('"').to_owned()))
+        .expect("a rust-version");
+    let parts = |v: &str| v.split('.').map(|p| p.parse::<u32>().unwrap()).collect::<Vec<_>>();
+    assert!(parts(version) >= parts(&msrv), "rust {version} builds a crate that needs {msrv}");
+    assert!(installs(build).is_superset(&BTreeSet::from([
+        "libnftnl-dev",
+        "libmnl-dev",
+        "pkg-config"
+    ])));
+    assert!(build
+        .iter()
+        .any(|(k, run)| k == "RUN" && run.contains("cargo build --release --locked")));
+
+    // The binary links against the build stage's glibc: the same Debian release runs it.
+    assert_eq!(from(runtime), ("debian", format!("{release}-slim").as_str()));
+    let packages = installs(runtime);
+    assert!(
+        packages.is_superset(&BTreeSet::from(["libnftnl11", "libmnl0", "iptables"])),
+        "{packages:?}"
+    );
+    let copies_binary = runtime
+        .iter()
+        .any(|(k, rest)| k == "COPY" && rest.ends_with(" /usr/local/bin/nodelocaldns-ha"));
+    assert!(copies_binary, "the binary in /usr/local/bin");
+}
+
+#[test]
+fn the_image_ends_with_an_exec_form_entrypoint() {
+    let dockerfile = Dockerfile::load();
+    let exec_form = |rest: &str| serde_json::from_str::<Vec<String>>(rest).ok();
+    for (keyword, rest) in dockerfile.stages.iter().flatten() {
+        if keyword == "ENTRYPOINT" || keyword == "CMD" {
+            assert!(exec_form(rest).is_some(), "{keyword} {rest}: exec form, no shell");
+        }
+    }
+    let runtime = dockerfile.stages.last().unwrap();
+    let mut tail = runtime.iter().rev();
+    let (last, cmd) = tail.next().unwrap();
+    assert_eq!((last.as_str(), exec_form(cmd)), ("CMD", Some(vec!["run".to_owned()])));
+    let (last, entrypoint) = tail.next().unwrap();
+    assert_eq!(last, "ENTRYPOINT");
+    assert_eq!(exec_form(entrypoint), Some(vec!["nodelocaldns-ha".to_owned()]));
+}
