@@ -21,6 +21,7 @@ use std::time::Duration;
 use clap::CommandFactory;
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Container, PodSpec, Probe, Service, ServiceAccount, Volume};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use nodelocaldns_ha::cli::Cli;
 use nodelocaldns_ha::config::parse_duration;
@@ -148,14 +149,20 @@ fn str_at<'a>(doc: &'a Value, pointer: &str) -> Option<&'a str> {
 
 /// `value` as `T`, checking that serializing `T` back keeps everything `value` said: k8s-openapi
 /// types ignore unknown fields, so a misspelt or misplaced field shows up as dropped here.
-fn typed<T: DeserializeOwned + Serialize>(value: &Value, origin: &str) -> T {
+fn try_typed<T: DeserializeOwned + Serialize>(value: &Value) -> Result<T, String> {
     let typed: T = serde_json::from_value(value.clone())
-        .unwrap_or_else(|e| panic!("{origin}: not a valid {}: {e}", std::any::type_name::<T>()));
+        .map_err(|e| format!("not a valid {}: {e}", std::any::type_name::<T>()))?;
     let back = serde_json::to_value(&typed).unwrap();
     let mut lost = Vec::new();
     kept(value, &back, "", &mut lost);
-    assert!(lost.is_empty(), "{origin}: dropped or changed by the API types: {}", lost.join("; "));
-    typed
+    match lost.is_empty() {
+        true => Ok(typed),
+        false => Err(format!("dropped or changed by the API types: {}", lost.join("; "))),
+    }
+}
+
+fn typed<T: DeserializeOwned + Serialize>(value: &Value, origin: &str) -> T {
+    try_typed(value).unwrap_or_else(|e| panic!("{origin}: {e}"))
 }
 
 /// Collects in `lost` every place where `original` says something `back` does not.
@@ -347,8 +354,9 @@ impl Kustomization {
             }
             for patch in &self.patches {
                 if let PatchBody::StrategicMerge(body) = &patch.body {
-                    replaced +=
-                        containers(body).filter(|c| c.image.as_deref() == Some(name)).count();
+                    replaced += containers(body)
+                        .filter(|c| c.image.as_deref() == Some(name.as_str()))
+                        .count();
                 }
             }
             assert!(replaced > 0, "{origin}: image {name} is in no container");
@@ -432,46 +440,32 @@ fn check_json_patch_op(op: &Value, origin: &str) {
     }
 }
 
-/// Applies the `test`, `add`, `replace` and `remove` operations of an RFC 6902 patch.
+/// Applies the `test` and `add` operations of an RFC 6902 patch (all the overlay uses).
 fn json_patch(doc: &mut Value, ops: &[Value]) -> Result<(), String> {
     for op in ops {
         let path = str_at(op, "/path").unwrap();
-        let (parent, last) = path.rsplit_once('/').unwrap();
-        let last = last.replace("~1", "/").replace("~0", "~");
+        let value = &op["value"];
         match str_at(op, "/op").unwrap() {
-            "test" => {
-                if doc.pointer(path) != op.get("value") {
-                    return Err(format!("test failed: {path} is {:?}", doc.pointer(path)));
-                }
-            }
-            "replace" => {
-                *doc.pointer_mut(path).ok_or(format!("no {path}"))? = op["value"].clone();
-            }
-            "add" => match doc.pointer_mut(parent).ok_or(format!("no {parent}"))? {
-                Value::Array(items) if last == "-" => items.push(op["value"].clone()),
-                Value::Array(items) => {
-                    let at: usize = last.parse().map_err(|_| format!("index {last}"))?;
-                    if at > items.len() {
-                        return Err(format!("{path}: out of range"));
+            "test" => match doc.pointer(path) {
+                Some(found) if found == value => {}
+                found => return Err(format!("test failed: {path} is {found:?}, not {value}")),
+            },
+            "add" => {
+                let (parent, last) = path.rsplit_once('/').unwrap();
+                let last = last.replace("~1", "/").replace("~0", "~");
+                match doc.pointer_mut(parent) {
+                    Some(Value::Array(items)) if last == "-" => items.push(value.clone()),
+                    Some(Value::Array(items)) => match last.parse::<usize>() {
+                        Ok(at) if at <= items.len() => items.insert(at, value.clone()),
+                        _ => return Err(format!("add: no index {last} in {parent}")),
+                    },
+                    Some(Value::Object(fields)) => {
+                        fields.insert(last, value.clone());
                     }
-                    items.insert(at, op["value"].clone());
+                    _ => return Err(format!("add: no list or object at {parent}")),
                 }
-                Value::Object(fields) => {
-                    fields.insert(last, op["value"].clone());
-                }
-                _ => return Err(format!("{parent} is neither a list nor an object")),
-            },
-            "remove" => match doc.pointer_mut(parent).ok_or(format!("no {parent}"))? {
-                Value::Array(items) => {
-                    let at: usize = last.parse().map_err(|_| format!("index {last}"))?;
-                    (at < items.len()).then(|| items.remove(at)).ok_or(format!("no {path}"))?;
-                }
-                Value::Object(fields) => {
-                    fields.remove(&last).ok_or(format!("no {path}"))?;
-                }
-                _ => return Err(format!("no {path}")),
-            },
-            other => return Err(format!("{other}: not used here")),
+            }
+            other => return Err(format!("{other}: not supported by this check")),
         }
     }
     Ok(())
@@ -613,11 +607,19 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
             }
             let kind = str_at(doc, "/kind").unwrap_or_else(|| panic!("{origin}: no kind"));
             match kind {
-                "DaemonSet" => drop(typed::<DaemonSet>(doc, &origin)),
-                "ServiceAccount" => drop(typed::<ServiceAccount>(doc, &origin)),
-                "Service" => drop(typed::<Service>(doc, &origin)),
-                // Checked key by key when loaded (below).
-                "Kustomization" => drop(Kustomization::load(file.parent().unwrap())),
+                "DaemonSet" => {
+                    let _: DaemonSet = typed(doc, &origin);
+                }
+                "ServiceAccount" => {
+                    let _: ServiceAccount = typed(doc, &origin);
+                }
+                "Service" => {
+                    let _: Service = typed(doc, &origin);
+                }
+                // Checked key by key, with what it refers to.
+                "Kustomization" => {
+                    Kustomization::load(file.parent().unwrap());
+                }
                 other => panic!("{origin}: kind {other} is not expected here"),
             }
             kinds.insert(kind.to_owned());
@@ -634,8 +636,7 @@ fn the_round_trip_catches_a_misspelt_field() {
          template:\n    spec:\n      containers: [{name: a, livenesProbe: {}}]\n",
         "inline",
     );
-    let err = std::panic::catch_unwind(|| typed::<DaemonSet>(&doc[0], "inline")).unwrap_err();
-    let message = err.downcast_ref::<String>().unwrap();
+    let message = try_typed::<DaemonSet>(&doc[0]).unwrap_err();
     assert!(message.contains(".spec.template.spec.containers[0].livenesProbe"), "{message}");
 }
 
@@ -728,19 +729,12 @@ fn the_agent_asks_for_its_capabilities_and_nothing_more() {
 fn the_agent_requests_what_it_uses_and_has_no_cpu_limit() {
     let ds = agent_daemonset();
     let resources = container(pod_spec(&ds), "agent").resources.clone().expect("resources");
-    let quantities = |map: Option<BTreeMap<String, _>>| -> BTreeMap<String, String> {
-        map.unwrap_or_default()
-            .into_iter()
-            .map(|(k, v): (String, k8s_openapi::apimachinery::pkg::api::resource::Quantity)| {
-                (k, v.0)
-            })
-            .collect()
-    };
-    let requests = quantities(resources.requests);
-    let limits = quantities(resources.limits);
-    assert_eq!(requests.get("cpu").map(String::as_str), Some("10m"));
-    assert_eq!(requests.get("memory").map(String::as_str), Some("16Mi"));
-    assert_eq!(limits.get("memory").map(String::as_str), Some("64Mi"));
+    let (requests, limits) = (resources.requests.unwrap_or_default(), resources.limits);
+    let quantity = |map: &BTreeMap<String, Quantity>, key: &str| map.get(key).map(|q| q.0.clone());
+    assert_eq!(quantity(&requests, "cpu").as_deref(), Some("10m"));
+    assert_eq!(quantity(&requests, "memory").as_deref(), Some("16Mi"));
+    let limits = limits.unwrap_or_default();
+    assert_eq!(quantity(&limits, "memory").as_deref(), Some("64Mi"));
     assert!(!limits.contains_key("cpu"), "CPU throttling would become probe timeouts");
 }
 
@@ -955,8 +949,8 @@ fn node_cache_drains_through_the_agent_before_it_stops() {
         })
         .expect("an init container fills the client volume");
     assert_eq!(copier.image.as_deref(), Some(IMAGE), "the agent's image (see `images`)");
-    let copies = copier.command.iter().chain(copier.args.iter()).flatten();
-    assert!(copies.clone().any(|w| w.starts_with(CLIENT_BUNDLE)), "copies {CLIENT_BUNDLE}");
+    let mut copies = copier.command.iter().chain(copier.args.iter()).flatten();
+    assert!(copies.any(|w| w.starts_with(CLIENT_BUNDLE)), "copies {CLIENT_BUNDLE}");
     let sc = copier.security_context.as_ref().expect("a securityContext");
     assert_eq!(sc.allow_privilege_escalation, Some(false));
     let drops = sc.capabilities.as_ref().and_then(|c| c.drop.clone()).unwrap_or_default();
