@@ -514,13 +514,14 @@ async fn watch_foreign_rules(addrs: Vec<IpAddr>, period: Duration, tx: mpsc::Sen
         else {
             continue;
         };
-        let warnings = crate::detect::decide(&facts)
-            .foreign_notrack
-            .into_iter()
-            .map(|rule| {
-                format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
-            })
-            .collect();
+        let found = crate::detect::decide(&facts);
+        let foreign = found.foreign_notrack.into_iter().map(|rule| {
+            format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
+        });
+        let unreadable = found.unreadable.into_iter().map(|problem| {
+            format!("cannot read the node's iptables rules (CAP_NET_RAW missing?): {problem}")
+        });
+        let warnings = foreign.chain(unreadable).collect();
         if tx.send(warnings).await.is_err() {
             return;
         }

@@ -80,6 +80,8 @@ pub struct Facts {
     pub kube_proxy_nftables: bool,
     pub legacy: SaveFacts,
     pub nft: SaveFacts,
+    /// Save commands that exist but failed: what they saw is unknown.
+    pub unreadable: Vec<String>,
 }
 
 /// The outcome, with its reasons.
@@ -94,6 +96,9 @@ pub struct Detection {
     /// Rules of node-cache (or anyone else) that NOTRACK the listen addresses, as
     /// `iptables-nft: -A PREROUTING …`. While they exist, `Upstream` cannot take effect.
     pub foreign_notrack: Vec<String>,
+    /// What could not be looked at, e.g. `iptables-legacy-save: Permission denied` (the agent
+    /// lacks CAP_NET_RAW): the choice above may be wrong.
+    pub unreadable: Vec<String>,
 }
 
 /// Chains the agent's iptables backend owns: their rules are not foreign.
@@ -174,19 +179,23 @@ pub fn decide(facts: &Facts) -> Detection {
         .iter()
         .flat_map(|(flavour, f)| f.foreign_notrack.iter().map(move |r| format!("{flavour}: {r}")))
         .collect();
-    Detection { backend, why, accepts_in, foreign_notrack }
+    Detection { backend, why, accepts_in, foreign_notrack, unreadable: facts.unreadable.clone() }
 }
 
 /// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
-/// missing or fails (a node without that flavour).
-fn save_output(flavour: Flavour) -> String {
+/// missing (a node without that flavour). Failures of binaries that exist go to `unreadable`.
+fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
     let mut text = String::new();
     for family in ["iptables", "ip6tables"] {
         let binary = format!("{family}-{}-save", flavour.as_str());
-        if let Ok(out) = Command::new(&binary).output() {
-            if out.status.success() {
-                text.push_str(&String::from_utf8_lossy(&out.stdout));
+        match Command::new(&binary).output() {
+            Ok(out) if out.status.success() => text.push_str(&String::from_utf8_lossy(&out.stdout)),
+            Ok(out) => {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("failed");
+                unreadable.push(format!("{binary}: {}", first.trim()));
             }
+            Err(_) => {}
         }
     }
     text
@@ -195,11 +204,10 @@ fn save_output(flavour: Flavour) -> String {
 /// Looks at this network namespace's netfilter. `kube_proxy_nftables` comes from the nftables
 /// backend's netlink socket.
 pub fn gather(kube_proxy_nftables: bool, addrs: &[IpAddr]) -> Facts {
-    Facts {
-        kube_proxy_nftables,
-        legacy: parse_save(&save_output(Flavour::Legacy), addrs),
-        nft: parse_save(&save_output(Flavour::Nft), addrs),
-    }
+    let mut unreadable = Vec::new();
+    let legacy = parse_save(&save_output(Flavour::Legacy, &mut unreadable), addrs);
+    let nft = parse_save(&save_output(Flavour::Nft, &mut unreadable), addrs);
+    Facts { kube_proxy_nftables, legacy, nft, unreadable }
 }
 
 #[cfg(test)]
@@ -244,6 +252,7 @@ COMMIT
             kube_proxy_nftables,
             legacy: parse_save(legacy, &addrs()),
             nft: parse_save(nft, &addrs()),
+            unreadable: Vec::new(),
         }
     }
 
