@@ -393,7 +393,7 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         return Ok(());
     }
     let running = match (alive, stale) {
-        (true, false) => format!("running (pid {} in its own namespace)", st.pid),
+        (true, false) => format!("running (pid {})", st.pid),
         (true, true) => {
             format!("running but not updating its state ({})", ago(st.updated_unix_ms, now))
         }

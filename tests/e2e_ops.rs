@@ -193,3 +193,39 @@ fn a_hung_transition_hook_never_delays_a_switch() {
             .then_some(())
     });
 }
+
+/// Issue 4: with no agent running, `flip` installs the rules itself, says so, and records the
+/// override for the next agent, which honours it.
+#[test]
+fn flip_without_an_agent_applies_directly() {
+    let node = SimNode::up_with(&["--kube-proxy", "nftables"]);
+    let dir = node.dir.join("agent-state").display().to_string();
+    let out = node.cli(&[
+        "flip",
+        "upstream",
+        "--state-dir",
+        &dir,
+        "--local-ip",
+        LOCAL_IP,
+        "--cluster-dns-ip",
+        CLUSTER_DNS_IP,
+    ]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("no agent is running"),
+        "{}",
+        describe(&out)
+    );
+    // kube-proxy in nftables mode: auto installed the nftables table, for Upstream.
+    assert_eq!(node.agent_table(), Some(node.expected_table("upstream")));
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), COREDNS_ANSWER);
+
+    let agent = node.agent_starting(&["--dataplane", "auto"]);
+    wait_for("good probes", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["probes"]["cache_udp"]["streak_good"].as_u64() >= Some(10))
+    });
+    let st = agent.state().unwrap();
+    assert_eq!(st["route"], "upstream", "the recorded override was not honoured: {st}");
+}
