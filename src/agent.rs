@@ -101,8 +101,8 @@ pub struct Notes {
 /// The synchronous core of the agent.
 pub struct Agent {
     addrs: ListenAddrs,
-    /// The ruleset carries filter ACCEPTs (the host's firewall drops by default).
-    accepts: bool,
+    /// What goes into the ruleset besides the NOTRACK chains.
+    shape: dataplane::Shape,
     machine: Machine,
     dataplane: Box<dyn Dataplane>,
     /// The ruleset of the current route, as last rendered.
@@ -136,11 +136,11 @@ impl Agent {
         metrics: Arc<Metrics>,
         now: Instant,
     ) -> Result<Agent, AgentError> {
-        let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.accepts)
+        let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.shape)
             .map_err(AgentError::Install)?;
         let route = installed.unwrap_or(Route::Local);
         metrics.set_route(route);
-        let desired = dataplane::plan(&cfg.addrs, route, cfg.accepts);
+        let desired = dataplane::plan(&cfg.addrs, route, cfg.shape);
         if installed.is_none() {
             dataplane.apply(&desired).map_err(AgentError::Install)?;
         }
@@ -156,7 +156,7 @@ impl Agent {
         };
         Ok(Agent {
             addrs: cfg.addrs.clone(),
-            accepts: cfg.accepts,
+            shape: cfg.shape,
             machine: Machine::new(cfg.thresholds, route, now),
             dataplane,
             desired,
@@ -227,7 +227,7 @@ impl Agent {
         info!(from = %t.from, to = %t.to, reason = %t.reason, evidence = %evidence, "route changed");
         self.metrics.transition(t.from, t.to, t.reason.kind());
         self.metrics.set_route(t.to);
-        self.desired = dataplane::plan(&self.addrs, t.to, self.accepts);
+        self.desired = dataplane::plan(&self.addrs, t.to, self.shape);
         self.apply(now);
         self.changes.push(t);
     }
@@ -719,7 +719,7 @@ mod tests {
 
     /// The route whose ruleset the fake kernel holds.
     fn installed(fake: &FakeDataplane) -> Option<Route> {
-        dataplane::installed_route(&mut fake.clone(), &cfg().addrs, false).unwrap()
+        dataplane::installed_route(&mut fake.clone(), &cfg().addrs, Default::default()).unwrap()
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {

@@ -181,6 +181,10 @@ pub struct RunArgs {
     /// How long the transition hook may run before it is killed.
     #[arg(long, env = "NODELOCALDNS_HA_HOOK_TIMEOUT", default_value = "5s")]
     pub hook_timeout: String,
+    /// The kernel fast path (pods fail over on the next packet when the cache's socket is gone).
+    /// `false` leaves only the probe-driven switch: for comparisons.
+    #[arg(long, env = "NODELOCALDNS_HA_FAST_PATH", default_value_t = true, action = clap::ArgAction::Set)]
+    pub fast_path: bool,
 }
 
 impl RunArgs {
@@ -204,6 +208,7 @@ impl RunArgs {
             metrics_addr: self.metrics_addr.clone(),
             on_transition: self.on_transition.clone(),
             hook_timeout: self.hook_timeout.clone(),
+            fast_path: self.fast_path,
         }
     }
 }

@@ -150,9 +150,9 @@ pub struct AgentConfig {
     pub upstream_probe: Cadence,
     pub thresholds: Thresholds,
     pub state_dir: PathBuf,
-    /// Install filter ACCEPTs too: set after detection, when the host's firewall drops by
-    /// default (false from the command line alone).
-    pub accepts: bool,
+    /// What goes into the ruleset besides the NOTRACK chains: `accepts` is set after
+    /// detection, when the host's firewall drops by default.
+    pub shape: crate::dataplane::Shape,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; `None` when off.
     pub metrics_addr: Option<SocketAddr>,
     /// Run on every route change, with the change in its environment.
@@ -182,6 +182,7 @@ pub struct RawRun {
     pub metrics_addr: String,
     pub on_transition: Option<PathBuf>,
     pub hook_timeout: String,
+    pub fast_path: bool,
 }
 
 fn cadence(
@@ -289,7 +290,7 @@ impl AgentConfig {
             upstream_probe,
             thresholds: Thresholds { fall: raw.fall, rise: raw.rise, min_hold },
             state_dir: raw.state_dir.clone(),
-            accepts: false,
+            shape: crate::dataplane::Shape { accepts: false, fast_path: raw.fast_path },
             metrics_addr,
             on_transition: raw.on_transition.clone(),
             hook_timeout,
@@ -333,6 +334,7 @@ pub(crate) fn test_raw() -> RawRun {
         metrics_addr: "127.0.0.1:9254".into(),
         on_transition: None,
         hook_timeout: "5s".into(),
+        fast_path: true,
     }
 }
 

@@ -105,7 +105,7 @@ fn run(command: Command) -> Result<(), Failure> {
                 .map_err(Failure::usage)?;
             require_net_admin()?;
             let (dataplane, notes) = open_dataplane(args.dataplane, &cfg.addrs, xtables_wait)?;
-            cfg.accepts = dataplane.has_accepts();
+            cfg.shape.accepts = dataplane.has_accepts();
             let dataplane = Box::new(dataplane);
             runtime()?.block_on(async {
                 agent::run(cfg, dataplane, notes, shutdown_signal())
@@ -215,7 +215,8 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     })?;
     require_net_admin()?;
     let (mut dataplane, _) = open_dataplane(DataplaneKind::Auto, &addrs, Duration::from_secs(5))?;
-    let rules = dataplane::plan(&addrs, route, dataplane.has_accepts());
+    let shape = dataplane::Shape { accepts: dataplane.has_accepts(), fast_path: true };
+    let rules = dataplane::plan(&addrs, route, shape);
     dataplane.apply(&rules).map_err(|e| Failure::runtime(with_causes(&e)))?;
     let wall = SystemTime::now();
     let record = Override {

@@ -276,6 +276,19 @@ impl RuleSet {
         self
     }
 
+    /// This ruleset without the kernel fast path: pods' queries to the cluster-DNS IP are
+    /// NOTRACKed whether or not a socket is there, and only the agent's switch moves them (what
+    /// node-cache's static rules do, with an agent on top). For comparisons; not a default.
+    pub fn without_fast_path(mut self) -> RuleSet {
+        for rule in self.chains.iter_mut().flat_map(|c| c.rules.iter_mut()) {
+            if rule.guard == Guard::LocalSocket {
+                rule.guard = Guard::LocalAddress;
+                rule.comment = "pods to cache (no fast path)".to_owned();
+            }
+        }
+        self
+    }
+
     /// Every rule, with the chain it belongs to.
     pub fn rules(&self) -> impl Iterator<Item = (&Chain, &Rule)> {
         self.chains.iter().flat_map(|chain| chain.rules.iter().map(move |rule| (chain, rule)))
@@ -414,6 +427,20 @@ mod tests {
         assert_eq!(queries_in.count(), 8);
         // The nftables rendering is the NOTRACK table only.
         assert_eq!(set.to_string(), RuleSet::desired(&a, Route::Upstream).to_string());
+    }
+
+    #[test]
+    fn without_the_fast_path_only_the_socket_guard_goes() {
+        let a = addrs(&["169.254.20.10"], &["10.96.0.10"]);
+        let with = RuleSet::desired(&a, Route::Local);
+        let without = with.clone().without_fast_path();
+        let guards = |set: &RuleSet| set.rules().map(|(_, r)| r.guard).collect::<Vec<_>>();
+        assert!(guards(&with).contains(&Guard::LocalSocket));
+        assert!(!guards(&without).contains(&Guard::LocalSocket));
+        assert_eq!(with.rules().count(), without.rules().count());
+        assert!(without.to_string().contains(
+            "ip daddr 10.96.0.10 udp dport 53 fib daddr type local counter notrack comment \"pods to cache (no fast path)\""
+        ));
     }
 
     #[test]

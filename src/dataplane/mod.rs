@@ -60,25 +60,41 @@ pub trait Dataplane {
 /// The comment of the rules that count the cache's replies from the cluster-DNS IP.
 pub const REPLY_COMMENT: &str = "cache replies";
 
-/// The ruleset the agent wants for `route`: the NOTRACK chains, plus the filter ACCEPTs when
-/// `accepts` (the host's firewall drops by default).
-pub fn plan(addrs: &ListenAddrs, route: Route, accepts: bool) -> RuleSet {
-    let rules = RuleSet::desired(addrs, route);
-    if accepts {
-        rules.with_accepts(addrs)
-    } else {
-        rules
+/// What besides the NOTRACK chains goes into the ruleset.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// Filter ACCEPTs (the host's firewall drops by default).
+    pub accepts: bool,
+    /// The kernel fast path (`socket` guard); off only for comparisons.
+    pub fast_path: bool,
+}
+
+impl Default for Shape {
+    fn default() -> Shape {
+        Shape { accepts: false, fast_path: true }
     }
+}
+
+/// The ruleset the agent wants for `route`.
+pub fn plan(addrs: &ListenAddrs, route: Route, shape: Shape) -> RuleSet {
+    let mut rules = RuleSet::desired(addrs, route);
+    if !shape.fast_path {
+        rules = rules.without_fast_path();
+    }
+    if shape.accepts {
+        rules = rules.with_accepts(addrs);
+    }
+    rules
 }
 
 /// The route whose ruleset is installed now, if the installed state is exactly one of them.
 pub fn installed_route(
     dp: &mut dyn Dataplane,
     addrs: &ListenAddrs,
-    accepts: bool,
+    shape: Shape,
 ) -> Result<Option<Route>, Error> {
     for route in [Route::Local, Route::Upstream] {
-        if dp.check(&plan(addrs, route, accepts))? == Check::Matches {
+        if dp.check(&plan(addrs, route, shape))? == Check::Matches {
             return Ok(Some(route));
         }
     }
@@ -180,7 +196,8 @@ mod tests {
     fn layered_checks_every_part_and_applies_the_switch_first() {
         let (switch, accepts) = (FakeDataplane::default(), FakeDataplane::default());
         let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
-        let rules = plan(&addrs(), Route::Local, true);
+        let shape = Shape { accepts: true, fast_path: true };
+        let rules = plan(&addrs(), Route::Local, shape);
         assert_eq!(layered.check(&rules).unwrap(), Check::Missing);
 
         accepts.kernel().fail_next_apply = true;
@@ -191,7 +208,7 @@ mod tests {
 
         layered.apply(&rules).unwrap();
         assert_eq!(layered.check(&rules).unwrap(), Check::Matches);
-        assert_eq!(installed_route(&mut layered, &addrs(), true).unwrap(), Some(Route::Local));
+        assert_eq!(installed_route(&mut layered, &addrs(), shape).unwrap(), Some(Route::Local));
         layered.remove().unwrap();
         assert_eq!(layered.check(&rules).unwrap(), Check::Missing);
     }
