@@ -202,7 +202,12 @@ impl Agent {
         }
 
         let held_before = self.machine.held().map(str::to_owned);
+        let forced_before = self.machine.forced().is_some();
         let transition = self.machine.observe(report.stream, sample(outcome), now);
+        if forced_before && self.machine.forced().is_none() {
+            info!(reason = %self.machine.reason(), "drain over");
+            self.metrics.set_override(None);
+        }
         let streak = self.machine.streak(report.stream);
         if let Some(stats) = self.stats_mut(report.stream) {
             stats.streak_good = streak.good;
@@ -292,14 +297,8 @@ impl Agent {
     }
 
     /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
-    pub fn reply_packets(&mut self) -> Option<u64> {
-        match self.dataplane.reply_packets() {
-            Ok(n) => n,
-            Err(e) => {
-                warn!(error = %e, "reading the reply counters failed");
-                None
-            }
-        }
+    pub fn reply_packets(&mut self) -> Result<Option<u64>, dataplane::Error> {
+        self.dataplane.reply_packets()
     }
 
     fn stats_mut(&mut self, stream: Stream) -> Option<&mut ProbeStats> {
@@ -648,6 +647,13 @@ pub async fn run(
     let mut state_tick = tokio::time::interval(Duration::from_secs(1));
     state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drain: Option<maintenance::Drain> = None;
+    let override_file = control::override_path(&cfg.state_dir);
+    // Hooks run one at a time, in order, beside the loop.
+    let hooks = cfg.on_transition.clone().map(|path| {
+        let (tx, rx) = mpsc::channel(16);
+        tasks.spawn(maintenance::run_hooks(path, rx, cfg.hook_timeout, metrics.clone()));
+        tx
+    });
     tokio::pin!(shutdown);
     let outcome = loop {
         health.beat(Instant::now());
@@ -675,19 +681,24 @@ pub async fn run(
                 _ => "a probe or watch task ended".to_owned(),
             })),
         }
+        // A drain that ended by itself, or an expiry, leaves nothing forced: the record goes
+        // too (with or without a route change), so a restart cannot bring it back.
+        if agent.forced().is_none() && override_file.exists() {
+            if let Err(e) = control::clear_override(&cfg.state_dir) {
+                warn!(error = %e, "removing the ended override's record failed");
+            }
+        }
         let changes = agent.take_changes();
         if !changes.is_empty() {
             write_state(&agent);
-            // A drain that ended by itself (the drained cache went away), or an expiry, leaves
-            // nothing forced: the record goes too.
-            if agent.forced().is_none() {
-                let _ = control::clear_override(&cfg.state_dir);
-            }
         }
-        if let Some(hook) = &cfg.on_transition {
-            for t in changes {
-                let run = maintenance::run_hook(hook.clone(), t, cfg.hook_timeout, metrics.clone());
-                tokio::spawn(run);
+        for t in changes {
+            // Never blocks: a full queue means the hook is far behind, and the change is
+            // dropped for it (counted), not for the dataplane.
+            if let Some(hooks) = &hooks {
+                if hooks.try_send((t, state::unix_ms(SystemTime::now()))).is_err() {
+                    metrics.hook("dropped");
+                }
             }
         }
     };

@@ -125,15 +125,8 @@ pub struct Incoming {
     pub reply: oneshot::Sender<Response>,
 }
 
-/// Who set an override.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum OverrideKind {
-    /// `nodelocaldns-ha flip`: until released or until it expires.
-    Manual,
-    /// `nodelocaldns-ha drain`: `Upstream` until the cache restarts.
-    Drain,
-}
+/// Who set an override: the state machine's own notion, persisted as is.
+pub use crate::health::ForceKind as OverrideKind;
 
 /// The manual override, as persisted.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]

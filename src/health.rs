@@ -70,6 +70,8 @@ pub enum Reason {
     Forced { kind: ForceKind, why: String },
     /// A forced route was released, or its time ran out: automatic again.
     Automatic { expired: bool },
+    /// The drained cache is gone: automatic again, the new cache must pass its probes.
+    DrainEnded,
 }
 
 impl Reason {
@@ -85,6 +87,7 @@ impl Reason {
             Reason::Forced { kind: ForceKind::Drain, .. } => "drain",
             Reason::Automatic { expired: true } => "override_expired",
             Reason::Automatic { expired: false } => "released",
+            Reason::DrainEnded => "drain_ended",
         }
     }
 }
@@ -133,6 +136,7 @@ impl fmt::Display for Reason {
             }
             Reason::Automatic { expired: true } => f.write_str("forced route expired; automatic"),
             Reason::Automatic { expired: false } => f.write_str("forced route released; automatic"),
+            Reason::DrainEnded => f.write_str("the drained cache is gone; automatic"),
         }
     }
 }
@@ -322,14 +326,15 @@ impl Machine {
             self.cache_tcp.refused = false;
         }
         if let Some(forced) = &self.forced {
-            // A drain ends when the drained cache is gone: from then on the new one must earn
-            // its way back with `rise` good probes, like after any failure.
-            let drained = forced.kind == ForceKind::Drain
-                && stream != Stream::Upstream
-                && sample != Sample::Good;
-            if drained {
+            // A drain ends when the drained cache is gone — refused, or `fall` failures in a row
+            // (one slow answer under load is not an exit) — and from then on the new cache
+            // earns its way back with `rise` good probes and `min_hold`, counted from here.
+            let streak = self.streak(stream);
+            let gone = sample == Sample::Refused || streak.bad >= self.thresholds.fall;
+            if forced.kind == ForceKind::Drain && stream != Stream::Upstream && gone {
                 self.forced = None;
-                self.reason = Reason::Automatic { expired: false };
+                self.since = now;
+                self.reason = Reason::DrainEnded;
             }
             return None;
         }
@@ -588,12 +593,17 @@ mod tests {
         // The old cache still answers: the drain holds.
         assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[Good; 30]), [None; 30]);
         assert!(m.forced().is_some());
+        // One slow answer under load is not the end of the old cache.
+        feed(&mut m, t0, 3000, CacheUdp, &[TIMEOUT, Good, Good, Good, Good, Good]);
+        assert!(m.forced().is_some());
         // It is stopped: the drain is over, the route stays on the upstream...
-        assert_eq!(feed(&mut m, t0, 3000, CacheUdp, &[Refused]), [None]);
+        assert_eq!(feed(&mut m, t0, 4000, CacheUdp, &[Refused]), [None]);
         assert_eq!(m.forced(), None);
-        // ...until the new cache answers `rise` probes (min-hold long past).
-        let got = feed(&mut m, t0, 3100, CacheUdp, &[Good; 5]);
-        assert_eq!(got, [None, None, None, None, Some(Local)]);
+        assert_eq!(m.reason(), &Reason::DrainEnded);
+        // ...until the new cache answers `rise` probes and `min_hold` has passed since then.
+        let got = feed(&mut m, t0, 4100, CacheUdp, &[Good; 5]);
+        assert_eq!(got, [None; 5]);
+        assert_eq!(feed(&mut m, t0, 6000, CacheUdp, &[Good]), [Some(Local)]);
     }
 
     #[test]

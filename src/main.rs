@@ -118,7 +118,7 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Release(args) => {
             let answer = control::call(&args.state_dir, &Request::Release, CALL_TIMEOUT);
             match answer {
-                Err(ControlError::NoAgent { .. }) => {
+                Err(ControlError::NoAgent { .. }) if !state::agent_running(&args.state_dir) => {
                     control::clear_override(&args.state_dir).map_err(Failure::runtime)?;
                     println!("no agent is running; removed the recorded override, if any");
                     Ok(())
@@ -129,11 +129,14 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Drain(args) => {
             let timeout =
                 config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
-            let request = Request::Drain { timeout_ms: timeout.as_millis() as u64 };
-            match control::call(&args.control.state_dir, &request, timeout + CALL_TIMEOUT) {
+            let request = Request::Drain { timeout_ms: millis("--timeout", timeout)? };
+            // The agent answers within timeout + 5 s; wait a little longer than that.
+            let wait = timeout.saturating_add(CALL_TIMEOUT + Duration::from_secs(2));
+            let dir = &args.control.state_dir;
+            match control::call(dir, &request, wait) {
                 // Without an agent the kernel fast path alone fails pods over when the cache
                 // stops: nothing to wait for, and a preStop hook must not fail for it.
-                Err(ControlError::NoAgent { .. }) => {
+                Err(ControlError::NoAgent { .. }) if !state::agent_running(dir) => {
                     println!("no agent is running: nothing to drain");
                     Ok(())
                 }
@@ -175,7 +178,13 @@ fn run(command: Command) -> Result<(), Failure> {
 /// How long the CLI waits for the agent's answer (a drain adds its own timeout).
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Prints the agent's answer; an error answer is a runtime failure.
+/// A duration as whole milliseconds for the control protocol; bad input if it does not fit.
+fn millis(flag: &str, d: Duration) -> Result<u64, Failure> {
+    u64::try_from(d.as_millis()).map_err(|_| Failure::usage(format!("{flag} is too long")))
+}
+
+/// Prints the agent's answer; an error answer is a runtime failure. (`NoAgent` while the
+/// agent's lock is held means its socket is broken, not that it is gone: callers check.)
 fn answered(answer: Result<Response, ControlError>) -> Result<(), Failure> {
     match answer.map_err(|e| Failure::runtime(with_causes(&e)))? {
         Response::Ok { message } => {
@@ -193,14 +202,19 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     if for_.is_some_and(|d| d.is_zero()) {
         return Err(Failure::usage("--for must be greater than zero"));
     }
-    let request = Request::Flip {
-        route,
-        for_ms: for_.map(|d| d.as_millis() as u64),
-        reason: args.reason.clone(),
+    let for_ms = for_.map(|d| millis("--for", d)).transpose()?;
+    let until_unix_ms = match for_ms {
+        Some(ms) => Some(
+            state::unix_ms(SystemTime::now())
+                .checked_add(ms)
+                .ok_or_else(|| Failure::usage("--for is too long"))?,
+        ),
+        None => None,
     };
+    let request = Request::Flip { route, for_ms, reason: args.reason.clone() };
     let dir = &args.control.state_dir;
     match control::call(dir, &request, CALL_TIMEOUT) {
-        Err(ControlError::NoAgent { .. }) => {}
+        Err(ControlError::NoAgent { .. }) if !state::agent_running(dir) => {}
         other => return answered(other),
     }
     // No agent: install the route's rules here, and record the override for the next agent.
@@ -222,7 +236,7 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     let record = Override {
         version: control::OVERRIDE_VERSION,
         route,
-        until_unix_ms: for_.map(|d| state::unix_ms(wall + d)),
+        until_unix_ms,
         reason: args.reason.clone(),
         set_by: "nodelocaldns-ha flip (no agent running)".to_owned(),
         set_unix_ms: state::unix_ms(wall),

@@ -37,27 +37,47 @@ impl Drain {
     /// Checks the reply counters once (call it every tick); answers the requester and returns
     /// `None` when done.
     pub fn progress(mut self, agent: &mut Agent, now: Instant) -> Option<Drain> {
-        let Some(count) = agent.reply_packets() else {
-            let message = "route is upstream; this dataplane cannot count the cache's replies";
-            let _ = self.reply.send(Response::Ok { message: message.to_owned() });
-            return None;
-        };
-        if self.last == Some(count) {
-            self.quiet += 1;
-        } else {
-            self.last = Some(count);
-            self.quiet = 0;
-        }
         let waited = now.saturating_duration_since(self.started);
+        if agent.route() != Route::Upstream {
+            let message = format!(
+                "drain interrupted after {waited:.1?}: the route is {} again",
+                agent.route()
+            );
+            let _ = self.reply.send(Response::Error { message });
+            return None;
+        }
+        // Quiet counts only once the upstream ruleset is really in, and counters were read.
+        match (agent.is_dirty(), agent.reply_packets()) {
+            (false, Ok(None)) => {
+                let message = "route is upstream; this dataplane cannot count the cache's replies";
+                let _ = self.reply.send(Response::ok(message));
+                return None;
+            }
+            (false, Ok(Some(count))) if self.last == Some(count) => self.quiet += 1,
+            (false, Ok(Some(count))) => {
+                self.last = Some(count);
+                self.quiet = 0;
+            }
+            (true, _) => self.quiet = 0,
+            (false, Err(e)) => {
+                warn!(error = %e, "reading the reply counters failed");
+                self.quiet = 0;
+            }
+        }
         let message = if self.quiet >= QUIET_CHECKS {
             format!("route is upstream and the cache has gone quiet (after {waited:.1?})")
-        } else if now >= self.deadline {
-            format!("route is upstream; the cache still answered after {waited:.1?} (timed out)")
-        } else {
+        } else if now < self.deadline {
             return Some(self);
+        } else if agent.is_dirty() {
+            let message =
+                format!("timed out after {waited:.1?}: the upstream ruleset is not installed yet");
+            let _ = self.reply.send(Response::Error { message });
+            return None;
+        } else {
+            format!("route is upstream; the cache still answered after {waited:.1?} (timed out)")
         };
         info!(waited = ?waited, quiet = self.quiet >= QUIET_CHECKS, "drain done");
-        let _ = self.reply.send(Response::Ok { message });
+        let _ = self.reply.send(Response::ok(message));
         None
     }
 }
@@ -75,14 +95,10 @@ pub fn forced_from(o: &Override, now: Instant, wall: SystemTime) -> Option<Force
         return None;
     }
     let until = o.until_unix_ms.map(|ms| now + Duration::from_millis(ms.saturating_sub(now_ms)));
-    let kind = match o.kind {
-        OverrideKind::Manual => ForceKind::Manual,
-        OverrideKind::Drain => ForceKind::Drain,
-    };
-    Some(Forced { route: o.route, kind, until, why: o.reason.clone() })
+    Some(Forced { route: o.route, kind: o.kind, until, why: o.reason.clone() })
 }
 
-/// Applies one control request. Returns a drain that answers later, if the request was one.
+/// Applies one control request; a drain is left in `drain`, to answer later.
 pub fn handle(
     agent: &mut Agent,
     dir: &Path,
@@ -145,8 +161,22 @@ pub fn handle(
             }
         }
         Request::Drain { timeout_ms } => {
+            let manual = agent.forced().filter(|f| f.kind == ForceKind::Manual).map(|f| f.route);
             if drain.is_some() {
-                Response::Error { message: "a drain is already running".to_owned() }
+                Response::error("a drain is already running")
+            } else if manual == Some(Route::Local) {
+                Response::error("a manual override forces the route to local: release it first")
+            } else if manual == Some(Route::Upstream) {
+                // Already on the upstream by hand: keep that override, just wait for quiet.
+                let timeout = Duration::from_millis(timeout_ms);
+                *drain = Some(Drain {
+                    reply,
+                    started: now,
+                    deadline: now + timeout,
+                    last: None,
+                    quiet: 0,
+                });
+                return;
             } else {
                 let why = format!("drain requested by {who}");
                 let until = Some(now + DRAIN_HOLD_MAX);
@@ -181,40 +211,63 @@ pub fn handle(
     let _ = reply.send(response);
 }
 
-/// Runs the transition hook for `t`, bounded by `timeout`; never fails the caller. The program
-/// gets the change in its environment: `NODELOCALDNS_HA_FROM`, `_TO`, `_REASON`,
-/// `_REASON_KIND`, `_UNIX_MS`.
-pub async fn run_hook(path: PathBuf, t: Transition, timeout: Duration, metrics: Arc<Metrics>) {
-    let mut command = tokio::process::Command::new(&path);
+/// Runs the transition hook for each change from `changes`, one at a time and in order, each
+/// bounded by `timeout`; never ends (the agent treats a task that ends as dead).
+pub async fn run_hooks(
+    path: PathBuf,
+    mut changes: tokio::sync::mpsc::Receiver<(Transition, u64)>,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+) {
+    while let Some((t, at_unix_ms)) = changes.recv().await {
+        let result = run_hook(&path, &t, at_unix_ms, timeout).await;
+        metrics.hook(result);
+    }
+    std::future::pending().await
+}
+
+/// Runs the hook once; `ok`, `failed` or `timeout`. The program gets the change in its
+/// environment: `NODELOCALDNS_HA_FROM`, `_TO`, `_REASON`, `_REASON_KIND`, `_UNIX_MS` (when the
+/// route changed). It runs in its own process group, all of which is killed on timeout; its
+/// output is discarded (the agent's log stays one event per line).
+async fn run_hook(path: &Path, t: &Transition, at_unix_ms: u64, timeout: Duration) -> &'static str {
+    let mut command = tokio::process::Command::new(path);
     command
         .env("NODELOCALDNS_HA_FROM", t.from.as_str())
         .env("NODELOCALDNS_HA_TO", t.to.as_str())
         .env("NODELOCALDNS_HA_REASON", t.reason.to_string())
         .env("NODELOCALDNS_HA_REASON_KIND", t.reason.kind())
-        .env("NODELOCALDNS_HA_UNIX_MS", state::unix_ms(SystemTime::now()).to_string())
+        .env("NODELOCALDNS_HA_UNIX_MS", at_unix_ms.to_string())
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
         .kill_on_drop(true);
-    let result = match command.spawn() {
+    let mut child = match command.spawn() {
+        Ok(child) => child,
         Err(e) => {
             warn!(hook = %path.display(), error = %e, "transition hook could not start");
+            return "failed";
+        }
+    };
+    match tokio::time::timeout(timeout, child.wait()).await {
+        Ok(Ok(status)) if status.success() => "ok",
+        Ok(Ok(status)) => {
+            warn!(hook = %path.display(), %status, "transition hook failed");
             "failed"
         }
-        Ok(mut child) => match tokio::time::timeout(timeout, child.wait()).await {
-            Ok(Ok(status)) if status.success() => "ok",
-            Ok(Ok(status)) => {
-                warn!(hook = %path.display(), %status, "transition hook failed");
-                "failed"
+        Ok(Err(e)) => {
+            warn!(hook = %path.display(), error = %e, "transition hook failed");
+            "failed"
+        }
+        Err(_) => {
+            warn!(hook = %path.display(), timeout = ?timeout, "transition hook timed out; killed");
+            if let Some(pid) = child.id().and_then(|id| i32::try_from(id).ok()) {
+                let group = nix::unistd::Pid::from_raw(pid);
+                let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
             }
-            Ok(Err(e)) => {
-                warn!(hook = %path.display(), error = %e, "transition hook failed");
-                "failed"
-            }
-            Err(_) => {
-                warn!(hook = %path.display(), timeout = ?timeout, "transition hook timed out; killed");
-                let _ = child.kill().await;
-                "timeout"
-            }
-        },
-    };
-    metrics.hook(result);
+            let _ = child.kill().await;
+            "timeout"
+        }
+    }
 }

@@ -64,7 +64,9 @@ fn override_survives_restart_and_only_root_may_flip() {
     wait_for("good probes", Duration::from_secs(5), || {
         agent.state().filter(|s| s["probes"]["cache_udp"]["streak_good"].as_u64() >= Some(10))
     });
-    assert_eq!(agent.state().unwrap()["route"], "upstream");
+    let st = agent.state().unwrap();
+    assert_eq!(st["route"], "upstream");
+    assert!(st["reason"].as_str().unwrap().contains("forced"), "adopted, not forced: {st}");
 
     let nobody = node.run(
         "node",
@@ -123,6 +125,12 @@ fn drain_makes_a_rolling_update_lossless() {
     println!("summary: {summary}");
     assert_eq!(summary["failed"], 0, "{summary}");
     assert_eq!(summary["first_attempt_lost"], 0, "{summary}");
+    // The drain is over: no record left to revive it on a restart, no override reported.
+    assert!(!agent.state_dir.join("override.json").exists(), "the drain is still recorded");
+    let (_, metrics) = node.http_get("/metrics");
+    let active: Vec<_> =
+        metrics.lines().filter(|l| l.starts_with("nodelocaldns_ha_override_active{")).collect();
+    assert!(!active.is_empty() && active.iter().all(|l| l.ends_with(" 0")), "{active:?}");
 }
 
 /// Issue 4, acceptance 3: every metric family is served and parses; /healthz stays 200 while
@@ -228,4 +236,5 @@ fn flip_without_an_agent_applies_directly() {
     });
     let st = agent.state().unwrap();
     assert_eq!(st["route"], "upstream", "the recorded override was not honoured: {st}");
+    assert!(st["reason"].as_str().unwrap().contains("forced"), "{st}");
 }

@@ -429,9 +429,16 @@ impl Dataplane for Iptables {
         for family in Family::ALL {
             let binary = &self.binaries(family).save;
             let done = self.run(binary, &["-c", "-t", "raw"], None)?;
-            if done.status.success() {
-                total += text::reply_packets(&done.stdout);
+            if !done.status.success() {
+                return Err(Error::SaveFailed {
+                    binary: binary.name,
+                    table: "raw",
+                    status: done.status,
+                    stderr: summary(&done.stderr),
+                }
+                .into());
             }
+            total += text::reply_packets(&done.stdout);
         }
         Ok(Some(total))
     }
