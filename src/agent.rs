@@ -130,19 +130,29 @@ pub struct Agent {
 impl Agent {
     /// Adopts the route whose ruleset is installed (so a restart does not flip), or `Local`, and
     /// makes sure its ruleset is installed.
+    ///
+    /// A recorded override (`forced`) decides the first route instead, so a restart under an
+    /// override never passes through another route.
     pub fn start(
         cfg: &AgentConfig,
         mut dataplane: Box<dyn Dataplane>,
         metrics: Arc<Metrics>,
+        forced: Option<Forced>,
         now: Instant,
     ) -> Result<Agent, AgentError> {
         let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.shape)
             .map_err(AgentError::Install)?;
-        let route = installed.unwrap_or(Route::Local);
+        let route = forced.as_ref().map(|f| f.route).or(installed).unwrap_or(Route::Local);
         metrics.set_route(route);
+        metrics.set_override(forced.as_ref().map(|f| f.route));
         let desired = dataplane::plan(&cfg.addrs, route, cfg.shape);
-        if installed.is_none() {
+        if installed != Some(route) {
             dataplane.apply(&desired).map_err(AgentError::Install)?;
+        }
+        let mut machine = Machine::new(cfg.thresholds, route, now);
+        if let Some(forced) = forced {
+            info!(route = %forced.route, kind = ?forced.kind, why = %forced.why, "recorded override");
+            machine.force(forced, now);
         }
         info!(
             route = %route,
@@ -157,7 +167,7 @@ impl Agent {
         Ok(Agent {
             addrs: cfg.addrs.clone(),
             shape: cfg.shape,
-            machine: Machine::new(cfg.thresholds, route, now),
+            machine,
             dataplane,
             desired,
             dirty: false,
@@ -563,22 +573,25 @@ pub async fn run(
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
+    let forced = match control::read_override(&cfg.state_dir) {
+        Ok(Some(o)) => {
+            let forced = maintenance::forced_from(&o, Instant::now(), SystemTime::now());
+            if forced.is_none() {
+                info!("the recorded override has expired");
+            }
+            forced
+        }
+        Ok(None) => None,
+        // A damaged file must not keep the agent from failing over: automatic, and say so.
+        Err(e) => {
+            warn!(error = %e, "ignoring the recorded override");
+            None
+        }
+    };
     let mut agent =
-        block_in_place(|| Agent::start(&cfg, dataplane, metrics.clone(), Instant::now()))?;
+        block_in_place(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, Instant::now()))?;
     health.set_ready();
     agent.set_notes(notes);
-    match control::read_override(&cfg.state_dir) {
-        Ok(Some(o)) => match maintenance::forced_from(&o, Instant::now(), SystemTime::now()) {
-            Some(forced) => block_in_place(|| agent.force(forced, Instant::now())),
-            None => {
-                info!("the recorded override has expired");
-                let _ = control::clear_override(&cfg.state_dir);
-            }
-        },
-        Ok(None) => {}
-        // A damaged file must not keep the agent from failing over: automatic, and say so.
-        Err(e) => warn!(error = %e, "ignoring the recorded override"),
-    }
     let write_state = |agent: &Agent| {
         if let Err(e) =
             state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
@@ -734,7 +747,7 @@ mod tests {
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
-        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), t0).unwrap()
+        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, t0).unwrap()
     }
 
     #[test]
@@ -751,6 +764,33 @@ mod tests {
         let agent = start(&fake, Instant::now());
         assert_eq!(agent.route(), Route::Upstream);
         assert_eq!(fake.kernel().applies, 0);
+    }
+
+    #[test]
+    fn a_recorded_override_decides_the_first_route() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
+        let forced = Forced {
+            route: Route::Upstream,
+            kind: crate::health::ForceKind::Manual,
+            until: None,
+            why: "maintenance".into(),
+        };
+        let metrics = Arc::new(Metrics::new());
+        let mut agent =
+            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0).unwrap();
+        assert_eq!(installed(&fake), Some(Route::Upstream));
+        assert_eq!(fake.kernel().applies, 1);
+        assert!(agent.take_changes().is_empty(), "no transition through another route");
+        // Healthy probes do not move a forced route.
+        for i in 0..20 {
+            let at = t0 + Duration::from_millis(100 * i);
+            agent.on_probe(
+                &report(Stream::CacheUdp, Outcome::Answered { rcode: crate::probe::Rcode(0) }),
+                at,
+            );
+        }
+        assert_eq!(agent.route(), Route::Upstream);
     }
 
     #[test]
