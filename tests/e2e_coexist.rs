@@ -268,7 +268,7 @@ fn iptables_drift(flavour: &str) {
             (ours() == installed).then_some(())
         });
     }
-    wait_for("the repairs to be counted", Duration::from_secs(3), || {
+    wait_for("the repairs to be counted", Duration::from_secs(10), || {
         agent.state().filter(|s| s["repairs"].as_u64() >= Some(3))
     });
 }

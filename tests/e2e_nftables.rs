@@ -166,7 +166,7 @@ fn foreign_changes_to_the_table_are_repaired() {
             (node.agent_table().as_deref() == Some(expected.as_str())).then_some(())
         });
     }
-    let repairs = wait_for("the repairs to be counted", Duration::from_secs(3), || {
+    let repairs = wait_for("the repairs to be counted", Duration::from_secs(10), || {
         agent.state().filter(|s| s["repairs"].as_u64() >= Some(4))
     });
     println!("repairs: {}", repairs["repairs"]);

@@ -7,9 +7,15 @@
 //! the answer tells who answered (`--origin 1.1.1.1=cache`), so a test can see which path a
 //! query took. Output: an optional timeline (one line per interval, for lookups *started* in
 //! it) and one final `SUMMARY {json}` line.
+//!
+//! With `--system-resolver` each lookup is instead one `getaddrinfo()` of the C library (in a
+//! blocking thread), which follows `/etc/resolv.conf` — its nameservers, timeouts and attempts —
+//! as a pod's application does; `--server`, `--timeout`, `--attempts` and `--tcp` then do not
+//! apply, and a lookup's attempts are not visible (only its result and its latency).
 
 use std::collections::{HashMap, VecDeque};
-use std::io::ErrorKind;
+use std::ffi::CString;
+use std::io::{BufWriter, ErrorKind, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -33,8 +39,18 @@ const MAX_LISTED: usize = 1000;
 #[command(name = "dnsload", version)]
 struct Args {
     /// DNS server: IP or IP:port ([IPv6]:port); port 53 by default
-    #[arg(long, value_parser = parse_server)]
-    server: SocketAddr,
+    #[arg(long, value_parser = parse_server, required_unless_present = "system_resolver")]
+    server: Option<SocketAddr>,
+
+    /// Look names up with the C library's getaddrinfo() (A: AF_INET, AAAA: AF_INET6), which
+    /// follows /etc/resolv.conf, instead of sending queries to --server
+    #[arg(long, conflicts_with_all = ["server", "tcp"])]
+    system_resolver: bool,
+
+    /// Write one line per lookup to PATH: start (ms since the run's start), latency (ms),
+    /// origin label or "failed", failed attempts
+    #[arg(long, value_name = "PATH")]
+    lookups_out: Option<PathBuf>,
 
     /// Name to look up
     #[arg(long, default_value = "who.test", value_parser = parse_name)]
@@ -172,12 +188,17 @@ impl From<std::io::Error> for AttemptError {
 
 #[derive(Clone, Copy)]
 struct LookupSpec {
-    server: SocketAddr,
+    /// None: the C library's resolver.
+    server: Option<SocketAddr>,
     qtype: RecordType,
     timeout: Duration,
     attempts: u32,
     tcp: bool,
 }
+
+/// How long a `--system-resolver` lookup may take at most, for the in-flight bound and the
+/// drain: glibc's worst case with 3 nameservers, `timeout:5` and `attempts:2` is 30 s.
+const SYSTEM_LOOKUP_BUDGET: Duration = Duration::from_secs(31);
 
 /// What one lookup did.
 struct LookupResult {
@@ -204,15 +225,26 @@ impl LookupResult {
 
 async fn lookup(spec: LookupSpec, name: Name, started: Duration) -> LookupResult {
     let t0 = Instant::now();
+    let Some(server) = spec.server else {
+        let qtype = spec.qtype;
+        let result = tokio::task::spawn_blocking(move || system_lookup(&name, qtype))
+            .await
+            .unwrap_or(Err(AttemptError::Io));
+        let (answer, errors) = match result {
+            Ok(addr) => (Some(addr), Vec::new()),
+            Err(e) => (None, vec![e]),
+        };
+        return LookupResult { started, answer, errors, latency: t0.elapsed() };
+    };
     let query = Query::query(name, spec.qtype);
     let mut errors = Vec::new();
     let mut answer = None;
     for _ in 0..spec.attempts {
         let attempt = async {
             if spec.tcp {
-                tcp_attempt(spec.server, &query).await
+                tcp_attempt(server, &query).await
             } else {
-                udp_attempt(spec.server, &query).await
+                udp_attempt(server, &query).await
             }
         };
         match tokio::time::timeout(spec.timeout, attempt).await {
@@ -225,6 +257,48 @@ async fn lookup(spec: LookupSpec, name: Name, started: Duration) -> LookupResult
         }
     }
     LookupResult { started, answer, errors, latency: t0.elapsed() }
+}
+
+/// One `getaddrinfo()` of `name` (A: AF_INET, AAAA: AF_INET6); the first address returned.
+fn system_lookup(name: &Name, qtype: RecordType) -> Result<IpAddr, AttemptError> {
+    let host = CString::new(name.to_ascii()).map_err(|_| AttemptError::Io)?;
+    let family = if qtype == RecordType::AAAA { libc::AF_INET6 } else { libc::AF_INET };
+    // SAFETY: an all-zero addrinfo is a valid "no hints" value; the fields set are plain ints.
+    let mut hints: libc::addrinfo = unsafe { std::mem::zeroed() };
+    hints.ai_family = family;
+    hints.ai_socktype = libc::SOCK_DGRAM;
+    let mut list: *mut libc::addrinfo = std::ptr::null_mut();
+    // SAFETY: host is NUL-terminated, hints and list are valid for the call.
+    let rc = unsafe { libc::getaddrinfo(host.as_ptr(), std::ptr::null(), &hints, &mut list) };
+    if rc != 0 {
+        return Err(match rc {
+            // Timeouts, SERVFAIL, refused servers: glibc says "try again".
+            libc::EAI_AGAIN => AttemptError::Timeout,
+            libc::EAI_NONAME | libc::EAI_NODATA => AttemptError::BadReply,
+            _ => AttemptError::Io,
+        });
+    }
+    let mut found = Err(AttemptError::BadReply);
+    let mut entry = list;
+    while !entry.is_null() {
+        // SAFETY: entries of a list getaddrinfo returned, freed only below; ai_addr points to
+        // a sockaddr of ai_family.
+        let ai = unsafe { &*entry };
+        if !ai.ai_addr.is_null() && ai.ai_family == libc::AF_INET {
+            let sin = unsafe { &*ai.ai_addr.cast::<libc::sockaddr_in>() };
+            found = Ok(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+            break;
+        }
+        if !ai.ai_addr.is_null() && ai.ai_family == libc::AF_INET6 {
+            let sin6 = unsafe { &*ai.ai_addr.cast::<libc::sockaddr_in6>() };
+            found = Ok(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
+            break;
+        }
+        entry = ai.ai_next;
+    }
+    // SAFETY: list came from a successful getaddrinfo and is not used after this.
+    unsafe { libc::freeaddrinfo(list) };
+    found
 }
 
 /// A new query with a random id and RD set, as (id, wire bytes).
@@ -569,7 +643,14 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
         attempts: args.attempts,
         tcp: args.tcp,
     };
-    let lookup_budget = args.timeout * args.attempts;
+    let lookup_budget = match spec.server {
+        Some(_) => args.timeout * args.attempts,
+        None => SYSTEM_LOOKUP_BUDGET,
+    };
+    let mut lookups_out = match &args.lookups_out {
+        Some(path) => Some(BufWriter::new(std::fs::File::create(path)?)),
+        None => None,
+    };
     let planned = (f64::from(args.rate) * args.duration.as_secs_f64()).round() as u64;
     let max_in_flight = (f64::from(args.rate) * lookup_budget.as_secs_f64()).ceil() as usize + 100;
 
@@ -645,6 +726,9 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
                     }
                 };
                 in_flight.remove(&id);
+                if let Some(out) = lookups_out.as_mut() {
+                    write_lookup(out, &origins, &result)?;
+                }
                 totals.add(&origins, &result);
                 if let Some(tl) = timeline.as_mut() {
                     tl.finished(&origins, &result);
@@ -677,7 +761,14 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
     tasks.abort_all();
     for (_, started) in in_flight.drain() {
         totals.unfinished += 1;
-        totals.add(&origins, &LookupResult::lost(started));
+        let lost = LookupResult::lost(started);
+        if let Some(out) = lookups_out.as_mut() {
+            write_lookup(out, &origins, &lost)?;
+        }
+        totals.add(&origins, &lost);
+    }
+    if let Some(mut out) = lookups_out.take() {
+        out.flush()?;
     }
     if let Some(tl) = timeline.as_mut() {
         tl.close(end, true, &origins);
@@ -689,9 +780,30 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
     Ok(summary)
 }
 
+/// One `--lookups-out` line: start ms, latency ms, origin label or "failed", failed attempts.
+fn write_lookup(out: &mut impl Write, origins: &Origins, r: &LookupResult) -> std::io::Result<()> {
+    let origin = match r.answer {
+        Some(addr) => origins.labels[origins.index(addr)].as_str(),
+        None => "failed",
+    };
+    writeln!(
+        out,
+        "{:.3} {:.3} {origin} {}",
+        r.started.as_secs_f64() * 1000.0,
+        r.latency.as_secs_f64() * 1000.0,
+        r.errors.len()
+    )
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let mut builder = tokio::runtime::Builder::new_current_thread();
+    if args.system_resolver {
+        // One blocking thread per lookup in flight: a lookup never waits for a free thread.
+        let most = f64::from(args.rate) * SYSTEM_LOOKUP_BUDGET.as_secs_f64();
+        builder.max_blocking_threads((most as usize + 100).min(50_000));
+    }
+    let runtime = match builder.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("dnsload: cannot start the runtime: {e}");
@@ -750,6 +862,32 @@ mod tests {
         assert_eq!(percentile(&v, 50.0), 50.0);
         assert_eq!(percentile(&v, 99.0), 99.0);
         assert_eq!(percentile(&[], 99.0), 0.0);
+    }
+
+    #[test]
+    fn lookups_out_lines() {
+        let o = Origins::new(&[parse_origin("1.1.1.1=cache").unwrap()]);
+        let answered = LookupResult {
+            started: Duration::from_micros(1500),
+            answer: Some([1, 1, 1, 1].into()),
+            errors: vec![AttemptError::Timeout],
+            latency: Duration::from_millis(1000),
+        };
+        let mut out = Vec::new();
+        write_lookup(&mut out, &o, &answered).unwrap();
+        write_lookup(&mut out, &o, &LookupResult::lost(Duration::from_millis(2))).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "1.500 1000.000 cache 1\n2.000 0.000 failed 0\n"
+        );
+    }
+
+    #[test]
+    fn system_resolver_and_server_are_exclusive() {
+        assert!(Args::try_parse_from(["dnsload", "--system-resolver"]).is_ok());
+        assert!(Args::try_parse_from(["dnsload"]).is_err());
+        let both = ["dnsload", "--system-resolver", "--server", "10.96.0.10"];
+        assert!(Args::try_parse_from(both).is_err());
     }
 
     #[test]

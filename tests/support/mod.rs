@@ -433,3 +433,26 @@ impl SimNode {
         self.run("node", AGENT, args)
     }
 }
+
+impl SimNode {
+    /// Like [`SimNode::up_with`] with a prefix of the caller's (benchmarks pick theirs, so a
+    /// wrapper script can clean up after a crash), state under `<tmp>/nlha-bench/PREFIX`.
+    pub fn up_prefixed(prefix: &str, options: &[&str]) -> SimNode {
+        require_root();
+        let dir = std::env::temp_dir().join("nlha-bench").join(prefix);
+        let node = SimNode { prefix: prefix.to_string(), dir };
+        let mut args = vec!["up"];
+        args.extend_from_slice(options);
+        node.script(&args);
+        node.script(&["coredns-start"]);
+        node.script(&["cache-start"]);
+        node
+    }
+}
+
+impl Agent {
+    /// The agent's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+}

@@ -1,0 +1,1114 @@
+//! `cargo bench --bench failover` (as root; `ci/bench.sh` installs what it needs and runs it):
+//! what a pod sees when its node's DNS cache crashes or hangs, with node-cache's static rules,
+//! with this agent, with probe-driven switching only, and with two nameservers in the pod's
+//! resolv.conf; then the agent's drift repair, switch latency, data-path cost (dnsperf) and
+//! footprint.
+//!
+//! One simulated node (`testdata/simnode.sh`, namespaces `$PREFIX-*`, PREFIX from
+//! `NLHA_BENCH_PREFIX` or `b<pid>`) serves every arrangement in turn. Each arrangement is checked
+//! to be what it claims before it is measured. Everything it starts is stopped by pid, and the
+//! namespaces and `/etc/netns/$PREFIX-*` are removed on the way out (Drop guards, also when a
+//! step panics).
+//!
+//! Output: a table on stdout and in `docs/bench.md`, every figure in `docs/bench.json`, and
+//! `docs/failover.svg` (lookups/s by who answered them, per 100 ms of when they ended, per
+//! arrangement and fault). Environment: `NLHA_BENCH_RATE` (lookups/s, default 1000),
+//! `NLHA_BENCH_OUT` (default `docs`), `NLHA_BENCH_FOOTPRINT_SECS` (default 30),
+//! `NLHA_BENCH_MUSL_CLIENT` (the musl client; without it, that arrangement is skipped), and for
+//! working on one part `NLHA_BENCH_PARTS` and `NLHA_BENCH_ARRANGEMENTS` (comma lists).
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use support::{now_ms, Agent, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD};
+
+/// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
+/// SIGCONT), and after it.
+const PRE_MS: u64 = 2_000;
+const FAULT_MS: u64 = 5_000;
+const POST_MS: u64 = 12_000;
+/// Timeline resolution of the SVG.
+const BUCKET_MS: u64 = 100;
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+fn sleep_until_ms(at_unix_ms: u64) {
+    let now = now_ms();
+    if at_unix_ms > now {
+        std::thread::sleep(Duration::from_millis(at_unix_ms - now));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Guards.
+
+/// `/etc/netns/NS/`: `ip netns exec NS` bind-mounts its files over `/etc` (a pod's resolv.conf).
+struct NetnsEtc(PathBuf);
+
+impl NetnsEtc {
+    fn resolv_conf(ns: &str, text: &str) -> NetnsEtc {
+        let dir = Path::new("/etc/netns").join(ns);
+        std::fs::create_dir_all(&dir).expect("create /etc/netns/NS");
+        let guard = NetnsEtc(dir);
+        std::fs::write(guard.0.join("resolv.conf"), text).expect("write resolv.conf");
+        guard
+    }
+}
+
+impl Drop for NetnsEtc {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A child process killed (by pid) on drop.
+struct Proc(Option<Child>);
+
+impl Proc {
+    fn wait(mut self) -> std::process::ExitStatus {
+        self.0.take().expect("running").wait().expect("wait")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Arrangements.
+
+#[derive(Clone, Copy, PartialEq)]
+enum Setup {
+    /// node-cache's own static NOTRACK rules, no agent.
+    NodeCacheRules,
+    /// The agent with these flags (on top of the test defaults: nftables, who.test probes).
+    Agent(&'static [&'static str]),
+    /// No NOTRACK rules; the pod's resolv.conf lists the cache's link-local IP, then kube-dns.
+    TwoNameservers,
+}
+
+/// The pod's DNS client.
+#[derive(Clone, Copy, PartialEq)]
+enum Client {
+    /// dnsload: glibc-like, one nameserver (10.96.0.10), glibc's defaults (timeout 5 s, 2
+    /// attempts); it sees each attempt.
+    Dnsload,
+    /// `dnsload --system-resolver`: glibc's getaddrinfo, following the pod's resolv.conf.
+    Glibc,
+    /// `testdata/resolver-load.c` built with musl-gcc: musl's getaddrinfo, which asks every
+    /// nameserver at once and takes the first answer.
+    Musl,
+}
+
+struct Arrangement {
+    key: &'static str,
+    label: &'static str,
+    setup: Setup,
+    client: Client,
+}
+
+const ARRANGEMENTS: &[Arrangement] = &[
+    Arrangement {
+        key: "node-cache",
+        label: "a. node-cache's static rules, no agent",
+        setup: Setup::NodeCacheRules,
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "agent",
+        label: "b. agent, kernel fast path (defaults)",
+        setup: Setup::Agent(&[]),
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "probes-default",
+        label: "c. agent, probes only, defaults (100ms/80ms, fall 3)",
+        setup: Setup::Agent(&["--fast-path", "false"]),
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "probes-kep",
+        label: "c. agent, probes only, KEP sketch (2s/1s, fall 3)",
+        setup: Setup::Agent(&[
+            "--fast-path",
+            "false",
+            "--interval",
+            "2s",
+            "--timeout",
+            "1s",
+            "--tcp-interval",
+            "0s",
+        ]),
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "probes-aks",
+        label: "c. agent, probes only, AKS-LocalDNS-like (12s/5s, fall 5)",
+        setup: Setup::Agent(&[
+            "--fast-path",
+            "false",
+            "--interval",
+            "12s",
+            "--timeout",
+            "5s",
+            "--fall",
+            "5",
+            "--tcp-interval",
+            "0s",
+        ]),
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "two-nameservers-glibc",
+        label: "d. two nameservers (cache, kube-dns), glibc getaddrinfo",
+        setup: Setup::TwoNameservers,
+        client: Client::Glibc,
+    },
+    Arrangement {
+        key: "two-nameservers-musl",
+        label: "d. two nameservers (cache, kube-dns), musl getaddrinfo",
+        setup: Setup::TwoNameservers,
+        client: Client::Musl,
+    },
+];
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Fault {
+    Kill,
+    Hang,
+}
+
+impl Fault {
+    fn name(self) -> &'static str {
+        match self {
+            Fault::Kill => "kill",
+            Fault::Hang => "hang",
+        }
+    }
+}
+
+/// A pod's resolv.conf as the thesis's webhook injects it (glibc's defaults: timeout 5 s,
+/// attempts 2).
+const TWO_NAMESERVERS: &str = "nameserver 169.254.20.10\nnameserver 10.96.0.10\n";
+
+/// The raw table of the simulated node's iptables flavour (and the legacy one).
+fn raw_rules(node: &SimNode) -> String {
+    let mut text = String::new();
+    for save in ["iptables-nft-save", "iptables-legacy-save"] {
+        let out = node.run("node", save, &["-t", "raw"]);
+        text.push_str(&String::from_utf8_lossy(&out.stdout));
+    }
+    text
+}
+
+fn dig(node: &SimNode, role: &str, server: &str) -> String {
+    let out = node.run(
+        role,
+        "dig",
+        &["+time=1", "+tries=1", "+short", &format!("@{server}"), "who.test"],
+    );
+    String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string()
+}
+
+/// Checks the node is in the state `setup` claims; returns what was checked, for the JSON.
+fn verify(node: &SimNode, setup: Setup, agent: Option<&Agent>) -> Vec<String> {
+    let mut checked = Vec::new();
+    let raw = raw_rules(node);
+    let node_cache_rules = raw.matches("NodeLocal DNS Cache: skip conntrack").count();
+    let agent_chains = raw.contains("NODELOCALDNS-HA");
+    let table = node.agent_table();
+    match setup {
+        Setup::NodeCacheRules => {
+            assert!(table.is_none() && !agent_chains, "arrangement a: the agent's rules exist");
+            assert!(node_cache_rules >= 4, "arrangement a: node-cache's rules missing:\n{raw}");
+            assert!(agent.is_none());
+            checked.push(format!(
+                "no agent table or chains; {node_cache_rules} node-cache NOTRACK rules"
+            ));
+        }
+        Setup::Agent(flags) => {
+            let table = table.expect("the agent's table is installed");
+            assert_eq!(node_cache_rules, 0, "node-cache's rules are still there");
+            let fast = table.contains("socket transparent 0");
+            let want_fast = !flags.contains(&"false");
+            assert_eq!(fast, want_fast, "fast path in the table:\n{table}");
+            let state = agent.and_then(Agent::state).expect("agent state");
+            assert_eq!(state["route"], "local");
+            checked.push(format!("agent table, fast path {fast}, route local"));
+        }
+        Setup::TwoNameservers => {
+            assert!(table.is_none() && !agent_chains, "arrangement d: the agent's rules exist");
+            assert_eq!(node_cache_rules, 0, "arrangement d: node-cache's rules exist");
+            let seen = node.run("pod1", "cat", &["/etc/resolv.conf"]);
+            let seen = String::from_utf8_lossy(&seen.stdout).into_owned();
+            let servers: Vec<&str> =
+                seen.lines().filter_map(|l| l.strip_prefix("nameserver ")).collect();
+            assert_eq!(servers, ["169.254.20.10", "10.96.0.10"], "the pod's resolv.conf");
+            checked.push(format!("pod resolv.conf nameservers {servers:?}; no NOTRACK rules"));
+        }
+    }
+    // Who answers the pod at each address right now.
+    let at_cluster_ip = dig(node, "pod1", CLUSTER_DNS_IP);
+    let at_local_ip = dig(node, "pod1", support::LOCAL_IP);
+    let want_cluster = if setup == Setup::TwoNameservers { COREDNS_ANSWER } else { CACHE_ANSWER };
+    assert_eq!(at_cluster_ip, want_cluster, "who answers the pod at {CLUSTER_DNS_IP}");
+    assert_eq!(at_local_ip, CACHE_ANSWER, "who answers the pod at the link-local IP");
+    checked
+        .push(format!("pod: {CLUSTER_DNS_IP} -> {at_cluster_ip}, 169.254.20.10 -> {at_local_ip}"));
+    checked
+}
+
+// ---------------------------------------------------------------------------------------------
+// One fault under load.
+
+#[derive(Clone, Copy, PartialEq)]
+enum Outcome {
+    Cache,
+    CoreDns,
+    Other,
+    Failed,
+}
+
+struct Lookup {
+    /// Start, ms since the Unix epoch.
+    start: f64,
+    latency: f64,
+    outcome: Outcome,
+    failed_attempts: u32,
+}
+
+impl Lookup {
+    fn answered(&self) -> bool {
+        matches!(self.outcome, Outcome::Cache | Outcome::CoreDns)
+    }
+}
+
+struct FaultRun {
+    fault: Fault,
+    fault_at: u64,
+    recovered_at: u64,
+    lookups: Vec<Lookup>,
+    summary: Value,
+    client: Client,
+}
+
+fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRun {
+    let out_dir = node.dir.join("load");
+    std::fs::create_dir_all(&out_dir).expect("load dir");
+    let lookups_path = out_dir.join(format!("lookups-{}.txt", fault.name()));
+    let stdout_path = out_dir.join(format!("stdout-{}.txt", fault.name()));
+    let total_ms = PRE_MS + FAULT_MS + POST_MS;
+    let mut cmd = match client {
+        Client::Musl => {
+            let musl = musl_client().expect("the musl client");
+            let mut cmd = node.cmd("pod1", &musl.to_string_lossy());
+            cmd.args([rate.to_string(), total_ms.to_string(), "who.test".into()]);
+            cmd.arg(&lookups_path);
+            cmd
+        }
+        Client::Dnsload | Client::Glibc => {
+            let mut cmd = node.cmd("pod1", LOAD);
+            if client == Client::Glibc {
+                cmd.arg("--system-resolver");
+            } else {
+                // glibc's defaults for a pod's single-nameserver resolv.conf.
+                cmd.args(["--server", CLUSTER_DNS_IP, "--timeout", "5s", "--attempts", "2"]);
+            }
+            cmd.args(["--name", "who.test", "--rate", &rate.to_string()])
+                .args(["--duration", &format!("{total_ms}ms"), "--report-interval", "0"])
+                .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
+                .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
+                .arg("--lookups-out")
+                .arg(&lookups_path);
+            cmd
+        }
+    };
+    cmd.stdout(std::fs::File::create(&stdout_path).expect("stdout file")).stderr(Stdio::inherit());
+    let load = Proc(Some(cmd.spawn().expect("spawn dnsload")));
+    let started = now_ms();
+
+    sleep_until_ms(started + PRE_MS);
+    let fault_at = match fault {
+        Fault::Kill => node.signal("cache-kill"),
+        Fault::Hang => node.signal("cache-stop"),
+    };
+    sleep_until_ms(fault_at + FAULT_MS);
+    let recovered_at = match fault {
+        Fault::Kill => {
+            node.script(&["cache-start"]);
+            now_ms() // the cache answers again (cache-start waits for that)
+        }
+        Fault::Hang => node.signal("cache-cont"),
+    };
+    let status = load.wait();
+    assert!(status.success(), "dnsload failed: {status}");
+
+    let stdout = std::fs::read_to_string(&stdout_path).expect("dnsload stdout");
+    let summary: Value = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("SUMMARY "))
+        .map(|s| serde_json::from_str(s).expect("SUMMARY is JSON"))
+        .expect("dnsload printed a SUMMARY");
+    let start_unix = summary["start_unix_ms"].as_u64().expect("start_unix_ms") as f64;
+    let text = std::fs::read_to_string(&lookups_path).expect("lookups file");
+    // The file is in order of completion; everything below wants the order of starting.
+    let mut lookups: Vec<Lookup> = text
+        .lines()
+        .filter_map(|line| {
+            let mut w = line.split_whitespace();
+            let start: f64 = w.next()?.parse().ok()?;
+            let latency: f64 = w.next()?.parse().ok()?;
+            let outcome = match w.next()? {
+                "cache" => Outcome::Cache,
+                "coredns" => Outcome::CoreDns,
+                "failed" => Outcome::Failed,
+                _ => Outcome::Other,
+            };
+            let failed_attempts = w.next()?.parse().ok()?;
+            Some(Lookup { start: start_unix + start, latency, outcome, failed_attempts })
+        })
+        .collect();
+    lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
+    FaultRun { fault, fault_at, recovered_at, lookups, summary, client }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+impl FaultRun {
+    /// A lookup whose first try did not give the answer: it failed, an attempt failed, or
+    /// (glibc, cache listed first) the second nameserver answered. None for musl, which asks
+    /// both nameservers at once: its attempts are not visible.
+    fn first_attempt_lost(&self, l: &Lookup) -> Option<bool> {
+        match self.client {
+            Client::Musl => None,
+            Client::Glibc => Some(l.outcome != Outcome::Cache),
+            Client::Dnsload => Some(l.outcome == Outcome::Failed || l.failed_attempts > 0),
+        }
+    }
+
+    fn figures(&self) -> Value {
+        let fault = self.fault_at as f64;
+        let recovered = self.recovered_at as f64;
+        let end = self.lookups.iter().map(|l| l.start).fold(0.0, f64::max);
+        let failed = self.lookups.iter().filter(|l| l.outcome == Outcome::Failed).count();
+        let lost: Option<usize> =
+            self.lookups.iter().map(|l| self.first_attempt_lost(l).map(usize::from)).sum();
+        let count = |o| self.lookups.iter().filter(|l| l.outcome == o).count();
+        // Lookups started in the fault window: time to their answer or to giving up.
+        let window: Vec<&Lookup> = self
+            .lookups
+            .iter()
+            .filter(|l| l.start >= fault && l.start < fault + FAULT_MS as f64)
+            .collect();
+        let mut latencies: Vec<f64> = window.iter().map(|l| l.latency).collect();
+        latencies.sort_by(f64::total_cmp);
+        let window_failed = window.iter().filter(|l| l.outcome == Outcome::Failed).count();
+        // The first good answer once answers flow again: in the first 100 ms of start time
+        // after the fault in which at least 90 % of the lookups were answered within 1 s (a
+        // lone answer from the cache just before the signal took effect does not count, nor
+        // queries a hung cache answers late, once it runs again).
+        let mut first_good = f64::INFINITY;
+        let mut from = fault;
+        while from < end && first_good.is_infinite() {
+            let bucket: Vec<&Lookup> = self
+                .lookups
+                .iter()
+                .filter(|l| l.start >= from && l.start < from + BUCKET_MS as f64)
+                .collect();
+            let good: Vec<&&Lookup> =
+                bucket.iter().filter(|l| l.answered() && l.latency < 1000.0).collect();
+            if !bucket.is_empty() && good.len() * 10 >= bucket.len() * 9 {
+                first_good =
+                    good.iter().map(|l| l.start + l.latency - fault).fold(f64::INFINITY, f64::min);
+            }
+            from += BUCKET_MS as f64;
+        }
+        // Back on the cache: the first lookup after the last one (started after the recovery)
+        // not answered by the cache.
+        let after: Vec<&Lookup> = self.lookups.iter().filter(|l| l.start >= recovered).collect();
+        let back = match after.iter().rposition(|l| l.outcome != Outcome::Cache) {
+            None => after.first().map(|l| l.start - recovered),
+            Some(i) => after.get(i + 1).map(|l| l.start - recovered),
+        };
+        let before = self.lookups.iter().filter(|l| l.start < fault).count();
+        let before_cache =
+            self.lookups.iter().filter(|l| l.start < fault && l.outcome == Outcome::Cache).count();
+        json!({
+            "fault": self.fault.name(),
+            "sent": self.lookups.len(),
+            "answered_by_cache": count(Outcome::Cache),
+            "answered_by_coredns": count(Outcome::CoreDns),
+            "answered_by_other": count(Outcome::Other),
+            "failed": failed,
+            "first_attempt_lost": lost,
+            "fault_window": {
+                "lookups": window.len(),
+                "failed": window_failed,
+                "latency_ms_p50": round1(percentile(&latencies, 50.0)),
+                "latency_ms_p99": round1(percentile(&latencies, 99.0)),
+                "latency_ms_max": round1(latencies.last().copied().unwrap_or(0.0)),
+            },
+            "fault_to_first_good_answer_ms": first_good.is_finite().then(|| round1(first_good)),
+            "recovery_to_cache_ms": back.map(round1),
+            "cache_share_before_fault": round1(100.0 * before_cache as f64 / before.max(1) as f64) / 100.0,
+            "observed_after_recovery_ms": round1(end - recovered),
+            "recovery_took_ms": self.recovered_at - self.fault_at - FAULT_MS,
+            "client_summary": {
+                "failed": self.summary["failed"],
+                "first_attempt_lost": self.summary["first_attempt_lost"],
+                "skipped": self.summary["skipped"],
+                "unfinished": self.summary["unfinished"],
+                "timeout_attempts": self.summary["timeout_attempts"],
+                "refused_attempts": self.summary["refused_attempts"],
+            },
+        })
+    }
+
+    /// Per bucket of completion time (answer, or giving up), from PRE_MS before the fault:
+    /// (t, cache, coredns, failed), per second.
+    fn timeline(&self) -> Vec<(f64, f64, f64, f64)> {
+        let from = self.fault_at as f64 - PRE_MS as f64;
+        let n = ((PRE_MS + FAULT_MS + POST_MS) / BUCKET_MS) as usize + 1;
+        let mut buckets = vec![(0u32, 0u32, 0u32); n];
+        for l in &self.lookups {
+            let i = ((l.start + l.latency - from) / BUCKET_MS as f64).floor();
+            if i < 0.0 || i as usize >= n {
+                continue;
+            }
+            let b = &mut buckets[i as usize];
+            match l.outcome {
+                Outcome::Cache => b.0 += 1,
+                Outcome::CoreDns => b.1 += 1,
+                Outcome::Failed | Outcome::Other => b.2 += 1,
+            }
+        }
+        let per_s = 1000.0 / BUCKET_MS as f64;
+        buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let t = (i as f64 * BUCKET_MS as f64 - PRE_MS as f64) / 1000.0;
+                (t, f64::from(b.0) * per_s, f64::from(b.1) * per_s, f64::from(b.2) * per_s)
+            })
+            .collect()
+    }
+}
+
+/// Starts the agent with `flags` after removing an earlier agent's state file.
+fn start_agent(node: &SimNode, flags: &[&str]) -> Agent {
+    let _ = std::fs::remove_file(node.dir.join("agent-state").join("state.json"));
+    node.agent(flags)
+}
+
+/// Stops the agent (SIGTERM) and removes its rules.
+fn stop_agent(node: &SimNode, mut agent: Agent) {
+    agent.stop(nix::sys::signal::Signal::SIGTERM);
+    let dir = agent.state_dir.to_string_lossy().into_owned();
+    let out = node.cli(&["teardown", "--state-dir", &dir]);
+    assert!(out.status.success(), "teardown: {}", support::describe(&out));
+}
+
+struct ArrangementResult {
+    arrangement: &'static Arrangement,
+    checked: Vec<String>,
+    runs: Vec<FaultRun>,
+    /// Why it was not measured.
+    skipped: Option<String>,
+}
+
+/// The musl client (`NLHA_BENCH_MUSL_CLIENT`, built by `ci/bench.sh`), if there is one.
+fn musl_client() -> Option<PathBuf> {
+    let path = PathBuf::from(std::env::var_os("NLHA_BENCH_MUSL_CLIENT")?);
+    path.is_file().then_some(path)
+}
+
+fn failover(node: &SimNode, rate: u32) -> Vec<ArrangementResult> {
+    let mut results = Vec::new();
+    // For working on one arrangement: NLHA_BENCH_ARRANGEMENTS=agent,two-nameservers-musl.
+    let only = std::env::var("NLHA_BENCH_ARRANGEMENTS").ok();
+    let wanted = |key: &str| only.as_deref().is_none_or(|o| o.split(',').any(|k| k == key));
+    for arrangement in ARRANGEMENTS.iter().filter(|a| wanted(a.key)) {
+        eprintln!("bench: failover, {}", arrangement.label);
+        if arrangement.client == Client::Musl && musl_client().is_none() {
+            let why = "no musl client (NLHA_BENCH_MUSL_CLIENT; ci/bench.sh builds it)".to_string();
+            eprintln!("bench:   skipped: {why}");
+            let (checked, runs, skipped) = (Vec::new(), Vec::new(), Some(why));
+            results.push(ArrangementResult { arrangement, checked, runs, skipped });
+            continue;
+        }
+        let mut checked = Vec::new();
+        let mut runs = Vec::new();
+        let _resolv = match arrangement.setup {
+            Setup::NodeCacheRules => {
+                node.script(&["node-cache-rules"]);
+                None
+            }
+            Setup::TwoNameservers => Some(NetnsEtc::resolv_conf(&node.ns("pod1"), TWO_NAMESERVERS)),
+            Setup::Agent(_) => None,
+        };
+        for fault in [Fault::Kill, Fault::Hang] {
+            let agent = match arrangement.setup {
+                Setup::Agent(flags) => Some(start_agent(node, flags)),
+                _ => None,
+            };
+            // Checked before each fault: the previous one must not have changed the setup.
+            checked = verify(node, arrangement.setup, agent.as_ref());
+            let run = run_fault(node, arrangement.client, fault, rate);
+            eprintln!("bench:   {}: {}", fault.name(), run.figures());
+            runs.push(run);
+            if let Some(agent) = agent {
+                stop_agent(node, agent);
+            }
+        }
+        if arrangement.setup == Setup::NodeCacheRules {
+            node.script(&["node-cache-rules", "--remove"]);
+        }
+        results.push(ArrangementResult { arrangement, checked, runs, skipped: None });
+    }
+    results
+}
+
+// ---------------------------------------------------------------------------------------------
+// Drift repair, switch latency, footprint.
+
+const DATAPLANES: [&str; 3] = ["nftables", "iptables-nft", "iptables-legacy"];
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    percentile(values, 50.0)
+}
+
+/// Flushes the agent's rules `trials` times and times their return (ms), polling from a shell
+/// in the node namespace (each poll is one `nft`/`iptables-save`, a few ms: the resolution).
+fn drift_repair(node: &SimNode, trials: u32) -> Value {
+    let mut rows = Vec::new();
+    for dataplane in DATAPLANES {
+        eprintln!("bench: drift repair, {dataplane}");
+        let agent = start_agent(node, &["--dataplane", dataplane]);
+        let (flush, check) = match dataplane {
+            "nftables" => (
+                "nft flush table inet nodelocaldns-ha".to_string(),
+                "nft list table inet nodelocaldns-ha 2>/dev/null | grep -q notrack".to_string(),
+            ),
+            flavour => (
+                format!("{flavour} -t raw -F NODELOCALDNS-HA-PREROUTING"),
+                format!(
+                    "{flavour}-save -t raw | grep -q -- '-A NODELOCALDNS-HA-PREROUTING.*NOTRACK'"
+                ),
+            ),
+        };
+        // Bounded: at most 2000 polls (several seconds) per trial.
+        let script = format!(
+            "{check} || exit 3; {flush} || exit 4; t0=$(date +%s%N); \
+             for i in $(seq 1 2000); do if {check}; then echo $(( ($(date +%s%N) - t0) / 1000 )); exit 0; fi; done; exit 5"
+        );
+        let mut times = Vec::new();
+        for _ in 0..trials {
+            let out = node.run("node", "bash", &["-c", &script]);
+            assert!(out.status.success(), "drift trial: {}", support::describe(&out));
+            let us: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("µs");
+            times.push(us / 1000.0);
+            std::thread::sleep(Duration::from_millis(300)); // repairs are >= 50 ms apart
+        }
+        let repairs = agent.state().map(|s| s["repairs"].clone()).unwrap_or(Value::Null);
+        stop_agent(node, agent);
+        let max = times.iter().copied().fold(0.0, f64::max);
+        let min = times.iter().copied().fold(f64::INFINITY, f64::min);
+        rows.push(json!({
+            "dataplane": dataplane,
+            "trials": trials,
+            "median_ms": round1(median(&mut times)),
+            "min_ms": round1(min),
+            "max_ms": round1(max),
+            "agent_repairs": repairs,
+        }));
+    }
+    Value::Array(rows)
+}
+
+/// Reads the apply-duration histogram's (sum, count) from the agent's /metrics.
+fn apply_histogram(node: &SimNode) -> (f64, f64) {
+    let (status, body) = node.http_get("/metrics");
+    assert_eq!(status, 200, "/metrics");
+    let value = |name: &str| {
+        body.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{name} missing from /metrics"))
+    };
+    (
+        value("nodelocaldns_ha_dataplane_apply_duration_seconds_sum"),
+        value("nodelocaldns_ha_dataplane_apply_duration_seconds_count"),
+    )
+}
+
+/// Flips the route `flips` times per dataplane: the agent's own apply duration (mean, from its
+/// histogram) and the `flip` command's round trip (median; it returns once the agent applied).
+fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
+    let mut rows = Vec::new();
+    for dataplane in DATAPLANES {
+        eprintln!("bench: switch latency, {dataplane}, {nat_rules} nat rules");
+        let agent = start_agent(node, &["--dataplane", dataplane]);
+        let dir = agent.state_dir.to_string_lossy().into_owned();
+        let (sum0, count0) = apply_histogram(node);
+        let mut round_trips = Vec::new();
+        for i in 0..flips {
+            let route = if i % 2 == 0 { "upstream" } else { "local" };
+            let t0 = Instant::now();
+            let out = node.cli(&["flip", route, "--state-dir", &dir, "--reason", "bench"]);
+            round_trips.push(t0.elapsed().as_secs_f64() * 1000.0);
+            assert!(out.status.success(), "flip {route}: {}", support::describe(&out));
+            agent.wait_route(route, Duration::from_secs(10));
+        }
+        let (sum1, count1) = apply_histogram(node);
+        let out = node.cli(&["release", "--state-dir", &dir]);
+        assert!(out.status.success(), "release: {}", support::describe(&out));
+        stop_agent(node, agent);
+        let applies = count1 - count0;
+        rows.push(json!({
+            "dataplane": dataplane,
+            "nat_rules": nat_rules,
+            "flips": flips,
+            "applies": applies,
+            "apply_mean_ms": round1((sum1 - sum0) / applies.max(1.0) * 1000.0),
+            "flip_round_trip_median_ms": round1(median(&mut round_trips)),
+        }));
+    }
+    rows
+}
+
+/// `iptables-restore` input: `services` kube-proxy-shaped Services of one endpoint each, 4 nat
+/// rules per Service (KUBE-SERVICES match, SVC → SEP jump, SEP masquerade mark and DNAT), in
+/// chains nothing jumps to (the simulated DNS traffic does not walk them).
+fn kube_proxy_rules(services: u32) -> String {
+    let mut s = String::from("*nat\n:KUBE-BENCH-SERVICES - [0:0]\n:KUBE-BENCH-MARK-MASQ - [0:0]\n");
+    for i in 0..services {
+        let _ = writeln!(s, ":KUBE-SVC-B{i:011} - [0:0]\n:KUBE-SEP-B{i:011} - [0:0]");
+    }
+    for i in 0..services {
+        let (a, b) = (i / 250, i % 250 + 1);
+        let svc = format!("bench/svc-{i}:http");
+        let _ = writeln!(
+            s,
+            "-A KUBE-BENCH-SERVICES -d 10.100.{a}.{b}/32 -p tcp -m comment --comment \"{svc} cluster IP\" -m tcp --dport 80 -j KUBE-SVC-B{i:011}\n\
+             -A KUBE-SVC-B{i:011} -m comment --comment \"{svc} -> 10.250.{a}.{b}:8080\" -j KUBE-SEP-B{i:011}\n\
+             -A KUBE-SEP-B{i:011} -s 10.250.{a}.{b}/32 -m comment --comment {svc} -j KUBE-BENCH-MARK-MASQ\n\
+             -A KUBE-SEP-B{i:011} -p tcp -m comment --comment {svc} -m tcp -j DNAT --to-destination 10.250.{a}.{b}:8080"
+        );
+    }
+    s.push_str("COMMIT\n");
+    s
+}
+
+fn load_nat_rules(node: &SimNode, services: u32) {
+    let path = node.dir.join("kube-proxy-rules.txt");
+    std::fs::write(&path, kube_proxy_rules(services)).expect("write rules");
+    for flavour in ["iptables-nft", "iptables-legacy"] {
+        let t0 = Instant::now();
+        let file = std::fs::File::open(&path).expect("rules file");
+        let out = node
+            .cmd("node", &format!("{flavour}-restore"))
+            .arg("--noflush")
+            .stdin(file)
+            .output()
+            .expect("iptables-restore");
+        assert!(out.status.success(), "{flavour}-restore: {}", support::describe(&out));
+        eprintln!("bench: {} nat rules loaded in {flavour} in {:?}", services * 4, t0.elapsed());
+    }
+}
+
+/// The agent's RSS and CPU over `secs` at default settings (`--dataplane auto`).
+fn footprint(node: &SimNode, secs: u64) -> Value {
+    eprintln!("bench: footprint over {secs} s");
+    let agent = start_agent(node, &["--dataplane", "auto"]);
+    let pid = agent.pid().expect("agent pid");
+    let ticks = || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        // Fields after the command name's closing parenthesis; utime and stime are 14 and 15.
+        let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
+    };
+    let rss_kib = || {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .expect("VmRSS")
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let (t0, c0) = (Instant::now(), ticks());
+    let mut rss = Vec::new();
+    for _ in 0..secs {
+        std::thread::sleep(Duration::from_secs(1));
+        rss.push(rss_kib());
+    }
+    let cpu_s = (ticks() - c0) as f64 / hz;
+    let wall = t0.elapsed().as_secs_f64();
+    let state = agent.state().expect("state");
+    stop_agent(node, agent);
+    json!({
+        "seconds": round1(wall),
+        "dataplane": state["dataplane"],
+        "probes_sent": state["probes"]["cache_udp"]["sent"],
+        "rss_kib_max": rss.iter().max(),
+        "rss_kib_last": rss.last(),
+        "cpu_seconds": (cpu_s * 1000.0).round() / 1000.0,
+        "cpu_percent_of_one_core": (cpu_s / wall * 10000.0).round() / 100.0,
+    })
+}
+
+/// Queries/s of `dnsperf` from a pod to the cluster-DNS IP (the cache answers, from local
+/// data): node-cache's rules against the agent's (nftables, fast path), alternating, `rounds`
+/// times `secs` s each. None when dnsperf is not installed.
+fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
+    if Command::new("dnsperf").arg("-h").output().is_err() {
+        eprintln!("bench: dnsperf not installed, skipped");
+        return None;
+    }
+    let queries = node.dir.join("dnsperf-queries.txt");
+    std::fs::write(&queries, "who.test A\n").expect("query file");
+    let queries = queries.to_string_lossy().into_owned();
+    let measure = || -> f64 {
+        assert_eq!(dig(node, "pod1", CLUSTER_DNS_IP), CACHE_ANSWER, "dnsperf: the cache answers");
+        let out = node.run(
+            "pod1",
+            "dnsperf",
+            &[
+                "-s",
+                CLUSTER_DNS_IP,
+                "-d",
+                &queries,
+                "-l",
+                &secs.to_string(),
+                "-c",
+                "4",
+                "-q",
+                "200",
+            ],
+        );
+        assert!(out.status.success(), "dnsperf: {}", support::describe(&out));
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix("Queries per second:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("dnsperf printed no rate:\n{text}"))
+    };
+    let (mut node_cache, mut agent_qps) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        eprintln!("bench: dnsperf, round {}", round + 1);
+        node.script(&["node-cache-rules"]);
+        node_cache.push(measure());
+        node.script(&["node-cache-rules", "--remove"]);
+        let agent = start_agent(node, &[]);
+        agent_qps.push(measure());
+        stop_agent(node, agent);
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (a, b) = (mean(&node_cache), mean(&agent_qps));
+    Some(json!({
+        "seconds_per_round": secs,
+        "rounds": rounds,
+        "node_cache_rules_qps": node_cache.iter().map(|q| q.round()).collect::<Vec<_>>(),
+        "agent_nftables_qps": agent_qps.iter().map(|q| q.round()).collect::<Vec<_>>(),
+        "agent_over_node_cache": (b / a * 1000.0).round() / 1000.0,
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output.
+
+fn ms(v: &Value) -> String {
+    match v.as_f64() {
+        None => "-".to_string(),
+        Some(x) if x >= 1000.0 => format!("{:.2} s", x / 1000.0),
+        Some(x) => format!("{x:.1} ms"),
+    }
+}
+
+fn failover_table(results: &[ArrangementResult]) -> String {
+    let mut t = String::from(
+        "| arrangement | fault | lookups failed | first attempts lost | fault-window latency p50 / p99 / max | fault → first good answer | recovery → back on cache |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
+    for r in results {
+        if let Some(why) = &r.skipped {
+            let _ = writeln!(t, "| {} | – | not measured: {why} | | | | |", r.arrangement.label);
+        }
+        for run in &r.runs {
+            let f = run.figures();
+            let w = &f["fault_window"];
+            let share = f["cache_share_before_fault"].as_f64().unwrap_or(0.0);
+            let back = match f["recovery_to_cache_ms"].as_f64() {
+                _ if share < 0.99 => {
+                    format!("– (the cache answered only {:.0} % before the fault)", share * 100.0)
+                }
+                Some(_) => ms(&f["recovery_to_cache_ms"]),
+                None => format!("not within {}", ms(&f["observed_after_recovery_ms"])),
+            };
+            let _ = writeln!(
+                t,
+                "| {} | {} | {} of {} | {} | {} / {} / {} | {} | {} |",
+                r.arrangement.label,
+                run.fault.name(),
+                f["failed"],
+                f["sent"],
+                match &f["first_attempt_lost"] {
+                    Value::Null => "not visible".to_string(),
+                    n => n.to_string(),
+                },
+                ms(&w["latency_ms_p50"]),
+                ms(&w["latency_ms_p99"]),
+                ms(&w["latency_ms_max"]),
+                ms(&f["fault_to_first_good_answer_ms"]),
+                back,
+            );
+        }
+    }
+    t
+}
+
+fn svg(
+    path: &Path,
+    results: &[ArrangementResult],
+    rate: u32,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use plotters::prelude::*;
+    let results: Vec<&ArrangementResult> = results.iter().filter(|r| !r.runs.is_empty()).collect();
+    let rows = results.len().max(1);
+    let root = SVGBackend::new(path, (1400, 230 * rows as u32 + 40)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (title, body) = root.split_vertically(40);
+    title.draw_text(
+        &format!(
+            "Pod lookups/s by when they ended ({rate}/s offered, 100 ms buckets; bursts clipped): answered by the cache (blue), by CoreDNS (green), failed (red). Fault at 0 s, recovery at 5 s."
+        ),
+        &("sans-serif", 16).into_text_style(&title),
+        (10, 12),
+    )?;
+    let panels = body.split_evenly((rows, 2));
+    let y_max = f64::from(rate) * 2.0;
+    for (i, r) in results.iter().enumerate() {
+        for (j, run) in r.runs.iter().enumerate() {
+            let area = &panels[i * 2 + j];
+            let mut chart = ChartBuilder::on(area)
+                .caption(
+                    format!("{} — {}", r.arrangement.label, run.fault.name()),
+                    ("sans-serif", 14),
+                )
+                .margin(6)
+                .x_label_area_size(22)
+                .y_label_area_size(44)
+                .build_cartesian_2d(
+                    -(PRE_MS as f64) / 1000.0..(FAULT_MS + POST_MS) as f64 / 1000.0,
+                    0.0..y_max,
+                )?;
+            chart.configure_mesh().x_desc("s").y_desc("lookups/s").max_light_lines(0).draw()?;
+            let tl = run.timeline();
+            let series = [
+                (BLUE, tl.iter().map(|p| (p.0, p.1)).collect::<Vec<_>>()),
+                (RGBColor(0, 150, 0), tl.iter().map(|p| (p.0, p.2)).collect()),
+                (RED, tl.iter().map(|p| (p.0, p.3)).collect()),
+            ];
+            for (color, points) in series {
+                let clipped = points.into_iter().map(|(t, v)| (t, v.min(y_max)));
+                chart.draw_series(LineSeries::new(clipped, color.stroke_width(2)))?;
+            }
+        }
+    }
+    root.present()?;
+    Ok(())
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument is not supported.
+    support::require_root();
+    let began = Instant::now();
+    let rate: u32 = env_or("NLHA_BENCH_RATE", 1000);
+    let footprint_secs: u64 = env_or("NLHA_BENCH_FOOTPRINT_SECS", 30);
+    let prefix = std::env::var("NLHA_BENCH_PREFIX")
+        .unwrap_or_else(|_| format!("b{}", std::process::id() % 100_000));
+    let out_dir = PathBuf::from(
+        std::env::var("NLHA_BENCH_OUT")
+            .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/docs").into()),
+    );
+    std::fs::create_dir_all(&out_dir).expect("output dir");
+
+    // For working on one part: NLHA_BENCH_PARTS=drift,switch (default: all).
+    let parts = std::env::var("NLHA_BENCH_PARTS").unwrap_or_else(|_| "all".into());
+    let part = |name: &str| parts == "all" || parts.split(',').any(|p| p == name);
+
+    let node = SimNode::up_prefixed(&prefix, &[]);
+    let results = if part("failover") { failover(&node, rate) } else { Vec::new() };
+    let drift = if part("drift") { drift_repair(&node, 10) } else { json!([]) };
+    let footprint = if part("footprint") { footprint(&node, footprint_secs) } else { json!({}) };
+    let perf = if part("dnsperf") { dnsperf(&node, 2, 5) } else { None };
+    let mut switch = Vec::new();
+    if part("switch") {
+        switch = switch_latency(&node, 10, 0);
+        load_nat_rules(&node, 12_500);
+        switch.extend(switch_latency(&node, 10, 50_000));
+    }
+    drop(node);
+
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let date = String::from_utf8_lossy(
+        &Command::new("date")
+            .args(["-u", "+%Y-%m-%d"])
+            .output()
+            .map(|o| o.stdout)
+            .unwrap_or_default(),
+    )
+    .trim()
+    .to_string();
+    let run_seconds = began.elapsed().as_secs_f64().round();
+
+    let mut md = format!(
+        "Benchmark of {date} ({cores}-core VM, kernel {}; `ci/bench.sh`, {run_seconds} s in \
+         the benchmark itself). One simulated node; a pod client at {rate} lookups/s for {} s; \
+         the fault comes at {} s and lasts {} s (kill: SIGKILL, then the cache is restarted; \
+         hang: SIGSTOP, then SIGCONT).\n\n\
+         * Clients. a–c: a glibc-like client (dnsload: one nameserver 10.96.0.10, timeout 5 s, \
+         2 attempts: glibc's defaults, as in a pod's resolv.conf). d: the C library's \
+         getaddrinfo with resolv.conf `nameserver 169.254.20.10` then `nameserver 10.96.0.10` \
+         and no NOTRACK rules on the node: glibc (tries them in order) and musl (asks both at \
+         once, takes the first answer).\n\
+         * c keeps the agent's socket-destroy events: a kill is seen at once whatever the probe \
+         settings, so only the hang shows what those settings cost.\n\
+         * First attempts lost: lookups whose first try was not answered (glibc in d: answered \
+         by the second nameserver; musl: not visible). Latency: of the lookups started in the \
+         fault window, to their answer or to giving up. Fault → first good answer: the first \
+         answer in the first 100 ms (of start time) after the fault in which 90 % of lookups \
+         were answered within 1 s. Recovery (restart answering, or SIGCONT) → back on cache: \
+         to the first lookup after the last one (started after the recovery) not answered by \
+         the cache.\n\n",
+        kernel.trim(),
+        (PRE_MS + FAULT_MS + POST_MS) / 1000,
+        PRE_MS / 1000,
+        FAULT_MS / 1000,
+    );
+    md += &failover_table(&results);
+    md += "\n| dataplane | drift repair: flush → rules back, median (min–max) of 10 |\n|---|---|\n";
+    for d in drift.as_array().into_iter().flatten() {
+        let _ = writeln!(
+            md,
+            "| {} | {} ({}–{}) |",
+            d["dataplane"].as_str().unwrap_or("?"),
+            ms(&d["median_ms"]),
+            ms(&d["min_ms"]),
+            ms(&d["max_ms"])
+        );
+    }
+    md += "\n| dataplane | switch (agent's apply), 0 nat rules | with 50,000 kube-proxy-shaped nat rules | ratio | `flip` round trip, 0 / 50,000 |\n|---|---|---|---|---|\n";
+    for dataplane in DATAPLANES {
+        let find = |n: u64| {
+            switch
+                .iter()
+                .find(|s| s["dataplane"] == dataplane && s["nat_rules"] == n)
+                .cloned()
+                .unwrap_or(Value::Null)
+        };
+        let (a, b) = (find(0), find(50_000));
+        let ratio = match (a["apply_mean_ms"].as_f64(), b["apply_mean_ms"].as_f64()) {
+            (Some(x), Some(y)) if x > 0.0 => format!("{:.1}×", y / x),
+            _ => "-".into(),
+        };
+        let _ = writeln!(
+            md,
+            "| {dataplane} | {} | {} | {ratio} | {} / {} |",
+            ms(&a["apply_mean_ms"]),
+            ms(&b["apply_mean_ms"]),
+            ms(&a["flip_round_trip_median_ms"]),
+            ms(&b["flip_round_trip_median_ms"])
+        );
+    }
+    if let Some(p) = &perf {
+        let list = |key: &str| {
+            let values = p[key].as_array().into_iter().flatten();
+            values
+                .map(|v| format!("{:.0}", v.as_f64().unwrap_or(0.0)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let _ = writeln!(
+            md,
+            "\ndnsperf from a pod through {CLUSTER_DNS_IP} (the cache answers; {} rounds of {} s \
+             each, alternating): node-cache's rules {} queries/s, the agent's (nftables, fast \
+             path) {} queries/s: ratio {}.",
+            p["rounds"],
+            p["seconds_per_round"],
+            list("node_cache_rules_qps"),
+            list("agent_nftables_qps"),
+            p["agent_over_node_cache"],
+        );
+    }
+    let _ = writeln!(
+        md,
+        "\nFootprint at default settings ({}, {} s): RSS {} KiB (max), CPU {} s = {} % of one core.",
+        footprint["dataplane"].as_str().unwrap_or("?"),
+        footprint["seconds"],
+        footprint["rss_kib_max"],
+        footprint["cpu_seconds"],
+        footprint["cpu_percent_of_one_core"],
+    );
+
+    let failover_json: Vec<Value> = results
+        .iter()
+        .map(|r| {
+            json!({
+                "arrangement": r.arrangement.key,
+                "label": r.arrangement.label,
+                "checked": r.checked,
+                "skipped": r.skipped,
+                "runs": r.runs.iter().map(FaultRun::figures).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let report = json!({
+        "date": date,
+        "machine": { "cores": cores, "kernel": kernel.trim() },
+        "rate_per_s": rate,
+        "windows_ms": { "before": PRE_MS, "fault": FAULT_MS, "after": POST_MS },
+        "failover": failover_json,
+        "drift_repair": drift,
+        "switch_latency": switch,
+        "footprint": footprint,
+        "dnsperf": perf,
+        "run_seconds": run_seconds,
+    });
+    std::fs::write(
+        out_dir.join("bench.json"),
+        serde_json::to_string_pretty(&report).expect("json") + "\n",
+    )
+    .expect("write bench.json");
+    std::fs::write(out_dir.join("bench.md"), &md).expect("write bench.md");
+    if let Err(e) = svg(&out_dir.join("failover.svg"), &results, rate) {
+        eprintln!("bench: drawing failover.svg failed: {e}");
+    }
+    println!("{md}");
+}

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The benchmark (issue 5): failover under load with node-cache's static rules, with the agent,
+# with probe-driven switching only and with two nameservers in the pod's resolv.conf (glibc and
+# musl clients); then the agent's drift repair, switch latency (with 0 and 50,000
+# kube-proxy-shaped nat rules), dnsperf through node-cache's rules and the agent's, and the
+# agent's footprint. Writes docs/bench.md (the table),
+# docs/bench.json and docs/failover.svg. Run as root; about 7 minutes on a 2-core machine, plus
+# the build. Everything happens in network namespaces named $prefix-*, removed when it ends,
+# also on failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+[ "$(id -u)" = 0 ] || { echo "ci/bench.sh: run as root (the benchmark creates network namespaces)"; exit 2; }
+ci/deps.sh
+# What the benchmark needs beyond ci/deps.sh's list: musl-gcc (the musl client), dnsperf.
+bench_packages=(musl-tools dnsperf)
+missing=()
+for p in "${bench_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "ci/bench.sh: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+prefix="b$(($$ % 100000))"
+cleanup() {
+    # The benchmark removes its namespaces itself; this is for when it is killed.
+    SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "$prefix" >/dev/null 2>&1 || true
+    rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"
+}
+trap cleanup EXIT
+
+started=$(date +%s)
+cargo build --release --locked --bins
+musl-gcc -static -O2 -pthread -Wall -o target/release/resolver-load testdata/resolver-load.c
+NLHA_BENCH_PREFIX=$prefix NLHA_BENCH_MUSL_CLIENT="$PWD/target/release/resolver-load" \
+    cargo bench --locked --bench failover
+echo "ci/bench.sh: done in $(($(date +%s) - started)) s (build included)"
