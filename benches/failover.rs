@@ -136,7 +136,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
     Arrangement {
         key: "probes-default",
         label: "c. agent, probes only, defaults (100ms/80ms, fall 3)",
-        setup: Setup::Agent(&["--fast-path", "false"]),
+        setup: Setup::Agent(&["--fast-path", "false", "--socket-events", "false"]),
         client: Client::Dnsload,
     },
     Arrangement {
@@ -144,6 +144,8 @@ const ARRANGEMENTS: &[Arrangement] = &[
         label: "c. agent, probes only, KEP sketch (2s/1s, fall 3)",
         setup: Setup::Agent(&[
             "--fast-path",
+            "false",
+            "--socket-events",
             "false",
             "--interval",
             "2s",
@@ -159,6 +161,8 @@ const ARRANGEMENTS: &[Arrangement] = &[
         label: "c. agent, probes only, AKS-LocalDNS-like (12s/5s, fall 5)",
         setup: Setup::Agent(&[
             "--fast-path",
+            "false",
+            "--socket-events",
             "false",
             "--interval",
             "12s",
@@ -998,8 +1002,8 @@ fn main() {
          getaddrinfo with resolv.conf `nameserver 169.254.20.10` then `nameserver 10.96.0.10` \
          and no NOTRACK rules on the node: glibc (tries them in order) and musl (asks both at \
          once, takes the first answer).\n\
-         * c keeps the agent's socket-destroy events: a kill is seen at once whatever the probe \
-         settings, so only the hang shows what those settings cost.\n\
+         * c: the agent with the fast path and the socket-destroy events off: only its probes \
+         see a kill or a hang, as a periodic watcher would.\n\
          * First attempts lost: lookups whose first try was not answered (glibc in d: answered \
          by the second nameserver; musl: not visible). Latency: of the lookups started in the \
          fault window, to their answer or to giving up. Fault → first good answer: the first \

@@ -633,7 +633,9 @@ pub async fn run(
     let wake = Arc::new(Notify::new());
     tasks.spawn(probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx));
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
-    tasks.spawn(watch_cache_sockets(listen.clone(), cache_wakes));
+    if cfg.socket_events {
+        tasks.spawn(watch_cache_sockets(listen.clone(), cache_wakes));
+    }
     let nft_changed = Arc::new(Notify::new());
     tasks.spawn(watch_nftables(nft_changed.clone()));
     let (warn_tx, mut warnings) = mpsc::channel(1);

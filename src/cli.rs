@@ -185,6 +185,10 @@ pub struct RunArgs {
     /// `false` leaves only the probe-driven switch: for comparisons.
     #[arg(long, env = "NODELOCALDNS_HA_FAST_PATH", default_value_t = true, action = clap::ArgAction::Set)]
     pub fast_path: bool,
+    /// Listen to the kernel's socket-destroy events to probe at once when the cache's sockets
+    /// close. `false` leaves only the probe cadence: for comparisons.
+    #[arg(long, env = "NODELOCALDNS_HA_SOCKET_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub socket_events: bool,
 }
 
 impl RunArgs {
@@ -209,6 +213,7 @@ impl RunArgs {
             on_transition: self.on_transition.clone(),
             hook_timeout: self.hook_timeout.clone(),
             fast_path: self.fast_path,
+            socket_events: self.socket_events,
         }
     }
 }

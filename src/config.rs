@@ -159,6 +159,8 @@ pub struct AgentConfig {
     pub on_transition: Option<PathBuf>,
     /// How long the transition hook may run before it is killed.
     pub hook_timeout: Duration,
+    /// Probe at once when the kernel reports the cache's sockets closed.
+    pub socket_events: bool,
 }
 
 /// Raw `run` settings as the command line gives them.
@@ -183,6 +185,7 @@ pub struct RawRun {
     pub on_transition: Option<PathBuf>,
     pub hook_timeout: String,
     pub fast_path: bool,
+    pub socket_events: bool,
 }
 
 fn cadence(
@@ -294,6 +297,7 @@ impl AgentConfig {
             metrics_addr,
             on_transition: raw.on_transition.clone(),
             hook_timeout,
+            socket_events: raw.socket_events,
         })
     }
 
@@ -335,6 +339,7 @@ pub(crate) fn test_raw() -> RawRun {
         on_transition: None,
         hook_timeout: "5s".into(),
         fast_path: true,
+        socket_events: true,
     }
 }
 

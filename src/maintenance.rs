@@ -166,40 +166,22 @@ pub fn handle(
                 Response::error("a drain is already running")
             } else if manual == Some(Route::Local) {
                 Response::error("a manual override forces the route to local: release it first")
-            } else if manual == Some(Route::Upstream) {
-                // Already on the upstream by hand: keep that override, just wait for quiet.
-                let timeout = Duration::from_millis(timeout_ms);
-                *drain = Some(Drain {
-                    reply,
-                    started: now,
-                    deadline: now + timeout,
-                    last: None,
-                    quiet: 0,
-                });
-                return;
             } else {
-                let why = format!("drain requested by {who}");
-                let until = Some(now + DRAIN_HOLD_MAX);
-                agent.force(
-                    Forced {
-                        route: Route::Upstream,
-                        kind: ForceKind::Drain,
-                        until,
-                        why: why.clone(),
-                    },
-                    now,
-                );
-                if let Err(message) = record(Route::Upstream, OverrideKind::Drain, until, &why) {
-                    warn!(error = %message, "drain not persisted");
+                // Already on the upstream by hand: keep that override, just wait for quiet.
+                if manual.is_none() {
+                    let why = format!("drain requested by {who}");
+                    let until = Some(now + DRAIN_HOLD_MAX);
+                    let forced =
+                        Forced { route: Route::Upstream, kind: ForceKind::Drain, until, why };
+                    if let Err(message) =
+                        record(Route::Upstream, OverrideKind::Drain, until, &forced.why)
+                    {
+                        warn!(error = %message, "drain not persisted");
+                    }
+                    agent.force(forced, now);
                 }
-                let timeout = Duration::from_millis(timeout_ms);
-                *drain = Some(Drain {
-                    reply,
-                    started: now,
-                    deadline: now + timeout,
-                    last: None,
-                    quiet: 0,
-                });
+                let deadline = now + Duration::from_millis(timeout_ms);
+                *drain = Some(Drain { reply, started: now, deadline, last: None, quiet: 0 });
                 return;
             }
         }

@@ -74,9 +74,14 @@ impl SimNode {
 
     /// Like [`SimNode::up`], with `simnode.sh up` options (`--family dual`, `--kube-proxy …`).
     pub fn up_with(options: &[&str]) -> SimNode {
-        require_root();
         let prefix = unique_prefix();
-        let dir = std::env::temp_dir().join("nlha-e2e").join(&prefix);
+        SimNode::start(prefix, "nlha-e2e", options)
+    }
+
+    /// Sets up the node `prefix` (run dir under `$TMPDIR/<area>`) and starts both servers.
+    fn start(prefix: String, area: &str, options: &[&str]) -> SimNode {
+        require_root();
+        let dir = std::env::temp_dir().join(area).join(&prefix);
         let node = SimNode { prefix, dir };
         let mut args = vec!["up"];
         args.extend_from_slice(options);
@@ -438,15 +443,7 @@ impl SimNode {
     /// Like [`SimNode::up_with`] with a prefix of the caller's (benchmarks pick theirs, so a
     /// wrapper script can clean up after a crash), state under `<tmp>/nlha-bench/PREFIX`.
     pub fn up_prefixed(prefix: &str, options: &[&str]) -> SimNode {
-        require_root();
-        let dir = std::env::temp_dir().join("nlha-bench").join(prefix);
-        let node = SimNode { prefix: prefix.to_string(), dir };
-        let mut args = vec!["up"];
-        args.extend_from_slice(options);
-        node.script(&args);
-        node.script(&["coredns-start"]);
-        node.script(&["cache-start"]);
-        node
+        SimNode::start(prefix.to_owned(), "nlha-bench", options)
     }
 }
 
