@@ -11,4 +11,5 @@ ci/deps.sh
 cargo fmt --all -- --check
 cargo clippy --all-targets --locked -- -D warnings
 cargo build --locked --bins
-cargo test --locked
+# Unit and end-to-end tests (the crate has no doc tests; benches run only in ci/bench.sh).
+cargo test --locked --lib --bins --tests
