@@ -7,6 +7,7 @@ packages=(
   nftables iptables iproute2 conntrack   # netfilter and namespaces
   unbound dnsmasq-base dnsutils          # the cache, "CoreDNS", dig
   libnftnl-dev libmnl-dev pkg-config     # build nftnl
+  libcap2-bin util-linux                 # capsh, setpriv (privilege tests)
 )
 missing=()
 for p in "${packages[@]}"; do
