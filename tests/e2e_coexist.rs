@@ -46,21 +46,28 @@ fn filter_drop_iptables_nft() {
     filter_drop("iptables-nft");
 }
 
+/// Runs pod lookups at 200/s for `duration` while simnode's `noise` loop (`cni-noise`,
+/// `kube-proxy-resync`) rewrites the node's rules; the client's summary and the agent's state.
+fn under_noise(
+    kube_proxy: &str,
+    dataplane: &str,
+    noise: &str,
+    duration: &str,
+) -> (serde_json::Value, serde_json::Value) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
+    let agent = node.agent(&["--dataplane", dataplane]);
+    node.script(&[&format!("{noise}-start")]);
+    let args = ["--rate", "200", "--duration", duration, "--report-interval", "0"];
+    let summary = node.load("pod1", CLUSTER_DNS_IP, &args).finish();
+    node.script(&[&format!("{noise}-stop")]);
+    (summary, agent.state().expect("state"))
+}
+
 /// Issue 3, acceptance 4: a CNI that puts an ACCEPT-everything rule at the top of raw
 /// PREROUTING every second. nftables' chain runs before every iptables raw chain, so nothing
 /// changes; the iptables backends get their jump back within a tick each time.
 fn cni_noise(kube_proxy: &str, dataplane: &str) {
-    let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
-    let agent = node.agent(&["--dataplane", dataplane]);
-    node.script(&["cni-noise-start"]);
-    let load = node.load(
-        "pod1",
-        CLUSTER_DNS_IP,
-        &["--rate", "200", "--duration", "5s", "--report-interval", "0"],
-    );
-    let summary = load.finish();
-    node.script(&["cni-noise-stop"]);
-    let st = agent.state().expect("state");
+    let (summary, st) = under_noise(kube_proxy, dataplane, "cni-noise", "5s");
     println!("{dataplane}: repairs {} summary {summary}", st["repairs"]);
     assert_eq!(summary["failed"], 0, "{summary}");
     let coredns = summary["by_origin"]["coredns"].as_u64().unwrap();
@@ -92,17 +99,7 @@ fn cni_noise_iptables_legacy() {
 /// Issue 3, acceptance 4: kube-proxy re-running `iptables-restore --noflush` of its own chains
 /// (or its nftables transaction) every second never touches the agent's rules.
 fn kube_proxy_resync(kube_proxy: &str, dataplane: &str) {
-    let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
-    let agent = node.agent(&["--dataplane", dataplane]);
-    node.script(&["kube-proxy-resync-start"]);
-    let load = node.load(
-        "pod1",
-        CLUSTER_DNS_IP,
-        &["--rate", "200", "--duration", "4s", "--report-interval", "0"],
-    );
-    let summary = load.finish();
-    node.script(&["kube-proxy-resync-stop"]);
-    let st = agent.state().expect("state");
+    let (summary, st) = under_noise(kube_proxy, dataplane, "kube-proxy-resync", "4s");
     assert_eq!(st["repairs"], 0, "kube-proxy's sync changed the agent's rules: {st}");
     assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
 }
