@@ -142,6 +142,13 @@ pub struct Rule {
     pub comment: String,
 }
 
+impl Rule {
+    /// A rule for DNS (port 53) to or from `addr`.
+    pub fn dns(addr: IpAddr, side: Side, proto: Proto, guard: Guard, comment: &str) -> Rule {
+        Rule { addr, side, proto, port: DNS_PORT, guard, comment: comment.to_owned() }
+    }
+}
+
 /// A base chain of the agent's table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chain {
@@ -201,14 +208,7 @@ impl RuleSet {
         let mut output = Vec::new();
         for &ip in &addrs.local {
             for proto in [Proto::Udp, Proto::Tcp] {
-                let rule = |side, comment: &str| Rule {
-                    addr: ip,
-                    side,
-                    proto,
-                    port: DNS_PORT,
-                    guard: Guard::None,
-                    comment: comment.to_owned(),
-                };
+                let rule = |side, comment: &str| Rule::dns(ip, side, proto, Guard::None, comment);
                 prerouting.push(rule(Side::Destination, "pods to cache (link-local)"));
                 output.push(rule(Side::Destination, "host to cache (link-local)"));
                 output.push(rule(Side::Source, "cache replies (link-local)"));
@@ -216,14 +216,7 @@ impl RuleSet {
         }
         for &ip in &addrs.cluster_dns {
             for proto in [Proto::Udp, Proto::Tcp] {
-                let rule = |side, guard, comment: &str| Rule {
-                    addr: ip,
-                    side,
-                    proto,
-                    port: DNS_PORT,
-                    guard,
-                    comment: comment.to_owned(),
-                };
+                let rule = |side, guard, comment: &str| Rule::dns(ip, side, proto, guard, comment);
                 if route == Route::Local {
                     prerouting.push(rule(
                         Side::Destination,
@@ -261,14 +254,7 @@ impl RuleSet {
                     (FilterHook::Output, Side::Source, "cache replies"),
                     (FilterHook::Output, Side::Destination, "host queries to cache"),
                 ] {
-                    let rule = Rule {
-                        addr: ip,
-                        side,
-                        proto,
-                        port: DNS_PORT,
-                        guard: Guard::None,
-                        comment: comment.to_owned(),
-                    };
+                    let rule = Rule::dns(ip, side, proto, Guard::None, comment);
                     self.accepts.push(Accept { hook, rule });
                 }
             }
