@@ -17,6 +17,8 @@
 //! `NLHA_BENCH_MUSL_CLIENT` (the musl client; without it, that arrangement is skipped), and for
 //! working on one part `NLHA_BENCH_PARTS` and `NLHA_BENCH_ARRANGEMENTS` (comma lists).
 
+#![forbid(unsafe_code)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 
@@ -763,8 +765,10 @@ fn footprint(node: &SimNode, secs: u64) -> Value {
             .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
             .expect("VmRSS")
     };
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .expect("sysconf(CLK_TCK)") as f64;
     let (t0, c0) = (Instant::now(), ticks());
     let mut rss = Vec::new();
     for _ in 0..secs {

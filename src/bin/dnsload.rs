@@ -13,8 +13,9 @@
 //! as a pod's application does; `--server`, `--timeout`, `--attempts` and `--tcp` then do not
 //! apply, and a lookup's attempts are not visible (only its result and its latency).
 
+#![forbid(unsafe_code)]
+
 use std::collections::{HashMap, VecDeque};
-use std::ffi::CString;
 use std::io::{BufWriter, ErrorKind, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
@@ -261,44 +262,18 @@ async fn lookup(spec: LookupSpec, name: Name, started: Duration) -> LookupResult
 
 /// One `getaddrinfo()` of `name` (A: AF_INET, AAAA: AF_INET6); the first address returned.
 fn system_lookup(name: &Name, qtype: RecordType) -> Result<IpAddr, AttemptError> {
-    let host = CString::new(name.to_ascii()).map_err(|_| AttemptError::Io)?;
+    use dns_lookup::{AddrInfoHints, LookupErrorKind};
     let family = if qtype == RecordType::AAAA { libc::AF_INET6 } else { libc::AF_INET };
-    // SAFETY: an all-zero addrinfo is a valid "no hints" value; the fields set are plain ints.
-    let mut hints: libc::addrinfo = unsafe { std::mem::zeroed() };
-    hints.ai_family = family;
-    hints.ai_socktype = libc::SOCK_DGRAM;
-    let mut list: *mut libc::addrinfo = std::ptr::null_mut();
-    // SAFETY: host is NUL-terminated, hints and list are valid for the call.
-    let rc = unsafe { libc::getaddrinfo(host.as_ptr(), std::ptr::null(), &hints, &mut list) };
-    if rc != 0 {
-        return Err(match rc {
+    let hints = AddrInfoHints { address: family, socktype: libc::SOCK_DGRAM, ..Default::default() };
+    let list = dns_lookup::getaddrinfo(Some(&name.to_ascii()), None, Some(hints)).map_err(|e| {
+        match e.kind() {
             // Timeouts, SERVFAIL, refused servers: glibc says "try again".
-            libc::EAI_AGAIN => AttemptError::Timeout,
-            libc::EAI_NONAME | libc::EAI_NODATA => AttemptError::BadReply,
+            LookupErrorKind::Again => AttemptError::Timeout,
+            LookupErrorKind::NoName | LookupErrorKind::NoData => AttemptError::BadReply,
             _ => AttemptError::Io,
-        });
-    }
-    let mut found = Err(AttemptError::BadReply);
-    let mut entry = list;
-    while !entry.is_null() {
-        // SAFETY: entries of a list getaddrinfo returned, freed only below; ai_addr points to
-        // a sockaddr of ai_family.
-        let ai = unsafe { &*entry };
-        if !ai.ai_addr.is_null() && ai.ai_family == libc::AF_INET {
-            let sin = unsafe { &*ai.ai_addr.cast::<libc::sockaddr_in>() };
-            found = Ok(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
-            break;
         }
-        if !ai.ai_addr.is_null() && ai.ai_family == libc::AF_INET6 {
-            let sin6 = unsafe { &*ai.ai_addr.cast::<libc::sockaddr_in6>() };
-            found = Ok(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
-            break;
-        }
-        entry = ai.ai_next;
-    }
-    // SAFETY: list came from a successful getaddrinfo and is not used after this.
-    unsafe { libc::freeaddrinfo(list) };
-    found
+    })?;
+    list.filter_map(Result::ok).map(|ai| ai.sockaddr.ip()).next().ok_or(AttemptError::BadReply)
 }
 
 /// A new query with a random id and RD set, as (id, wire bytes).

@@ -5,7 +5,9 @@
 //! produced, never a mix.
 
 #[cfg(test)]
+#[forbid(unsafe_code)]
 pub mod fake;
+#[forbid(unsafe_code)]
 pub mod iptables;
 pub mod nftables;
 
@@ -181,6 +183,7 @@ impl Dataplane for Layered {
 }
 
 #[cfg(test)]
+#[forbid(unsafe_code)]
 mod tests {
     use super::fake::FakeDataplane;
     use super::*;

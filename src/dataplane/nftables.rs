@@ -15,10 +15,12 @@
 //! agent runs with hostNetwork). `unsafe` is confined to `ffi`, which hands expressions to
 //! libnftnl and registers the watch socket with tokio.
 
+#[forbid(unsafe_code)]
 mod expr;
 #[allow(unsafe_code)]
 mod ffi;
-mod netlink;
+#[forbid(unsafe_code)]
+pub(crate) mod netlink;
 
 use std::ffi::{CStr, CString};
 use std::fmt;
@@ -764,4 +766,5 @@ impl ChangeWatch {
 }
 
 #[cfg(test)]
+#[forbid(unsafe_code)]
 mod tests;
