@@ -1,0 +1,92 @@
+//! Entry points for the fuzz targets in `fuzz/`: every parser that reads bytes from outside the
+//! agent — the kernel (netlink, sock_diag), other programs (iptables-save), the network (DNS
+//! replies), root on the node (control requests, the override file, flags). Each must turn any
+//! input into a value or an error, never a panic; where a parser promises more, it is asserted.
+//!
+//! Compiled only with `--cfg fuzzing`, which `cargo fuzz` passes.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::str::FromStr;
+
+use hickory_proto::op::Query;
+use hickory_proto::rr::{Name, RecordType};
+
+use crate::dataplane::nftables::netlink;
+use crate::ruleset::{ListenAddrs, Route, RuleSet};
+
+/// A netlink buffer as the nftables socket receives it: acks, errors, dumped tables, chains and
+/// rules, change announcements.
+pub fn nftables_netlink(data: &[u8]) {
+    for message in netlink::messages(data).take(64) {
+        let Ok(message) = message else { break };
+        let _ = message.error_code();
+        if let Ok((kind, body)) = message.nft_body() {
+            let _ = match kind {
+                netlink::NFT_MSG_NEWTABLE => netlink::parse_table(body).map(drop),
+                netlink::NFT_MSG_NEWCHAIN => netlink::parse_chain(body).map(drop),
+                _ => netlink::parse_rule(body).map(drop),
+            };
+        }
+    }
+    let _ = netlink::announces_change(data, None);
+    let _ = netlink::announces_change(data, Some(1));
+}
+
+/// A sock_diag destroy announcement: at most one closed socket per 16-byte netlink header.
+pub fn sock_diag(data: &[u8]) {
+    let closed = crate::sockdiag::parse(data);
+    assert!(
+        closed.len() <= data.len() / 16,
+        "{} sockets out of {} bytes",
+        closed.len(),
+        data.len()
+    );
+    let addrs = [IpAddr::V4(Ipv4Addr::new(169, 254, 20, 10))];
+    for socket in closed {
+        let _ = socket.is_listener_on(&addrs, 53);
+    }
+}
+
+/// `iptables-save` output, read for both tables and compared with the agent's rules.
+pub fn iptables_save(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    let addrs = ListenAddrs {
+        local: vec![IpAddr::V4(Ipv4Addr::new(169, 254, 20, 10))],
+        cluster_dns: vec![IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10))],
+    };
+    for route in [Route::Local, Route::Upstream] {
+        let rules = RuleSet::desired(&addrs, route).with_accepts(&addrs);
+        crate::dataplane::iptables::fuzz_saved(text, &rules);
+    }
+}
+
+/// A DNS reply to the probe's query (`who.test. A`, id taken from the reply itself so that the
+/// fuzzer reaches past the id check). Anything accepted must really be a reply to that query.
+pub fn dns_reply(data: &[u8]) {
+    let id = data.get(..2).map_or(0, |b| u16::from_be_bytes([b[0], b[1]]));
+    let name = Name::from_str("who.test.").expect("a valid name");
+    let question = Query::query(name, RecordType::A);
+    if crate::probe::classify_reply(id, &question, data).is_some() {
+        assert!(data.len() >= 12, "a reply shorter than a DNS header was accepted");
+        assert!(data[2] & 0x80 != 0, "a query (QR=0) was taken for a reply");
+    }
+    let _ = crate::probe::classify_reply(id.wrapping_add(1), &question, data);
+}
+
+/// One control-socket request line.
+pub fn control_request(data: &[u8]) {
+    let _ = serde_json::from_slice::<crate::control::Request>(data);
+}
+
+/// The override file in the state directory, read as the agent reads it at start.
+pub fn override_file(data: &[u8]) {
+    let _ = crate::control::parse_override(std::path::Path::new("override.json"), data);
+}
+
+/// A duration as flags and environment variables give it (`100ms`, `2s`, `1m30s`).
+pub fn duration(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    if crate::config::parse_duration(text).is_some() {
+        assert!(text.chars().any(|c| c.is_ascii_digit()), "{text:?} has no number");
+    }
+}
