@@ -207,9 +207,6 @@ impl Agent {
         }
         stats.last = Some(outcome.label().to_owned());
         stats.last_latency_ms = Some(report.result.latency.as_secs_f64() * 1e3);
-        if !outcome.is_good() {
-            debug!(stream = %report.stream, outcome = ?outcome, "probe failed");
-        }
 
         let held_before = self.machine.held().map(str::to_owned);
         let forced_before = self.machine.forced().is_some();
@@ -223,10 +220,20 @@ impl Agent {
             stats.streak_good = streak.good;
             stats.streak_bad = streak.bad;
         }
+        // The first failure of a streak says what went wrong (garbage from the cache, say);
+        // the rest of the streak only counts.
+        if !outcome.is_good() {
+            if streak.bad == 1 {
+                info!(stream = %report.stream, outcome = ?outcome, "probe failed");
+            } else {
+                debug!(stream = %report.stream, outcome = ?outcome, "probe failed");
+            }
+        }
 
         if let Some(held) = self.machine.held() {
-            if held_before.as_deref() != Some(held) {
-                warn!(reason = held, "cache failing, route held");
+            // Once when a hold begins; its text counts on, `status` shows the latest.
+            if held_before.is_none() {
+                warn!(route = %self.machine.route(), reason = held, "both failing, route held");
             }
         }
         self.metrics.probe(report.stream, outcome.label(), report.result.latency);
@@ -528,7 +535,10 @@ async fn watch_foreign_rules(addrs: Vec<IpAddr>, period: Duration, tx: mpsc::Sen
             format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
         });
         let unreadable = found.unreadable.into_iter().map(|problem| {
-            format!("cannot read the node's iptables rules (CAP_NET_RAW missing?): {problem}")
+            format!(
+                "cannot read the node's iptables rules (CAP_NET_RAW missing? iptables-legacy also \
+                 needs uid 0 to list its tables): {problem}"
+            )
         });
         let warnings = foreign.chain(unreadable).collect();
         if tx.send(warnings).await.is_err() {
@@ -545,6 +555,27 @@ async fn sleep_until(at: Option<Instant>) {
     }
 }
 
+/// How long a start waits out a predecessor that was killed a moment ago: a child it had just
+/// forked (an `iptables-save`, a hook) holds its listener and its lock until it execs, when
+/// close-on-exec releases them.
+const STARTUP_GRACE: Duration = Duration::from_secs(2);
+
+/// `take()`, retried for up to [`STARTUP_GRACE`] while it fails with what `busy` recognises.
+async fn with_grace<T, E>(
+    mut take: impl FnMut() -> Result<T, E>,
+    busy: impl Fn(&E) -> bool,
+) -> Result<T, E> {
+    let deadline = Instant::now() + STARTUP_GRACE;
+    loop {
+        match take() {
+            Err(e) if busy(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            taken => return taken,
+        }
+    }
+}
+
 /// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: dataplane calls
 /// block (microseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile.
 pub async fn run(
@@ -558,18 +589,23 @@ pub async fn run(
     let cache_udp = probe(cfg.cache_udp)?;
     let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
     let upstream = probe(cfg.upstream_probe)?;
+    let bind = |addr| {
+        std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+    };
     let http = match cfg.metrics_addr {
         Some(addr) => Some(
-            std::net::TcpListener::bind(addr)
-                .and_then(|l| l.set_nonblocking(true).map(|()| l))
-                .and_then(tokio::net::TcpListener::from_std)
+            with_grace(|| bind(addr), |e| e.kind() == std::io::ErrorKind::AddrInUse)
+                .await
                 .map_err(|source| AgentError::Metrics { addr, source })?,
         ),
         None => None,
     };
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
-    let _lock = state::Lock::acquire(&cfg.state_dir)?;
+    let lock = || state::Lock::acquire(&cfg.state_dir);
+    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(_))).await?;
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
@@ -663,6 +699,7 @@ pub async fn run(
     state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drain: Option<maintenance::Drain> = None;
     let override_file = control::override_path(&cfg.state_dir);
+    let mut record_stuck = false;
     // Hooks run one at a time, in order, beside the loop.
     let hooks = cfg.on_transition.clone().map(|path| {
         let (tx, rx) = mpsc::channel(16);
@@ -698,9 +735,20 @@ pub async fn run(
         }
         // A drain that ended by itself, or an expiry, leaves nothing forced: the record goes
         // too (with or without a route change), so a restart cannot bring it back.
+        // If it cannot be removed (a directory in its place), that is said once, not on every
+        // turn of the loop.
         if agent.forced().is_none() && override_file.exists() {
-            if let Err(e) = control::clear_override(&cfg.state_dir) {
-                warn!(error = %e, "removing the ended override's record failed");
+            match control::clear_override(&cfg.state_dir) {
+                Ok(()) => record_stuck = false,
+                Err(e) if !record_stuck => {
+                    record_stuck = true;
+                    warn!(
+                        file = %override_file.display(),
+                        error = %e,
+                        "removing the record of an override not in force failed; remove it by hand"
+                    );
+                }
+                Err(_) => {}
             }
         }
         let changes = agent.take_changes();

@@ -65,7 +65,7 @@ pub struct FlipArgs {
     #[arg(value_enum)]
     pub route: RouteArg,
     /// Release by itself after this long (e.g. 30m); default: until `release`.
-    #[arg(long = "for")]
+    #[arg(long = "for", allow_hyphen_values = true)]
     pub for_: Option<String>,
     /// Why, for `status` and the log.
     #[arg(long, default_value = "")]
@@ -83,7 +83,7 @@ pub struct FlipArgs {
 #[derive(Debug, Args)]
 pub struct DrainArgs {
     /// How long to wait for the cache to go quiet.
-    #[arg(long, default_value = "10s")]
+    #[arg(long, allow_hyphen_values = true, default_value = "10s")]
     pub timeout: String,
     #[command(flatten)]
     pub control: ControlArgs,
@@ -139,34 +139,69 @@ pub struct RunArgs {
     )]
     pub probe_name: String,
     /// Time between UDP probes of the cache; also the resync period of the ruleset.
-    #[arg(long, env = "NODELOCALDNS_HA_INTERVAL", default_value = "100ms")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_INTERVAL",
+        allow_hyphen_values = true,
+        default_value = "100ms"
+    )]
     pub interval: String,
     /// How long a probe of the cache waits for its answer; must be below --interval.
-    #[arg(long, env = "NODELOCALDNS_HA_TIMEOUT", default_value = "80ms")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_TIMEOUT",
+        allow_hyphen_values = true,
+        default_value = "80ms"
+    )]
     pub timeout: String,
     /// Time between TCP probes of the cache; 0s disables them.
-    #[arg(long, env = "NODELOCALDNS_HA_TCP_INTERVAL", default_value = "1s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_TCP_INTERVAL",
+        allow_hyphen_values = true,
+        default_value = "1s"
+    )]
     pub tcp_interval: String,
     /// Time between probes of the upstream.
-    #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_INTERVAL", default_value = "1s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_UPSTREAM_INTERVAL",
+        allow_hyphen_values = true,
+        default_value = "1s"
+    )]
     pub upstream_interval: String,
     /// How long a probe of the upstream waits for its answer.
-    #[arg(long, env = "NODELOCALDNS_HA_UPSTREAM_TIMEOUT", default_value = "500ms")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_UPSTREAM_TIMEOUT",
+        allow_hyphen_values = true,
+        default_value = "500ms"
+    )]
     pub upstream_timeout: String,
     /// Consecutive failed probes of the cache before switching to the upstream.
-    #[arg(long, env = "NODELOCALDNS_HA_FALL", default_value_t = 3)]
+    #[arg(long, env = "NODELOCALDNS_HA_FALL", allow_negative_numbers = true, default_value_t = 3)]
     pub fall: u32,
     /// Consecutive good probes of the cache before switching back to it.
-    #[arg(long, env = "NODELOCALDNS_HA_RISE", default_value_t = 5)]
+    #[arg(long, env = "NODELOCALDNS_HA_RISE", allow_negative_numbers = true, default_value_t = 5)]
     pub rise: u32,
     /// Minimum time on the upstream before switching back to the cache.
-    #[arg(long, env = "NODELOCALDNS_HA_MIN_HOLD", default_value = "2s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_MIN_HOLD",
+        allow_hyphen_values = true,
+        default_value = "2s"
+    )]
     pub min_hold: String,
     /// The netfilter backend for the switching rules.
     #[arg(long, env = "NODELOCALDNS_HA_DATAPLANE", value_enum, default_value = "auto")]
     pub dataplane: DataplaneKind,
     /// How long an iptables change waits for the xtables lock before it is retried later.
-    #[arg(long, env = "NODELOCALDNS_HA_XTABLES_WAIT", default_value = "1s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_XTABLES_WAIT",
+        allow_hyphen_values = true,
+        default_value = "1s"
+    )]
     pub xtables_wait: String,
     /// Where the state file, the override and the control socket live.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
@@ -179,7 +214,12 @@ pub struct RunArgs {
     #[arg(long, env = "NODELOCALDNS_HA_ON_TRANSITION")]
     pub on_transition: Option<PathBuf>,
     /// How long the transition hook may run before it is killed.
-    #[arg(long, env = "NODELOCALDNS_HA_HOOK_TIMEOUT", default_value = "5s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_HOOK_TIMEOUT",
+        allow_hyphen_values = true,
+        default_value = "5s"
+    )]
     pub hook_timeout: String,
     /// The kernel fast path (pods fail over on the next packet when the cache's socket is gone).
     /// `false` leaves only the probe-driven switch: for comparisons.
@@ -269,17 +309,106 @@ pub struct ProbeArgs {
     )]
     pub probe_name: String,
     /// How long to wait for the answer.
-    #[arg(long, env = "NODELOCALDNS_HA_PROBE_TIMEOUT", default_value = "1s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_PROBE_TIMEOUT",
+        allow_hyphen_values = true,
+        default_value = "1s"
+    )]
     pub timeout: String,
 }
 
 #[derive(Debug, Args)]
 pub struct TeardownArgs {
     /// How long to wait for the xtables lock.
-    #[arg(long, env = "NODELOCALDNS_HA_XTABLES_WAIT", default_value = "5s")]
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_XTABLES_WAIT",
+        allow_hyphen_values = true,
+        default_value = "5s"
+    )]
     pub xtables_wait: String,
     /// The agent's --state-dir: teardown refuses while an agent runs there, and removes its
     /// state file.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,
+}
+
+/// For a refusal that names flags: the environment variables that gave those flags their values,
+/// as ` (set by NODELOCALDNS_HA_INTERVAL="1parsec")`, or an empty string. An operator who
+/// configures the agent through its environment (a DaemonSet's `env:`) is pointed at the
+/// setting to fix. A flag counts as set by its variable when the variable is set and the flag is
+/// not among `args` (the command line wins over the environment).
+pub fn env_sources(message: &str, args: &[String], env: impl Fn(&str) -> Option<String>) -> String {
+    use clap::CommandFactory;
+    let cli = Cli::command();
+    let mut found: Vec<String> = Vec::new();
+    for command in std::iter::once(&cli).chain(cli.get_subcommands()) {
+        for arg in command.get_arguments() {
+            let (Some(long), Some(var)) = (arg.get_long(), arg.get_env()) else { continue };
+            let flag = format!("--{long}");
+            let on_command_line =
+                args.iter().any(|a| *a == flag || a.starts_with(&format!("{flag}=")));
+            let var = var.to_string_lossy();
+            let Some(value) = env(&var) else { continue };
+            let entry = format!("{var}={value:?}");
+            if names_flag(message, &flag) && !on_command_line && !found.contains(&entry) {
+                found.push(entry);
+            }
+        }
+    }
+    if found.is_empty() {
+        String::new()
+    } else {
+        format!(" (set by {})", found.join(", "))
+    }
+}
+
+/// Whether `message` mentions `flag` itself, not a longer flag it begins (`--log` in
+/// `--log-format`).
+fn names_flag(message: &str, flag: &str) -> bool {
+    message.match_indices(flag).any(|(at, _)| {
+        let next = message[at + flag.len()..].chars().next();
+        !next.is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env_of<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        |name| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| (*v).to_owned())
+    }
+
+    #[test]
+    fn a_refusal_names_the_variables_that_set_its_flags() {
+        let vars = [
+            ("NODELOCALDNS_HA_INTERVAL", "1parsec"),
+            ("NODELOCALDNS_HA_LOG_FORMAT", "xml"),
+            ("NODELOCALDNS_HA_STATE_DIR", "/x"),
+        ];
+        let args = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let message = "--interval=\"1parsec\" is not a duration";
+        assert_eq!(
+            env_sources(message, &args(&["run"]), env_of(&vars)),
+            " (set by NODELOCALDNS_HA_INTERVAL=\"1parsec\")"
+        );
+        // The command line wins: the variable did not set it.
+        assert_eq!(env_sources(message, &args(&["run", "--interval", "x"]), env_of(&vars)), "");
+        assert_eq!(env_sources(message, &args(&["run", "--interval=x"]), env_of(&vars)), "");
+        // `--upstream-interval` is not `--interval`; `--log` is not `--log-format`.
+        assert_eq!(env_sources("--upstream-interval x", &args(&[]), env_of(&vars)), "");
+        let message = "invalid value 'xml' for '--log-format <LOG_FORMAT>'";
+        assert_eq!(
+            env_sources(message, &args(&[]), env_of(&vars)),
+            " (set by NODELOCALDNS_HA_LOG_FORMAT=\"xml\")"
+        );
+        // A variable several subcommands read is named once.
+        assert_eq!(
+            env_sources("--state-dir /x is too long", &args(&[]), env_of(&vars)),
+            " (set by NODELOCALDNS_HA_STATE_DIR=\"/x\")"
+        );
+        assert_eq!(env_sources("--fall 0: must be at least 1", &args(&[]), env_of(&vars)), "");
+    }
 }

@@ -24,14 +24,16 @@ pub enum ConfigError {
     SameFamilyTwice { flag: &'static str, family: &'static str, first: IpAddr, second: IpAddr },
     /// The listen lists cover different families.
     #[error(
-        "--local-ip ({local}) and --cluster-dns-ip ({cluster}) must cover the same IP families"
+        "--local-ip {local} and --cluster-dns-ip {cluster} must cover the same IP families \
+         (one address of each, or an IPv4 and an IPv6 address in both)"
     )]
     FamiliesDiffer { local: String, cluster: String },
     /// No upstream address anywhere.
     #[error(
-        "no upstream IP: pass --upstream-ip (the ClusterIP of the kube-dns-upstream Service) or set {env_var}"
+        "no upstream IP: pass --upstream-ip, or set {env_var} (the ClusterIP of --upstream-svc \
+         {svc:?}, as Kubernetes sets it for a Service in the pod's namespace)"
     )]
-    NoUpstream { env_var: String },
+    NoUpstream { env_var: String, svc: String },
     /// The upstream fallback variable holds no IP.
     #[error("{env_var}={value:?} is not an IP address")]
     BadUpstreamEnv { env_var: String, value: String },
@@ -39,8 +41,8 @@ pub enum ConfigError {
     #[error("{flag}={value:?} is not a duration: write e.g. 100ms, 2s or 1m")]
     BadDuration { flag: &'static str, value: String },
     /// A zero duration where time must pass.
-    #[error("{flag} must be greater than zero")]
-    ZeroDuration { flag: &'static str },
+    #[error("{flag}={value:?} must be greater than zero")]
+    ZeroDuration { flag: &'static str, value: String },
     /// A probe that could outlive its interval.
     #[error("{timeout_flag} ({timeout:?}) must be shorter than {interval_flag} ({interval:?}): probes must not overlap")]
     TimeoutNotBelowInterval {
@@ -50,7 +52,7 @@ pub enum ConfigError {
         interval: Duration,
     },
     /// `--fall 0` or `--rise 0`.
-    #[error("{flag} must be at least 1 (consecutive probes)")]
+    #[error("{flag} 0: must be at least 1 (consecutive probes)")]
     ZeroCount { flag: &'static str },
     /// An address that is not `host:port`.
     #[error("{flag} {value:?} is not an address: write IP:port, e.g. 127.0.0.1:9254, or off")]
@@ -61,7 +63,45 @@ pub enum ConfigError {
     /// A probe name that is not a DNS name.
     #[error("--probe-name {0:?} is not a valid DNS name")]
     BadProbeName(String),
+    /// A duration beyond any sensible setting (a typo, or a unit mixed up).
+    #[error("{flag}={value:?} is too long: at most {max} (30 days)", max = MAX_DURATION_TEXT)]
+    TooLong { flag: &'static str, value: String },
+    /// An address no DNS server listens on: unspecified, multicast or broadcast.
+    #[error("{flag} {ip} is not a unicast address: give the IP a DNS server listens on")]
+    NotUnicast { flag: String, ip: IpAddr },
+    /// The upstream is one of the addresses the agent intercepts.
+    #[error(
+        "{flag} {ip} is also {other}: probing it would probe the cache; give the \
+         kube-dns-upstream ClusterIP, which the agent does not intercept"
+    )]
+    UpstreamIntercepted { flag: String, ip: IpAddr, other: &'static str },
+    /// The upstream has no address of the family the cache is probed in.
+    #[error(
+        "{flag} ({upstream}) has no {family} address: the upstream is probed over {family}, \
+         like the cache at {cache}; give its {family} ClusterIP"
+    )]
+    UpstreamFamily { flag: String, upstream: String, family: &'static str, cache: IpAddr },
+    /// No upstream Service name to read the upstream's address from.
+    #[error("--upstream-svc is empty: give the upstream Service's name, or --upstream-ip")]
+    EmptyUpstreamSvc,
+    /// The state directory cannot hold the control socket.
+    #[error(
+        "--state-dir {} is too long for the control socket in it (a Unix socket path has at \
+         most 107 bytes): use a shorter --state-dir", .0.display()
+    )]
+    StateDirTooLong(PathBuf),
+    /// An empty state directory would put the agent's files in its working directory.
+    #[error("--state-dir is empty: give a directory, e.g. /run/nodelocaldns-ha")]
+    EmptyStateDir,
+    /// The transition hook cannot be run.
+    #[error("--on-transition {}: not executable (chmod +x it)", .0.display())]
+    HookNotExecutable(PathBuf),
 }
+
+/// The longest duration any flag takes. Longer ones are typos or mixed-up units; this also keeps
+/// every deadline the agent computes far from the clock's limits.
+pub const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+const MAX_DURATION_TEXT: &str = "720h";
 
 /// Parses `100ms`, `2s`, `1m`, `1h`, `1m30s`, `1.5s`. A bare number is refused: units matter.
 pub fn parse_duration(text: &str) -> Option<Duration> {
@@ -91,16 +131,31 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
     Some(total)
 }
 
-/// Parses the value of a duration flag; the error names the flag and the value.
+/// Parses the value of a duration flag, at most [`MAX_DURATION`]; the error names the flag and
+/// the value.
 pub fn duration_flag(flag: &'static str, value: &str) -> Result<Duration, ConfigError> {
-    parse_duration(value).ok_or_else(|| ConfigError::BadDuration { flag, value: value.to_owned() })
+    let d = parse_duration(value)
+        .ok_or_else(|| ConfigError::BadDuration { flag, value: value.to_owned() })?;
+    if d > MAX_DURATION {
+        return Err(ConfigError::TooLong { flag, value: value.to_owned() });
+    }
+    Ok(d)
 }
 
-/// Checks that `list` holds one or two addresses, at most one per family; v4 first.
+/// Whether a DNS server can listen on `ip`: not unspecified, multicast or broadcast.
+fn is_unicast(ip: IpAddr) -> bool {
+    let broadcast = matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+    !(ip.is_unspecified() || ip.is_multicast() || broadcast)
+}
+
+/// Checks that `list` holds one or two unicast addresses, at most one per family; v4 first.
 pub fn address_slot(flag: &'static str, list: &[IpAddr]) -> Result<Vec<IpAddr>, ConfigError> {
     let mut v4 = None;
     let mut v6 = None;
     for &ip in list {
+        if !is_unicast(ip) {
+            return Err(ConfigError::NotUnicast { flag: flag.to_owned(), ip });
+        }
         let (slot, family) = match ip {
             IpAddr::V4(_) => (&mut v4, "IPv4"),
             IpAddr::V6(_) => (&mut v6, "IPv6"),
@@ -115,6 +170,57 @@ pub fn address_slot(flag: &'static str, list: &[IpAddr]) -> Result<Vec<IpAddr>, 
         return Err(ConfigError::EmptyList { flag });
     }
     Ok(out)
+}
+
+/// The addresses node-local-dns listens on, checked: `--local-ip` and `--cluster-dns-ip` each
+/// one or two unicast addresses, covering the same families.
+pub fn listen_addrs(local: &[IpAddr], cluster_dns: &[IpAddr]) -> Result<ListenAddrs, ConfigError> {
+    let local = address_slot("--local-ip", local)?;
+    let cluster_dns = address_slot("--cluster-dns-ip", cluster_dns)?;
+    if families(&local) != families(&cluster_dns) {
+        let describe = |list: &[IpAddr]| {
+            let ips: Vec<String> = list.iter().map(ToString::to_string).collect();
+            format!("{} ({})", ips.join(","), families(list))
+        };
+        return Err(ConfigError::FamiliesDiffer {
+            local: describe(&local),
+            cluster: describe(&cluster_dns),
+        });
+    }
+    Ok(ListenAddrs { local, cluster_dns })
+}
+
+/// Checks the upstream (named `flag` in errors) against the listen addresses: it must not be
+/// one of them (the agent intercepts those), and it must have an address of the family the
+/// cache is probed in, so that the two probes compare like with like.
+fn check_upstream(flag: &str, upstream: &[IpAddr], addrs: &ListenAddrs) -> Result<(), ConfigError> {
+    for &ip in upstream {
+        let other = if addrs.cluster_dns.contains(&ip) {
+            "--cluster-dns-ip"
+        } else if addrs.local.contains(&ip) {
+            "--local-ip"
+        } else {
+            continue;
+        };
+        return Err(ConfigError::UpstreamIntercepted { flag: flag.to_owned(), ip, other });
+    }
+    let cache = addrs.local[0];
+    if !upstream.iter().any(|ip| ip.is_ipv4() == cache.is_ipv4()) {
+        let list: Vec<String> = upstream.iter().map(ToString::to_string).collect();
+        return Err(ConfigError::UpstreamFamily {
+            flag: flag.to_owned(),
+            upstream: list.join(","),
+            family: if cache.is_ipv4() { "IPv4" } else { "IPv6" },
+            cache,
+        });
+    }
+    Ok(())
+}
+
+/// The longest file name the agent binds in the state directory: the control socket's
+/// temporary name, `.control.sock.<pid>`.
+fn longest_socket_name() -> String {
+    format!(".{}.{}", crate::control::SOCKET, u32::MAX)
 }
 
 fn families(list: &[IpAddr]) -> String {
@@ -196,9 +302,11 @@ fn cadence(
 ) -> Result<Cadence, ConfigError> {
     let interval_d = duration_flag(interval_flag, interval)?;
     let timeout_d = duration_flag(timeout_flag, timeout)?;
-    for (flag, d) in [(interval_flag, interval_d), (timeout_flag, timeout_d)] {
+    for (flag, value, d) in
+        [(interval_flag, interval, interval_d), (timeout_flag, timeout, timeout_d)]
+    {
         if d.is_zero() {
-            return Err(ConfigError::ZeroDuration { flag });
+            return Err(ConfigError::ZeroDuration { flag, value: value.to_owned() });
         }
     }
     if timeout_d >= interval_d {
@@ -218,25 +326,36 @@ impl AgentConfig {
         raw: &RawRun,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<AgentConfig, ConfigError> {
-        let local = address_slot("--local-ip", &raw.local_ip)?;
-        let cluster_dns = address_slot("--cluster-dns-ip", &raw.cluster_dns_ip)?;
-        if families(&local) != families(&cluster_dns) {
-            return Err(ConfigError::FamiliesDiffer {
-                local: families(&local),
-                cluster: families(&cluster_dns),
-            });
-        }
+        let addrs = listen_addrs(&raw.local_ip, &raw.cluster_dns_ip)?;
         let upstream = if raw.upstream_ip.is_empty() {
+            if raw.upstream_svc.trim().is_empty() {
+                return Err(ConfigError::EmptyUpstreamSvc);
+            }
             let env_var = service_host_var(&raw.upstream_svc);
-            let value = env(&env_var)
-                .filter(|v| !v.trim().is_empty())
-                .ok_or_else(|| ConfigError::NoUpstream { env_var: env_var.clone() })?;
-            let ip =
-                value.trim().parse().map_err(|_| ConfigError::BadUpstreamEnv { env_var, value })?;
+            let value = env(&env_var).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
+                ConfigError::NoUpstream { env_var: env_var.clone(), svc: raw.upstream_svc.clone() }
+            })?;
+            let ip: IpAddr = value
+                .trim()
+                .parse()
+                .map_err(|_| ConfigError::BadUpstreamEnv { env_var: env_var.clone(), value })?;
+            if !is_unicast(ip) {
+                return Err(ConfigError::NotUnicast { flag: env_var, ip });
+            }
+            check_upstream(&env_var, &[ip], &addrs)?;
             vec![ip]
         } else {
-            address_slot("--upstream-ip", &raw.upstream_ip)?
+            let upstream = address_slot("--upstream-ip", &raw.upstream_ip)?;
+            check_upstream("--upstream-ip", &upstream, &addrs)?;
+            upstream
         };
+        if raw.state_dir.as_os_str().is_empty() {
+            return Err(ConfigError::EmptyStateDir);
+        }
+        let socket = raw.state_dir.join(longest_socket_name());
+        if socket.as_os_str().len() > 107 {
+            return Err(ConfigError::StateDirTooLong(raw.state_dir.clone()));
+        }
         if hickory_proto::rr::Name::from_ascii(&raw.probe_name).is_err()
             || raw.probe_name.trim().is_empty()
         {
@@ -277,15 +396,21 @@ impl AgentConfig {
         };
         let hook_timeout = duration_flag("--hook-timeout", &raw.hook_timeout)?;
         if hook_timeout.is_zero() {
-            return Err(ConfigError::ZeroDuration { flag: "--hook-timeout" });
+            let value = raw.hook_timeout.clone();
+            return Err(ConfigError::ZeroDuration { flag: "--hook-timeout", value });
         }
         if let Some(hook) = &raw.on_transition {
-            if !hook.is_file() {
-                return Err(ConfigError::NoHook(hook.clone()));
+            use std::os::unix::fs::PermissionsExt;
+            match std::fs::metadata(hook) {
+                Ok(meta) if meta.is_file() && meta.permissions().mode() & 0o111 != 0 => {}
+                Ok(meta) if meta.is_file() => {
+                    return Err(ConfigError::HookNotExecutable(hook.clone()))
+                }
+                _ => return Err(ConfigError::NoHook(hook.clone())),
             }
         }
         Ok(AgentConfig {
-            addrs: ListenAddrs { local, cluster_dns },
+            addrs,
             upstream,
             probe_name: raw.probe_name.clone(),
             cache_udp,
@@ -402,6 +527,15 @@ mod tests {
         assert!(err.to_string().contains("not-an-ip"), "{err}");
     }
 
+    /// A file that is not executable (mode 0644), made once per test process.
+    fn plain_file() -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = std::env::temp_dir().join(format!("nlha-config-{}.sh", std::process::id()));
+        std::fs::write(&path, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path
+    }
+
     #[test]
     fn bad_input_is_refused_with_the_value_named() {
         type Mutation = Box<dyn Fn(&mut RawRun)>;
@@ -411,13 +545,41 @@ mod tests {
             (Box::new(|r| r.cluster_dns_ip = ips(&["10.96.0.10", "fd00::a"])), "same IP families"),
             (Box::new(|r| r.timeout = "100ms".into()), "--timeout (100ms)"),
             (Box::new(|r| r.timeout = "250ms".into()), "must be shorter"),
-            (Box::new(|r| r.interval = "0s".into()), "--interval must be greater"),
+            (Box::new(|r| r.interval = "0s".into()), "--interval=\"0s\" must be greater"),
             (Box::new(|r| r.interval = "fast".into()), "\"fast\""),
-            (Box::new(|r| r.fall = 0), "--fall must be at least 1"),
-            (Box::new(|r| r.rise = 0), "--rise must be at least 1"),
+            (Box::new(|r| r.fall = 0), "--fall 0: must be at least 1"),
+            (Box::new(|r| r.rise = 0), "--rise 0: must be at least 1"),
             (Box::new(|r| r.min_hold = "2".into()), "--min-hold=\"2\""),
             (Box::new(|r| r.upstream_timeout = "2s".into()), "--upstream-timeout"),
             (Box::new(|r| r.probe_name = "a..b".into()), "a..b"),
+            (Box::new(|r| r.probe_name = "".into()), "--probe-name \"\""),
+            (Box::new(|r| r.min_hold = "721h".into()), "--min-hold=\"721h\" is too long"),
+            (Box::new(|r| r.interval = "5000000000000000h".into()), "at most 720h"),
+            (Box::new(|r| r.hook_timeout = "0s".into()), "--hook-timeout=\"0s\" must be greater"),
+            (Box::new(|r| r.tcp_interval = "50ms".into()), "--tcp-interval (50ms)"),
+            (Box::new(|r| r.upstream_interval = "0s".into()), "--upstream-interval=\"0s\" must be"),
+            (Box::new(|r| r.metrics_addr = "127.0.0.1".into()), "--metrics-addr \"127.0.0.1\""),
+            (Box::new(|r| r.metrics_addr = "".into()), "--metrics-addr \"\""),
+            (Box::new(|r| r.local_ip = ips(&["0.0.0.0"])), "--local-ip 0.0.0.0 is not a unicast"),
+            (Box::new(|r| r.cluster_dns_ip = ips(&["224.0.0.1"])), "224.0.0.1 is not a unicast"),
+            (Box::new(|r| r.upstream_ip = ips(&["255.255.255.255"])), "not a unicast"),
+            (Box::new(|r| r.local_ip = ips(&["::"])), "--local-ip :: is not a unicast"),
+            (Box::new(|r| r.upstream_ip = ips(&["10.96.0.10"])), "is also --cluster-dns-ip"),
+            (Box::new(|r| r.upstream_ip = ips(&["169.254.20.10"])), "is also --local-ip"),
+            (Box::new(|r| r.upstream_ip = ips(&["fd00::b"])), "has no IPv4 address"),
+            (Box::new(|r| r.local_ip = ips(&["fd00::10"])), "same IP families"),
+            (Box::new(|r| r.state_dir = "".into()), "--state-dir is empty"),
+            (Box::new(|r| r.state_dir = "/x".repeat(50).into()), "too long for the control"),
+            (Box::new(|r| r.on_transition = Some("/nonexistent".into())), "no such file"),
+            (Box::new(|r| r.on_transition = Some(plain_file())), "not executable"),
+            (Box::new(|r| r.on_transition = Some("/".into())), "no such file"),
+            (
+                Box::new(|r| {
+                    r.upstream_ip.clear();
+                    r.upstream_svc = " ".into();
+                }),
+                "--upstream-svc is empty",
+            ),
         ];
         for (mutate, needle) in cases {
             let mut r = test_raw();
@@ -425,6 +587,55 @@ mod tests {
             let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} should contain {needle:?}");
         }
+        let _ = std::fs::remove_file(plain_file());
+    }
+
+    #[test]
+    fn the_upstream_fallback_variable_is_checked_like_the_flag() {
+        let mut r = test_raw();
+        r.upstream_ip.clear();
+        for (value, needle) in [
+            ("10.96.0.10", "KUBE_DNS_UPSTREAM_SERVICE_HOST 10.96.0.10 is also --cluster-dns-ip"),
+            ("fd00::b", "KUBE_DNS_UPSTREAM_SERVICE_HOST (fd00::b) has no IPv4 address"),
+            ("0.0.0.0", "KUBE_DNS_UPSTREAM_SERVICE_HOST 0.0.0.0 is not a unicast"),
+        ] {
+            let env = |_: &str| Some(value.to_owned());
+            let err = AgentConfig::from_args(&r, env).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should contain {needle:?}");
+        }
+    }
+
+    #[test]
+    fn dual_stack_upstream_needs_only_the_probed_family() {
+        let mut r = test_raw();
+        r.local_ip = ips(&["169.254.20.10", "fd00::10"]);
+        r.cluster_dns_ip = ips(&["10.96.0.10", "fd00::a"]);
+        // The Service's variable gives one address: the probed family's is enough.
+        assert!(AgentConfig::from_args(&r, no_env).is_ok());
+        r.upstream_ip = ips(&["fd00::b"]);
+        let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
+        assert!(err.contains("has no IPv4 address"), "{err}");
+        // A v6-only node probes over IPv6.
+        r.local_ip = ips(&["fd00::10"]);
+        r.cluster_dns_ip = ips(&["fd00::a"]);
+        assert!(AgentConfig::from_args(&r, no_env).is_ok());
+        r.upstream_ip = ips(&["10.96.0.11"]);
+        let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
+        assert!(err.contains("has no IPv6 address"), "{err}");
+    }
+
+    #[test]
+    fn durations_up_to_the_maximum_are_taken() {
+        assert_eq!(duration_flag("--for", "720h"), Ok(MAX_DURATION));
+        let err = duration_flag("--for", "720h1ns").unwrap_err();
+        assert_eq!(err, ConfigError::TooLong { flag: "--for", value: "720h1ns".into() });
+        // The longest state directory the control socket fits in.
+        let mut r = test_raw();
+        let room = 107 - longest_socket_name().len() - 1;
+        r.state_dir = format!("/{}", "d".repeat(room - 1)).into();
+        assert!(AgentConfig::from_args(&r, no_env).is_ok());
+        r.state_dir = format!("/{}", "d".repeat(room)).into();
+        assert!(AgentConfig::from_args(&r, no_env).is_err());
     }
 
     #[test]

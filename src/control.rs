@@ -5,14 +5,17 @@
 //! connections from root only (checked with `SO_PEERCRED`, on top of the socket's mode 0600),
 //! reads one bounded line with a deadline, and hands the request to the agent's loop as an
 //! [`Incoming`], whose answer it writes back. Every connection has its own task and its own
-//! deadlines, so a client that connects and stalls holds nothing up. [`call`] is the blocking
-//! client side, for the command line.
+//! deadlines, so a client that connects and stalls holds nothing up; at most [`MAX_WAITING`]
+//! wait for their request line at once, and a new one closes the oldest, so a crowd of them
+//! costs neither the file descriptors the probes need nor an operator's `flip`. [`call`] is the
+//! blocking client side, for the command line.
 //!
 //! A manual route is an [`Override`], kept in `<state-dir>/override.json` (written atomically,
 //! mode 0600) so that it survives an agent restart; it ends when released or when its time runs
 //! out ([`Override::expired`]). This module only moves requests and files: what a request does
 //! to the route is the loop's business.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt;
 use std::fs::Permissions;
@@ -21,6 +24,8 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -28,7 +33,7 @@ use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, info, warn};
 
 use crate::ruleset::Route;
@@ -52,6 +57,8 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 const MAX_RESPONSE_BYTES: usize = 1 << 20;
 /// The pause after a failed `accept` (out of file descriptors, say) before the next.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// Connections waiting for their request line at once; one more closes the oldest of them.
+pub const MAX_WAITING: usize = 16;
 /// What a peer that is not root is told.
 const ONLY_ROOT: &str = "only root may control the agent";
 
@@ -211,16 +218,46 @@ pub enum OverrideError {
     Version { path: PathBuf, found: String },
 }
 
+/// The largest override file [`read_override`] reads; a real one is a few hundred bytes.
+pub const MAX_OVERRIDE_BYTES: u64 = 64 * 1024;
+
 /// Reads the override in `dir`: `None` when there is none.
+///
+/// Whatever sits at the path, this returns at once with bounded memory: the file is opened
+/// without blocking (a FIFO in its place would otherwise hold the agent's start up until someone
+/// writes to it), only a regular file is read, and only up to [`MAX_OVERRIDE_BYTES`] (a device
+/// such as `/dev/zero` linked there never ends).
 pub fn read_override(dir: &Path) -> Result<Option<Override>, OverrideError> {
     let path = override_path(dir);
-    let bytes = match std::fs::read(&path) {
-        Ok(bytes) => bytes,
+    let io_err = |source| OverrideError::Io { path: path.clone(), source };
+    let file = match std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+    {
+        Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(OverrideError::Io { path, source }),
+        Err(source) => return Err(io_err(source)),
     };
+    let meta = file.metadata().map_err(io_err)?;
+    if !meta.is_file() {
+        let what = if meta.is_dir() { "a directory" } else { "not a regular file" };
+        return Err(io_err(io::Error::new(io::ErrorKind::InvalidInput, what)));
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_OVERRIDE_BYTES + 1).read_to_end(&mut bytes).map_err(io_err)?;
+    if bytes.len() as u64 > MAX_OVERRIDE_BYTES {
+        let detail = format!("larger than {MAX_OVERRIDE_BYTES} bytes");
+        return Err(OverrideError::Invalid { path, detail });
+    }
+    parse_override(&path, &bytes).map(Some)
+}
+
+/// Parses the bytes of the override file at `path` (named in errors).
+pub fn parse_override(path: &Path, bytes: &[u8]) -> Result<Override, OverrideError> {
+    let path = path.to_owned();
     // The version first: a file of another version may not have this version's fields.
-    let value: serde_json::Value = serde_json::from_slice(&bytes)
+    let value: serde_json::Value = serde_json::from_slice(bytes)
         .map_err(|e| OverrideError::Invalid { path: path.clone(), detail: e.to_string() })?;
     match value.get("version") {
         Some(v) if v.as_u64() == Some(u64::from(OVERRIDE_VERSION)) => {}
@@ -231,7 +268,6 @@ pub fn read_override(dir: &Path) -> Result<Option<Override>, OverrideError> {
         }
     }
     serde_json::from_value(value)
-        .map(Some)
         .map_err(|e| OverrideError::Invalid { path, detail: e.to_string() })
 }
 
@@ -324,11 +360,10 @@ pub async fn serve(dir: &Path, tx: mpsc::Sender<Incoming>) -> Result<Infallible,
     let path = socket_path(dir);
     let (listener, _socket_file) = listen(&path).await?;
     info!(socket = %path.display(), "control socket ready");
+    let mut waiting = Waiting::default();
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => {
-                tokio::spawn(handle(stream, tx.clone()));
-            }
+            Ok((stream, _)) => waiting.admit(stream, tx.clone()),
             Err(e) => {
                 warn!(socket = %path.display(), error = %e, "accepting a control connection failed");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
@@ -406,8 +441,56 @@ async fn check_not_served(path: &Path) -> Result<(), ControlError> {
     }
 }
 
+/// The connections that have not sent their request line yet, oldest first. At most
+/// [`MAX_WAITING`]: a new connection past that closes the oldest (with an answer saying why), so
+/// clients that connect and stall can neither use up the file descriptors the probes need nor
+/// lock an operator's `flip` out; and a stalled one is closed after [`READ_TIMEOUT`] anyway.
+#[derive(Default)]
+struct Waiting(VecDeque<Slot>);
+
+/// One connection's place in [`Waiting`]; its task holds the other end, a [`Reading`].
+struct Slot {
+    waiting: Arc<AtomicBool>,
+    evict: Arc<Notify>,
+}
+
+/// Held by a connection's task while it reads the request line: dropping it leaves [`Waiting`].
+struct Reading {
+    waiting: Arc<AtomicBool>,
+    /// Notified when the connection is closed to make room.
+    evict: Arc<Notify>,
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.waiting.store(false, Ordering::Relaxed);
+    }
+}
+
+impl Waiting {
+    /// Serves `stream` in a task of its own, closing the oldest waiting connection if there are
+    /// already [`MAX_WAITING`].
+    fn admit(&mut self, stream: UnixStream, tx: mpsc::Sender<Incoming>) {
+        self.0.retain(|slot| slot.waiting.load(Ordering::Relaxed));
+        if self.0.len() >= MAX_WAITING {
+            if let Some(oldest) = self.0.pop_front() {
+                debug!(
+                    limit = MAX_WAITING,
+                    "too many control connections waiting; closing the oldest"
+                );
+                oldest.evict.notify_one();
+            }
+        }
+        let slot =
+            Slot { waiting: Arc::new(AtomicBool::new(true)), evict: Arc::new(Notify::new()) };
+        let reading = Reading { waiting: slot.waiting.clone(), evict: slot.evict.clone() };
+        self.0.push_back(slot);
+        tokio::spawn(handle(stream, tx, reading));
+    }
+}
+
 /// One connection: check the peer, read its request, pass it on, answer.
-async fn handle(mut stream: UnixStream, tx: mpsc::Sender<Incoming>) {
+async fn handle(mut stream: UnixStream, tx: mpsc::Sender<Incoming>, reading: Reading) {
     let peer = match stream.peer_cred() {
         Ok(cred) => Peer { uid: cred.uid(), gid: cred.gid(), pid: cred.pid() },
         Err(e) => {
@@ -415,7 +498,7 @@ async fn handle(mut stream: UnixStream, tx: mpsc::Sender<Incoming>) {
             return;
         }
     };
-    let Some(response) = answer(&mut stream, peer, &tx).await else {
+    let Some(response) = answer(&mut stream, peer, &tx, reading).await else {
         return;
     };
     let mut line = serde_json::to_vec(&response).unwrap_or_default();
@@ -436,12 +519,24 @@ async fn answer(
     stream: &mut UnixStream,
     peer: Peer,
     tx: &mpsc::Sender<Incoming>,
+    reading: Reading,
 ) -> Option<Response> {
     if peer.uid != 0 {
         warn!(peer = %peer, "refused a control connection: not root");
         return Some(Response::error(ONLY_ROOT));
     }
-    let line = match tokio::time::timeout(READ_TIMEOUT, read_line(stream)).await {
+    let read = tokio::select! {
+        read = tokio::time::timeout(READ_TIMEOUT, read_line(stream)) => read,
+        () = reading.evict.notified() => {
+            debug!(peer = %peer, "control connection closed to make room");
+            return Some(Response::error(format!(
+                "closed without a request: {MAX_WAITING} newer control connections were waiting \
+                 for theirs; send the request line at once"
+            )));
+        }
+    };
+    drop(reading);
+    let line = match read {
         Ok(Ok(Line::Complete(line))) => line,
         Ok(Ok(Line::Empty)) => return None,
         Ok(Ok(Line::TooLong)) => {
@@ -691,14 +786,42 @@ mod tests {
             assert!(text.contains(&file.display().to_string()), "{case}: {text}");
             assert!(text.contains("nodelocaldns-ha release"), "{case}: {text}");
         }
-        // Unreadable: chmod 000 does not stop root, a directory in its place does.
+        // Huge: refused without reading it all.
+        let mut huge = full.clone().into_bytes();
+        huge.resize(MAX_OVERRIDE_BYTES as usize + 1, b' ');
+        std::fs::write(&file, &huge).unwrap();
+        let text = read_override(&dir.0).unwrap_err().to_string();
+        assert!(text.contains("larger than 65536 bytes"), "{text}");
+        // Just under the limit (padded with white space) is still an override.
+        huge.truncate(MAX_OVERRIDE_BYTES as usize);
+        std::fs::write(&file, &huge).unwrap();
+        assert_eq!(read_override(&dir.0).unwrap(), Some(sample()));
         std::fs::remove_file(&file).unwrap();
+
+        // Unreadable: chmod 000 does not stop root, a directory in its place does.
         std::fs::create_dir(&file).unwrap();
         let err = read_override(&dir.0).unwrap_err();
         assert!(matches!(err, OverrideError::Io { .. }), "{err:?}");
-        assert!(err.to_string().contains(&file.display().to_string()), "{err}");
+        let text = err.to_string();
+        assert!(text.contains(&file.display().to_string()) && text.contains("directory"), "{text}");
         // And `clear_override` does not pretend it removed it.
         assert!(clear_override(&dir.0).is_err());
+        std::fs::remove_dir(&file).unwrap();
+
+        // A FIFO with no writer, and an endless device: refused at once, not read.
+        nix::unistd::mkfifo(&file, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let started = Instant::now();
+        let text = read_override(&dir.0).unwrap_err().to_string();
+        assert!(text.contains("not a regular file"), "{text}");
+        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
+        clear_override(&dir.0).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &file).unwrap();
+        let text = read_override(&dir.0).unwrap_err().to_string();
+        assert!(text.contains("not a regular file"), "{text}");
+        // A link to nowhere is no override.
+        clear_override(&dir.0).unwrap();
+        std::os::unix::fs::symlink(dir.0.join("gone"), &file).unwrap();
+        assert_eq!(read_override(&dir.0).unwrap(), None);
     }
 
     #[test]
@@ -759,9 +882,10 @@ mod tests {
         let (listener, socket_file) = listen(&socket_path(dir)).await.unwrap();
         tokio::spawn(async move {
             let _socket_file = socket_file;
+            let mut waiting = Waiting::default();
             loop {
                 let (stream, _) = listener.accept().await.unwrap();
-                tokio::spawn(handle(stream, tx.clone()));
+                waiting.admit(stream, tx.clone());
             }
         });
         fake_loop(rx)
@@ -886,6 +1010,121 @@ mod tests {
         let message = error_message(call_async(&dir.0, flip).await.unwrap());
         assert!(message.contains("longer than 4096 bytes"), "{message}");
         assert!(seen.try_recv().is_err());
+    }
+
+    /// Reads the one answer line on `stream` (waiting at most 10 s) as a [`Response`].
+    fn read_answer(stream: StdUnixStream) -> Response {
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut answer = String::new();
+        io::BufRead::read_line(&mut io::BufReader::new(stream), &mut answer).unwrap();
+        serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{answer:?}: {e}"))
+    }
+
+    #[tokio::test]
+    async fn half_lines_trailing_lines_and_odd_bytes_are_answered_not_obeyed() {
+        let dir = TempDir::new();
+        let mut seen = serve_fake(&dir.0).await;
+        let cases: [(&[u8], &str); 7] = [
+            // Half a request, then the client closes its side.
+            (br#"{"op":"fl"#, "EOF while parsing"),
+            (b"\n", "EOF while parsing"),
+            (b"\xff\xfe\x00\n", "cannot parse the request"),
+            (br#"{"op":"flip","route":"upstream","for_ms":1e30}"#, "cannot parse the request"),
+            (br#"{"op":"drain","timeout_ms":-1}"#, "cannot parse the request"),
+            (br#"{"op":"flip","route":"upstream","for_ms":18446744073709551616}"#, "cannot parse"),
+            (br#"[{"op":"status"}]"#, "cannot parse the request"),
+        ];
+        for (bytes, says) in cases {
+            let message = error_message(raw_exchange(&dir.0, bytes.to_vec()).await);
+            assert!(message.contains(says), "{:?}: {message}", String::from_utf8_lossy(bytes));
+        }
+        assert!(seen.try_recv().is_err(), "a bad request reached the loop");
+        // Two requests on one line's connection: only the first is read.
+        let two = b"{\"op\":\"status\"}\n{\"op\":\"release\"}\n".to_vec();
+        assert!(matches!(raw_exchange(&dir.0, two).await, Response::Ok { .. }));
+        assert_eq!(seen.recv().await.unwrap().0, Request::Status);
+        // The largest number the protocol has is taken as it is (the loop must cope).
+        let max = br#"{"op":"flip","route":"upstream","for_ms":18446744073709551615}"#;
+        assert!(matches!(raw_exchange(&dir.0, max.to_vec()).await, Response::Ok { .. }));
+        let (request, _) = seen.recv().await.unwrap();
+        assert_eq!(
+            request,
+            Request::Flip { route: Route::Upstream, for_ms: Some(u64::MAX), reason: String::new() }
+        );
+        assert!(seen.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_client_that_stalls_or_trickles_is_cut_off_at_the_read_timeout() {
+        let dir = TempDir::new();
+        let mut seen = serve_fake(&dir.0).await;
+        let path = socket_path(&dir.0);
+        let started = Instant::now();
+        // Half a line, then nothing (the connection stays open).
+        let stalled = {
+            let path = path.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut stream = StdUnixStream::connect(path).unwrap();
+                stream.write_all(br#"{"op":"release""#).unwrap();
+                read_answer(stream)
+            })
+        };
+        // One byte every 50 ms of a line that never ends: each byte is on time, the line is not.
+        let trickling = tokio::task::spawn_blocking(move || {
+            let mut stream = StdUnixStream::connect(&path).unwrap();
+            stream.set_nonblocking(true).unwrap();
+            let mut answer = Vec::new();
+            for _ in 0..200 {
+                if stream.write_all(b" ").is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+                let mut buf = [0u8; 512];
+                match stream.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => answer.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(_) => break,
+                }
+            }
+            String::from_utf8(answer).unwrap()
+        });
+        let message = error_message(stalled.await.unwrap());
+        assert!(message.contains("no complete request line within 2s"), "{message}");
+        let answer = trickling.await.unwrap();
+        assert!(answer.contains("no complete request line within 2s"), "{answer:?}");
+        // Both cut off at the deadline, not after the trickle's 10 s.
+        assert!(started.elapsed() < READ_TIMEOUT * 3, "{:?}", started.elapsed());
+        assert!(seen.try_recv().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_crowd_of_silent_clients_neither_piles_up_nor_locks_out_a_flip() {
+        let dir = TempDir::new();
+        let mut seen = serve_fake(&dir.0).await;
+        let path = socket_path(&dir.0);
+        // Three times as many silent clients as may wait; the first ones are closed to make
+        // room, each with an answer saying why.
+        let mut silent = Vec::new();
+        for _ in 0..3 * MAX_WAITING {
+            silent.push(StdUnixStream::connect(&path).unwrap());
+        }
+        let started = Instant::now();
+        let flip = Request::Flip { route: Route::Upstream, for_ms: None, reason: "crowd".into() };
+        let response = call_async(&dir.0, flip.clone()).await.unwrap();
+        assert!(matches!(response, Response::Ok { .. }), "{response:?}");
+        assert!(started.elapsed() < READ_TIMEOUT, "the flip waited for the crowd");
+        assert_eq!(seen.recv().await.unwrap().0, flip);
+        let answers = tokio::task::spawn_blocking(move || {
+            silent.into_iter().map(read_answer).map(error_message).collect::<Vec<_>>()
+        })
+        .await
+        .unwrap();
+        let evicted = answers.iter().filter(|m| m.contains("newer control connections")).count();
+        let timed_out = answers.iter().filter(|m| m.contains("no complete request line")).count();
+        // The flip took one place among the last MAX_WAITING: all but those were closed early.
+        assert_eq!(evicted, 2 * MAX_WAITING + 1, "{answers:?}");
+        assert_eq!(timed_out, MAX_WAITING - 1, "{answers:?}");
     }
 
     #[tokio::test]

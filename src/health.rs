@@ -10,6 +10,7 @@
 //! 2. **Return to `Local`** after `rise` consecutive good UDP probes of the cache, with the last
 //!    TCP probe (if any) good too, and at least `min_hold` in `Upstream` (flap damping). When the
 //!    upstream itself is failing, `min_hold` is waived: the cache is the only working resolver.
+//!    Until the cache gets there, a failing upstream *holds* `Upstream` too, and says so.
 //! 3. Leaving `Local` is never delayed by `min_hold`: failing over is what the agent is for.
 //!
 //! The upstream counts as failing after `fall` consecutive bad probes (a refusal is no
@@ -198,7 +199,7 @@ pub struct Machine {
     route: Route,
     since: Instant,
     reason: Reason,
-    /// Set while the cache is failing but the route stays `Local` because the upstream fails too.
+    /// Set while both the cache and the upstream fail, so the route stays where it is.
     held: Option<String>,
     cache_udp: Streak,
     cache_tcp: Streak,
@@ -294,7 +295,8 @@ impl Machine {
         &self.reason
     }
 
-    /// Why the route stays `Local` although the cache fails, if it does.
+    /// Why the route stays where it is although its resolver fails, if it does: `Local` with the
+    /// cache failing, or `Upstream` with the upstream failing, because the other fails too.
     pub fn held(&self) -> Option<&str> {
         self.held.as_deref()
     }
@@ -373,15 +375,24 @@ impl Machine {
         Some(reason)
     }
 
-    fn why_return_local(&self, now: Instant) -> Option<Reason> {
+    fn why_return_local(&mut self, now: Instant) -> Option<Reason> {
         let count = self.cache_udp.good;
-        if count < self.thresholds.rise || self.cache_tcp.bad > 0 {
+        let recovered = count >= self.thresholds.rise && self.cache_tcp.bad == 0;
+        if self.upstream_failing() {
+            if recovered {
+                return Some(Reason::CacheRecoveredUpstreamFailing { count });
+            }
+            self.held = Some(format!(
+                "{} consecutive upstream probes failed (last: {}), but staying upstream: the \
+                 cache has not answered {} consecutive probes yet",
+                self.upstream.bad,
+                self.upstream.last_bad.unwrap_or("bad"),
+                self.thresholds.rise
+            ));
             return None;
         }
-        if self.upstream_failing() {
-            return Some(Reason::CacheRecoveredUpstreamFailing { count });
-        }
-        if now.duration_since(self.since) < self.thresholds.min_hold {
+        self.held = None;
+        if !recovered || now.duration_since(self.since) < self.thresholds.min_hold {
             return None;
         }
         Some(Reason::CacheRecovered { count })
@@ -512,6 +523,29 @@ mod tests {
         let got = feed(&mut m, t0, 400, CacheUdp, &[Good; 5]);
         assert_eq!(got, [None, None, None, None, Some(Local)]);
         assert_eq!(m.reason(), &Reason::CacheRecoveredUpstreamFailing { count: 5 });
+    }
+
+    #[test]
+    fn holds_upstream_while_both_fail_and_says_so() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        feed(&mut m, t0, 0, CacheUdp, &[Refused]);
+        assert_eq!(m.held(), None);
+        feed(&mut m, t0, 100, Stream::Upstream, &[TIMEOUT; 3]);
+        let held = m.held().expect("held");
+        assert!(held.contains("staying upstream") && held.contains("timeout"), "{held}");
+        // More failures on both sides: still held, on the same route.
+        feed(&mut m, t0, 400, Stream::Upstream, &[TIMEOUT; 3]);
+        assert_eq!(feed(&mut m, t0, 700, CacheUdp, &[Refused; 5]), [None; 5]);
+        assert!(m.held().unwrap().starts_with("6 consecutive upstream probes failed"));
+        // The upstream answers: nothing holds the route any more, it is where it should be.
+        assert_eq!(feed(&mut m, t0, 1200, Stream::Upstream, &[Good]), [None]);
+        assert_eq!((m.route(), m.held()), (Upstream, None));
+        // Both down again, then the cache answers: back at once, and the hold is over.
+        feed(&mut m, t0, 1300, Stream::Upstream, &[TIMEOUT; 3]);
+        assert!(m.held().is_some());
+        assert_eq!(feed(&mut m, t0, 1600, CacheUdp, &[Good; 5])[4], Some(Local));
+        assert_eq!(m.held(), None);
     }
 
     #[test]

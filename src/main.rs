@@ -14,7 +14,7 @@ use tracing_subscriber::EnvFilter;
 
 use nodelocaldns_ha::agent;
 use nodelocaldns_ha::cli::{
-    Cli, Command, DataplaneKind, FlipArgs, ListenArgs, LogFormat, ProbeArgs, StatusArgs,
+    self, Cli, Command, DataplaneKind, FlipArgs, ListenArgs, LogFormat, ProbeArgs, StatusArgs,
 };
 use nodelocaldns_ha::config::{self, AgentConfig};
 use nodelocaldns_ha::control::{self, ControlError, Override, OverrideKind, Request, Response};
@@ -69,14 +69,16 @@ fn main() -> ExitCode {
             // One line, like every other refusal; `--help` has the rest.
             let text = e.to_string();
             let first = text.lines().next().unwrap_or("invalid arguments");
-            eprintln!("nodelocaldns-ha: {} (see --help)", first.trim_start_matches("error: "));
+            let first = first.trim_start_matches("error: ");
+            eprintln!("nodelocaldns-ha: {first}{} (see --help)", env_sources(first));
             return ExitCode::from(2);
         }
     };
     let filter = match EnvFilter::try_new(&cli.log) {
         Ok(f) => f,
         Err(e) => {
-            eprintln!("nodelocaldns-ha: --log {:?} is not a valid filter: {e}", cli.log);
+            let message = format!("--log {:?} is not a valid filter: {e}", cli.log);
+            eprintln!("nodelocaldns-ha: {message}{}", env_sources(&message));
             return ExitCode::from(2);
         }
     };
@@ -90,10 +92,18 @@ fn main() -> ExitCode {
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
-            eprintln!("nodelocaldns-ha: {}", f.message);
+            let sources = if f.code == 2 { env_sources(&f.message) } else { String::new() };
+            eprintln!("nodelocaldns-ha: {}{sources}", f.message);
             ExitCode::from(f.code)
         }
     }
+}
+
+/// The environment variables behind the flags a refusal names (see [`cli::env_sources`]).
+fn env_sources(message: &str) -> String {
+    let args: Vec<String> =
+        std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
+    cli::env_sources(message, &args, |name| std::env::var(name).ok())
 }
 
 fn run(command: Command) -> Result<(), Failure> {
@@ -104,6 +114,9 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
+            if args.dataplane == DataplaneKind::IptablesLegacy {
+                require_net_raw_for_legacy()?;
+            }
             let (dataplane, notes) = open_dataplane(args.dataplane, &cfg.addrs, xtables_wait)?;
             cfg.shape.accepts = dataplane.has_accepts();
             let dataplane = Box::new(dataplane);
@@ -200,7 +213,8 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     let for_ = args.for_.as_deref().map(|d| config::duration_flag("--for", d)).transpose();
     let for_ = for_.map_err(Failure::usage)?;
     if for_.is_some_and(|d| d.is_zero()) {
-        return Err(Failure::usage("--for must be greater than zero"));
+        let value = args.for_.clone().unwrap_or_default();
+        return Err(Failure::usage(config::ConfigError::ZeroDuration { flag: "--for", value }));
     }
     let for_ms = for_.map(|d| millis("--for", d)).transpose()?;
     let until_unix_ms = match for_ms {
@@ -254,10 +268,7 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
 }
 
 fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {
-    let local = config::address_slot("--local-ip", &args.local_ip).map_err(Failure::usage)?;
-    let cluster_dns =
-        config::address_slot("--cluster-dns-ip", &args.cluster_dns_ip).map_err(Failure::usage)?;
-    Ok(ListenAddrs { local, cluster_dns })
+    config::listen_addrs(&args.local_ip, &args.cluster_dns_ip).map_err(Failure::usage)
 }
 
 fn nftables() -> Result<Nftables, Failure> {
@@ -299,8 +310,18 @@ fn open_dataplane(
     Ok((Layered::new(switch, accepts), agent::Notes { why, accepts_in }))
 }
 
-/// Every backend the agent could have used, to remove all of it.
+/// Every backend the agent could have used, to remove all of it. Where iptables-legacy is
+/// installed, that needs CAP_NET_RAW: checked before anything is removed, so a teardown never
+/// stops half-way for a missing privilege.
 fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
+    if Iptables::new(Flavour::Legacy.into(), Table::Raw, wait).is_ok() {
+        require_capability(
+            13,
+            "CAP_NET_RAW",
+            "iptables-legacy is installed, and reading or changing its tables needs a raw \
+             socket; add NET_RAW",
+        )?;
+    }
     let mut parts = Vec::new();
     for flavour in [Flavour::Legacy, Flavour::Nft] {
         for table in [Table::Raw, Table::Filter] {
@@ -323,7 +344,22 @@ fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
 
 /// CAP_NET_ADMIN, checked up front so a missing privilege is one clear line, not a netlink error.
 fn require_net_admin() -> Result<(), Failure> {
-    const CAP_NET_ADMIN: u32 = 12;
+    require_capability(12, "CAP_NET_ADMIN", "run as root or add NET_ADMIN")
+}
+
+/// CAP_NET_RAW, which iptables-legacy needs besides CAP_NET_ADMIN: libiptc talks to the kernel
+/// through a raw socket ("Permission denied (you must be root)" without it).
+fn require_net_raw_for_legacy() -> Result<(), Failure> {
+    require_capability(
+        13,
+        "CAP_NET_RAW",
+        "--dataplane iptables-legacy reads and writes its tables through a raw socket; add NET_RAW",
+    )
+}
+
+/// Fails with one line naming capability `name` (bit `bit`) unless this process has it in
+/// its effective set; `what_to_do` completes the line.
+fn require_capability(bit: u32, name: &str, what_to_do: &str) -> Result<(), Failure> {
     let status = std::fs::read_to_string("/proc/self/status")
         .map_err(|e| Failure::runtime(format!("cannot read /proc/self/status: {e}")))?;
     let effective = status
@@ -331,27 +367,30 @@ fn require_net_admin() -> Result<(), Failure> {
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
         .unwrap_or(0);
-    if effective & (1 << CAP_NET_ADMIN) == 0 {
-        return Err(Failure::usage(
-            "missing capability CAP_NET_ADMIN: run as root or add NET_ADMIN to the container's \
-             securityContext.capabilities",
-        ));
+    if effective & (1 << bit) == 0 {
+        return Err(Failure::usage(format!(
+            "missing capability {name}: {what_to_do} to the container's \
+             securityContext.capabilities"
+        )));
     }
     Ok(())
 }
 
-/// Completes on SIGTERM or SIGINT.
-async fn shutdown_signal() {
+/// Completes on SIGTERM or SIGINT. The handlers are installed by this call, not when the future
+/// is first polled, so a SIGTERM that comes while the agent is still starting is a clean stop,
+/// not the default disposition's sudden death. Call it within the runtime.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) =
-        (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
-        tracing::error!("cannot install signal handlers; stop the agent with SIGKILL");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+    let handlers = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()));
+    async move {
+        let (Ok(mut term), Ok(mut int)) = handlers else {
+            tracing::error!("cannot install signal handlers; stop the agent with SIGKILL");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received"),
+            _ = int.recv() => tracing::info!("SIGINT received"),
+        }
     }
 }
 
@@ -369,6 +408,10 @@ fn probe(args: &ProbeArgs) -> Result<(), Failure> {
         ))
     })?;
     let timeout = config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
+    if timeout.is_zero() {
+        let value = args.timeout.clone();
+        return Err(Failure::usage(config::ConfigError::ZeroDuration { flag: "--timeout", value }));
+    }
     let probe = Probe::new(&args.probe_name, timeout).map_err(Failure::usage)?;
     let transport = if args.tcp { Transport::Tcp } else { Transport::Udp };
     let result = runtime()?.block_on(probe.run(server, transport));

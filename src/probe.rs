@@ -12,8 +12,10 @@
 //!
 //! Only a reply that is a response to *this* query counts: the id, the opcode and the question
 //! must match. Anything else, including malformed datagrams, is ignored and the probe keeps
-//! waiting until its deadline, so a stray or spoofed datagram can neither fail nor pass a probe.
-//! The decision itself is the pure function [`classify_reply`].
+//! waiting until its deadline, so a stray or spoofed datagram can never pass a probe, nor fail
+//! one that a real reply would pass. A probe that got only such messages by its deadline is an
+//! [`Outcome::Error`] naming what was wrong with them (a server answering garbage is not a
+//! hung one). The decision itself is the pure function [`check_reply`].
 
 use std::fmt;
 use std::io;
@@ -167,7 +169,8 @@ pub enum Outcome {
     /// Nobody listens: ICMP port unreachable (UDP) or a refused or reset connection (TCP).
     Refused,
     /// Anything else that prevented a verdict: a local I/O error, an unroutable address, a TCP
-    /// connection closed before a reply.
+    /// connection closed before a reply, or only messages that were not the reply (another id,
+    /// another question, garbage) until the timeout.
     Error {
         /// What went wrong, for logs.
         reason: String,
@@ -246,10 +249,22 @@ impl Probe {
     pub async fn run(&self, server: SocketAddr, transport: Transport) -> ProbeResult {
         let begin = Instant::now();
         let mut started = None;
-        let exchange = self.exchange(server, transport, &mut started);
+        let mut ignored = Ignored::default();
+        let exchange = self.exchange(server, transport, &mut started, &mut ignored);
         let outcome = match tokio::time::timeout(self.timeout, exchange).await {
             Ok(outcome) => outcome,
-            Err(_elapsed) => Outcome::Timeout,
+            Err(_elapsed) => match ignored.last {
+                None => Outcome::Timeout,
+                Some(last) => Outcome::Error {
+                    reason: format!(
+                        "no reply to the query within {:?} from {server}, only {} {} that did \
+                         not answer it (last: {last})",
+                        self.timeout,
+                        ignored.count,
+                        if ignored.count == 1 { "message" } else { "messages" },
+                    ),
+                },
+            },
         };
         let latency = started.unwrap_or(begin).elapsed();
         ProbeResult { outcome, latency }
@@ -264,12 +279,14 @@ impl Probe {
         message
     }
 
-    /// The unbounded exchange; `started` is set when the clock for the latency starts.
+    /// The unbounded exchange; `started` is set when the clock for the latency starts, and
+    /// `ignored` counts the messages that were not the reply.
     async fn exchange(
         &self,
         server: SocketAddr,
         transport: Transport,
         started: &mut Option<Instant>,
+        ignored: &mut Ignored,
     ) -> Outcome {
         let query = self.query();
         let wire = match query.to_vec() {
@@ -281,8 +298,29 @@ impl Probe {
         };
         let id = query.metadata.id;
         match transport {
-            Transport::Udp => udp_exchange(server, id, question, &wire, started).await,
-            Transport::Tcp => tcp_exchange(server, id, question, &wire, started).await,
+            Transport::Udp => udp_exchange(server, id, question, &wire, started, ignored).await,
+            Transport::Tcp => tcp_exchange(server, id, question, &wire, started, ignored).await,
+        }
+    }
+}
+
+/// The messages a probe received that were not its reply.
+#[derive(Debug, Default)]
+struct Ignored {
+    count: u32,
+    last: Option<Mismatch>,
+}
+
+impl Ignored {
+    /// Classifies `reply`: the outcome if it is the reply, else `None` (and it is counted).
+    fn check(&mut self, id: u16, question: &Query, reply: &[u8]) -> Option<Outcome> {
+        match check_reply(id, question, reply) {
+            Ok(outcome) => Some(outcome),
+            Err(mismatch) => {
+                self.count = self.count.saturating_add(1);
+                self.last = Some(mismatch);
+                None
+            }
         }
     }
 }
@@ -294,6 +332,7 @@ async fn udp_exchange(
     question: &Query,
     wire: &[u8],
     started: &mut Option<Instant>,
+    ignored: &mut Ignored,
 ) -> Outcome {
     let local: SocketAddr = match server {
         SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
@@ -314,7 +353,7 @@ async fn udp_exchange(
     loop {
         match socket.recv(&mut buf).await {
             Ok(len) => {
-                if let Some(outcome) = classify_reply(id, question, &buf[..len]) {
+                if let Some(outcome) = ignored.check(id, question, &buf[..len]) {
                     return outcome;
                 }
             }
@@ -330,6 +369,7 @@ async fn tcp_exchange(
     question: &Query,
     wire: &[u8],
     started: &mut Option<Instant>,
+    ignored: &mut Ignored,
 ) -> Outcome {
     *started = Some(Instant::now());
     let mut stream = match TcpStream::connect(server).await {
@@ -358,7 +398,7 @@ async fn tcp_exchange(
         if let Err(err) = stream.read_exact(&mut buf[..len]).await {
             return io_error("reading the reply", server, &err);
         }
-        if let Some(outcome) = classify_reply(id, question, &buf[..len]) {
+        if let Some(outcome) = ignored.check(id, question, &buf[..len]) {
             return outcome;
         }
     }
@@ -376,32 +416,74 @@ fn io_error(doing: &str, server: SocketAddr, err: &io::Error) -> Outcome {
     }
 }
 
+/// Why a received message is not the reply to a probe's query.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mismatch {
+    /// Not a DNS message: too short, or cut short without the TC bit, or undecodable.
+    Malformed { len: usize },
+    /// A query (QR clear), not a response.
+    NotAResponse,
+    /// A response with another id.
+    Id { got: u16, expected: u16 },
+    /// A response to another kind of request (`NOTIFY`, `UPDATE`, …).
+    OpCode(OpCode),
+    /// A response for other questions, or an answer without the question.
+    Question { got: String },
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Mismatch::Malformed { len } => write!(f, "{len} bytes that are not a DNS message"),
+            Mismatch::NotAResponse => f.write_str("a query, not a response"),
+            Mismatch::Id { got, expected } => {
+                write!(f, "a response with id {got}, the query's is {expected}")
+            }
+            Mismatch::OpCode(op) => write!(f, "a response of opcode {op:?}"),
+            Mismatch::Question { got } => write!(f, "a response for another question: {got}"),
+        }
+    }
+}
+
 /// Classifies one received message as the reply to the query with `id` and `question`.
 ///
-/// Returns `None` when the bytes are not a reply to that query (malformed, not a response,
-/// another id or opcode, another question): the caller keeps waiting. A reply is accepted without
-/// a question section only when it reports an error (some servers omit the question in FORMERR
-/// or NOTIMP replies); an answer must echo the question. A truncated reply (TC) counts like any
+/// `Err` says why the bytes are not a reply to that query (malformed, not a response, another id
+/// or opcode, another question): the caller keeps waiting. A reply is accepted without a
+/// question section only when it reports an error (some servers omit the question in FORMERR or
+/// NOTIMP replies); an answer must echo the question. A truncated reply (TC) counts like any
 /// other: the server is alive and resolved the name, even if the records did not fit.
-pub fn classify_reply(id: u16, question: &Query, reply: &[u8]) -> Option<Outcome> {
-    let (header, questions) = decode_reply(reply)?;
-    if header.id != id
-        || header.message_type != MessageType::Response
-        || header.op_code != OpCode::Query
-    {
-        return None;
+pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, Mismatch> {
+    let (header, questions) =
+        decode_reply(reply).ok_or(Mismatch::Malformed { len: reply.len() })?;
+    if header.message_type != MessageType::Response {
+        return Err(Mismatch::NotAResponse);
+    }
+    if header.id != id {
+        return Err(Mismatch::Id { got: header.id, expected: id });
+    }
+    if header.op_code != OpCode::Query {
+        return Err(Mismatch::OpCode(header.op_code));
     }
     let rcode = Rcode::from(header.response_code);
     match questions.as_slice() {
         [echoed] if echoed == question => {}
         [] if !rcode.is_answer() => {}
-        _ => return None,
+        [] => return Err(Mismatch::Question { got: "none".to_owned() }),
+        other => {
+            let got: Vec<String> = other.iter().map(ToString::to_string).collect();
+            return Err(Mismatch::Question { got: got.join(", ") });
+        }
     }
-    Some(if rcode.is_answer() {
+    Ok(if rcode.is_answer() {
         Outcome::Answered { rcode }
     } else {
         Outcome::ServerFailure { rcode }
     })
+}
+
+/// [`check_reply`] without the reason: `None` when the bytes are not the reply.
+pub fn classify_reply(id: u16, question: &Query, reply: &[u8]) -> Option<Outcome> {
+    check_reply(id, question, reply).ok()
 }
 
 /// Decodes the header and the question section. A message that does not decode as a whole is
@@ -601,11 +683,36 @@ mod tests {
         WrongId,
         WrongQuestion,
         Garbage,
+        /// A datagram (or TCP frame) of no bytes.
+        Empty,
+        /// A NOERROR answer with this many A records (16 bytes each).
+        Big(u16),
+        /// The right id and question, opcode NOTIFY.
+        Notify,
     }
 
     fn render(query: &Message, how: Reply) -> Vec<u8> {
         let question = query.queries.first().cloned();
         let message = match how {
+            Reply::Empty => return Vec::new(),
+            Reply::Big(records) => {
+                let mut message = reply(query.metadata.id, ResponseCode::NoError, question);
+                for i in 0..records {
+                    let [hi, lo] = i.to_be_bytes();
+                    let name = message.queries[0].name().clone();
+                    message.add_answer(Record::from_rdata(
+                        name,
+                        30,
+                        RData::A(A::new(10, 0, hi, lo)),
+                    ));
+                }
+                message
+            }
+            Reply::Notify => {
+                let mut message = reply(query.metadata.id, ResponseCode::NoError, question);
+                message.metadata.op_code = OpCode::Notify;
+                message
+            }
             Reply::Rcode(code) => reply(query.metadata.id, code, question),
             Reply::WrongId => {
                 reply(query.metadata.id.wrapping_add(1), ResponseCode::NoError, question)
@@ -684,7 +791,11 @@ mod tests {
                 ],
                 "answered",
             ),
-            (vec![Reply::WrongId, Reply::Garbage], "timeout"),
+            (vec![Reply::WrongId, Reply::Garbage], "error"),
+            (vec![Reply::Empty, Reply::Notify, Reply::Rcode(ResponseCode::NoError)], "answered"),
+            (vec![Reply::Empty], "error"),
+            // Larger than the 512 bytes of plain DNS over UDP: read whole, not cut.
+            (vec![Reply::Big(200)], "answered"),
             (vec![], "timeout"),
         ];
         let probe = probe(Duration::from_millis(200));
@@ -713,14 +824,148 @@ mod tests {
             (vec![Reply::Rcode(ResponseCode::NoError)], "answered"),
             (vec![Reply::Rcode(ResponseCode::ServFail)], "servfail"),
             (vec![Reply::WrongId, Reply::Rcode(ResponseCode::NXDomain)], "answered"),
+            (vec![Reply::Empty, Reply::Rcode(ResponseCode::NoError)], "answered"),
+            (vec![Reply::WrongQuestion, Reply::Garbage], "error"),
+            // Nearly the 64 KiB TCP framing allows.
+            (vec![Reply::Big(4000)], "answered"),
             (vec![], "timeout"),
         ];
-        let probe = probe(Duration::from_millis(200));
+        let probe = probe(Duration::from_millis(500));
         for (replies, want) in cases {
             let server = tcp_server(replies).await;
             let result = probe.run(server, Transport::Tcp).await;
             assert_eq!(result.outcome.label(), want, "{result:?}");
         }
+    }
+
+    #[test]
+    fn what_is_wrong_with_a_message_is_named() {
+        let q = question();
+        let name = |m: Result<Outcome, Mismatch>| m.unwrap_err().to_string();
+        let wrong_id = bytes(&reply(8, ResponseCode::NoError, Some(q.clone())));
+        assert_eq!(name(check_reply(7, &q, &wrong_id)), "a response with id 8, the query's is 7");
+        let other = Query::query(Name::from_ascii("other.example.").unwrap(), RecordType::A);
+        let wrong_question = bytes(&reply(7, ResponseCode::NoError, Some(other)));
+        let text = name(check_reply(7, &q, &wrong_question));
+        assert!(text.starts_with("a response for another question: other.example."), "{text}");
+        let none = bytes(&reply(7, ResponseCode::NoError, None));
+        assert_eq!(name(check_reply(7, &q, &none)), "a response for another question: none");
+        let mut query = Message::new(7, MessageType::Query, OpCode::Query);
+        query.add_query(q.clone());
+        assert_eq!(name(check_reply(7, &q, &bytes(&query))), "a query, not a response");
+        let mut notify = reply(7, ResponseCode::NoError, Some(q.clone()));
+        notify.metadata.op_code = OpCode::Notify;
+        assert_eq!(name(check_reply(7, &q, &bytes(&notify))), "a response of opcode Notify");
+        assert_eq!(name(check_reply(7, &q, &[1, 2, 3])), "3 bytes that are not a DNS message");
+        assert_eq!(name(check_reply(7, &q, &[])), "0 bytes that are not a DNS message");
+        // A header alone (12 bytes) that promises a question it does not hold.
+        let mut header_only = bytes(&reply(7, ResponseCode::NoError, Some(q.clone())));
+        header_only.truncate(12);
+        assert!(name(check_reply(7, &q, &header_only)).contains("not a DNS message"));
+        // Bytes after the last record are not looked at: the reply still answers the query.
+        let mut trailing = bytes(&reply(7, ResponseCode::NoError, Some(q.clone())));
+        trailing.extend([0xab; 100]);
+        assert_eq!(check_reply(7, &q, &trailing), Ok(Outcome::Answered { rcode: Rcode::NOERROR }));
+    }
+
+    #[tokio::test]
+    async fn a_probe_that_got_only_wrong_replies_says_what_they_were() {
+        let probe = probe(Duration::from_millis(200));
+        let server = udp_server(vec![Reply::Garbage, Reply::WrongId]).await;
+        let result = probe.run(server, Transport::Udp).await;
+        let Outcome::Error { reason } = &result.outcome else { panic!("{result:?}") };
+        assert!(
+            reason.starts_with("no reply to the query within 200ms from 127.0.0.1:"),
+            "{reason}"
+        );
+        assert!(reason.contains("only 2 messages that did not answer it"), "{reason}");
+        assert!(reason.contains("(last: a response with id"), "{reason}");
+        // A wrong reply does not cut the wait short: the probe still waits for the right one.
+        assert!(result.latency >= Duration::from_millis(190), "{result:?}");
+    }
+
+    #[tokio::test]
+    async fn a_reply_from_another_port_is_never_seen() {
+        // The server answers from a second socket: right id, right question, wrong source. The
+        // probe's connected socket does not even receive it.
+        let socket = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let server = socket.local_addr().unwrap();
+        let elsewhere = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; MAX_MESSAGE];
+            for round in 0.. {
+                let Ok((len, peer)) = socket.recv_from(&mut buf).await else { return };
+                let query = Message::from_vec(&buf[..len]).unwrap();
+                let wire = render(&query, Reply::Rcode(ResponseCode::NoError));
+                elsewhere.send_to(&wire, peer).await.unwrap();
+                // The second time, the right answer follows from the right place.
+                if round == 1 {
+                    socket.send_to(&wire, peer).await.unwrap();
+                }
+            }
+        });
+        let probe = probe(Duration::from_millis(200));
+        let result = probe.run(server, Transport::Udp).await;
+        assert_eq!(result.outcome, Outcome::Timeout, "{result:?}");
+        let result = probe.run(server, Transport::Udp).await;
+        assert_eq!(result.outcome.label(), "answered", "{result:?}");
+    }
+
+    /// A TCP server on 127.0.0.1 that reads the first query and writes `bytes(query)` as they
+    /// are, then closes the connection (`close`) or holds it open until the probe is done.
+    async fn tcp_raw_server(
+        bytes: impl FnOnce(&Message) -> Vec<u8> + Send + 'static,
+        close: bool,
+    ) -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let len = usize::from(stream.read_u16().await.unwrap());
+            let mut buf = vec![0u8; len];
+            stream.read_exact(&mut buf).await.unwrap();
+            let query = Message::from_vec(&buf).unwrap();
+            let _ = stream.write_all(&bytes(&query)).await;
+            if !close {
+                let _ = stream.read_u8().await;
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn tcp_length_prefixes_that_lie_fail_the_probe_in_time() {
+        let probe = probe(Duration::from_millis(300));
+        let short = |_: &Message| [&1000u16.to_be_bytes()[..], &[0xab; 10]].concat();
+        // A prefix promising more than comes, then the end of the connection.
+        let result = probe.run(tcp_raw_server(short, true).await, Transport::Tcp).await;
+        let Outcome::Error { reason } = &result.outcome else { panic!("{result:?}") };
+        assert!(reason.contains("connection closed before a reply"), "{reason}");
+        // The same, the connection held open: the deadline ends it.
+        let result = probe.run(tcp_raw_server(short, false).await, Transport::Tcp).await;
+        assert_eq!(result.outcome, Outcome::Timeout, "{result:?}");
+        // More than 64 KiB: the framing cannot say it; the first 65535 bytes are no message
+        // and the rest is read as another frame that never completes.
+        let huge = |_: &Message| {
+            let mut wire = u16::MAX.to_be_bytes().to_vec();
+            wire.resize(2 + 70_000, 0xab);
+            wire
+        };
+        let result = probe.run(tcp_raw_server(huge, false).await, Transport::Tcp).await;
+        let Outcome::Error { reason } = &result.outcome else { panic!("{result:?}") };
+        assert!(reason.contains("1 message that did not answer it"), "{reason}");
+        assert!(result.latency < Duration::from_secs(2), "{result:?}");
+        // A zero-length frame, then one that is a whole reply but cut short of its own length.
+        let cut = |query: &Message| {
+            let reply = render(query, Reply::Big(10));
+            let mut wire = 0u16.to_be_bytes().to_vec();
+            wire.extend(((reply.len() - 20) as u16).to_be_bytes());
+            wire.extend(&reply[..reply.len() - 20]);
+            wire
+        };
+        let result = probe.run(tcp_raw_server(cut, false).await, Transport::Tcp).await;
+        let Outcome::Error { reason } = &result.outcome else { panic!("{result:?}") };
+        assert!(reason.contains("only 2 messages"), "{reason}");
     }
 
     #[tokio::test]

@@ -65,7 +65,8 @@ pub struct State {
     pub route: Route,
     pub since_unix_ms: u64,
     pub reason: String,
-    /// Why the route stays `local` although the cache is failing, if it does.
+    /// Why the route stays where it is although its resolver fails (the cache and the upstream
+    /// both fail), if it does.
     pub held: Option<String>,
     pub transitions: u64,
     /// Times the installed ruleset was found changed by someone else and restored.

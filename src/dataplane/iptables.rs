@@ -167,8 +167,8 @@ pub enum Error {
     /// `iptables-restore` refused the transaction; nothing of it was applied.
     #[error(
         "{binary} failed on the {table} table ({status}): {stderr}{at}; nothing was changed \
-         (needs CAP_NET_ADMIN in the node's network namespace, and the kernel modules the rules \
-         use: xt_comment, xt_addrtype, xt_socket, xt_CT)"
+         (needs CAP_NET_ADMIN in the node's network namespace, with iptables-legacy CAP_NET_RAW \
+         too, and the kernel modules the rules use: xt_comment, xt_addrtype, xt_socket, xt_CT)"
     )]
     RestoreFailed {
         /// Its name.
@@ -185,7 +185,7 @@ pub enum Error {
     /// `iptables-save` failed.
     #[error(
         "{binary} -t {table} failed ({status}): {stderr} (needs CAP_NET_ADMIN in the node's \
-         network namespace; with iptables-legacy, the ip_tables kernel modules)"
+         network namespace; with iptables-legacy, CAP_NET_RAW and the ip_tables kernel modules)"
     )]
     SaveFailed {
         /// Its name.
@@ -561,6 +561,22 @@ pub fn render(rules: &RuleSet, table: Table) -> String {
         }
     }
     text
+}
+
+/// For the fuzz targets: `text` read as `iptables-save -t <table>` output and compared with both
+/// families' share of `rules`, as a check does. Must never panic; a parse that succeeds must
+/// keep every declared chain.
+#[cfg(fuzzing)]
+pub(crate) fn fuzz_saved(text: &str, rules: &RuleSet) {
+    for table in [Table::Raw, Table::Filter] {
+        let Ok(saved) = text::parse_save(text, table.as_str()) else { continue };
+        let declared = text.lines().filter(|l| l.starts_with(':')).count();
+        assert!(saved.chains.len() <= declared, "more chains than declarations");
+        for family in Family::ALL {
+            let wanted = text::wanted(rules, table, family);
+            let _ = text::compare(table, family, &saved, wanted.as_ref());
+        }
+    }
 }
 
 #[cfg(test)]

@@ -2,17 +2,23 @@
 //!
 //! One request per connection: read the request head (at most 8 KiB, within 5 s), answer, close.
 //! Every connection has its own task and is bounded in time, so a slow or silent client holds
-//! only its own connection; at most [`Limits::max_connections`] are served at once, and more are
-//! closed at once rather than queued, so a flood costs neither file descriptors the probes need
-//! nor time the control loop needs. `GET` and `HEAD` are served; the body of a request (there
-//! should be none) is never read.
+//! only its own connection; at most [`Limits::max_connections`] are served at once, so a flood
+//! costs neither file descriptors the probes need nor time the control loop needs. When all of
+//! them are taken, a new connection closes the oldest one still waiting for its request head:
+//! clients that connect and say nothing cannot starve the kubelet's `/healthz` (which would
+//! restart a healthy agent), and a new connection is closed at once only when every place is
+//! busy answering. `GET` and `HEAD` are served; the body of a request (there should be none) is
+//! never read.
 
+use std::collections::VecDeque;
 use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 use tracing::{debug, warn};
@@ -77,6 +83,8 @@ pub async fn serve(
 async fn serve_with(listener: TcpListener, state: State, limits: Limits) -> io::Error {
     let state = Arc::new(state);
     let mut connections = JoinSet::new();
+    // The connections still reading their request head, oldest first.
+    let mut waiting: VecDeque<Slot> = VecDeque::new();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -99,16 +107,54 @@ async fn serve_with(listener: TcpListener, state: State, limits: Limits) -> io::
                 AcceptError::Fatal => return e,
             },
         };
-        if connections.len() >= limits.max_connections {
-            debug!(%peer, limit = limits.max_connections, "too many HTTP connections; closing");
-            continue;
+        // Count only connections still being served.
+        while let Some(done) = connections.try_join_next() {
+            if let Err(e) = done {
+                warn!(error = %e, "an HTTP connection task failed");
+            }
         }
+        waiting.retain(|slot| slot.waiting.load(Ordering::Relaxed));
+        if connections.len() >= limits.max_connections {
+            let Some(oldest) = waiting.pop_front() else {
+                debug!(%peer, limit = limits.max_connections, "too many HTTP connections; closing");
+                continue;
+            };
+            debug!(
+                limit = limits.max_connections,
+                "too many HTTP connections; closing the oldest idle one"
+            );
+            oldest.evict.notify_one();
+        }
+        let slot =
+            Slot { waiting: Arc::new(AtomicBool::new(true)), evict: Arc::new(Notify::new()) };
+        let reading = Reading { waiting: slot.waiting.clone(), evict: slot.evict.clone() };
+        waiting.push_back(slot);
         let state = state.clone();
         connections.spawn(async move {
-            if let Err(e) = handle(stream, &state, limits).await {
+            if let Err(e) = handle(stream, &state, limits, reading).await {
                 debug!(%peer, error = %e, "HTTP connection failed");
             }
         });
+    }
+}
+
+/// A connection's place among those waiting for their request head.
+struct Slot {
+    waiting: Arc<AtomicBool>,
+    evict: Arc<Notify>,
+}
+
+/// Held by a connection's task while it reads the request head; dropping it leaves the
+/// waiting list.
+struct Reading {
+    waiting: Arc<AtomicBool>,
+    /// Notified when the connection is closed to make room for a new one.
+    evict: Arc<Notify>,
+}
+
+impl Drop for Reading {
+    fn drop(&mut self) {
+        self.waiting.store(false, Ordering::Relaxed);
     }
 }
 
@@ -154,9 +200,20 @@ fn accept_error(e: &io::Error) -> AcceptError {
 }
 
 /// Serves one connection: one request, one answer, then close.
-async fn handle(mut stream: TcpStream, state: &State, limits: Limits) -> io::Result<()> {
+async fn handle(
+    mut stream: TcpStream,
+    state: &State,
+    limits: Limits,
+    reading: Reading,
+) -> io::Result<()> {
     let mut buf = vec![0; limits.max_head];
-    let response = match timeout(limits.head_timeout, read_head(&mut stream, &mut buf)).await {
+    let head = tokio::select! {
+        head = timeout(limits.head_timeout, read_head(&mut stream, &mut buf)) => head,
+        // Closed to make room: it had said nothing useful yet.
+        () = reading.evict.notified() => return Ok(()),
+    };
+    drop(reading);
+    let response = match head {
         // Too slow, or silent: not worth an answer.
         Err(_elapsed) => return Ok(()),
         Ok(head) => match head? {
@@ -582,15 +639,45 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn connections_beyond_the_limit_are_closed_not_queued() {
-        let limits = Limits { max_connections: 2, ..LIMITS };
-        let server = start(limits).await;
+    async fn silent_clients_cannot_starve_healthz() {
+        // As many silent clients as there are places (the real limit), and more coming.
+        let server = start(LIMITS).await;
         let mut silent = Vec::new();
-        for _ in 0..2 {
+        for _ in 0..LIMITS.max_connections {
             silent.push(TcpStream::connect(server.addr).await.unwrap());
         }
-        // Both silent connections are accepted before the third: each connect completes in
-        // the kernel, and the server accepts in order.
+        for round in 0..3 {
+            let reply = timeout(PATIENCE, get(server.addr, "/healthz")).await.expect("starved");
+            assert_eq!(reply.status, 200, "round {round}: {reply:?}");
+            silent.push(TcpStream::connect(server.addr).await.unwrap());
+        }
+        // Each answered request took the place of the oldest silent client (a newer silent one
+        // may have taken another's too): the first three were closed, long before 5 s.
+        for (i, stream) in silent.iter_mut().enumerate().take(3) {
+            let mut raw = Vec::new();
+            let read = timeout(Duration::from_secs(2), stream.read_to_end(&mut raw)).await;
+            assert!(matches!(read, Ok(Ok(0))), "silent client {i} still open: {read:?}");
+        }
+        let mut buf = [0; 1];
+        let newest = silent.last().unwrap().try_read(&mut buf).unwrap_err();
+        assert_eq!(newest.kind(), io::ErrorKind::WouldBlock, "the newest was closed");
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_limit_are_closed_when_none_is_idle() {
+        // Two clients whose requests were answered and who keep their end open: their
+        // connections linger (busy, not idle), so a third is closed at once, not queued.
+        let limits = Limits { max_connections: 2, linger: PATIENCE, ..LIMITS };
+        let server = start(limits).await;
+        let mut busy = Vec::new();
+        for _ in 0..2 {
+            let mut stream = TcpStream::connect(server.addr).await.unwrap();
+            stream.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
+            let mut first = [0; 12];
+            stream.read_exact(&mut first).await.unwrap();
+            assert_eq!(&first, b"HTTP/1.1 200");
+            busy.push(stream);
+        }
         let mut third = TcpStream::connect(server.addr).await.unwrap();
         // The write may fail if the close came first: either way, no answer.
         let _ = third.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await;
@@ -598,7 +685,7 @@ mod tests {
         let read = timeout(PATIENCE, third.read_to_end(&mut raw)).await.expect("queued");
         // Closed without an answer (a reset, as the request was never read, or a plain close).
         assert!(read.is_err() || raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
-        drop(silent);
+        drop(busy);
     }
 
     #[test]
