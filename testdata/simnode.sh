@@ -60,8 +60,11 @@
 #   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables] [--family 4|6|dual]
 #             [--filter-drop [--filter-accept-lo]]
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
-#   cache-start PREFIX [--mode normal|servfail]   cache-kill|cache-stop|cache-cont|cache-pid PREFIX
+#   cache-start PREFIX [--mode normal|servfail] [--no-wait]
+#                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
 #     (kill, stop and cont print when the signal went out, in ms since the epoch)
+#     --no-wait: return once unbound has been exec'd, without waiting for it to answer (a
+#     crash-looping cache, restarted as fast as it dies); prints when it was started.
 #   coredns-start PREFIX                          coredns-kill|coredns-stop|coredns-cont|coredns-pid PREFIX
 #   node-cache-rules PREFIX [--remove]
 #     node-cache's own iptables rules (cmd/node-cache/app/cache_app.go), in the flavour's
@@ -72,6 +75,11 @@
 #     with `-w 5 -I`, like its EnsureRule(Prepend) (but without its `-W 100000`, which iptables
 #     1.8.9 ignores with a warning). --remove deletes every copy (like its teardown). With the
 #     xtables lock held over 5 s, it fails on iptables-legacy.
+#   listen-addrs-del|listen-addrs-add PREFIX
+#     node-cache's teardown of its interface (it deletes its dummy interface `nodelocaldns` on
+#     SIGTERM unless -skipteardown): deletes the node-local IP and the cluster-DNS IP (and the v6
+#     pair) from the node's lo, leaving the cache running; -add puts them back. Both print when
+#     the change was complete, in ms since the epoch.
 #   cni-noise-start|cni-noise-stop PREFIX
 #     A loop (log: cni-noise.log) that every second makes sure raw PREROUTING's first rule is
 #     `-m comment --comment cali:fake -j ACCEPT`, in the flavour's iptables (and ip6tables for
@@ -634,10 +642,11 @@ dig_servfail() { # dig_servfail ROLE SERVER NAME
 }
 
 cmd_cache_start() {
-    local mode=normal interfaces="" local_data="" forward="" mode_options="" conf ip
+    local mode=normal interfaces="" local_data="" forward="" mode_options="" conf ip wait=1
     while (($#)); do
         case $1 in
         --mode) mode=${2:-}; shift 2 || usage ;;
+        --no-wait) wait=0; shift ;;
         *) usage ;;
         esac
     done
@@ -682,7 +691,13 @@ cmd_cache_start() {
     unbound-checkconf "$RUN_DIR/unbound.conf" >/dev/null || die "bad unbound config $RUN_DIR/unbound.conf"
 
     echo "--- cache-start --mode $mode" >>"$RUN_DIR/cache.log"
+    local at
+    at=$(now_ms)
     svc_start cache node unbound -d -p -c "$RUN_DIR/unbound.conf"
+    if ((!wait)); then
+        echo "$at"
+        return
+    fi
     if [[ $mode == normal ]]; then
         wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A"
     else
@@ -711,6 +726,22 @@ cmd_coredns_start() {
     done
     wait_for 10 "CoreDNS through the upstream Service" dig_answers node "$upstream" "$PROBE_NAME" "$COREDNS_A"
     svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
+}
+
+# listen_addrs del|add: the node-local IPs on the node's lo (node-cache's interface).
+listen_addrs() {
+    local op=$1 ip
+    load_state
+    if has_v4; then
+        for ip in "$V4_LOCAL_IP" "$V4_CLUSTER_DNS"; do ip -n "$(ns_name node)" addr "$op" "$ip/32" dev lo; done
+    fi
+    if has_v6; then
+        for ip in "$V6_LOCAL_IP" "$V6_CLUSTER_DNS"; do
+            # shellcheck disable=SC2046 # nodad only when adding
+            ip -n "$(ns_name node)" addr "$op" "$ip/128" dev lo $([[ $op == add ]] && echo nodad)
+        done
+    fi
+    now_ms
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -933,6 +964,7 @@ main() {
     cache-cont | coredns-cont) (($# == 0)) || usage; svc_signal "${cmd%-cont}" CONT ;;
     cache-pid | coredns-pid) (($# == 0)) || usage; svc_pid "${cmd%-pid}" || die "${cmd%-pid} is not running" ;;
     node-cache-rules) cmd_node_cache_rules "$@" ;;
+    listen-addrs-del | listen-addrs-add) (($# == 0)) || usage; listen_addrs "${cmd#listen-addrs-}" ;;
     cni-noise-start | kube-proxy-resync-start) (($# == 0)) || usage; loop_start "${cmd%-start}" ;;
     cni-noise-stop | kube-proxy-resync-stop) (($# == 0)) || usage; svc_term "${cmd%-stop}" ;;
     __loop) (($# == 1)) || usage; run_loop "$1" ;; # internal: the noise loops

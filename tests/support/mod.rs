@@ -453,3 +453,15 @@ impl Agent {
         self.child.as_ref().map(Child::id)
     }
 }
+
+impl Load {
+    /// Stops a client started with a long `--duration` (SIGINT: it starts no more lookups and
+    /// waits for those in flight) and returns its summary.
+    pub fn interrupt(self) -> Value {
+        if let Some(child) = &self.child {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        }
+        self.finish()
+    }
+}
