@@ -28,6 +28,9 @@ command -v cargo >/dev/null || { echo "ci/deps.sh: cargo not found (the Rust too
 for component in rustfmt clippy; do
   rustup component list --installed 2>/dev/null | grep -q "^$component" || rustup component add "$component"
 done
-# Supply-chain checks (cargo deny) and the fuzz targets (cargo fuzz): pinned, built once.
-cargo deny --version 2>/dev/null | grep -qx 'cargo-deny 0.20.2' || cargo install --locked cargo-deny@0.20.2
-cargo fuzz --version 2>/dev/null | grep -qx 'cargo-fuzz 0.13.2' || cargo install --locked cargo-fuzz@0.13.2
+# Supply-chain checks (cargo deny) and the fuzz targets (cargo fuzz): pinned, built once,
+# unoptimised (a quarter of the build time; each runs for seconds at most).
+cargo deny --version 2>/dev/null | grep -qx 'cargo-deny 0.20.2' ||
+  cargo install --debug --locked cargo-deny@0.20.2
+cargo fuzz --version 2>/dev/null | grep -qx 'cargo-fuzz 0.13.2' ||
+  cargo install --debug --locked cargo-fuzz@0.13.2

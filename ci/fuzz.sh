@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds=${1:-10}
-cargo fuzz --version 2>/dev/null | grep -qx "cargo-fuzz 0.13.2" || cargo install --locked cargo-fuzz@0.13.2
+cargo fuzz --version 2>/dev/null | grep -qx "cargo-fuzz 0.13.2" || cargo install --debug --locked cargo-fuzz@0.13.2
 targets=${FUZZ_TARGETS:-$(cargo fuzz list)}
 corpus=${FUZZ_CORPUS:-${TMPDIR:-/tmp}/nodelocaldns-ha-fuzz}
 
