@@ -49,6 +49,11 @@ cargo build --release --locked --bins
 # that the cleanup can stop cargo, the benchmark and what it started, and nothing else.
 SOAK_PREFIX=$prefix setsid cargo bench --locked --bench soak &
 bench_pid=$!
+# setsid() runs in the child a moment after the fork: wait for it (at most 2 s).
+for _ in $(seq 200); do
+  [[ "$(ps -o pgid= -p "$bench_pid" | tr -d ' ')" == "$bench_pid" ]] && break
+  sleep 0.01
+done
 [[ "$(ps -o pgid= -p "$bench_pid" | tr -d ' ')" == "$bench_pid" ]] || {
     echo "ci/soak.sh: the benchmark is not in its own process group"; exit 1; }
 rc=0

@@ -233,7 +233,7 @@ impl Agent {
         if let Some(held) = self.machine.held() {
             // Once when a hold begins; its text counts on, `status` shows the latest.
             if held_before.is_none() {
-                warn!(route = %self.machine.route(), reason = held, "both failing, route held");
+                warn!(route = %self.machine.route(), reason = held, "route held");
             }
         }
         self.metrics.probe(report.stream, outcome.label(), report.result.latency);
@@ -589,6 +589,12 @@ pub async fn run(
     let cache_udp = probe(cfg.cache_udp)?;
     let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
     let upstream = probe(cfg.upstream_probe)?;
+    // The lock first: a second agent on the same state directory is told so, not that the
+    // metrics port is taken.
+    std::fs::create_dir_all(&cfg.state_dir)
+        .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
+    let lock = || state::Lock::acquire(&cfg.state_dir);
+    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(_))).await?;
     let bind = |addr| {
         std::net::TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
@@ -602,10 +608,6 @@ pub async fn run(
         ),
         None => None,
     };
-    std::fs::create_dir_all(&cfg.state_dir)
-        .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
-    let lock = || state::Lock::acquire(&cfg.state_dir);
-    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(_))).await?;
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
