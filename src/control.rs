@@ -15,7 +15,6 @@
 //! out ([`Override::expired`]). This module only moves requests and files: what a request does
 //! to the route is the loop's business.
 
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::fmt;
 use std::fs::Permissions;
@@ -24,8 +23,6 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -33,10 +30,11 @@ use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, UnixAddr};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use crate::ruleset::Route;
+use crate::waiting::{Reading, Waiting};
 
 /// The control socket's file name inside the state directory.
 pub const SOCKET: &str = "control.sock";
@@ -363,7 +361,7 @@ pub async fn serve(dir: &Path, tx: mpsc::Sender<Incoming>) -> Result<Infallible,
     let mut waiting = Waiting::default();
     loop {
         match listener.accept().await {
-            Ok((stream, _)) => waiting.admit(stream, tx.clone()),
+            Ok((stream, _)) => admit(&mut waiting, stream, tx.clone()),
             Err(e) => {
                 warn!(socket = %path.display(), error = %e, "accepting a control connection failed");
                 tokio::time::sleep(ACCEPT_BACKOFF).await;
@@ -441,52 +439,15 @@ async fn check_not_served(path: &Path) -> Result<(), ControlError> {
     }
 }
 
-/// The connections that have not sent their request line yet, oldest first. At most
-/// [`MAX_WAITING`]: a new connection past that closes the oldest (with an answer saying why), so
-/// clients that connect and stall can neither use up the file descriptors the probes need nor
-/// lock an operator's `flip` out; and a stalled one is closed after [`READ_TIMEOUT`] anyway.
-#[derive(Default)]
-struct Waiting(VecDeque<Slot>);
-
-/// One connection's place in [`Waiting`]; its task holds the other end, a [`Reading`].
-struct Slot {
-    waiting: Arc<AtomicBool>,
-    evict: Arc<Notify>,
-}
-
-/// Held by a connection's task while it reads the request line: dropping it leaves [`Waiting`].
-struct Reading {
-    waiting: Arc<AtomicBool>,
-    /// Notified when the connection is closed to make room.
-    evict: Arc<Notify>,
-}
-
-impl Drop for Reading {
-    fn drop(&mut self) {
-        self.waiting.store(false, Ordering::Relaxed);
+/// Serves `stream` in a task of its own. At most [`MAX_WAITING`] connections wait for their
+/// request line: a new one past that closes the oldest (with an answer saying why), so clients
+/// that connect and stall can neither use up the file descriptors the probes need nor lock an
+/// operator's `flip` out; and a stalled one is closed after [`READ_TIMEOUT`] anyway.
+fn admit(waiting: &mut Waiting, stream: UnixStream, tx: mpsc::Sender<Incoming>) {
+    if waiting.len() >= MAX_WAITING && waiting.evict_oldest() {
+        debug!(limit = MAX_WAITING, "too many control connections waiting; closing the oldest");
     }
-}
-
-impl Waiting {
-    /// Serves `stream` in a task of its own, closing the oldest waiting connection if there are
-    /// already [`MAX_WAITING`].
-    fn admit(&mut self, stream: UnixStream, tx: mpsc::Sender<Incoming>) {
-        self.0.retain(|slot| slot.waiting.load(Ordering::Relaxed));
-        if self.0.len() >= MAX_WAITING {
-            if let Some(oldest) = self.0.pop_front() {
-                debug!(
-                    limit = MAX_WAITING,
-                    "too many control connections waiting; closing the oldest"
-                );
-                oldest.evict.notify_one();
-            }
-        }
-        let slot =
-            Slot { waiting: Arc::new(AtomicBool::new(true)), evict: Arc::new(Notify::new()) };
-        let reading = Reading { waiting: slot.waiting.clone(), evict: slot.evict.clone() };
-        self.0.push_back(slot);
-        tokio::spawn(handle(stream, tx, reading));
-    }
+    tokio::spawn(handle(stream, tx, waiting.join()));
 }
 
 /// One connection: check the peer, read its request, pass it on, answer.
@@ -527,7 +488,7 @@ async fn answer(
     }
     let read = tokio::select! {
         read = tokio::time::timeout(READ_TIMEOUT, read_line(stream)) => read,
-        () = reading.evict.notified() => {
+        () = reading.evicted() => {
             debug!(peer = %peer, "control connection closed to make room");
             return Some(Response::error(format!(
                 "closed without a request: {MAX_WAITING} newer control connections were waiting \
@@ -885,7 +846,7 @@ mod tests {
             let mut waiting = Waiting::default();
             loop {
                 let (stream, _) = listener.accept().await.unwrap();
-                waiting.admit(stream, tx.clone());
+                admit(&mut waiting, stream, tx.clone());
             }
         });
         fake_loop(rx)

@@ -41,3 +41,5 @@ pub mod state;
 #[cfg(test)]
 #[forbid(unsafe_code)]
 mod testutil;
+#[forbid(unsafe_code)]
+mod waiting;

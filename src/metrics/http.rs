@@ -10,20 +10,18 @@
 //! busy answering. `GET` and `HEAD` are served; the body of a request (there should be none) is
 //! never read.
 
-use std::collections::VecDeque;
 use std::io;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 use tracing::{debug, warn};
 
 use super::{Health, Metrics};
+use crate::waiting::{Reading, Waiting};
 
 /// The content type of an OpenMetrics text exposition.
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -83,8 +81,8 @@ pub async fn serve(
 async fn serve_with(listener: TcpListener, state: State, limits: Limits) -> io::Error {
     let state = Arc::new(state);
     let mut connections = JoinSet::new();
-    // The connections still reading their request head, oldest first.
-    let mut waiting: VecDeque<Slot> = VecDeque::new();
+    // The connections still reading their request head.
+    let mut waiting = Waiting::default();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -113,48 +111,23 @@ async fn serve_with(listener: TcpListener, state: State, limits: Limits) -> io::
                 warn!(error = %e, "an HTTP connection task failed");
             }
         }
-        waiting.retain(|slot| slot.waiting.load(Ordering::Relaxed));
         if connections.len() >= limits.max_connections {
-            let Some(oldest) = waiting.pop_front() else {
+            if !waiting.evict_oldest() {
                 debug!(%peer, limit = limits.max_connections, "too many HTTP connections; closing");
                 continue;
-            };
+            }
             debug!(
                 limit = limits.max_connections,
                 "too many HTTP connections; closing the oldest idle one"
             );
-            oldest.evict.notify_one();
         }
-        let slot =
-            Slot { waiting: Arc::new(AtomicBool::new(true)), evict: Arc::new(Notify::new()) };
-        let reading = Reading { waiting: slot.waiting.clone(), evict: slot.evict.clone() };
-        waiting.push_back(slot);
+        let reading = waiting.join();
         let state = state.clone();
         connections.spawn(async move {
             if let Err(e) = handle(stream, &state, limits, reading).await {
                 debug!(%peer, error = %e, "HTTP connection failed");
             }
         });
-    }
-}
-
-/// A connection's place among those waiting for their request head.
-struct Slot {
-    waiting: Arc<AtomicBool>,
-    evict: Arc<Notify>,
-}
-
-/// Held by a connection's task while it reads the request head; dropping it leaves the
-/// waiting list.
-struct Reading {
-    waiting: Arc<AtomicBool>,
-    /// Notified when the connection is closed to make room for a new one.
-    evict: Arc<Notify>,
-}
-
-impl Drop for Reading {
-    fn drop(&mut self) {
-        self.waiting.store(false, Ordering::Relaxed);
     }
 }
 
@@ -210,7 +183,7 @@ async fn handle(
     let head = tokio::select! {
         head = timeout(limits.head_timeout, read_head(&mut stream, &mut buf)) => head,
         // Closed to make room: it had said nothing useful yet.
-        () = reading.evict.notified() => return Ok(()),
+        () = reading.evicted() => return Ok(()),
     };
     drop(reading);
     let response = match head {
