@@ -28,7 +28,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{now_ms, Agent, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD};
+use support::{
+    now_ms, read_lookups, summary_of, Agent, Lookup, Outcome, SimNode, CACHE_ANSWER,
+    CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD,
+};
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
 /// SIGCONT), and after it.
@@ -280,28 +283,6 @@ fn verify(node: &SimNode, setup: Setup, agent: Option<&Agent>) -> Vec<String> {
 // ---------------------------------------------------------------------------------------------
 // One fault under load.
 
-#[derive(Clone, Copy, PartialEq)]
-enum Outcome {
-    Cache,
-    CoreDns,
-    Other,
-    Failed,
-}
-
-struct Lookup {
-    /// Start, ms since the Unix epoch.
-    start: f64,
-    latency: f64,
-    outcome: Outcome,
-    failed_attempts: u32,
-}
-
-impl Lookup {
-    fn answered(&self) -> bool {
-        matches!(self.outcome, Outcome::Cache | Outcome::CoreDns)
-    }
-}
-
 struct FaultRun {
     fault: Fault,
     fault_at: u64,
@@ -363,31 +344,9 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
     assert!(status.success(), "dnsload failed: {status}");
 
     let stdout = std::fs::read_to_string(&stdout_path).expect("dnsload stdout");
-    let summary: Value = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("SUMMARY "))
-        .map(|s| serde_json::from_str(s).expect("SUMMARY is JSON"))
-        .expect("dnsload printed a SUMMARY");
+    let summary = summary_of(stdout.lines());
     let start_unix = summary["start_unix_ms"].as_u64().expect("start_unix_ms") as f64;
-    let text = std::fs::read_to_string(&lookups_path).expect("lookups file");
-    // The file is in order of completion; everything below wants the order of starting.
-    let mut lookups: Vec<Lookup> = text
-        .lines()
-        .filter_map(|line| {
-            let mut w = line.split_whitespace();
-            let start: f64 = w.next()?.parse().ok()?;
-            let latency: f64 = w.next()?.parse().ok()?;
-            let outcome = match w.next()? {
-                "cache" => Outcome::Cache,
-                "coredns" => Outcome::CoreDns,
-                "failed" => Outcome::Failed,
-                _ => Outcome::Other,
-            };
-            let failed_attempts = w.next()?.parse().ok()?;
-            Some(Lookup { start: start_unix + start, latency, outcome, failed_attempts })
-        })
-        .collect();
-    lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
+    let lookups = read_lookups(&lookups_path, start_unix);
     FaultRun { fault, fault_at, recovered_at, lookups, summary, client }
 }
 
@@ -411,7 +370,7 @@ impl FaultRun {
         match self.client {
             Client::Musl => None,
             Client::Glibc => Some(l.outcome != Outcome::Cache),
-            Client::Dnsload => Some(l.outcome == Outcome::Failed || l.failed_attempts > 0),
+            Client::Dnsload => Some(l.first_attempt_lost()),
         }
     }
 
@@ -429,7 +388,7 @@ impl FaultRun {
             .iter()
             .filter(|l| l.start >= fault && l.start < fault + FAULT_MS as f64)
             .collect();
-        let mut latencies: Vec<f64> = window.iter().map(|l| l.latency).collect();
+        let mut latencies: Vec<f64> = window.iter().map(|l| f64::from(l.latency)).collect();
         latencies.sort_by(f64::total_cmp);
         let window_failed = window.iter().filter(|l| l.outcome == Outcome::Failed).count();
         // The first good answer once answers flow again: in the first 100 ms of start time
@@ -447,8 +406,10 @@ impl FaultRun {
             let good: Vec<&&Lookup> =
                 bucket.iter().filter(|l| l.answered() && l.latency < 1000.0).collect();
             if !bucket.is_empty() && good.len() * 10 >= bucket.len() * 9 {
-                first_good =
-                    good.iter().map(|l| l.start + l.latency - fault).fold(f64::INFINITY, f64::min);
+                first_good = good
+                    .iter()
+                    .map(|l| l.start + f64::from(l.latency) - fault)
+                    .fold(f64::INFINITY, f64::min);
             }
             from += BUCKET_MS as f64;
         }
@@ -500,7 +461,7 @@ impl FaultRun {
         let n = ((PRE_MS + FAULT_MS + POST_MS) / BUCKET_MS) as usize + 1;
         let mut buckets = vec![(0u32, 0u32, 0u32); n];
         for l in &self.lookups {
-            let i = ((l.start + l.latency - from) / BUCKET_MS as f64).floor();
+            let i = ((l.start + f64::from(l.latency) - from) / BUCKET_MS as f64).floor();
             if i < 0.0 || i as usize >= n {
                 continue;
             }

@@ -38,16 +38,15 @@
 mod support;
 
 use std::fmt::Write as _;
-use std::io::BufRead;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, Agent, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD, LOCAL_IP,
-    UPSTREAM_IP,
+    now_ms, read_lookups, summary_of, Agent, Lookup, Outcome, SimNode, CACHE_ANSWER,
+    CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// RSS growth after warm-up that still counts as flat: pages touched for the first time late
@@ -433,52 +432,6 @@ impl Restart {
 // ---------------------------------------------------------------------------------------------
 // The pods' view: dnsload's per-lookup file.
 
-#[derive(Clone, Copy, PartialEq)]
-enum Outcome {
-    Cache,
-    CoreDns,
-    Other,
-    Failed,
-}
-
-struct Lookup {
-    /// Start, ms since the Unix epoch.
-    start: f64,
-    latency: f32,
-    outcome: Outcome,
-    failed_attempts: u8,
-}
-
-impl Lookup {
-    fn first_attempt_lost(&self) -> bool {
-        self.outcome == Outcome::Failed || self.failed_attempts > 0
-    }
-}
-
-/// The lookups of `path` (completion order) in the order they started.
-fn read_lookups(path: &Path, start_unix_ms: f64) -> Vec<Lookup> {
-    let file = std::fs::File::open(path).expect("dnsload's lookups file");
-    let mut lookups: Vec<Lookup> = std::io::BufReader::new(file)
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|line| {
-            let mut w = line.split_whitespace();
-            let start: f64 = w.next()?.parse().ok()?;
-            let latency: f32 = w.next()?.parse().ok()?;
-            let outcome = match w.next()? {
-                "cache" => Outcome::Cache,
-                "coredns" => Outcome::CoreDns,
-                "failed" => Outcome::Failed,
-                _ => Outcome::Other,
-            };
-            let failed_attempts = w.next()?.parse().ok()?;
-            Some(Lookup { start: start_unix_ms + start, latency, outcome, failed_attempts })
-        })
-        .collect();
-    lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
-    lookups
-}
-
 /// The lookups started in `from..to` (ms since the epoch); `lookups` is sorted by start.
 fn window(lookups: &[Lookup], from: f64, to: f64) -> &[Lookup] {
     let a = lookups.partition_point(|l| l.start < from);
@@ -744,11 +697,7 @@ fn run(s: &Settings) -> Run {
         agent.log_text().lines().filter(|l| l.contains(" WARN ") || l.contains(" ERROR ")).count();
 
     let stdout = std::fs::read_to_string(&stdout_path).expect("dnsload stdout");
-    let summary: Value = stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("SUMMARY "))
-        .map(|s| serde_json::from_str(s).expect("SUMMARY is JSON"))
-        .expect("dnsload printed a SUMMARY");
+    let summary = summary_of(stdout.lines());
     let start_unix = summary["start_unix_ms"].as_u64().expect("start_unix_ms") as f64;
     let lookups = read_lookups(&lookups_path, start_unix);
     let settings_json = json!({

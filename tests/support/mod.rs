@@ -372,12 +372,7 @@ impl Load {
         while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
             self.seen.push(line);
         }
-        let summary = self
-            .seen
-            .iter()
-            .find_map(|l| l.strip_prefix("SUMMARY "))
-            .expect("dnsload printed a SUMMARY line");
-        serde_json::from_str(summary).expect("SUMMARY is JSON")
+        summary_of(self.seen.iter().map(String::as_str))
     }
 }
 
@@ -464,4 +459,65 @@ impl Load {
         }
         self.finish()
     }
+}
+
+/// dnsload's `SUMMARY {json}` line among `lines` (its standard output).
+pub fn summary_of<'a>(mut lines: impl Iterator<Item = &'a str>) -> Value {
+    let summary =
+        lines.find_map(|l| l.strip_prefix("SUMMARY ")).expect("dnsload printed a SUMMARY line");
+    serde_json::from_str(summary).expect("SUMMARY is JSON")
+}
+
+/// Who answered a lookup of dnsload's `--lookups-file`.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Outcome {
+    Cache,
+    CoreDns,
+    Other,
+    Failed,
+}
+
+/// One line of dnsload's `--lookups-file`.
+pub struct Lookup {
+    /// Start, ms since the Unix epoch.
+    pub start: f64,
+    /// ms (f32: the soak keeps millions of these).
+    pub latency: f32,
+    pub outcome: Outcome,
+    pub failed_attempts: u8,
+}
+
+impl Lookup {
+    pub fn answered(&self) -> bool {
+        matches!(self.outcome, Outcome::Cache | Outcome::CoreDns)
+    }
+
+    pub fn first_attempt_lost(&self) -> bool {
+        self.outcome == Outcome::Failed || self.failed_attempts > 0
+    }
+}
+
+/// The lookups dnsload wrote to `path` (in the order they completed: `START_MS LATENCY_MS
+/// ORIGIN FAILED_ATTEMPTS`, the start relative to `start_unix_ms`), in the order they started.
+pub fn read_lookups(path: &Path, start_unix_ms: f64) -> Vec<Lookup> {
+    let file = std::fs::File::open(path).expect("dnsload's lookups file");
+    let mut lookups: Vec<Lookup> = BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| {
+            let mut w = line.split_whitespace();
+            let start: f64 = w.next()?.parse().ok()?;
+            let latency: f32 = w.next()?.parse().ok()?;
+            let outcome = match w.next()? {
+                "cache" => Outcome::Cache,
+                "coredns" => Outcome::CoreDns,
+                "failed" => Outcome::Failed,
+                _ => Outcome::Other,
+            };
+            let failed_attempts = w.next()?.parse().ok()?;
+            Some(Lookup { start: start_unix_ms + start, latency, outcome, failed_attempts })
+        })
+        .collect();
+    lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
+    lookups
 }
