@@ -14,11 +14,10 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use serde_json::Value;
 use support::*;
 
 const NOBODY: u32 = 65534;
@@ -97,60 +96,14 @@ fn bounding_set() -> Vec<String> {
     line.split(',').map(|c| c.trim().to_owned()).filter(|c| !c.is_empty()).collect()
 }
 
-/// The agent started through a [`Privileges`] wrapper; killed on drop.
-struct Running {
-    child: Option<Child>,
-    state_dir: PathBuf,
-    log: PathBuf,
-}
-
-impl Running {
-    fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    fn state(&self) -> Option<Value> {
-        let bytes = std::fs::read(self.state_dir.join("state.json")).ok()?;
-        serde_json::from_slice(&bytes).ok()
-    }
-
-    fn wait_route(&self, route: &str, deadline: Duration) -> Value {
-        wait_for(&format!("route {route}"), deadline, || {
-            self.state().filter(|s| s["route"] == route)
-        })
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn stop(&mut self) -> ExitStatus {
-        let mut child = self.child.take().expect("running");
-        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-        let _ = nix::sys::signal::kill(pid, Signal::SIGTERM);
-        child.wait().expect("wait for the agent")
-    }
-
-    /// `Uid:` and `CapEff:` of the running agent, from `/proc`.
-    fn identity(&self) -> (u32, u64) {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
-        let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).unwrap().trim();
-        let uid = field("Uid:").split_whitespace().nth(1).unwrap().parse().unwrap();
-        let caps = u64::from_str_radix(field("CapEff:"), 16).unwrap();
-        (uid, caps)
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        if std::thread::panicking() {
-            eprintln!("agent log:\n{}", self.log_text());
-        }
-    }
+/// `Uid:` and `CapEff:` of the running agent, from `/proc`.
+fn identity(agent: &Agent) -> (u32, u64) {
+    let pid = agent.pid().expect("running");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name)).unwrap().trim();
+    let uid = field("Uid:").split_whitespace().nth(1).unwrap().parse().unwrap();
+    let caps = u64::from_str_radix(field("CapEff:"), 16).unwrap();
+    (uid, caps)
 }
 
 /// A directory (or file) under the node's run directory that `uid` owns.
@@ -174,7 +127,7 @@ fn wrapped(node: &SimNode, p: Privileges, lock: &Path, program: &str, args: &[&s
     c
 }
 
-fn start(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Running {
+fn start(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Agent {
     let state_dir = owned(node, &format!("state-{tag}"), p.uid, true);
     let lock = owned(node, &format!("xtables-{tag}.lock"), p.uid, false);
     let log = node.dir.join(format!("agent-{tag}.log"));
@@ -201,7 +154,7 @@ fn start(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Running {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("start the agent");
-    Running { child: Some(child), state_dir, log }
+    Agent::adopt(child, state_dir, log)
 }
 
 /// Who answers a pod's query for who.test at the cluster-DNS IP.
@@ -240,7 +193,7 @@ fn full_cycle(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Vec<
     let mut agent = start(node, p, dataplane, tag);
     let what = format!("{p:?} --dataplane {dataplane}");
     let st = agent.wait_route("local", Duration::from_secs(10));
-    let (uid, caps) = agent.identity();
+    let (uid, caps) = identity(&agent);
     assert_eq!((uid, caps), (p.uid, p.mask()), "{what}: the agent runs with more than it should");
     println!("{what}: uid {uid}, CapEff {caps:#x}, dataplane {}", st["dataplane"]);
     assert_eq!(pod_answer(node), CACHE_ANSWER, "{what}");
@@ -270,7 +223,7 @@ fn full_cycle(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Vec<
     }
     let warnings: Vec<String> =
         log.lines().filter(|l| l.contains(" WARN ")).map(|l| l.to_owned()).collect();
-    let status = agent.stop();
+    let status = agent.stop(Signal::SIGTERM);
     assert!(status.success(), "{what}: stopped with {status}");
 
     // Teardown with the same privileges. Where iptables-legacy is installed it needs
@@ -316,7 +269,7 @@ fn iptables_legacy_and_the_daemonsets_privileges() {
     let mut agent = start(&node, ROOT_BOTH, "auto", "e");
     let st = agent.wait_route("local", Duration::from_secs(10));
     assert_eq!(st["dataplane"], "iptables-legacy", "{st}");
-    assert!(agent.stop().success());
+    assert!(agent.stop(Signal::SIGTERM).success());
     let out = node.cli(&["teardown", "--state-dir", &agent.state_dir.display().to_string()]);
     assert!(out.status.success(), "{}", describe(&out));
 
@@ -334,7 +287,7 @@ fn iptables_legacy_and_the_daemonsets_privileges() {
         "auto without NET_RAW on a legacy node picked {} ({})",
         st["dataplane"], st["dataplane_why"]
     );
-    assert!(agent.stop().success());
+    assert!(agent.stop(Signal::SIGTERM).success());
     let out = node.cli(&["teardown", "--state-dir", &agent.state_dir.display().to_string()]);
     assert!(out.status.success(), "{}", describe(&out));
 }

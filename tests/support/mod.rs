@@ -301,6 +301,11 @@ pub struct Agent {
 }
 
 impl Agent {
+    /// The handle of an agent the caller started itself (under a privilege wrapper, say).
+    pub fn adopt(child: Child, state_dir: PathBuf, log: PathBuf) -> Agent {
+        Agent { child: Some(child), state_dir, log }
+    }
+
     /// The state file, if it is there and complete.
     pub fn state(&self) -> Option<Value> {
         let bytes = std::fs::read(self.state_dir.join("state.json")).ok()?;
