@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Outcome, SimNode, CACHE_ANSWER,
+    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, SimNode, CACHE_ANSWER,
     CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD,
 };
 
@@ -944,17 +944,7 @@ fn main() {
     }
     drop(node);
 
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let date = String::from_utf8_lossy(
-        &Command::new("date")
-            .args(["-u", "+%Y-%m-%d"])
-            .output()
-            .map(|o| o.stdout)
-            .unwrap_or_default(),
-    )
-    .trim()
-    .to_string();
+    let Machine { date, cores, kernel } = Machine::this();
     let run_seconds = began.elapsed().as_secs_f64().round();
 
     let mut md = format!(
@@ -976,7 +966,7 @@ fn main() {
          were answered within 1 s. Recovery (restart answering, or SIGCONT) → back on cache: \
          to the first lookup after the last one (started after the recovery) not answered by \
          the cache.\n\n",
-        kernel.trim(),
+        kernel,
         (PRE_MS + FAULT_MS + POST_MS) / 1000,
         PRE_MS / 1000,
         FAULT_MS / 1000,
@@ -1060,7 +1050,7 @@ fn main() {
         .collect();
     let report = json!({
         "date": date,
-        "machine": { "cores": cores, "kernel": kernel.trim() },
+        "machine": { "cores": cores, "kernel": kernel },
         "rate_per_s": rate,
         "windows_ms": { "before": PRE_MS, "fault": FAULT_MS, "after": POST_MS },
         "failover": failover_json,

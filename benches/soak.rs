@@ -39,13 +39,13 @@ mod support;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, ExitCode, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Outcome, SimNode, CACHE_ANSWER,
+    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, SimNode, CACHE_ANSWER,
     CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD, LOCAL_IP, UPSTREAM_IP,
 };
 
@@ -838,17 +838,7 @@ fn main() -> ExitCode {
         problems.push(format!("agent file descriptors grew by {}", x.growth()));
     }
 
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let date = String::from_utf8_lossy(
-        &Command::new("date")
-            .args(["-u", "+%Y-%m-%d"])
-            .output()
-            .map(|o| o.stdout)
-            .unwrap_or_default(),
-    )
-    .trim()
-    .to_string();
+    let Machine { date, cores, kernel } = Machine::this();
 
     let signals: Vec<&str> = s.signals.iter().map(|g| g.name()).collect();
     let restarts_md = if r.restarts.is_empty() {
@@ -875,7 +865,7 @@ fn main() -> ExitCode {
          every {} s. RSS counts as flat when it ends at most {RSS_FLAT_KIB} KiB above its start \
          after warm-up, file descriptors when they end at or below theirs (start/end: the lowest \
          of the first/last {EDGE_SAMPLES} samples).\n\n",
-        kernel.trim(),
+        kernel,
         s.dataplane,
         s.rate,
         s.duration_ms as f64 / 60_000.0,
@@ -1106,7 +1096,7 @@ fn main() -> ExitCode {
         .collect();
     let report = json!({
         "date": date,
-        "machine": { "cores": cores, "kernel": kernel.trim() },
+        "machine": { "cores": cores, "kernel": kernel },
         "settings": r.settings_json,
         "pass": problems.is_empty(),
         "problems": problems,

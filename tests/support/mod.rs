@@ -526,3 +526,22 @@ pub fn read_lookups(path: &Path, start_unix_ms: f64) -> Vec<Lookup> {
     lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
     lookups
 }
+
+/// What a benchmark's report says of where it ran.
+pub struct Machine {
+    /// Today, `YYYY-MM-DD` (UTC).
+    pub date: String,
+    pub cores: usize,
+    /// `uname -r`.
+    pub kernel: String,
+}
+
+impl Machine {
+    pub fn this() -> Machine {
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        let date = Command::new("date").args(["-u", "+%Y-%m-%d"]).output();
+        let date = date.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+        Machine { date: date.unwrap_or_default(), cores, kernel: kernel.trim().to_owned() }
+    }
+}
