@@ -749,16 +749,21 @@ mod tests {
         addr
     }
 
+    /// The query a probe sent over TCP (length-prefixed), read whole.
+    async fn read_tcp_query(stream: &mut tokio::net::TcpStream) -> Message {
+        let len = usize::from(stream.read_u16().await.unwrap());
+        let mut buf = vec![0u8; len];
+        stream.read_exact(&mut buf).await.unwrap();
+        Message::from_vec(&buf).unwrap()
+    }
+
     /// A TCP server on 127.0.0.1 that sends `replies` (all of them) on the first connection.
     async fn tcp_server(replies: Vec<Reply>) -> SocketAddr {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             let (mut stream, _) = listener.accept().await.unwrap();
-            let len = usize::from(stream.read_u16().await.unwrap());
-            let mut buf = vec![0u8; len];
-            stream.read_exact(&mut buf).await.unwrap();
-            let query = Message::from_vec(&buf).unwrap();
+            let query = read_tcp_query(&mut stream).await;
             for how in replies {
                 let wire = render(&query, how);
                 let len = u16::try_from(wire.len()).unwrap();
@@ -925,10 +930,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move {
             let (mut stream, _) = listener.accept().await.unwrap();
-            let len = usize::from(stream.read_u16().await.unwrap());
-            let mut buf = vec![0u8; len];
-            stream.read_exact(&mut buf).await.unwrap();
-            let query = Message::from_vec(&buf).unwrap();
+            let query = read_tcp_query(&mut stream).await;
             let _ = stream.write_all(&bytes(&query)).await;
             if !close {
                 let _ = stream.read_u8().await;
@@ -989,9 +991,7 @@ mod tests {
             let (mut stream, _) = listener.accept().await.unwrap();
             // Read the whole query (unread data would make the close a reset), then drop the
             // stream: a FIN without a reply.
-            let len = usize::from(stream.read_u16().await.unwrap());
-            let mut buf = vec![0u8; len];
-            stream.read_exact(&mut buf).await.unwrap();
+            read_tcp_query(&mut stream).await;
         });
         let result = probe(Duration::from_secs(2)).run(server, Transport::Tcp).await;
         assert_eq!(result.outcome.label(), "error", "{result:?}");
