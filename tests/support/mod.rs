@@ -312,6 +312,15 @@ impl Agent {
         serde_json::from_slice(&bytes).ok()
     }
 
+    /// Waits until the state file counts `n` repairs of foreign changes, the last of them
+    /// finished (no apply error outstanding). The state is written after the loop's turn, so a
+    /// tamper made after this returns cannot race the agent's read-back of its own repair.
+    pub fn wait_repairs(&self, n: u64, deadline: Duration) -> Value {
+        wait_for(&format!("{n} repairs to be counted"), deadline, || {
+            self.state().filter(|s| s["repairs"].as_u64() >= Some(n) && s["last_error"].is_null())
+        })
+    }
+
     /// Waits until the state file says `route`; returns the state.
     pub fn wait_route(&self, route: &str, deadline: Duration) -> Value {
         wait_for(&format!("route {route}"), deadline, || {
