@@ -18,10 +18,10 @@ pub enum ConfigError {
     #[error(
         "{flag} is empty: give one address, or one IPv4 and one IPv6 address separated by a comma"
     )]
-    EmptyList { flag: &'static str },
+    EmptyList { flag: String },
     /// Two addresses of one family in one flag.
     #[error("{flag} has two {family} addresses ({first}, {second}): give at most one per family")]
-    SameFamilyTwice { flag: &'static str, family: &'static str, first: IpAddr, second: IpAddr },
+    SameFamilyTwice { flag: String, family: &'static str, first: IpAddr, second: IpAddr },
     /// The listen lists cover different families.
     #[error(
         "--local-ip {local} and --cluster-dns-ip {cluster} must cover the same IP families \
@@ -148,8 +148,9 @@ fn is_unicast(ip: IpAddr) -> bool {
     !(ip.is_unspecified() || ip.is_multicast() || broadcast)
 }
 
-/// Checks that `list` holds one or two unicast addresses, at most one per family; v4 first.
-pub fn address_slot(flag: &'static str, list: &[IpAddr]) -> Result<Vec<IpAddr>, ConfigError> {
+/// Checks that `list` (from `flag`, a flag or an environment variable) holds one or two unicast
+/// addresses, at most one per family; v4 first.
+pub fn address_slot(flag: &str, list: &[IpAddr]) -> Result<Vec<IpAddr>, ConfigError> {
     let mut v4 = None;
     let mut v6 = None;
     for &ip in list {
@@ -161,13 +162,14 @@ pub fn address_slot(flag: &'static str, list: &[IpAddr]) -> Result<Vec<IpAddr>, 
             IpAddr::V6(_) => (&mut v6, "IPv6"),
         };
         if let Some(first) = *slot {
+            let flag = flag.to_owned();
             return Err(ConfigError::SameFamilyTwice { flag, family, first, second: ip });
         }
         *slot = Some(ip);
     }
     let out: Vec<IpAddr> = v4.into_iter().chain(v6).collect();
     if out.is_empty() {
-        return Err(ConfigError::EmptyList { flag });
+        return Err(ConfigError::EmptyList { flag: flag.to_owned() });
     }
     Ok(out)
 }
@@ -339,11 +341,9 @@ impl AgentConfig {
                 .trim()
                 .parse()
                 .map_err(|_| ConfigError::BadUpstreamEnv { env_var: env_var.clone(), value })?;
-            if !is_unicast(ip) {
-                return Err(ConfigError::NotUnicast { flag: env_var, ip });
-            }
-            check_upstream(&env_var, &[ip], &addrs)?;
-            vec![ip]
+            let upstream = address_slot(&env_var, &[ip])?;
+            check_upstream(&env_var, &upstream, &addrs)?;
+            upstream
         } else {
             let upstream = address_slot("--upstream-ip", &raw.upstream_ip)?;
             check_upstream("--upstream-ip", &upstream, &addrs)?;
