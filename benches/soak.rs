@@ -1029,6 +1029,15 @@ fn main() -> ExitCode {
             p["failed"],
         );
     }
+    // Up to 20 lookups, each with when it started and `what` of it; the rest are in the JSON.
+    let list_lookups = |md: &mut String, lookups: &[&Lookup], what: fn(&Lookup) -> String| {
+        for l in lookups.iter().take(20) {
+            let _ = writeln!(md, "* started {} ({})", when(l, &r.restarts, load_start), what(l));
+        }
+        if lookups.len() > 20 {
+            let _ = writeln!(md, "* … and {} more (docs/soak.json)", lookups.len() - 20);
+        }
+    };
     if !failed_lookups.is_empty() {
         let _ = writeln!(
             md,
@@ -1041,38 +1050,20 @@ fn main() -> ExitCode {
             sum["io_error_attempts"],
             sum["unfinished"],
         );
-        for l in failed_lookups.iter().take(20) {
-            let _ = writeln!(
-                md,
-                "* started {} ({} failed attempts, {:.0} ms)",
-                when(l, &r.restarts, load_start),
-                l.failed_attempts,
-                l.latency
-            );
-        }
-        if failed_lookups.len() > 20 {
-            let _ = writeln!(md, "* … and {} more (docs/soak.json)", failed_lookups.len() - 20);
-        }
+        list_lookups(&mut md, &failed_lookups, |l| {
+            format!("{} failed attempts, {:.0} ms", l.failed_attempts, l.latency)
+        });
     }
-    let lost_answered: Vec<&&Lookup> =
-        lost_elsewhere.iter().filter(|l| l.outcome != Outcome::Failed).collect();
+    let lost_answered: Vec<&Lookup> =
+        lost_elsewhere.iter().copied().filter(|l| l.outcome != Outcome::Failed).collect();
     if !lost_answered.is_empty() {
         let _ = writeln!(
             md,
             "\nFirst attempts lost not within {NEAR_STOP_MS} ms of a stop (answered by the retry):"
         );
-        for l in lost_answered.iter().take(20) {
-            let _ = writeln!(
-                md,
-                "* started {} ({} failed attempts, answered in {:.0} ms)",
-                when(l, &r.restarts, load_start),
-                l.failed_attempts,
-                l.latency
-            );
-        }
-        if lost_answered.len() > 20 {
-            let _ = writeln!(md, "* … and {} more (docs/soak.json)", lost_answered.len() - 20);
-        }
+        list_lookups(&mut md, &lost_answered, |l| {
+            format!("{} failed attempts, answered in {:.0} ms", l.failed_attempts, l.latency)
+        });
     }
 
     let restarts_json: Vec<Value> = r
