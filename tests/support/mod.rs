@@ -227,9 +227,14 @@ impl SimNode {
 
     /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags.
     pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let lookups = self.dir.join(format!("lookups-{role}-{n}.txt"));
         let mut child = self
             .cmd(role, LOAD)
             .args(["--server", server, "--name", "who.test", "--timeout", "1s", "--attempts", "2"])
+            .arg("--lookups-out")
+            .arg(&lookups)
             .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
             .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
             .args(["--origin", "fd00::1:1:1:1=cache", "--origin", "fd00::2:2:2:2=coredns"])
@@ -248,7 +253,7 @@ impl SimNode {
                 }
             }
         });
-        Load { child: Some(child), lines: rx, seen: Vec::new() }
+        Load { child: Some(child), lines: rx, seen: Vec::new(), lookups }
     }
 }
 
@@ -358,6 +363,8 @@ pub struct Load {
     child: Option<Child>,
     lines: mpsc::Receiver<String>,
     pub seen: Vec<String>,
+    /// Where dnsload writes every lookup (`--lookups-out`), complete once it exits.
+    lookups: PathBuf,
 }
 
 impl Load {
@@ -388,6 +395,15 @@ impl Load {
         }
         summary_of(self.seen.iter().map(String::as_str))
     }
+
+    /// Like [`Load::finish`], with every lookup, in the order they started.
+    pub fn finish_recorded(self) -> (Value, Vec<Lookup>) {
+        let path = self.lookups.clone();
+        let summary = self.finish();
+        let start = summary["start_unix_ms"].as_f64().expect("start_unix_ms");
+        let lookups = read_lookups(&path, start);
+        (summary, lookups)
+    }
 }
 
 impl Drop for Load {
@@ -416,6 +432,20 @@ pub fn sent_at(summary: &Value, key: &str) -> Vec<u64> {
         .iter()
         .map(|v| start + v.as_u64().expect("ms"))
         .collect()
+}
+
+/// When a client saw the route switched to CoreDNS after `after` (ms since the epoch): the end of
+/// the first lookup CoreDNS answered. A lookup sent later cannot have met the old route, however
+/// long the agent and the kernel took to switch on a loaded machine.
+pub fn coredns_seen_after(lookups: &[Lookup], after: u64) -> u64 {
+    lookups
+        .iter()
+        .filter(|l| l.outcome == Outcome::CoreDns)
+        .map(|l| l.start + f64::from(l.latency))
+        .filter(|&end| end >= after as f64)
+        .reduce(f64::min)
+        .unwrap_or_else(|| panic!("no lookup answered by CoreDNS after {after}"))
+        .ceil() as u64
 }
 
 /// Asserts every time in `times` lies in `from..=to` (ms since the epoch).
