@@ -17,6 +17,7 @@
 
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -25,6 +26,7 @@ use tokio::task::block_in_place;
 use tracing::{debug, error, info, warn};
 
 use crate::config::{AgentConfig, Cadence};
+use crate::dataplane::nftables::TableRef;
 use crate::dataplane::{self, Check, Dataplane};
 use crate::health::{Forced, Machine, Sample, Stream, Transition};
 use crate::metrics::{Health, Metrics};
@@ -73,6 +75,11 @@ const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 /// The least time between two repairs of the ruleset.
 const REPAIR_SPACING: Duration = Duration::from_millis(50);
 
+/// How often a ruleset whose changes the kernel announces is checked all the same. Reading
+/// iptables-nft back runs `iptables-nft-save`, which fetches the family's whole ruleset: about
+/// a second with kube-proxy's 50,000 nat rules, too much for every tick.
+const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
+
 /// A probe result, tagged with the stream it belongs to.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -116,6 +123,11 @@ pub struct Agent {
     not_before: Option<Instant>,
     /// The resync period; the unit of the backoff.
     tick: Duration,
+    /// Whether the kernel announces every change to what a check reads
+    /// ([`Dataplane::announced_tables`]).
+    announced: bool,
+    /// When the ruleset was last read back (checked or applied).
+    checked_at: Option<Instant>,
     transitions: u64,
     repairs: u64,
     last_error: Option<String>,
@@ -160,6 +172,7 @@ impl Agent {
             dataplane = dataplane.name(),
             "started"
         );
+        let announced = dataplane.announced_tables().is_some();
         let stats = |target: std::net::SocketAddr| ProbeStats {
             target: target.to_string(),
             ..ProbeStats::default()
@@ -174,6 +187,8 @@ impl Agent {
             apply_failures: 0,
             not_before: None,
             tick: cfg.cache_udp.interval,
+            announced,
+            checked_at: Some(now),
             transitions: 0,
             repairs: 0,
             last_error: None,
@@ -313,6 +328,12 @@ impl Agent {
         })
     }
 
+    /// What the dataplane's checks read, when the kernel announces its changes
+    /// ([`Dataplane::announced_tables`]).
+    pub fn announced_tables(&self) -> Option<Vec<TableRef>> {
+        self.dataplane.announced_tables()
+    }
+
     /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
     pub fn reply_packets(&mut self) -> Result<Option<u64>, dataplane::Error> {
         self.dataplane.reply_packets()
@@ -326,6 +347,16 @@ impl Agent {
         }
     }
 
+    /// The tick's resync: every tick, unless the kernel announces the changes to the ruleset and
+    /// `hearing` them (the watch is up), then every [`POLL_ANNOUNCED`] as a safety net.
+    pub fn poll(&mut self, now: Instant, hearing: bool) {
+        let recent = self.checked_at.is_some_and(|t| now.duration_since(t) < POLL_ANNOUNCED);
+        if self.announced && hearing && recent && !self.dirty {
+            return;
+        }
+        self.resync(now);
+    }
+
     /// Reads the ruleset back and restores it when it is not exactly the current route's.
     pub fn resync(&mut self, now: Instant) {
         if self.not_before.is_some_and(|t| now < t) {
@@ -336,7 +367,11 @@ impl Agent {
             self.apply(now);
             return;
         }
-        match self.dataplane.check(&self.desired) {
+        let started = Instant::now();
+        let checked = self.dataplane.check(&self.desired);
+        self.metrics.check(started.elapsed());
+        self.checked_at = Some(now);
+        match checked {
             Ok(Check::Matches) => {}
             Ok(drift) => {
                 self.repairs += 1;
@@ -363,6 +398,7 @@ impl Agent {
         self.metrics.apply(started.elapsed(), result.is_ok());
         match result {
             Ok(()) => {
+                self.checked_at = Some(now);
                 self.dirty = false;
                 self.apply_failures = 0;
                 self.not_before = None;
@@ -498,9 +534,19 @@ async fn watch_cache_sockets(addrs: Vec<IpAddr>, wake: [Arc<Notify>; 2]) {
     }
 }
 
-/// Notifies `resync` whenever any nftables ruleset in this network namespace changes (the
-/// agent's own changes included: the resync that follows finds them in order and does nothing).
-async fn watch_nftables(resync: Arc<Notify>) {
+/// Notifies `resync` whenever one of `tables` changes in this network namespace (any table when
+/// `None`), the agent's own changes included: the resync that follows finds them in order and
+/// does nothing. `hearing` is true while the announcements are heard; when they are not, the
+/// agent checks on every tick.
+async fn watch_nftables(
+    tables: Option<Vec<TableRef>>,
+    resync: Arc<Notify>,
+    raw_changed: Arc<AtomicBool>,
+    hearing: Arc<AtomicBool>,
+) {
+    let raw: Vec<TableRef> = [libc::NFPROTO_IPV4, libc::NFPROTO_IPV6]
+        .map(|family| TableRef { family: family as u8, name: "raw".to_owned() })
+        .into();
     let mut watch = match crate::dataplane::nftables::ChangeWatch::new() {
         Ok(w) => w,
         Err(e) => {
@@ -508,28 +554,67 @@ async fn watch_nftables(resync: Arc<Notify>) {
             return std::future::pending().await;
         }
     };
+    hearing.store(true, Ordering::Relaxed);
     loop {
-        if let Err(e) = watch.changed().await {
-            warn!(error = %e, "nftables change notifications failed; resyncing on the tick only");
-            return std::future::pending().await;
+        match watch.changed().await {
+            Ok(announced) => {
+                if announced.touches(&raw) {
+                    raw_changed.store(true, Ordering::Relaxed);
+                }
+                if tables.as_ref().is_none_or(|t| announced.touches(t)) {
+                    resync.notify_one();
+                }
+            }
+            Err(e) => {
+                hearing.store(false, Ordering::Relaxed);
+                warn!(error = %e, "nftables change notifications failed; resyncing on the tick only");
+                return std::future::pending().await;
+            }
         }
-        resync.notify_one();
     }
 }
 
 /// Every `period`, looks for NOTRACK rules on the listen addresses that are not the agent's
 /// (node-cache run without `-setupiptables=false` re-inserts its own every 60 s): while they
 /// exist, the `Upstream` route cannot take effect, and only an operator can fix that.
-async fn watch_foreign_rules(addrs: Vec<IpAddr>, period: Duration, tx: mpsc::Sender<Vec<String>>) {
+///
+/// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
+/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`):
+/// `iptables-nft-save` fetches the whole ruleset, about a second with kube-proxy's 50,000 nat
+/// rules. iptables-legacy announces nothing and reads only the tables it lists; it is read
+/// every period.
+async fn watch_foreign_rules(
+    addrs: Vec<IpAddr>,
+    period: Duration,
+    raw_changed: Arc<AtomicBool>,
+    hearing: Arc<AtomicBool>,
+    tx: mpsc::Sender<Vec<String>>,
+) {
+    use crate::detect::{gather_flavour, Facts, Flavour, SaveFacts};
     let mut ticker = tokio::time::interval(period);
+    let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
     loop {
         ticker.tick().await;
+        let changed = raw_changed.swap(false, Ordering::Relaxed);
+        let fresh = nft.as_ref().is_some_and(|(_, _, at)| at.elapsed() < POLL_ANNOUNCED);
+        let reread = changed || !(fresh && hearing.load(Ordering::Relaxed));
         let addrs = addrs.clone();
-        let Ok(facts) =
-            tokio::task::spawn_blocking(move || crate::detect::gather(false, &addrs)).await
+        let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
+            let legacy = gather_flavour(Flavour::Legacy, &addrs);
+            (legacy, reread.then(|| gather_flavour(Flavour::Nft, &addrs)))
+        })
+        .await
         else {
             continue;
         };
+        if let Some((facts, unreadable)) = nft_now {
+            nft = Some((facts, unreadable, Instant::now()));
+        }
+        let Some((nft_facts, nft_unreadable, _)) = &nft else { continue };
+        let (legacy, mut unreadable) = legacy;
+        unreadable.extend(nft_unreadable.iter().cloned());
+        let facts =
+            Facts { kube_proxy_nftables: false, legacy, nft: nft_facts.clone(), unreadable };
         let found = crate::detect::decide(&facts);
         let foreign = found.foreign_notrack.into_iter().map(|rule| {
             format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
@@ -675,9 +760,13 @@ pub async fn run(
         tasks.spawn(watch_cache_sockets(listen.clone(), cache_wakes));
     }
     let nft_changed = Arc::new(Notify::new());
-    tasks.spawn(watch_nftables(nft_changed.clone()));
+    let hearing = Arc::new(AtomicBool::new(false));
+    let tables = agent.announced_tables();
+    let raw_changed = Arc::new(AtomicBool::new(false));
+    tasks.spawn(watch_nftables(tables, nft_changed.clone(), raw_changed.clone(), hearing.clone()));
     let (warn_tx, mut warnings) = mpsc::channel(1);
-    tasks.spawn(watch_foreign_rules(listen, FOREIGN_RULES_PERIOD, warn_tx));
+    let period = FOREIGN_RULES_PERIOD;
+    tasks.spawn(watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx));
     let (control_tx, mut requests) = mpsc::channel(8);
     let dir = cfg.state_dir.clone();
     tasks.spawn(async move {
@@ -723,7 +812,7 @@ pub async fn run(
             _ = resync.tick() => block_in_place(|| {
                 let now = Instant::now();
                 agent.expire(now);
-                agent.resync(now);
+                agent.poll(now, hearing.load(Ordering::Relaxed));
                 drain = drain.take().and_then(|d| d.progress(&mut agent, now));
             }),
             _ = state_tick.tick() => write_state(&agent),
@@ -877,6 +966,32 @@ mod tests {
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert!(!agent.is_dirty());
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
+    }
+
+    #[test]
+    fn ticks_check_an_announced_ruleset_only_as_a_safety_net() {
+        let t0 = Instant::now();
+        let polled = FakeDataplane::default();
+        let announced = FakeDataplane::default();
+        announced.kernel().announces = true;
+        let mut agents = [start(&polled, t0), start(&announced, t0)];
+        let checks = |fake: &FakeDataplane| fake.kernel().checks;
+        let before = [checks(&polled), checks(&announced)];
+        let tick = Duration::from_millis(100);
+        for n in 1..=10 {
+            agents.iter_mut().for_each(|a| a.poll(t0 + tick * n, true));
+        }
+        assert_eq!(checks(&polled) - before[0], 10, "a polled ruleset is checked every tick");
+        assert_eq!(checks(&announced), before[1], "an announced one waits for announcements");
+        // Not heard (the watch failed): every tick again.
+        agents[1].poll(t0 + tick * 11, false);
+        assert_eq!(checks(&announced), before[1] + 1);
+        // Heard, but nothing checked for POLL_ANNOUNCED: checked all the same, and repaired.
+        announced.kernel().installed = None;
+        agents[1].poll(t0 + tick * 11 + POLL_ANNOUNCED / 2, true);
+        assert_eq!(installed(&announced), None);
+        agents[1].poll(t0 + tick * 11 + POLL_ANNOUNCED, true);
+        assert_eq!(installed(&announced), Some(Route::Local));
     }
 
     #[test]

@@ -204,10 +204,17 @@ fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
 /// Looks at this network namespace's netfilter. `kube_proxy_nftables` comes from the nftables
 /// backend's netlink socket.
 pub fn gather(kube_proxy_nftables: bool, addrs: &[IpAddr]) -> Facts {
-    let mut unreadable = Vec::new();
-    let legacy = parse_save(&save_output(Flavour::Legacy, &mut unreadable), addrs);
-    let nft = parse_save(&save_output(Flavour::Nft, &mut unreadable), addrs);
+    let (legacy, mut unreadable) = gather_flavour(Flavour::Legacy, addrs);
+    let (nft, more) = gather_flavour(Flavour::Nft, addrs);
+    unreadable.extend(more);
     Facts { kube_proxy_nftables, legacy, nft, unreadable }
+}
+
+/// What one flavour's save commands show, and those of them that failed.
+pub fn gather_flavour(flavour: Flavour, addrs: &[IpAddr]) -> (SaveFacts, Vec<String>) {
+    let mut unreadable = Vec::new();
+    let facts = parse_save(&save_output(flavour, &mut unreadable), addrs);
+    (facts, unreadable)
 }
 
 #[cfg(test)]

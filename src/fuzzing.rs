@@ -28,8 +28,8 @@ pub fn nftables_netlink(data: &[u8]) {
             };
         }
     }
-    let _ = netlink::announces_change(data, None);
-    let _ = netlink::announces_change(data, Some(1));
+    let _ = netlink::announced(data, None);
+    let _ = netlink::announced(data, Some(1));
 }
 
 /// A sock_diag destroy announcement: at most one closed socket per 16-byte netlink header.

@@ -19,6 +19,7 @@
 //! | `nodelocaldns_ha_probe_duration_seconds` | histogram | `target`, `protocol` |
 //! | `nodelocaldns_ha_dataplane_apply_duration_seconds` | histogram | |
 //! | `nodelocaldns_ha_dataplane_apply_errors_total` | counter | |
+//! | `nodelocaldns_ha_dataplane_check_duration_seconds` | histogram | |
 //! | `nodelocaldns_ha_drift_repairs_total` | counter | |
 //! | `nodelocaldns_ha_override_active` | gauge | `route` |
 //! | `nodelocaldns_ha_transition_hook_runs_total` | counter | `result` |
@@ -163,6 +164,7 @@ pub struct Metrics {
     probe_duration: Family<StreamLabels, Histogram, fn() -> Histogram>,
     apply_duration: Histogram,
     apply_errors: Counter,
+    check_duration: Histogram,
     repairs: Counter,
     override_active: Family<RouteLabels, Gauge>,
     hook_runs: Family<HookLabels, Counter>,
@@ -185,6 +187,7 @@ impl Metrics {
             probe_duration: Family::new_with_constructor(probe_histogram),
             apply_duration: Histogram::new(APPLY_BUCKETS),
             apply_errors: Counter::default(),
+            check_duration: Histogram::new(APPLY_BUCKETS),
             repairs: Counter::default(),
             override_active: Family::default(),
             hook_runs: Family::default(),
@@ -243,6 +246,12 @@ impl Metrics {
             "Attempts to install a ruleset that failed (retried with backoff)",
             self.apply_errors.clone(),
         );
+        r.register_with_unit(
+            "dataplane_check_duration",
+            "Time to read the installed ruleset back and compare it with the route's (drift checks)",
+            Unit::Seconds,
+            self.check_duration.clone(),
+        );
         r.register(
             "drift_repairs",
             "Times the installed ruleset was found changed or removed by someone else and restored",
@@ -290,6 +299,11 @@ impl Metrics {
         if !ok {
             self.apply_errors.inc();
         }
+    }
+
+    /// Records one drift check: the ruleset read back and compared.
+    pub fn check(&self, duration: Duration) {
+        self.check_duration.observe(duration.as_secs_f64());
     }
 
     /// Counts one repair of a ruleset someone else changed or removed.
@@ -452,7 +466,7 @@ mod tests {
         let m = Metrics::new();
         m.transition(Route::Local, Route::Upstream, "cache_refused");
         let s = Scrape::of(&m);
-        assert_eq!(s.types.len(), 9, "{:?}", s.types.keys());
+        assert_eq!(s.types.len(), 10, "{:?}", s.types.keys());
         for name in s.types.keys().chain(s.samples.keys()) {
             assert!(name.starts_with("nodelocaldns_ha_"), "{name}");
         }

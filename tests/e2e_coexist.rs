@@ -278,3 +278,67 @@ fn iptables_nft_drift_is_repaired() {
 fn iptables_legacy_drift_is_repaired() {
     iptables_drift("iptables-legacy");
 }
+
+/// Drift checks the agent has run (`iptables-save` per family each, for the iptables backends).
+fn checks(node: &SimNode) -> u64 {
+    let (_, body) = node.http_get("/metrics");
+    let count = body.lines().find_map(|l| {
+        l.strip_prefix("nodelocaldns_ha_dataplane_check_duration_seconds_count ")
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    });
+    count.unwrap_or_else(|| panic!("no check count in /metrics:\n{body}")) as u64
+}
+
+/// Waits until the agent has sent `n` more cache probes: `n` of its ticks.
+fn ticks(agent: &Agent, n: u64) {
+    let sent = |s: &serde_json::Value| s["probes"]["cache_udp"]["sent"].as_u64();
+    let from = agent.state().as_ref().and_then(sent).expect("state");
+    wait_for(&format!("{n} probes"), Duration::from_secs(10), || {
+        agent.state().as_ref().and_then(sent).filter(|&s| s >= from + n)
+    });
+}
+
+/// iptables-nft's tables are nftables tables, whose every change the kernel announces: the agent
+/// reads them back (two `iptables-nft-save` runs, each fetching its family's whole ruleset: about
+/// a second with kube-proxy's 50,000 nat rules) when one of its own tables changes, not on every
+/// tick and not when kube-proxy rewrites nat.
+#[test]
+fn iptables_nft_is_checked_when_its_tables_change_not_every_tick() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
+    let agent = node.agent(&["--dataplane", "iptables-nft", "--interval", "100ms"]);
+    ticks(&agent, 3);
+    let calm = checks(&node);
+    ticks(&agent, 20);
+    assert_eq!(checks(&node), calm, "checked on the tick although the kernel announces changes");
+
+    // kube-proxy's churn: nat rules come and go.
+    let iptables = |args: &[&str]| {
+        let out = node.run("node", "iptables-nft", args);
+        assert!(out.status.success(), "iptables-nft {args:?}: {}", describe(&out));
+    };
+    iptables(&["-t", "nat", "-N", "KUBE-CHURN"]);
+    for _ in 0..10 {
+        iptables(&["-t", "nat", "-A", "KUBE-CHURN", "-d", "10.96.7.7/32", "-j", "RETURN"]);
+        iptables(&["-t", "nat", "-F", "KUBE-CHURN"]);
+    }
+    ticks(&agent, 5);
+    assert_eq!(checks(&node), calm, "kube-proxy's nat changes made the agent read raw back");
+
+    // A change to the agent's raw table is heard and repaired.
+    iptables(&["-t", "raw", "-I", "PREROUTING", "-d", "10.96.0.10/32", "-j", "ACCEPT"]);
+    agent.wait_repairs(1, Duration::from_secs(1));
+    assert!(checks(&node) > calm);
+}
+
+/// iptables-legacy announces nothing: its tables are read back on every tick (cheap: legacy
+/// reads one table from the kernel).
+#[test]
+fn iptables_legacy_is_checked_every_tick() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let agent = node.agent(&["--dataplane", "iptables-legacy", "--interval", "100ms"]);
+    ticks(&agent, 3);
+    let before = checks(&node);
+    ticks(&agent, 20);
+    let after = checks(&node);
+    assert!(after >= before + 10, "{} checks in 20 ticks", after - before);
+}

@@ -19,6 +19,10 @@ pub struct FakeKernel {
     pub fail_next_apply: bool,
     /// How many `apply` calls succeeded.
     pub applies: usize,
+    /// How many `check` calls ran.
+    pub checks: usize,
+    /// Whether the fake's changes are announced, like an nftables table's.
+    pub announces: bool,
 }
 
 /// In-memory dataplane; clones share one fake kernel.
@@ -55,11 +59,17 @@ impl Dataplane for FakeDataplane {
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
+        self.kernel().checks += 1;
         Ok(match &self.kernel().installed {
             None => Check::Missing,
             Some(installed) if installed == rules => Check::Matches,
             Some(_) => Check::Differs("installed ruleset differs".to_owned()),
         })
+    }
+
+    fn announced_tables(&self) -> Option<Vec<super::nftables::TableRef>> {
+        let announces = self.0.borrow().announces;
+        announces.then(|| vec![super::nftables::TableRef { family: 1, name: "fake".to_owned() }])
     }
 
     fn remove(&mut self) -> Result<(), Error> {

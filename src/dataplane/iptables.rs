@@ -35,6 +35,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::Duration;
 
+use super::nftables::TableRef;
 use super::{Check, Dataplane};
 use crate::detect::Flavour;
 use crate::ruleset::RuleSet;
@@ -415,6 +416,17 @@ impl Dataplane for Iptables {
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, super::Error> {
         Ok(self.check_families(rules)?)
+    }
+
+    /// iptables-nft keeps each family's table as the nftables table of the same name
+    /// (`ip raw`, `ip6 raw`, …); iptables-legacy's tables announce nothing.
+    fn announced_tables(&self) -> Option<Vec<TableRef>> {
+        (self.variant == Variant::Nft).then(|| {
+            Family::ALL
+                .iter()
+                .map(|f| TableRef { family: f.nfproto(), name: self.table.as_str().to_owned() })
+                .collect()
+        })
     }
 
     fn remove(&mut self) -> Result<(), super::Error> {

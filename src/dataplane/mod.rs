@@ -57,6 +57,13 @@ pub trait Dataplane {
     fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
         Ok(None)
     }
+    /// The nftables tables [`Dataplane::check`] reads, when they are all it reads: the kernel
+    /// announces every change to them, so the agent checks when one is announced instead of on
+    /// every tick. `None` (the default) when a check must be polled: iptables-legacy's tables
+    /// announce nothing.
+    fn announced_tables(&self) -> Option<Vec<nftables::TableRef>> {
+        None
+    }
 }
 
 /// The comment of the rules that count the cache's replies from the cluster-DNS IP.
@@ -143,6 +150,14 @@ impl Dataplane for Layered {
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
         self.switch.apply(rules)?;
         self.accepts.iter_mut().try_for_each(|d| d.apply(rules))
+    }
+
+    fn announced_tables(&self) -> Option<Vec<nftables::TableRef>> {
+        let mut all = Vec::new();
+        for part in std::iter::once(&self.switch).chain(&self.accepts) {
+            all.extend(part.announced_tables()?);
+        }
+        Some(all)
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {

@@ -40,7 +40,7 @@ use crate::ruleset::{self, Hook, RuleSet};
 use expr::{rule_expressions, Found};
 use netlink::{Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST};
 
-pub use netlink::ParseError;
+pub use netlink::{Announced, ParseError, TableRef};
 
 /// [`ruleset::TABLE`] for nftnl.
 const TABLE_NAME: &CStr = c"nodelocaldns-ha";
@@ -536,6 +536,10 @@ impl Dataplane for Nftables {
         "nftables"
     }
 
+    fn announced_tables(&self) -> Option<Vec<TableRef>> {
+        Some(vec![TableRef { family: FAMILY, name: ruleset::TABLE.to_owned() }])
+    }
+
     fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
         self.replace(rules)?;
         match self.check_table(rules)? {
@@ -734,22 +738,20 @@ impl ChangeWatch {
         })
     }
 
-    /// Returns once a change has been announced, after reading every announcement pending.
+    /// Returns once a change has been announced, after reading every announcement pending: the
+    /// tables changed.
     ///
-    /// A lost announcement (the socket's buffer overflowed, `ENOBUFS`) counts as a change.
+    /// Lost announcements (the socket's buffer overflowed, `ENOBUFS`) make it `unknown`.
     /// Cancel-safe: dropping the future loses nothing that a later call would report.
-    pub async fn changed(&mut self) -> Result<(), Error> {
+    pub async fn changed(&mut self) -> Result<Announced, Error> {
         let ChangeWatch { socket: fd, ignore_portid, buf } = self;
+        let mut announced = Announced::default();
         loop {
             let mut ready = fd.readable().await.map_err(Error::Watch)?;
-            let mut changed = false;
             loop {
                 match socket::recv(fd.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
-                    Ok(len) => {
-                        let len = len.min(buf.len());
-                        changed |= netlink::announces_change(&buf[..len], *ignore_portid);
-                    }
-                    Err(Errno::ENOBUFS) => changed = true,
+                    Ok(len) => announced.add(&buf[..len.min(buf.len())], *ignore_portid),
+                    Err(Errno::ENOBUFS) => announced.unknown = true,
                     Err(Errno::EINTR) => {}
                     Err(Errno::EAGAIN) => {
                         ready.clear_ready();
@@ -758,8 +760,8 @@ impl ChangeWatch {
                     Err(e) => return Err(Error::Watch(e.into())),
                 }
             }
-            if changed {
-                return Ok(());
+            if announced.any() {
+                return Ok(announced);
             }
         }
     }

@@ -33,6 +33,14 @@ impl Family {
         }
     }
 
+    /// `NFPROTO_IPV4` or `NFPROTO_IPV6`: the family of iptables-nft's nftables tables.
+    pub(super) fn nfproto(self) -> u8 {
+        match self {
+            Family::V4 => libc::NFPROTO_IPV4 as u8,
+            Family::V6 => libc::NFPROTO_IPV6 as u8,
+        }
+    }
+
     /// `IPv4` or `IPv6`, for messages.
     pub(super) fn label(self) -> &'static str {
         match self {

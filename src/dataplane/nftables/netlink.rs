@@ -493,13 +493,77 @@ pub fn request(msg: u16, flags: u16, seq: u32, family: u8, attrs: &[(u16, &[u8])
     buf
 }
 
-/// Whether `buf` (as received on the `NFNLGRP_NFTABLES` group) announces a change made by any
-/// socket but `ignore_portid`. Unreadable input counts as a change.
-pub fn announces_change(buf: &[u8], ignore_portid: Option<u32>) -> bool {
-    messages(buf).any(|message| match message {
-        Err(_) => true,
-        Ok(message) => message.nft_type().is_some() && Some(message.portid) != ignore_portid,
-    })
+/// `NFT_MSG_NEWGEN`: the end of a batch; it names no table (the batch's other messages do).
+const NFT_MSG_NEWGEN: u16 = 16;
+
+/// An nftables table as change announcements name it: its family (`NFPROTO_*`) and name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TableRef {
+    pub family: u8,
+    pub name: String,
+}
+
+/// What change announcements said, merged over any number of reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Announced {
+    /// The tables changed, each once, sorted.
+    pub tables: Vec<TableRef>,
+    /// Something changed that could not be read (or announcements were lost): any table may
+    /// have changed.
+    pub unknown: bool,
+}
+
+impl Announced {
+    /// Whether anything was announced.
+    pub fn any(&self) -> bool {
+        self.unknown || !self.tables.is_empty()
+    }
+
+    /// Whether a change to one of `tables` may have been announced.
+    pub fn touches(&self, tables: &[TableRef]) -> bool {
+        self.unknown || self.tables.iter().any(|t| tables.contains(t))
+    }
+
+    /// Adds what `buf` (as received on the `NFNLGRP_NFTABLES` group) announces of the changes
+    /// made by any socket but `ignore_portid`. Every nf_tables change message (of a table, a
+    /// chain, a rule, a set, an object, …) carries its table's name as attribute 1; a message
+    /// that cannot be read makes the announcement `unknown`.
+    pub fn add(&mut self, buf: &[u8], ignore_portid: Option<u32>) {
+        for message in messages(buf) {
+            let Ok(message) = message else {
+                self.unknown = true;
+                return;
+            };
+            let Some(kind) = message.nft_type() else { continue };
+            if kind == NFT_MSG_NEWGEN || Some(message.portid) == ignore_portid {
+                continue;
+            }
+            let family = message.payload.first().copied();
+            let name = message.nft_body().ok().and_then(|(_, attrs)| {
+                attributes(attrs)
+                    .map_while(Result::ok)
+                    .find(|a| a.kind == 1)
+                    .map(|a| string(a.value))
+            });
+            match (family, name) {
+                (Some(family), Some(name)) => {
+                    let table = TableRef { family, name };
+                    if let Err(at) = self.tables.binary_search(&table) {
+                        self.tables.insert(at, table);
+                    }
+                }
+                _ => self.unknown = true,
+            }
+        }
+    }
+}
+
+/// What `buf` announces (see [`Announced::add`]).
+#[cfg(any(test, fuzzing))]
+pub fn announced(buf: &[u8], ignore_portid: Option<u32>) -> Announced {
+    let mut out = Announced::default();
+    out.add(buf, ignore_portid);
+    out
 }
 
 #[cfg(test)]
@@ -629,7 +693,7 @@ mod tests {
             let _ = parse_rule(&buf);
             let _ = parse_expr("cmp", &buf);
             let _ = parse_comment(&buf);
-            let _ = announces_change(&buf, Some(1));
+            let _ = announced(&buf, Some(1));
         }
     }
 
@@ -741,13 +805,30 @@ mod tests {
 
     #[test]
     fn change_announcements() {
-        let newtable = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE;
-        let ours = message(newtable, 0, 1, 4242, &[1, 0, 0, 0]);
-        let theirs = message(newtable, 0, 1, 99, &[1, 0, 0, 0]);
-        assert!(!announces_change(&ours, Some(4242)));
-        assert!(announces_change(&ours, None));
-        assert!(announces_change(&[ours.clone(), theirs].concat(), Some(4242)));
-        assert!(announces_change(&ours[..10], Some(4242)));
-        assert!(!announces_change(&[], None));
+        let kind = |msg| (NFNL_SUBSYS_NFTABLES << 8) | msg;
+        let body = |family: u8, table: &[u8]| [vec![family, 0, 0, 0], attr(1, table)].concat();
+        let ours = message(kind(NFT_MSG_NEWTABLE), 0, 1, 4242, &body(1, b"ours\0"));
+        let theirs = message(kind(NFT_MSG_NEWRULE), 0, 1, 99, &body(2, b"raw\0"));
+        let again = message(kind(NFT_MSG_NEWCHAIN), 0, 1, 99, &body(2, b"raw\0"));
+        let ip6 = message(kind(NFT_MSG_NEWRULE), 0, 1, 99, &body(10, b"raw\0"));
+        let generation = message(kind(NFT_MSG_NEWGEN), 0, 1, 99, &[0, 0, 0, 0]);
+        let raw = |family| TableRef { family, name: "raw".to_owned() };
+        let ours_ref = TableRef { family: 1, name: "ours".to_owned() };
+
+        assert!(!announced(&ours, Some(4242)).any());
+        assert_eq!(announced(&ours, None).tables, std::slice::from_ref(&ours_ref));
+        let all = [ours.clone(), ip6, theirs.clone(), again, generation.clone()].concat();
+        let seen = announced(&all, Some(4242));
+        assert_eq!(seen, Announced { tables: vec![raw(2), raw(10)], unknown: false });
+        assert!(seen.touches(&[raw(10)]));
+        assert!(!seen.touches(&[ours_ref.clone(), raw(7)]));
+        // A batch's end names no table and is not a change by itself.
+        assert!(!announced(&generation, None).any());
+        // Unreadable: anything may have changed.
+        let cut = announced(&theirs[..10], Some(4242));
+        assert!(cut.unknown && cut.touches(std::slice::from_ref(&ours_ref)));
+        let nameless = message(kind(NFT_MSG_NEWRULE), 0, 1, 99, &[2, 0, 0, 0]);
+        assert!(announced(&nameless, None).unknown);
+        assert!(!announced(&[], None).any());
     }
 }
