@@ -155,6 +155,7 @@ fn metrics_and_health_endpoints() {
         "nodelocaldns_ha_probe_duration_seconds",
         "nodelocaldns_ha_dataplane_apply_duration_seconds",
         "nodelocaldns_ha_dataplane_apply_errors_total",
+        "nodelocaldns_ha_dataplane_check_duration_seconds",
         "nodelocaldns_ha_drift_repairs_total",
         "nodelocaldns_ha_override_active",
         "nodelocaldns_ha_transition_hook_runs_total",
