@@ -24,12 +24,12 @@ mod support;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, SimNode, CACHE_ANSWER,
+    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
     CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD,
 };
 
@@ -71,24 +71,6 @@ impl NetnsEtc {
 impl Drop for NetnsEtc {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A child process killed (by pid) on drop.
-struct Proc(Option<Child>);
-
-impl Proc {
-    fn wait(mut self) -> std::process::ExitStatus {
-        self.0.take().expect("running").wait().expect("wait")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
@@ -324,7 +306,7 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
         }
     };
     cmd.stdout(std::fs::File::create(&stdout_path).expect("stdout file")).stderr(Stdio::inherit());
-    let load = Proc(Some(cmd.spawn().expect("spawn dnsload")));
+    let load = Proc::spawn(&mut cmd);
     let started = now_ms();
 
     sleep_until_ms(started + PRE_MS);
@@ -345,8 +327,7 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
 
     let stdout = std::fs::read_to_string(&stdout_path).expect("dnsload stdout");
     let summary = summary_of(stdout.lines());
-    let start_unix = summary["start_unix_ms"].as_u64().expect("start_unix_ms") as f64;
-    let lookups = read_lookups(&lookups_path, start_unix);
+    let lookups = read_lookups(&lookups_path, &summary);
     FaultRun { fault, fault_at, recovered_at, lookups, summary, client }
 }
 

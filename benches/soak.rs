@@ -39,13 +39,13 @@ mod support;
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::process::{Child, ExitCode, Stdio};
+use std::process::{ExitCode, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, SimNode, CACHE_ANSWER,
+    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
     CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD, LOCAL_IP, UPSTREAM_IP,
 };
 
@@ -96,28 +96,6 @@ fn poll<T>(deadline: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
             return None;
         }
         std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
-/// A child process killed (by pid) on drop.
-struct Proc(Option<Child>);
-
-impl Proc {
-    fn pid(&self) -> u32 {
-        self.0.as_ref().expect("running").id()
-    }
-
-    fn wait(mut self) -> std::process::ExitStatus {
-        self.0.take().expect("running").wait().expect("wait")
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.0.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
     }
 }
 
@@ -659,7 +637,7 @@ fn run(s: &Settings) -> Run {
         .arg(&lookups_path)
         .stdout(std::fs::File::create(&stdout_path).expect("stdout file"))
         .stderr(Stdio::inherit());
-    let load = Proc(Some(cmd.spawn().expect("spawn dnsload")));
+    let load = Proc::spawn(&mut cmd);
     // `ip netns exec` execs dnsload: the child's pid is dnsload's.
     let load_pid = load.pid();
     let load_started = now_ms();
@@ -698,8 +676,7 @@ fn run(s: &Settings) -> Run {
 
     let stdout = std::fs::read_to_string(&stdout_path).expect("dnsload stdout");
     let summary = summary_of(stdout.lines());
-    let start_unix = summary["start_unix_ms"].as_u64().expect("start_unix_ms") as f64;
-    let lookups = read_lookups(&lookups_path, start_unix);
+    let lookups = read_lookups(&lookups_path, &summary);
     let settings_json = json!({
         "minutes": s.duration_ms as f64 / 60_000.0,
         "rate_per_s": s.rate,

@@ -253,7 +253,7 @@ impl SimNode {
                 }
             }
         });
-        Load { child: Some(child), lines: rx, seen: Vec::new(), lookups }
+        Load { child: Proc(Some(child)), lines: rx, seen: Vec::new(), lookups }
     }
 }
 
@@ -358,9 +358,35 @@ impl Drop for Agent {
     }
 }
 
+/// A child process, killed (by pid) and reaped on drop.
+pub struct Proc(Option<Child>);
+
+impl Proc {
+    pub fn spawn(cmd: &mut Command) -> Proc {
+        Proc(Some(cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"))))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+
+    pub fn wait(mut self) -> std::process::ExitStatus {
+        self.0.take().expect("running").wait().expect("wait")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// A running `dnsload`; its timeline lines are collected as they come.
 pub struct Load {
-    child: Option<Child>,
+    child: Proc,
     lines: mpsc::Receiver<String>,
     pub seen: Vec<String>,
     /// Where dnsload writes every lookup (`--lookups-out`), complete once it exits.
@@ -388,7 +414,7 @@ impl Load {
 
     /// Waits for the client to finish and returns its summary.
     pub fn finish(mut self) -> Value {
-        let status = self.child.take().expect("running").wait().expect("wait dnsload");
+        let status = self.child.wait();
         assert!(status.success(), "dnsload failed: {status}");
         while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
             self.seen.push(line);
@@ -400,18 +426,8 @@ impl Load {
     pub fn finish_recorded(self) -> (Value, Vec<Lookup>) {
         let path = self.lookups.clone();
         let summary = self.finish();
-        let start = summary["start_unix_ms"].as_f64().expect("start_unix_ms");
-        let lookups = read_lookups(&path, start);
+        let lookups = read_lookups(&path, &summary);
         (summary, lookups)
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
     }
 }
 
@@ -497,10 +513,8 @@ impl Load {
     /// Stops a client started with a long `--duration` (SIGINT: it starts no more lookups and
     /// waits for those in flight) and returns its summary.
     pub fn interrupt(self) -> Value {
-        if let Some(child) = &self.child {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
-        }
+        let pid = nix::unistd::Pid::from_raw(self.child.pid() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
         self.finish()
     }
 }
@@ -542,8 +556,10 @@ impl Lookup {
 }
 
 /// The lookups dnsload wrote to `path` (in the order they completed: `START_MS LATENCY_MS
-/// ORIGIN FAILED_ATTEMPTS`, the start relative to `start_unix_ms`), in the order they started.
-pub fn read_lookups(path: &Path, start_unix_ms: f64) -> Vec<Lookup> {
+/// ORIGIN FAILED_ATTEMPTS`, the start relative to the `start_unix_ms` of its `summary`), in the
+/// order they started.
+pub fn read_lookups(path: &Path, summary: &Value) -> Vec<Lookup> {
+    let start_unix_ms = summary["start_unix_ms"].as_f64().expect("start_unix_ms");
     let file = std::fs::File::open(path).expect("dnsload's lookups file");
     let mut lookups: Vec<Lookup> = BufReader::new(file)
         .lines()
