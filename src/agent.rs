@@ -544,9 +544,7 @@ async fn watch_nftables(
     raw_changed: Arc<AtomicBool>,
     hearing: Arc<AtomicBool>,
 ) {
-    let raw: Vec<TableRef> = [libc::NFPROTO_IPV4, libc::NFPROTO_IPV6]
-        .map(|family| TableRef { family: family as u8, name: "raw".to_owned() })
-        .into();
+    let raw = dataplane::iptables::Table::Raw.nft_tables();
     let mut watch = match crate::dataplane::nftables::ChangeWatch::new() {
         Ok(w) => w,
         Err(e) => {

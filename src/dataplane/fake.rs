@@ -68,8 +68,9 @@ impl Dataplane for FakeDataplane {
     }
 
     fn announced_tables(&self) -> Option<Vec<super::nftables::TableRef>> {
-        let announces = self.0.borrow().announces;
-        announces.then(|| vec![super::nftables::TableRef { family: 1, name: "fake".to_owned() }])
+        self.kernel()
+            .announces
+            .then(|| vec![super::nftables::TableRef { family: 1, name: "fake".to_owned() }])
     }
 
     fn remove(&mut self) -> Result<(), Error> {

@@ -99,6 +99,13 @@ impl Table {
         }
     }
 
+    /// The nftables tables iptables-nft keeps this table in: one per family, of the same name
+    /// (`ip raw` and `ip6 raw`, …).
+    pub fn nft_tables(self) -> Vec<TableRef> {
+        let name = self.as_str();
+        Family::ALL.map(|f| TableRef { family: f.nfproto(), name: name.to_owned() }).into()
+    }
+
     /// The built-in chains the agent jumps from, and its chains: the first for
     /// prerouting/input, the second for output.
     fn hooks(self) -> [Hooked; 2] {
@@ -418,15 +425,9 @@ impl Dataplane for Iptables {
         Ok(self.check_families(rules)?)
     }
 
-    /// iptables-nft keeps each family's table as the nftables table of the same name
-    /// (`ip raw`, `ip6 raw`, …); iptables-legacy's tables announce nothing.
+    /// iptables-legacy's tables announce nothing.
     fn announced_tables(&self) -> Option<Vec<TableRef>> {
-        (self.variant == Variant::Nft).then(|| {
-            Family::ALL
-                .iter()
-                .map(|f| TableRef { family: f.nfproto(), name: self.table.as_str().to_owned() })
-                .collect()
-        })
+        (self.variant == Variant::Nft).then(|| self.table.nft_tables())
     }
 
     fn remove(&mut self) -> Result<(), super::Error> {

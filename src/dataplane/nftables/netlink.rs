@@ -495,6 +495,9 @@ pub fn request(msg: u16, flags: u16, seq: u32, family: u8, attrs: &[(u16, &[u8])
 
 /// `NFT_MSG_NEWGEN`: the end of a batch; it names no table (the batch's other messages do).
 const NFT_MSG_NEWGEN: u16 = 16;
+/// The table's name in every object's message: `NFTA_TABLE_NAME`, `NFTA_CHAIN_TABLE`,
+/// `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, … are all attribute 1.
+const OBJECT_TABLE: u16 = table::NAME;
 
 /// An nftables table as change announcements name it: its family (`NFPROTO_*`) and name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -526,8 +529,8 @@ impl Announced {
 
     /// Adds what `buf` (as received on the `NFNLGRP_NFTABLES` group) announces of the changes
     /// made by any socket but `ignore_portid`. Every nf_tables change message (of a table, a
-    /// chain, a rule, a set, an object, …) carries its table's name as attribute 1; a message
-    /// that cannot be read makes the announcement `unknown`.
+    /// chain, a rule, a set, an object, …) carries its table's name ([`OBJECT_TABLE`]); a
+    /// message that cannot be read makes the announcement `unknown`.
     pub fn add(&mut self, buf: &[u8], ignore_portid: Option<u32>) {
         for message in messages(buf) {
             let Ok(message) = message else {
@@ -542,7 +545,7 @@ impl Announced {
             let name = message.nft_body().ok().and_then(|(_, attrs)| {
                 attributes(attrs)
                     .map_while(Result::ok)
-                    .find(|a| a.kind == 1)
+                    .find(|a| a.kind == OBJECT_TABLE)
                     .map(|a| string(a.value))
             });
             match (family, name) {
