@@ -744,9 +744,7 @@ fn node_cache_teardown(plane: Plane, node_cache: NodeCache) {
     let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
     for load in [&mut pod, &mut host] {
-        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0)
-        });
+        load.wait_cache_answers();
     }
 
     // The teardown: the interface, then node-cache's rules, with unbound running; then it exits.

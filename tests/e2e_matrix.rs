@@ -87,9 +87,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let mut pod = node.load("pod1", server, &args);
     let mut host = node.load("node", server, &args);
     for load in [&mut pod, &mut host] {
-        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0)
-        });
+        load.wait_cache_answers();
     }
 
     let killed_at = node.signal("cache-kill");

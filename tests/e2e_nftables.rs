@@ -23,9 +23,7 @@ fn cache_sigkill_loses_no_pod_lookup() {
         POD_SERVER,
         &["--rate", "500", "--duration", "8s", "--report-interval", "250ms"],
     );
-    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0)
-    });
+    load.wait_cache_answers();
 
     let killed_at = node.signal("cache-kill");
     let upstream = agent.wait_route("upstream", Duration::from_secs(5));
@@ -73,9 +71,7 @@ fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     let mut pod = node.load("pod1", POD_SERVER, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
     for load in [&mut pod, &mut host] {
-        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0)
-        });
+        load.wait_cache_answers();
     }
     let stopped_at = node.signal("cache-stop");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
@@ -184,9 +180,7 @@ fn host_network_client_fails_over_on_sigkill_at_once() {
         CLUSTER_DNS_IP,
         &["--rate", "500", "--duration", "5s", "--report-interval", "250ms"],
     );
-    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0)
-    });
+    load.wait_cache_answers();
     let killed_at = node.signal("cache-kill");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
     let switch_ms = up["since_unix_ms"].as_u64().unwrap();
@@ -258,9 +252,7 @@ fn dual_stack_pods_survive_sigkill() {
     v6_args.extend(["--qtype", "AAAA"]);
     let mut v6 = node.load("pod2", "[fd00:96::10]:53", &v6_args);
     for load in [&mut v4, &mut v6] {
-        load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0)
-        });
+        load.wait_cache_answers();
     }
     node.script(&["cache-kill"]);
     agent.wait_route("upstream", Duration::from_secs(5));

@@ -105,9 +105,7 @@ fn drain_makes_a_rolling_update_lossless() {
         CLUSTER_DNS_IP,
         &["--rate", "500", "--duration", "7s", "--report-interval", "250ms"],
     );
-    load.wait_line("answers from the cache", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0)
-    });
+    load.wait_cache_answers();
     let out = node.cli(&["drain", "--timeout", "5s", "--state-dir", &dir]);
     assert!(out.status.success(), "{}", describe(&out));
     let said = String::from_utf8_lossy(&out.stdout);

@@ -412,6 +412,13 @@ impl Load {
         }
     }
 
+    /// Waits (5 s at most) for a timeline line with answers from the cache.
+    pub fn wait_cache_answers(&mut self) {
+        self.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0)
+        });
+    }
+
     /// Waits for the client to finish and returns its summary.
     pub fn finish(mut self) -> Value {
         let status = self.child.wait();
