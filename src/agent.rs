@@ -38,9 +38,6 @@ use crate::{control, maintenance};
 /// What can stop the agent.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
-    /// The first install failed: the agent cannot do its job on this node.
-    #[error("installing the initial ruleset failed: {0}")]
-    Install(#[source] dataplane::Error),
     /// The state directory cannot be created.
     #[error("cannot create the state directory {}: {source} (set --state-dir to a writable directory)", .path.display())]
     StateDir {
@@ -145,22 +142,54 @@ impl Agent {
     ///
     /// A recorded override (`forced`) decides the first route instead, so a restart under an
     /// override never passes through another route.
+    ///
+    /// A start never fails on the dataplane: when the `Local` ruleset cannot be installed (the
+    /// xtables lock held by kube-proxy for seconds, say), the agent starts on `Upstream`, the
+    /// route that needs nothing of the cache, says why in `last_error`, and earns `Local` back
+    /// through its probes like after any failover; when even that cannot be installed, it
+    /// retries with backoff. Exiting instead would leave the node as the failure left it, on
+    /// every restart of a crash loop.
     pub fn start(
         cfg: &AgentConfig,
         mut dataplane: Box<dyn Dataplane>,
         metrics: Arc<Metrics>,
         forced: Option<Forced>,
         now: Instant,
-    ) -> Result<Agent, AgentError> {
+    ) -> Agent {
         let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.shape)
-            .map_err(AgentError::Install)?;
-        let route = forced.as_ref().map(|f| f.route).or(installed).unwrap_or(Route::Local);
+            .unwrap_or_else(|e| {
+                warn!(error = %e, "reading back the installed ruleset failed; installing afresh");
+                None
+            });
+        let forced_route = forced.as_ref().map(|f| f.route);
+        let mut route = forced_route.or(installed).unwrap_or(Route::Local);
+        let mut desired = dataplane::plan(&cfg.addrs, route, cfg.shape);
+        let (mut failed, mut dirty) = (None, false);
+        if installed != Some(route) {
+            if let Err(e) = dataplane.apply(&desired) {
+                dirty = true;
+                failed = Some(e.to_string());
+                if route == Route::Local && forced_route.is_none() {
+                    warn!(error = %e, "installing the local ruleset failed; starting on upstream");
+                    route = Route::Upstream;
+                    desired = dataplane::plan(&cfg.addrs, route, cfg.shape);
+                    let upstream = dataplane.apply(&desired);
+                    dirty = upstream.is_err();
+                    failed = Some(match upstream {
+                        Ok(()) => format!(
+                            "installing the local ruleset at start failed: {e}; on upstream until \
+                             the cache earns it back"
+                        ),
+                        Err(again) => format!(
+                            "installing the local ruleset at start failed: {e}; the upstream \
+                             ruleset too: {again}"
+                        ),
+                    });
+                }
+            }
+        }
         metrics.set_route(route);
         metrics.set_override(forced.as_ref().map(|f| f.route));
-        let desired = dataplane::plan(&cfg.addrs, route, cfg.shape);
-        if installed != Some(route) {
-            dataplane.apply(&desired).map_err(AgentError::Install)?;
-        }
         let mut machine = Machine::new(cfg.thresholds, route, now);
         if let Some(forced) = forced {
             info!(route = %forced.route, kind = ?forced.kind, why = %forced.why, "recorded override");
@@ -168,7 +197,7 @@ impl Agent {
         }
         info!(
             route = %route,
-            adopted = installed.is_some(),
+            adopted = installed == Some(route),
             dataplane = dataplane.name(),
             "started"
         );
@@ -177,7 +206,7 @@ impl Agent {
             target: target.to_string(),
             ..ProbeStats::default()
         };
-        Ok(Agent {
+        let mut agent = Agent {
             addrs: cfg.addrs.clone(),
             shape: cfg.shape,
             machine,
@@ -191,7 +220,7 @@ impl Agent {
             checked_at: Some(now),
             transitions: 0,
             repairs: 0,
-            last_error: None,
+            last_error: failed,
             probes: Probes {
                 cache_udp: stats(cfg.cache_target()),
                 cache_tcp: cfg.cache_tcp.map(|_| stats(cfg.cache_target())),
@@ -201,7 +230,11 @@ impl Agent {
             warnings: Vec::new(),
             metrics,
             changes: Vec::new(),
-        })
+        };
+        if dirty {
+            agent.failed_apply(now);
+        }
+        agent
     }
 
     pub fn route(&self) -> Route {
@@ -405,17 +438,21 @@ impl Agent {
                 self.last_error = None;
             }
             Err(e) => {
-                self.apply_failures += 1;
-                let backoff = self
-                    .tick
-                    .saturating_mul(1 << self.apply_failures.min(16))
-                    .min(Duration::from_secs(5));
-                error!(route = %self.route(), error = %e, retry_in = ?backoff, "applying the ruleset failed");
-                self.dirty = true;
-                self.not_before = Some(now + backoff);
                 self.last_error = Some(e.to_string());
+                self.failed_apply(now);
             }
         }
+    }
+
+    /// Schedules the retry of a failed apply: one tick, doubling, at most 5 s.
+    fn failed_apply(&mut self, now: Instant) {
+        self.apply_failures += 1;
+        let backoff =
+            self.tick.saturating_mul(1 << self.apply_failures.min(16)).min(Duration::from_secs(5));
+        let error = self.last_error.as_deref().unwrap_or("unknown");
+        error!(route = %self.route(), error, retry_in = ?backoff, "applying the ruleset failed");
+        self.dirty = true;
+        self.not_before = Some(now + backoff);
     }
 
     /// Records what detection found, for `status`.
@@ -710,8 +747,11 @@ pub async fn run(
         }
     };
     let mut agent =
-        block_in_place(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, Instant::now()))?;
-    health.set_ready();
+        block_in_place(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, Instant::now()));
+    // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
+    if !agent.is_dirty() {
+        health.set_ready();
+    }
     agent.set_notes(notes);
     let write_state = |agent: &Agent| {
         if let Err(e) =
@@ -840,6 +880,9 @@ pub async fn run(
                 Err(_) => {}
             }
         }
+        if !health.ready() && !agent.is_dirty() {
+            health.set_ready();
+        }
         let changes = agent.take_changes();
         if !changes.is_empty() {
             write_state(&agent);
@@ -886,7 +929,7 @@ mod tests {
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
-        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, t0).unwrap()
+        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, t0)
     }
 
     #[test]
@@ -917,7 +960,7 @@ mod tests {
         };
         let metrics = Arc::new(Metrics::new());
         let mut agent =
-            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0).unwrap();
+            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0);
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert_eq!(fake.kernel().applies, 1);
         assert!(agent.take_changes().is_empty(), "no transition through another route");
@@ -930,6 +973,44 @@ mod tests {
             );
         }
         assert_eq!(agent.route(), Route::Upstream);
+    }
+
+    #[test]
+    fn a_failed_local_install_at_start_falls_back_to_upstream() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        fake.kernel().fail_next_apply = true;
+        let mut agent = start(&fake, t0);
+        // The agent runs on, on the route that needs nothing of the cache.
+        assert_eq!(agent.route(), Route::Upstream);
+        assert_eq!(installed(&fake), Some(Route::Upstream));
+        assert!(!agent.is_dirty());
+        let st = agent.state(t0, SystemTime::now());
+        assert!(st.last_error.as_deref().is_some_and(|e| e.contains("local ruleset")), "{st:?}");
+        // The cache earns Local back like after any failover: rise good probes and min-hold.
+        let good = report(Stream::CacheUdp, Outcome::Answered { rcode: crate::probe::Rcode(0) });
+        let thresholds = cfg().thresholds;
+        for i in 0..thresholds.rise {
+            agent.on_probe(&good, t0 + thresholds.min_hold + Duration::from_millis(u64::from(i)));
+        }
+        assert_eq!(agent.route(), Route::Local);
+        assert_eq!(installed(&fake), Some(Route::Local));
+        assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
+    }
+
+    #[test]
+    fn a_start_that_can_install_nothing_retries_instead_of_exiting() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        fake.kernel().fail_applies = 2;
+        let mut agent = start(&fake, t0);
+        assert_eq!(agent.route(), Route::Upstream);
+        assert!(agent.is_dirty());
+        assert_eq!(installed(&fake), None, "nothing of the agent's: pods go through the DNAT");
+        let retry = agent.resync_due().expect("a retry is scheduled");
+        agent.resync(retry);
+        assert!(!agent.is_dirty());
+        assert_eq!(installed(&fake), Some(Route::Upstream));
     }
 
     #[test]

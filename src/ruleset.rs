@@ -275,6 +275,15 @@ impl RuleSet {
         self
     }
 
+    /// Whether pods' queries to the cluster-DNS IP are NOTRACKed to the cache: the `Local`
+    /// route's ruleset. (Those are the only guarded rules; `Upstream` has none.) Such a ruleset
+    /// must never be in the kernel without its ACCEPTs: on a host whose firewall rejects what
+    /// it has not accepted, NOTRACKed queries would meet the REJECT instead of kube-proxy's
+    /// DNAT.
+    pub fn steers_to_cache(&self) -> bool {
+        self.rules().any(|(chain, rule)| chain.hook == Hook::Prerouting && rule.guard != Guard::None)
+    }
+
     /// Every rule, with the chain it belongs to.
     pub fn rules(&self) -> impl Iterator<Item = (&Chain, &Rule)> {
         self.chains.iter().flat_map(|chain| chain.rules.iter().map(move |rule| (chain, rule)))

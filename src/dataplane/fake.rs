@@ -17,6 +17,8 @@ pub struct FakeKernel {
     pub installed: Option<RuleSet>,
     /// When set, the next `apply` fails and changes nothing.
     pub fail_next_apply: bool,
+    /// So many `apply` calls fail (after `fail_next_apply`), changing nothing.
+    pub fail_applies: usize,
     /// How many `apply` calls succeeded.
     pub applies: usize,
     /// How many `check` calls ran.
@@ -51,6 +53,10 @@ impl Dataplane for FakeDataplane {
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
         let mut kernel = self.kernel();
         if std::mem::take(&mut kernel.fail_next_apply) {
+            return Err(Error::Injected("apply"));
+        }
+        if kernel.fail_applies > 0 {
+            kernel.fail_applies -= 1;
             return Err(Error::Injected("apply"));
         }
         kernel.installed = Some(rules.clone());

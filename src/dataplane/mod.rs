@@ -112,8 +112,14 @@ pub fn installed_route(
 
 /// A switching backend plus the backends that hold the filter ACCEPTs: one dataplane to the
 /// agent. Each part installs only its share of the [`RuleSet`] (the switching backend its
-/// chains, an iptables filter backend its accepts); a change applies the switching part first,
-/// so a failed ACCEPT never delays a failover.
+/// chains, an iptables filter backend its accepts).
+///
+/// The parts are applied in the order that keeps every intermediate state one the node can live
+/// on: towards `Local` the ACCEPTs go in first, so the cluster-DNS NOTRACK never reaches the
+/// kernel without them (a NOTRACKed query that a host firewall rejects is lost, where one that
+/// is not NOTRACKed is DNATed to CoreDNS); towards `Upstream` the switching part goes first, so
+/// a failed ACCEPT (a held xtables lock) never delays a failover. Removal takes the switching
+/// part first too.
 pub struct Layered {
     switch: Box<dyn Dataplane>,
     accepts: Vec<Box<dyn Dataplane>>,
@@ -148,8 +154,13 @@ impl Dataplane for Layered {
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
-        self.switch.apply(rules)?;
-        self.accepts.iter_mut().try_for_each(|d| d.apply(rules))
+        if rules.steers_to_cache() {
+            self.accepts.iter_mut().try_for_each(|d| d.apply(rules))?;
+            self.switch.apply(rules)
+        } else {
+            self.switch.apply(rules)?;
+            self.accepts.iter_mut().try_for_each(|d| d.apply(rules))
+        }
     }
 
     fn announced_tables(&self) -> Option<Vec<nftables::TableRef>> {
@@ -211,23 +222,33 @@ mod tests {
     }
 
     #[test]
-    fn layered_checks_every_part_and_applies_the_switch_first() {
+    fn layered_never_installs_local_notrack_without_its_accepts() {
         let (switch, accepts) = (FakeDataplane::default(), FakeDataplane::default());
         let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
         let shape = Shape { accepts: true, fast_path: true };
-        let rules = plan(&addrs(), Route::Local, shape);
-        assert_eq!(layered.check(&rules).unwrap(), Check::Missing);
+        let local = plan(&addrs(), Route::Local, shape);
+        assert!(local.steers_to_cache());
+        assert_eq!(layered.check(&local).unwrap(), Check::Missing);
 
+        // Towards Local, a failed ACCEPT part stops the change before the NOTRACK goes in.
         accepts.kernel().fail_next_apply = true;
-        assert!(layered.apply(&rules).is_err());
-        // The switching part went in; the failed part is reported as missing.
-        assert_eq!(switch.kernel().installed.as_ref(), Some(&rules));
-        assert_eq!(layered.check(&rules).unwrap(), Check::Differs("missing in fake".into()));
+        assert!(layered.apply(&local).is_err());
+        assert_eq!(switch.kernel().installed, None, "NOTRACK without its ACCEPTs");
+        assert_eq!(layered.check(&local).unwrap(), Check::Missing);
 
-        layered.apply(&rules).unwrap();
-        assert_eq!(layered.check(&rules).unwrap(), Check::Matches);
+        layered.apply(&local).unwrap();
+        assert_eq!(layered.check(&local).unwrap(), Check::Matches);
         assert_eq!(installed_route(&mut layered, &addrs(), shape).unwrap(), Some(Route::Local));
+
+        // Towards Upstream, the switching part goes first: a failed ACCEPT does not delay it.
+        let upstream = plan(&addrs(), Route::Upstream, shape);
+        assert!(!upstream.steers_to_cache());
+        accepts.kernel().fail_next_apply = true;
+        assert!(layered.apply(&upstream).is_err());
+        assert_eq!(switch.kernel().installed.as_ref(), Some(&upstream));
+        assert_eq!(layered.check(&upstream).unwrap(), Check::Differs("installed ruleset differs".into()));
+
         layered.remove().unwrap();
-        assert_eq!(layered.check(&rules).unwrap(), Check::Missing);
+        assert_eq!(layered.check(&local).unwrap(), Check::Missing);
     }
 }
