@@ -959,8 +959,7 @@ mod tests {
             why: "maintenance".into(),
         };
         let metrics = Arc::new(Metrics::new());
-        let mut agent =
-            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0);
+        let mut agent = Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0);
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert_eq!(fake.kernel().applies, 1);
         assert!(agent.take_changes().is_empty(), "no transition through another route");

@@ -9,9 +9,13 @@
 //! 3. otherwise the flavour with more rules, if any has rules;
 //! 4. otherwise native nftables.
 //!
-//! Independently, the filter ACCEPTs go to every iptables flavour whose filter INPUT chain drops
-//! by default (an nftables ACCEPT cannot override an iptables DROP), and rules that node-cache
-//! installed itself (it must run with `-setupiptables=false`) are reported.
+//! Independently, the filter ACCEPTs go to every iptables flavour the node uses: the one
+//! kubelet's canaries are in, and any whose filter table holds a rule or a policy that is not
+//! ACCEPT. node-cache prepends them always, whatever the firewall; a NOTRACKed query is neither
+//! NEW nor ESTABLISHED, so a firewall that ends INPUT with a REJECT (RHEL's iptables-services,
+//! CIS-hardened images) rejects it where its policy alone would accept it, and an nftables
+//! ACCEPT cannot override an iptables verdict. Rules that node-cache installed itself (it must
+//! run with `-setupiptables=false`) are reported.
 //!
 //! [`decide`] and [`parse_save`] are pure; [`gather`] runs `iptables-*-save`.
 
@@ -66,8 +70,9 @@ pub struct SaveFacts {
     pub kube_hint: bool,
     /// Rules (`-A` lines) in all tables.
     pub rules: usize,
-    /// The filter INPUT chain's policy is DROP.
-    pub input_drops: bool,
+    /// The filter table can stop a packet: it holds a rule (a REJECT at the end of INPUT,
+    /// kubelet's KUBE-FIREWALL, …) or a built-in chain whose policy is not ACCEPT.
+    pub filter_in_use: bool,
     /// Rules node-cache installed (its comment), or any other NOTRACK for the listen addresses
     /// outside the agent's chains.
     pub foreign_notrack: Vec<String>,
@@ -91,7 +96,8 @@ pub struct Detection {
     pub backend: Backend,
     /// Why, in a sentence.
     pub why: String,
-    /// Flavours whose filter INPUT drops by default: the ACCEPTs go there.
+    /// The flavours the node uses (kubelet's canaries, or anything in the filter table): the
+    /// ACCEPTs go there.
     pub accepts_in: Vec<Flavour>,
     /// Rules of node-cache (or anyone else) that NOTRACK the listen addresses, as
     /// `iptables-nft: -A PREROUTING …`. While they exist, `Upstream` cannot take effect.
@@ -118,11 +124,12 @@ pub fn parse_save(text: &str, addrs: &[IpAddr]) -> SaveFacts {
             {
                 facts.kube_hint = true;
             }
-            if table == "filter" && name == "INPUT" && policy == "DROP" {
-                facts.input_drops = true;
+            if table == "filter" && !matches!(policy, "ACCEPT" | "-" | "") {
+                facts.filter_in_use = true;
             }
         } else if let Some(rule) = line.strip_prefix("-A ") {
             facts.rules += 1;
+            facts.filter_in_use |= table == "filter";
             let chain = rule.split_whitespace().next().unwrap_or("");
             let node_cache = rule.contains("NodeLocal DNS Cache");
             let notracks_ours = table == "raw"
@@ -173,8 +180,11 @@ pub fn decide(facts: &Facts) -> Detection {
         )
     };
     let flavours = [(Flavour::Legacy, &facts.legacy), (Flavour::Nft, &facts.nft)];
-    let accepts_in =
-        flavours.iter().filter(|(_, f)| f.input_drops).map(|(flavour, _)| *flavour).collect();
+    let accepts_in = flavours
+        .iter()
+        .filter(|(_, f)| f.kube_hint || f.filter_in_use)
+        .map(|(flavour, _)| *flavour)
+        .collect();
     let foreign_notrack = flavours
         .iter()
         .flat_map(|(flavour, f)| f.foreign_notrack.iter().map(move |r| format!("{flavour}: {r}")))
@@ -268,12 +278,12 @@ COMMIT
         let f = parse_save(KUBE_PROXY_LEGACY, &addrs());
         assert!(f.kube_hint);
         assert_eq!(f.rules, 2);
-        assert!(!f.input_drops);
+        assert!(!f.filter_in_use);
         assert!(f.foreign_notrack.is_empty());
 
         let f = parse_save(NODE_CACHE_RAW, &addrs());
         assert!(!f.kube_hint);
-        assert!(f.input_drops);
+        assert!(f.filter_in_use);
         // node-cache's commented rule and an uncommented NOTRACK for a listen IP; not our chain's.
         assert_eq!(f.foreign_notrack.len(), 2, "{:?}", f.foreign_notrack);
         assert!(f.foreign_notrack[0].starts_with("-t raw -A PREROUTING -d 10.96.0.10/32"));
@@ -311,6 +321,22 @@ COMMIT
         assert!(d.why.contains("2 vs 1"), "{}", d.why);
         assert_eq!(decide(&facts(false, one, rules)).backend, Backend::Iptables(Flavour::Nft));
         assert_eq!(decide(&facts(false, "", "")).backend, Backend::Nftables);
+    }
+
+    #[test]
+    fn accepts_go_to_every_flavour_the_node_uses() {
+        // A REJECT at the end of INPUT under policy ACCEPT (RHEL's iptables-services).
+        let reject = "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -m state --state RELATED,ESTABLISHED -j ACCEPT\n-A INPUT -j REJECT --reject-with icmp-host-prohibited\nCOMMIT\n";
+        assert_eq!(decide(&facts(false, reject, "")).accepts_in, vec![Flavour::Legacy]);
+        // kubelet's canaries: the node's flavour, whatever its filter table holds today.
+        let d = decide(&facts(false, "", KUBE_PROXY_LEGACY));
+        assert_eq!(d.accepts_in, vec![Flavour::Nft]);
+        // An output policy that drops.
+        let output = "*filter\n:INPUT ACCEPT [0:0]\n:OUTPUT DROP [0:0]\nCOMMIT\n";
+        assert_eq!(decide(&facts(false, "", output)).accepts_in, vec![Flavour::Nft]);
+        // Rules elsewhere (nat) and empty filter tables: nothing there can stop the cache's traffic.
+        let nat_only = "*nat\n-A PREROUTING -j X\nCOMMIT\n*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n";
+        assert!(decide(&facts(false, nat_only, "")).accepts_in.is_empty());
     }
 
     #[test]

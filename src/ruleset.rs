@@ -281,7 +281,17 @@ impl RuleSet {
     /// it has not accepted, NOTRACKed queries would meet the REJECT instead of kube-proxy's
     /// DNAT.
     pub fn steers_to_cache(&self) -> bool {
-        self.rules().any(|(chain, rule)| chain.hook == Hook::Prerouting && rule.guard != Guard::None)
+        self.rules()
+            .any(|(chain, rule)| chain.hook == Hook::Prerouting && rule.guard != Guard::None)
+    }
+
+    /// This ruleset less what steers queries for the cluster-DNS IP to the cache: the
+    /// `Upstream` route's ruleset, when this is the `Local` one.
+    pub fn without_cache_steering(mut self) -> RuleSet {
+        for chain in &mut self.chains {
+            chain.rules.retain(|rule| rule.guard == Guard::None);
+        }
+        self
     }
 
     /// Every rule, with the chain it belongs to.
@@ -436,6 +446,18 @@ mod tests {
         assert!(without.to_string().contains(
             "ip daddr 10.96.0.10 udp dport 53 fib daddr type local counter notrack comment \"pods to cache (no fast path)\""
         ));
+    }
+
+    #[test]
+    fn local_less_its_steering_is_upstream_in_every_shape() {
+        let a = addrs(&["169.254.20.10", "fd00::10"], &["10.96.0.10", "fd00::a"]);
+        let (local, upstream) =
+            (RuleSet::desired(&a, Route::Local), RuleSet::desired(&a, Route::Upstream));
+        assert!(local.steers_to_cache() && !upstream.steers_to_cache());
+        assert_eq!(local.clone().without_cache_steering(), upstream);
+        let local = local.without_fast_path().with_accepts(&a);
+        assert!(local.steers_to_cache());
+        assert_eq!(local.without_cache_steering(), upstream.without_fast_path().with_accepts(&a));
     }
 
     #[test]

@@ -55,10 +55,22 @@
 # --filter-accept-lo (with --filter-drop): accept all of `-i lo` instead, like common host
 #   firewalls (ufw, firewalld, GKE's Container-Optimized OS): there only pods need an ACCEPT,
 #   which is what node-cache's filter rules give them. The cache then listens as without it.
+# --filter-reject: the other common shape, RHEL's iptables-services (/etc/sysconfig/iptables)
+#   and CIS-hardened images, in the flavour's filter table (and ip6tables): INPUT policy ACCEPT,
+#   accepting ctstate RELATED,ESTABLISHED, ICMP, all of `-i lo` and ssh, then
+#   `-j REJECT --reject-with icmp-host-prohibited` (icmp6-adm-prohibited). FORWARD is left alone
+#   (on a real node kube-proxy's KUBE-FORWARD accepts pod traffic before RHEL's FORWARD REJECT).
+#   NOTRACKed pod queries (ctstate UNTRACKED, not on lo) meet the REJECT unless accepted first.
+# --nft-firewall: a native nftables host firewall shaped like firewalld's nftables backend:
+#   `table inet simnode-firewalld`, chain filter_INPUT (hook input, priority filter + 10, policy
+#   accept): ct state established,related accept, ct status dnat accept, iifname "lo" accept,
+#   ct state invalid drop, jump filter_INPUT_ZONES (which goes to zone public: ICMP and ssh
+#   accepted), then `reject with icmpx admin-prohibited`. No ACCEPT in another table can
+#   override its reject.
 #
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
 #   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables] [--family 4|6|dual]
-#             [--filter-drop [--filter-accept-lo]]
+#             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail] [--no-wait]
 #                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
@@ -494,6 +506,43 @@ host_firewall() {
     done
 }
 
+# host_firewall_reject: the host firewall of --filter-reject (RHEL's iptables-services).
+host_firewall_reject() {
+    local ipt icmp=icmp reject=icmp-host-prohibited c=(-m comment --comment "simnode host firewall")
+    for ipt in $(ipt_families); do
+        if [[ "$ipt" == ip6* ]]; then icmp=ipv6-icmp reject=icmp6-adm-prohibited; fi
+        in_ns node "$ipt" -t filter -A INPUT -m conntrack --ctstate RELATED,ESTABLISHED "${c[@]}" -j ACCEPT
+        in_ns node "$ipt" -t filter -A INPUT -p "$icmp" "${c[@]}" -j ACCEPT
+        in_ns node "$ipt" -t filter -A INPUT -i lo "${c[@]}" -j ACCEPT
+        in_ns node "$ipt" -t filter -A INPUT -p tcp -m conntrack --ctstate NEW --dport 22 "${c[@]}" -j ACCEPT
+        in_ns node "$ipt" -t filter -A INPUT "${c[@]}" -j REJECT --reject-with "$reject"
+    done
+}
+
+# nft_firewall: the firewalld-shaped nftables firewall of --nft-firewall.
+nft_firewall() {
+    in_ns node nft -f - <<'EOF'
+table inet simnode-firewalld {
+	chain filter_INPUT {
+		type filter hook input priority filter + 10; policy accept;
+		ct state { established, related } accept
+		ct status dnat accept
+		iifname "lo" accept
+		ct state invalid drop
+		jump filter_INPUT_ZONES
+		reject with icmpx admin-prohibited
+	}
+	chain filter_INPUT_ZONES {
+		goto filter_IN_public
+	}
+	chain filter_IN_public {
+		meta l4proto { icmp, ipv6-icmp } accept
+		tcp dport 22 accept
+	}
+}
+EOF
+}
+
 # ---------------------------------------------------------------------------------------------
 
 # add_pod ROLE V4 V6: a pod namespace behind a veth named ROLE on the node, Calico-style /32s.
@@ -540,7 +589,7 @@ add_dns() {
 }
 
 cmd_up() {
-    local kube_proxy=iptables-nft filter_drop=0 filter_lo=loopback role
+    local kube_proxy=iptables-nft filter_drop=0 filter_lo=loopback filter_reject=0 nft_firewall=0 role
     FAMILY=4
     while (($#)); do
         case $1 in
@@ -548,6 +597,8 @@ cmd_up() {
         --family) FAMILY=${2:-}; shift 2 || usage ;;
         --filter-drop) filter_drop=1; shift ;;
         --filter-accept-lo) filter_lo=accept-lo; shift ;;
+        --filter-reject) filter_reject=1; shift ;;
+        --nft-firewall) nft_firewall=1; shift ;;
         *) usage ;;
         esac
     done
@@ -555,6 +606,7 @@ cmd_up() {
         die "--kube-proxy must be iptables-nft, iptables-legacy or nftables"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
     [[ $filter_lo == loopback ]] || ((filter_drop)) || die "--filter-accept-lo needs --filter-drop"
+    ! ((filter_drop && filter_reject)) || die "--filter-drop and --filter-reject are two firewalls: pick one"
     for role in "${ROLES[@]}"; do
         ! ns_exists "$role" || die "namespace $(ns_name "$role") already exists (run: $0 down $PREFIX)"
     done
@@ -605,8 +657,11 @@ cmd_up() {
         fi
     fi
     if ((filter_drop)); then host_firewall "$filter_lo"; fi
+    if ((filter_reject)); then host_firewall_reject; fi
+    if ((nft_firewall)); then nft_firewall; fi
     trap - EXIT
-    echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy$( ((filter_drop)) && echo ", filter INPUT policy DROP ($filter_lo)"), namespaces ${ROLES[*]/#/$PREFIX-}"
+    echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy$( ((filter_drop)) && echo ", filter INPUT policy DROP ($filter_lo)")$( ((filter_reject)) && echo ", filter INPUT ends in REJECT")$( ((nft_firewall)) && echo ", nftables firewall rejecting")," \
+        "namespaces ${ROLES[*]/#/$PREFIX-}"
 }
 
 up_failed() {

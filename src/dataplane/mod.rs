@@ -155,7 +155,13 @@ impl Dataplane for Layered {
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
         if rules.steers_to_cache() {
-            self.accepts.iter_mut().try_for_each(|d| d.apply(rules))?;
+            if let Err(e) = self.accepts.iter_mut().try_for_each(|d| d.apply(rules)) {
+                // The ACCEPTs may be gone (a firewall reload flushed them) and cannot be put
+                // back now: take the steering out rather than leave it without them. Best
+                // effort: the error returned is the ACCEPTs', and the retry restores it all.
+                let _ = self.switch.apply(&rules.clone().without_cache_steering());
+                return Err(e);
+            }
             self.switch.apply(rules)
         } else {
             self.switch.apply(rules)?;
@@ -230,23 +236,28 @@ mod tests {
         assert!(local.steers_to_cache());
         assert_eq!(layered.check(&local).unwrap(), Check::Missing);
 
-        // Towards Local, a failed ACCEPT part stops the change before the NOTRACK goes in.
+        // Towards Local, a failed ACCEPT part stops the change before the NOTRACK goes in: the
+        // switching part gets the Upstream ruleset, which steers nothing to the cache.
+        let upstream = plan(&addrs(), Route::Upstream, shape);
+        assert_eq!(local.clone().without_cache_steering(), upstream);
         accepts.kernel().fail_next_apply = true;
         assert!(layered.apply(&local).is_err());
-        assert_eq!(switch.kernel().installed, None, "NOTRACK without its ACCEPTs");
-        assert_eq!(layered.check(&local).unwrap(), Check::Missing);
+        assert_eq!(switch.kernel().installed.as_ref(), Some(&upstream), "NOTRACK without ACCEPTs");
+        assert_eq!(accepts.kernel().installed, None);
 
         layered.apply(&local).unwrap();
         assert_eq!(layered.check(&local).unwrap(), Check::Matches);
         assert_eq!(installed_route(&mut layered, &addrs(), shape).unwrap(), Some(Route::Local));
 
         // Towards Upstream, the switching part goes first: a failed ACCEPT does not delay it.
-        let upstream = plan(&addrs(), Route::Upstream, shape);
         assert!(!upstream.steers_to_cache());
         accepts.kernel().fail_next_apply = true;
         assert!(layered.apply(&upstream).is_err());
         assert_eq!(switch.kernel().installed.as_ref(), Some(&upstream));
-        assert_eq!(layered.check(&upstream).unwrap(), Check::Differs("installed ruleset differs".into()));
+        assert_eq!(
+            layered.check(&upstream).unwrap(),
+            Check::Differs("installed ruleset differs".into())
+        );
 
         layered.remove().unwrap();
         assert_eq!(layered.check(&local).unwrap(), Check::Missing);

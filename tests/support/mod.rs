@@ -221,8 +221,13 @@ impl SimNode {
     /// Starts the agent (v4, nftables unless `extra` says otherwise) without assuming its first
     /// route: the state file of an earlier agent is removed first.
     pub fn agent_starting(&self, extra: &[&str]) -> Agent {
+        self.agent_starting_env(extra, &[])
+    }
+
+    /// [`SimNode::agent_starting`] with extra environment variables.
+    pub fn agent_starting_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
-        self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, &[], false)
+        self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env, false)
     }
 
     /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags.
@@ -232,7 +237,9 @@ impl SimNode {
         let lookups = self.dir.join(format!("lookups-{role}-{n}.txt"));
         let mut child = self
             .cmd(role, LOAD)
-            .args(["--server", server, "--name", "who.test", "--timeout", "1s", "--attempts", "2"])
+            .args(["--server", server, "--name", "who.test", "--attempts", "2"])
+            // 1 s unless the test names its own.
+            .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1s"][..] })
             .arg("--lookups-out")
             .arg(&lookups)
             .args(["--origin", &format!("{CACHE_ANSWER}=cache")])

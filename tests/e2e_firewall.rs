@@ -1,0 +1,187 @@
+//! Host firewalls and half-applied rulesets (issue 17): what pods experience is what the agent
+//! decides on. A firewall that rejects at the end of INPUT, an ACCEPT that cannot be installed
+//! (the xtables lock held) at start or in the middle of a switch: pods keep their DNS.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+/// Pod lookups at 300/s (glibc-like: 1 s timeout, 2 attempts) until `finish`.
+fn pod_load(node: &SimNode, duration: &str) -> Load {
+    node.load(
+        "pod1",
+        CLUSTER_DNS_IP,
+        &["--rate", "300", "--duration", duration, "--report-interval", "100ms"],
+    )
+}
+
+/// Issue 17, acceptance 1: INPUT policy ACCEPT ending in a REJECT (RHEL's iptables-services).
+/// The agent puts its ACCEPTs first in the node's iptables flavour, as node-cache does, so pods
+/// are answered by the cache; a SIGKILL and a hang of the cache cost no lookup.
+fn reject_firewall(kube_proxy: &str, dataplane: &str, flavour: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--filter-reject"]);
+    let agent = node.agent(&["--dataplane", dataplane]);
+    let st = agent.state().expect("state");
+    assert_eq!(st["accepts_in"], serde_json::json!([flavour]), "{st}");
+
+    // Before any fault, the cache answers every pod lookup.
+    let before = node
+        .load(
+            "pod1",
+            CLUSTER_DNS_IP,
+            &["--rate", "200", "--duration", "1s", "--report-interval", "0"],
+        )
+        .finish();
+    println!("{dataplane} before: {before}");
+    assert_eq!(before["failed"], 0, "{before}");
+    assert_eq!(before["by_origin"]["cache"], before["sent"], "{before}");
+
+    let mut load = pod_load(&node, "9s");
+    load.wait_cache_answers();
+    node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(15));
+    load.wait_cache_answers();
+    node.signal("cache-stop");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    node.signal("cache-cont");
+    let summary = load.finish();
+    println!("{dataplane} across kill and hang: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert!(summary["by_origin"]["coredns"].as_u64() > Some(0), "never failed over: {summary}");
+}
+
+#[test]
+fn reject_firewall_nftables() {
+    reject_firewall("nftables", "nftables", "iptables-nft");
+}
+
+#[test]
+fn reject_firewall_iptables_legacy() {
+    reject_firewall("iptables-legacy", "iptables-legacy", "iptables-legacy");
+}
+
+#[test]
+fn reject_firewall_iptables_nft() {
+    reject_firewall("iptables-nft", "iptables-nft", "iptables-nft");
+}
+
+/// The agent's chains in iptables-legacy's `table`, as `iptables-legacy-save` shows them.
+fn legacy_has_agent_chains(node: &SimNode, table: &str) -> bool {
+    let out = node.run("node", "iptables-legacy-save", &["-t", table]);
+    String::from_utf8_lossy(&out.stdout).contains("NODELOCALDNS-HA")
+}
+
+/// Issue 17, acceptance 4 (start): a DROP-policy node whose ACCEPTs go to iptables-legacy while
+/// the agent switches with nftables; the xtables lock is held for 8 s as the agent starts. The
+/// Local NOTRACK never goes in without its ACCEPTs: the agent starts on Upstream (nothing
+/// needed of the cache), keeps running, and gets Local once the lock is free.
+#[test]
+fn accept_failure_at_start_never_strands_pods() {
+    let node = SimNode::up_with(&[
+        "--kube-proxy",
+        "iptables-legacy",
+        "--filter-drop",
+        "--filter-accept-lo",
+    ]);
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    node.script(&["xtables-lock-hold", "8"]);
+    let load = pod_load(&node, "12s");
+    let env = [("XTABLES_LOCKFILE", lock.as_str())];
+    let agent = node.agent_starting_env(&["--dataplane", "nftables", "--xtables-wait", "1s"], &env);
+    let st = wait_for("the failed install to be told", Duration::from_secs(10), || {
+        agent.state().filter(|s| s["last_error"].as_str().is_some_and(|e| e.contains("lock")))
+    });
+    println!("while locked: {st}");
+    assert_eq!(st["route"], "upstream", "{st}");
+    assert!(!legacy_has_agent_chains(&node, "filter"), "ACCEPTs went in under a held lock?");
+    // Whatever of the agent's is in nftables does not NOTRACK pods' queries to the cluster IP.
+    if let Some(table) = node.agent_table() {
+        assert!(!table.contains("socket transparent"), "Local NOTRACK without ACCEPTs:\n{table}");
+    }
+    // Alive meanwhile: the state keeps being written.
+    let before = st["updated_unix_ms"].as_u64().unwrap();
+    wait_for("the state to keep updating", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["updated_unix_ms"].as_u64() > Some(before))
+    });
+    node.script(&["xtables-lock-release"]);
+    wait_for("Local to be installed", Duration::from_secs(20), || {
+        agent.state().filter(|s| s["route"] == "local" && s["last_error"].is_null())
+    });
+    assert_eq!(node.agent_table(), Some(node.expected_table("local")));
+    assert!(legacy_has_agent_chains(&node, "filter"), "no ACCEPTs after the lock was freed");
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert!(summary["by_origin"]["cache"].as_u64() > Some(0), "never back on the cache: {summary}");
+}
+
+/// Issue 17, acceptance 4 (mid-switch): the same node, the agent on Local. The lock is held and
+/// a firewall reload removes the agent's ACCEPTs: the agent cannot put them back, so it takes
+/// the Local NOTRACK out instead of leaving it without them. Then the cache is killed and
+/// restarted: the way out (Upstream) needs no lock; the way back to Local waits for its ACCEPTs.
+/// Pods (glibc-like, 3 s timeout) keep their DNS throughout.
+#[test]
+fn accept_failure_mid_switch_never_strands_pods() {
+    let node = SimNode::up_with(&[
+        "--kube-proxy",
+        "iptables-legacy",
+        "--filter-drop",
+        "--filter-accept-lo",
+    ]);
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    let env = [("XTABLES_LOCKFILE", lock.as_str())];
+    let agent = node.agent_env(
+        LOCAL_IP,
+        CLUSTER_DNS_IP,
+        UPSTREAM_IP,
+        &["--dataplane", "nftables", "--xtables-wait", "1s", "--min-hold", "1s"],
+        &env,
+    );
+    assert!(legacy_has_agent_chains(&node, "filter"));
+    let args = ["--rate", "300", "--duration", "14s", "--report-interval", "100ms"];
+    let mut load = node.load("pod1", CLUSTER_DNS_IP, &[&args[..], &["--timeout", "3s"]].concat());
+    load.wait_cache_answers();
+    node.script(&["xtables-lock-hold", "10"]);
+    // A firewall reload (without the node's lock file: it is not the agent's) drops the jump.
+    let reload = node.run(
+        "node",
+        "iptables-legacy",
+        &[
+            "-D",
+            "INPUT",
+            "-m",
+            "comment",
+            "--comment",
+            "nodelocaldns-ha",
+            "-j",
+            "NODELOCALDNS-HA-INPUT",
+        ],
+    );
+    assert!(reload.status.success(), "{}", describe(&reload));
+    let safe = wait_for("the steering to be taken out", Duration::from_secs(5), || {
+        node.agent_table().filter(|t| !t.contains("socket transparent"))
+    });
+    assert_eq!(safe, node.expected_table("upstream"));
+    node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    node.script(&["cache-start"]);
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    println!("decided local while locked: {local}");
+    // Decided, but not installed without its ACCEPTs: pods still go to CoreDNS.
+    assert_eq!(node.agent_table(), Some(node.expected_table("upstream")));
+    assert!(local["last_error"].as_str().is_some_and(|e| e.contains("lock")), "{local}");
+    node.script(&["xtables-lock-release"]);
+    wait_for("Local to be installed", Duration::from_secs(15), || {
+        agent.state().filter(|s| s["last_error"].is_null())
+    });
+    assert_eq!(node.agent_table(), Some(node.expected_table("local")));
+    assert!(legacy_has_agent_chains(&node, "filter"));
+    load.wait_cache_answers();
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+}
