@@ -134,6 +134,11 @@ pub struct Agent {
     metrics: Arc<Metrics>,
     /// Route changes not yet taken by [`Agent::take_changes`].
     changes: Vec<Transition>,
+    /// Backends the agent does not use that hold rules of an earlier agent's, to empty once
+    /// the agent's own ruleset is in ([`Agent::remove_leftovers`]).
+    leftovers: Vec<Box<dyn Dataplane>>,
+    /// What was found there and what became of it, for `status`.
+    leftover_notes: Vec<String>,
 }
 
 impl Agent {
@@ -230,6 +235,8 @@ impl Agent {
             warnings: Vec::new(),
             metrics,
             changes: Vec::new(),
+            leftovers: Vec::new(),
+            leftover_notes: Vec::new(),
         };
         if dirty {
             agent.failed_apply(now);
@@ -455,6 +462,44 @@ impl Agent {
         self.not_before = Some(now + backoff);
     }
 
+    /// Hands over backends the agent does not use but that hold its rules (left by an agent
+    /// that used them): they are emptied once the agent's own ruleset is in.
+    pub fn set_leftovers(&mut self, leftovers: Vec<Box<dyn Dataplane>>) {
+        for part in &leftovers {
+            warn!(backend = part.name(), "rules of an earlier agent in a backend no longer used; removing them once ours are in");
+        }
+        self.leftover_notes = leftovers.iter().map(|p| format!("{}: found", p.name())).collect();
+        self.leftovers = leftovers;
+    }
+
+    /// Empties the backends of [`Agent::set_leftovers`] once the agent's own ruleset is in, so
+    /// no moment is left without a path: a stale ruleset elsewhere would keep steering pods by
+    /// its own rules (an old socket-guarded NOTRACK pins them to a hung cache). A failure
+    /// (the xtables lock held) is retried on the next call.
+    pub fn remove_leftovers(&mut self) {
+        if self.dirty || self.leftovers.is_empty() {
+            return;
+        }
+        let notes = &mut self.leftover_notes;
+        self.leftovers.retain_mut(|part| {
+            let (keep, note) = match part.remove() {
+                Ok(()) => {
+                    info!(backend = part.name(), "removed an earlier agent's rules");
+                    (false, format!("{}: found and removed", part.name()))
+                }
+                Err(e) => (true, format!("{}: found; removing failed, retrying: {e}", part.name())),
+            };
+            let name = part.name();
+            if let Some(old) = notes.iter_mut().find(|n| n.split(": ").next() == Some(name)) {
+                if keep && *old != note {
+                    warn!(backend = name, note = %note, "removing an earlier agent's rules failed");
+                }
+                *old = note;
+            }
+            keep
+        });
+    }
+
     /// Records what detection found, for `status`.
     pub fn set_notes(&mut self, notes: Notes) {
         self.notes = notes;
@@ -500,6 +545,7 @@ impl Agent {
             dataplane_why: self.notes.why.clone(),
             accepts_in: self.notes.accepts_in.clone(),
             warnings: self.warnings.clone(),
+            leftovers: self.leftover_notes.clone(),
             route: self.route(),
             since_unix_ms: state::unix_ms(since),
             reason: self.machine.reason().to_string(),
@@ -702,6 +748,7 @@ pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
     notes: Notes,
+    leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
     // Everything that can be refused is refused before the host is touched.
@@ -753,6 +800,8 @@ pub async fn run(
         health.set_ready();
     }
     agent.set_notes(notes);
+    agent.set_leftovers(leftovers);
+    block_in_place(|| agent.remove_leftovers());
     let write_state = |agent: &Agent| {
         if let Err(e) =
             state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
@@ -851,6 +900,7 @@ pub async fn run(
                 let now = Instant::now();
                 agent.expire(now);
                 agent.poll(now, hearing.load(Ordering::Relaxed));
+                agent.remove_leftovers();
                 drain = drain.take().and_then(|d| d.progress(&mut agent, now));
             }),
             _ = state_tick.tick() => write_state(&agent),
@@ -1010,6 +1060,25 @@ mod tests {
         agent.resync(retry);
         assert!(!agent.is_dirty());
         assert_eq!(installed(&fake), Some(Route::Upstream));
+    }
+
+    #[test]
+    fn leftovers_go_once_the_agents_own_ruleset_is_in() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        fake.kernel().fail_applies = 2;
+        let mut agent = start(&fake, t0);
+        let old = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
+        agent.set_leftovers(vec![Box::new(old.clone())]);
+        // Nothing of ours is in yet: the old backend's rules are the only path, they stay.
+        agent.remove_leftovers();
+        assert!(old.kernel().installed.is_some());
+        assert_eq!(agent.state(t0, SystemTime::now()).leftovers, ["fake: found"]);
+        agent.resync(agent.resync_due().unwrap());
+        assert!(!agent.is_dirty());
+        agent.remove_leftovers();
+        assert_eq!(old.kernel().installed, None);
+        assert_eq!(agent.state(t0, SystemTime::now()).leftovers, ["fake: found and removed"]);
     }
 
     #[test]

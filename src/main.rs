@@ -119,9 +119,10 @@ fn run(command: Command) -> Result<(), Failure> {
             }
             let (dataplane, notes) = open_dataplane(args.dataplane, &cfg.addrs, xtables_wait)?;
             cfg.shape.accepts = dataplane.has_accepts();
+            let leftovers = leftovers(&dataplane, &cfg.addrs, xtables_wait);
             let dataplane = Box::new(dataplane);
             runtime()?.block_on(async {
-                agent::run(cfg, dataplane, notes, shutdown_signal())
+                agent::run(cfg, dataplane, notes, leftovers, shutdown_signal())
                     .await
                     .map_err(|e| Failure::runtime(with_causes(&e)))
             })
@@ -310,6 +311,42 @@ fn open_dataplane(
     Ok((Layered::new(switch, accepts), agent::Notes { why, accepts_in }))
 }
 
+/// The backends (and iptables tables) that `in_use` does not use but that hold rules of the
+/// agent's: an earlier agent ran with another `--dataplane`, or `auto` chose another backend
+/// before kube-proxy changed modes. The agent empties them once its own ruleset is in, the way
+/// kube-proxy cleans up its other modes when it starts. One that cannot be read (iptables-legacy
+/// without CAP_NET_RAW) is said and skipped.
+fn leftovers(in_use: &Layered, addrs: &ListenAddrs, wait: Duration) -> Vec<Box<dyn Dataplane>> {
+    let used: Vec<&str> = std::iter::once(in_use.name()).chain(in_use.accept_names()).collect();
+    let mut candidates: Vec<Box<dyn Dataplane>> = Vec::new();
+    if let Ok(nft) = Nftables::new() {
+        candidates.push(Box::new(nft));
+    }
+    for flavour in [Flavour::Legacy, Flavour::Nft] {
+        for table in [Table::Raw, Table::Filter] {
+            // A node without this flavour's binaries has nothing of ours in it.
+            if let Ok(backend) = Iptables::new(flavour.into(), table, wait) {
+                candidates.push(Box::new(backend));
+            }
+        }
+    }
+    // Compared with the fullest ruleset: anything of the agent's there is not `Missing`.
+    let rules =
+        dataplane::plan(addrs, Route::Local, dataplane::Shape { accepts: true, fast_path: true });
+    candidates
+        .into_iter()
+        .filter(|part| !used.contains(&part.name()))
+        .filter_map(|mut part| match part.check(&rules) {
+            Ok(dataplane::Check::Missing) => None,
+            Ok(_) => Some(part),
+            Err(e) => {
+                tracing::warn!(backend = part.name(), error = %with_causes(&e), "cannot look for an earlier agent's rules there");
+                None
+            }
+        })
+        .collect()
+}
+
 /// Every backend the agent could have used, to remove all of it. Where iptables-legacy is
 /// installed, that needs CAP_NET_RAW: checked before anything is removed, so a teardown never
 /// stops half-way for a missing privilege.
@@ -481,10 +518,10 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         println!("             chosen because {why}");
     }
     if !st.accepts_in.is_empty() {
-        println!(
-            "accepts:     in {} (its filter INPUT drops by default)",
-            st.accepts_in.join(", ")
-        );
+        println!("accepts:     in {} (the iptables the node uses)", st.accepts_in.join(", "));
+    }
+    for leftover in &st.leftovers {
+        println!("leftover:    {leftover} (an earlier agent's rules in a backend not in use)");
     }
     if let Some(err) = &st.last_error {
         println!("last error:  {err}");

@@ -56,12 +56,16 @@ pub struct State {
     /// Why `--dataplane auto` chose it, when it did.
     #[serde(default)]
     pub dataplane_why: Option<String>,
-    /// Where the filter ACCEPTs are installed (the host's firewall drops there by default).
+    /// Where the filter ACCEPTs are installed (the iptables flavours the node uses).
     #[serde(default)]
     pub accepts_in: Vec<String>,
     /// Problems on the node the agent cannot fix itself, e.g. node-cache's own NOTRACK rules.
     #[serde(default)]
     pub warnings: Vec<String>,
+    /// The agent's rules found at start in backends it no longer uses (an agent with another
+    /// `--dataplane`, or before kube-proxy changed modes), and what became of them.
+    #[serde(default)]
+    pub leftovers: Vec<String>,
     pub route: Route,
     pub since_unix_ms: u64,
     pub reason: String,
@@ -221,6 +225,7 @@ mod tests {
             dataplane: "nftables".into(),
             dataplane_why: None,
             accepts_in: Vec::new(),
+            leftovers: Vec::new(),
             warnings: Vec::new(),
             route: Route::Upstream,
             since_unix_ms: 900,

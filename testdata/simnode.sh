@@ -113,6 +113,11 @@
 #     (exit 4, "Another app is currently holding the xtables lock"), and without -w it waits
 #     until released. Run the program under test with XTABLES_LOCKFILE=<that path>: every
 #     iptables command of this script uses it. iptables-nft takes no lock at all.
+#   kube-proxy-migrate PREFIX
+#     kube-proxy restarted in nftables mode on a node where it ran in an iptables mode (KEP-5343
+#     makes nftables the default): like its CleanupLeftovers, its iptables rules go (the
+#     KUBE-SERVICES jumps and every KUBE-* nat chain), then `table ip kube-proxy` (ip6 too) is
+#     written as in nftables mode. kubelet's canary chains stay where they are.
 #   exec PREFIX node|pod1|pod2|dns CMD...
 # State (configs, pidfiles, logs, the xtables lock) lives in ${SIMNODE_DIR:-/tmp/simnode}/PREFIX.
 # Nothing here touches the root network namespace. Set SIMNODE_TRACE=1 to trace.
@@ -489,6 +494,23 @@ kube_nft_rules() { # kube_nft_rules FAMILY CLUSTER_DNS UPSTREAM EP1 EP2
     kube_nft "$fam" 1 "$@" >"$RUN_DIR/kube-proxy-$fam.nft"
     kube_nft "$fam" 0 "$@" >"$RUN_DIR/kube-proxy-$fam.resync.nft"
     in_ns node nft -f "$RUN_DIR/kube-proxy-$fam.nft"
+}
+
+cmd_kube_proxy_migrate() {
+    load_state
+    [[ $KUBE_PROXY == iptables-* ]] || die "kube-proxy already runs in $KUBE_PROXY mode"
+    local ipt chain
+    for ipt in $(ipt_families); do
+        in_ns node "$ipt" -t nat -D PREROUTING "${KUBE_PORTALS[@]}"
+        in_ns node "$ipt" -t nat -D OUTPUT "${KUBE_PORTALS[@]}"
+        local chains=()
+        mapfile -t chains < <(in_ns node "$ipt-save" -t nat | sed -n 's/^:\(KUBE-[A-Z0-9-]*\) .*/\1/p' | grep -v CANARY)
+        for chain in "${chains[@]}"; do in_ns node "$ipt" -t nat -F "$chain"; done
+        for chain in "${chains[@]}"; do in_ns node "$ipt" -t nat -X "$chain"; done
+    done
+    if has_v4; then kube_nft_rules ip "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"; fi
+    if has_v6; then kube_nft_rules ip6 "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"; fi
+    echo nftables >"$RUN_DIR/kube-proxy"
 }
 
 # host_firewall LO: the host firewall of --filter-drop; LO: "loopback" accepts `-i lo -d
@@ -1025,6 +1047,7 @@ main() {
     __loop) (($# == 1)) || usage; run_loop "$1" ;; # internal: the noise loops
     xtables-lock-hold) cmd_xtables_lock_hold "$@" ;;
     xtables-lock-release) (($# == 0)) || usage; svc_term xtables-lock ;;
+    kube-proxy-migrate) (($# == 0)) || usage; cmd_kube_proxy_migrate ;;
     exec) cmd_exec "$@" ;;
     *) usage ;;
     esac
