@@ -21,6 +21,8 @@ pub mod control;
 pub mod dataplane;
 #[forbid(unsafe_code)]
 pub mod detect;
+#[forbid(unsafe_code)]
+pub mod firewall;
 #[cfg(fuzzing)]
 #[forbid(unsafe_code)]
 pub mod fuzzing;

@@ -1,0 +1,696 @@
+//! Would the node's own nftables firewall let pods reach the cache?
+//!
+//! A NOTRACKed query is neither NEW nor ESTABLISHED, and an `accept` in the agent's table ends
+//! only the agent's chain: every other base chain on the `input` hook (and, for the replies, on
+//! `output`) still judges the packet, and one that drops or rejects it wins. firewalld's
+//! nftables backend and many `/etc/nftables.conf` end their input chain with a `reject`. The
+//! agent cannot override such a chain; what it can do is not steer pods into it: while one
+//! would stop pods' queries to the cluster-DNS IP (or the cache's replies to them), the route
+//! stays `Upstream`, and `status` names the chain and the rule that lets DNS through.
+//!
+//! This module evaluates decoded nftables chains ([`Table`]) for the packets that matter, with
+//! what is known of them: their family, protocol, the listen address and port 53, a `ct state`
+//! of `untracked`, an interface that is not `lo`. Anything else (a source address, a set, an
+//! expression this module does not model) is unknown, and an unknown match is taken both ways:
+//! a chain that *may* drop the packet counts as dropping it, and only an `accept` that surely
+//! matches counts as letting it through. No I/O: the tables come from
+//! `dataplane::nftables::Nftables::host_firewall`.
+
+use std::fmt;
+use std::net::IpAddr;
+
+/// `NF_INET_LOCAL_IN`.
+pub const HOOK_INPUT: u32 = 1;
+/// `NF_INET_LOCAL_OUT`.
+pub const HOOK_OUTPUT: u32 = 3;
+/// `NF_DROP` / `NF_ACCEPT`, also a base chain's policy.
+pub const NF_DROP: u32 = 0;
+pub const NF_ACCEPT: u32 = 1;
+
+/// nftables chains nest at most this deep (the kernel's `NFT_JUMP_STACK_SIZE`).
+const MAX_DEPTH: usize = 16;
+
+/// `enum nft_meta_keys`.
+const META_IIFNAME: u32 = 6;
+const META_OIFNAME: u32 = 7;
+const META_NFPROTO: u32 = 15;
+const META_L4PROTO: u32 = 16;
+/// `enum nft_ct_keys`: the state; for an untracked packet every other key stops the rule.
+const CT_STATE: u32 = 0;
+/// `NF_CT_STATE_UNTRACKED_BIT`.
+const CT_STATE_UNTRACKED: u32 = 1 << 6;
+/// `enum nft_payload_bases`.
+const PAYLOAD_NETWORK: u32 = 1;
+const PAYLOAD_TRANSPORT: u32 = 2;
+/// `enum nft_cmp_ops`.
+const CMP_EQ: u32 = 0;
+const CMP_NEQ: u32 = 1;
+
+/// One expression of a rule, as far as the evaluation needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expr {
+    /// `meta load <key> => reg`.
+    Meta { key: u32, dreg: u32 },
+    /// `payload load <len>b @ <base> + <offset> => reg`.
+    Payload { base: u32, offset: u32, len: u32, dreg: u32 },
+    /// `cmp <op> reg <data>`.
+    Cmp { sreg: u32, op: u32, data: Vec<u8> },
+    /// `bitwise reg = (reg & mask) ^ xor`.
+    Bitwise { sreg: u32, dreg: u32, mask: Vec<u8>, xor: Vec<u8> },
+    /// `ct load <key> => reg`.
+    Ct { key: u32, dreg: u32 },
+    /// `immediate` into the verdict register.
+    Verdict(Verdict),
+    /// `reject`: the packet is dropped (with an ICMP error or a TCP reset).
+    Reject,
+    /// `counter`, `log`: no effect on the verdict or the match.
+    Passive,
+    /// Anything else (`lookup`, `range`, `limit`, …): its match is unknown.
+    Other(String),
+}
+
+/// A verdict an `immediate` sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Continue,
+    Return,
+    Jump(String),
+    Goto(String),
+    /// `queue` and the like: the packet leaves for somewhere this module cannot follow.
+    Other(i32),
+}
+
+/// One rule: its expressions in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    pub exprs: Vec<Expr>,
+}
+
+/// A chain; base chains have a hook and a policy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Chain {
+    pub name: String,
+    /// `NF_INET_*` and the priority, for a base chain.
+    pub hook: Option<(u32, i32)>,
+    pub policy: Option<u32>,
+    pub rules: Vec<Rule>,
+}
+
+/// A table of another owner than the agent.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// `NFPROTO_*`: 1 inet, 2 ip, 10 ip6.
+    pub family: u8,
+    pub name: String,
+    pub chains: Vec<Chain>,
+}
+
+impl Table {
+    /// `inet firewalld`, as `nft` names a table.
+    pub fn spelled(&self) -> String {
+        let family = match self.family {
+            1 => "inet",
+            2 => "ip",
+            10 => "ip6",
+            3 => "arp",
+            5 => "netdev",
+            7 => "bridge",
+            other => return format!("family-{other} {}", self.name),
+        };
+        format!("{family} {}", self.name)
+    }
+
+    fn chain(&self, name: &str) -> Option<&Chain> {
+        self.chains.iter().find(|c| c.name == name)
+    }
+}
+
+/// Which way a packet the cache needs goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// A pod's query to a listen address, port 53 (the `input` hook).
+    Query,
+    /// The cache's reply from a listen address, port 53 (the `output` hook).
+    Reply,
+}
+
+/// A chain that would (or may) drop DNS between pods and the cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Blocking {
+    /// e.g. `inet firewalld`.
+    pub table: String,
+    pub chain: String,
+    pub direction: Direction,
+    /// The listen address whose traffic it stops.
+    pub addr: IpAddr,
+    /// Whether it surely drops (no unknown on the way) or only may.
+    pub surely: bool,
+}
+
+impl Blocking {
+    /// The rule that lets the traffic through, as an `nft` command.
+    pub fn fix(&self) -> String {
+        let family = if self.addr.is_ipv4() { "ip" } else { "ip6" };
+        let (addr, port) = match self.direction {
+            Direction::Query => ("daddr", "dport"),
+            Direction::Reply => ("saddr", "sport"),
+        };
+        format!(
+            "nft insert rule {} {} {family} {addr} {} th {port} 53 accept",
+            self.table, self.chain, self.addr
+        )
+    }
+}
+
+impl fmt::Display for Blocking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (what, hook) = match self.direction {
+            Direction::Query => (format!("pods' DNS queries to {}", self.addr), "input"),
+            Direction::Reply => (format!("the cache's DNS replies from {}", self.addr), "output"),
+        };
+        let verb = if self.surely { "drops or rejects" } else { "may drop or reject" };
+        write!(
+            f,
+            "nftables chain {} {} (hook {hook}) {verb} {what}; to let them through, add `{}`",
+            self.table,
+            self.chain,
+            self.fix()
+        )
+    }
+}
+
+/// The chains of `tables` that would stop DNS between pods and the cache for any of `addrs`, in
+/// either direction, over UDP or TCP.
+pub fn blocking(tables: &[Table], addrs: &[IpAddr]) -> Vec<Blocking> {
+    let mut found = Vec::new();
+    for table in tables {
+        for chain in &table.chains {
+            let Some((hook, _)) = chain.hook else { continue };
+            let direction = match hook {
+                HOOK_INPUT => Direction::Query,
+                HOOK_OUTPUT => Direction::Reply,
+                _ => continue,
+            };
+            for &addr in addrs {
+                if !family_sees(table.family, addr) {
+                    continue;
+                }
+                let mut worst: Option<bool> = None;
+                for l4proto in [UDP, TCP] {
+                    let packet = Packet { direction, addr, l4proto };
+                    let out = evaluate(table, chain, &packet, 0);
+                    let policy_drops = chain.policy == Some(NF_DROP) && (out.fall || out.ret);
+                    if out.drop || policy_drops {
+                        let surely = !out.accept && !out.unknown;
+                        worst = Some(worst.unwrap_or(false) || surely);
+                    }
+                }
+                if let Some(surely) = worst {
+                    found.push(Blocking {
+                        table: table.spelled(),
+                        chain: chain.name.clone(),
+                        direction,
+                        addr,
+                        surely,
+                    });
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Whether a table of `family` sees packets of `addr`'s family.
+fn family_sees(family: u8, addr: IpAddr) -> bool {
+    match family {
+        1 => true,
+        2 => addr.is_ipv4(),
+        10 => addr.is_ipv6(),
+        _ => false,
+    }
+}
+
+const UDP: u8 = 17;
+const TCP: u8 = 6;
+
+/// The packet judged: what is known of it.
+struct Packet {
+    direction: Direction,
+    addr: IpAddr,
+    l4proto: u8,
+}
+
+/// What a register holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Value {
+    Known(Vec<u8>),
+    /// An interface name that is not `lo` (pods' traffic never arrives on it).
+    NotLo,
+    Unknown,
+}
+
+impl Packet {
+    fn meta(&self, key: u32) -> Value {
+        match key {
+            META_NFPROTO => Value::Known(vec![if self.addr.is_ipv4() { 2 } else { 10 }]),
+            META_L4PROTO => Value::Known(vec![self.l4proto]),
+            META_IIFNAME if self.direction == Direction::Query => Value::NotLo,
+            META_OIFNAME if self.direction == Direction::Reply => Value::NotLo,
+            _ => Value::Unknown,
+        }
+    }
+
+    fn payload(&self, base: u32, offset: u32, len: u32) -> Value {
+        let addr_bytes = match self.addr {
+            IpAddr::V4(a) => a.octets().to_vec(),
+            IpAddr::V6(a) => a.octets().to_vec(),
+        };
+        let port = 53u16.to_be_bytes().to_vec();
+        let (ours_addr, ours_port) = match (self.direction, self.addr) {
+            // (destination address offset, destination port offset) for a query.
+            (Direction::Query, IpAddr::V4(_)) => (16, 2),
+            (Direction::Query, IpAddr::V6(_)) => (24, 2),
+            (Direction::Reply, IpAddr::V4(_)) => (12, 0),
+            (Direction::Reply, IpAddr::V6(_)) => (8, 0),
+        };
+        let protocol_at = if self.addr.is_ipv4() { 9 } else { 6 };
+        match base {
+            PAYLOAD_NETWORK if offset == ours_addr && len as usize == addr_bytes.len() => {
+                Value::Known(addr_bytes)
+            }
+            PAYLOAD_NETWORK if offset == protocol_at && len == 1 => {
+                Value::Known(vec![self.l4proto])
+            }
+            PAYLOAD_TRANSPORT if offset == ours_port && len == 2 => Value::Known(port),
+            _ => Value::Unknown,
+        }
+    }
+}
+
+/// Three-valued truth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Truth {
+    True,
+    False,
+    Unknown,
+}
+
+/// What evaluating a chain can come to, each possibly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Outcomes {
+    accept: bool,
+    drop: bool,
+    /// Fell off the end (or `continue` past it): on to the caller's next rule.
+    fall: bool,
+    /// `return`, or a `goto` target that fell off: back to the caller of this chain.
+    ret: bool,
+    /// An unknown match was taken both ways somewhere.
+    unknown: bool,
+}
+
+fn evaluate(table: &Table, chain: &Chain, packet: &Packet, depth: usize) -> Outcomes {
+    let mut out = Outcomes::default();
+    if depth >= MAX_DEPTH {
+        out.drop = true;
+        out.unknown = true;
+        return out;
+    }
+    for rule in &chain.rules {
+        let (truth, verdict) = run_rule(rule, packet);
+        if truth == Truth::False {
+            continue;
+        }
+        out.unknown |= truth == Truth::Unknown;
+        // Where the verdict takes the packet: terminal outcomes, and whether this chain goes on.
+        let (effect, goes_on) = match verdict {
+            None | Some(Verdict::Continue) => (Outcomes::default(), true),
+            Some(Verdict::Accept) => (Outcomes { accept: true, ..Outcomes::default() }, false),
+            Some(Verdict::Drop) | Some(Verdict::Other(_)) => {
+                (Outcomes { drop: true, ..Outcomes::default() }, false)
+            }
+            Some(Verdict::Return) => (Outcomes { ret: true, ..Outcomes::default() }, false),
+            Some(Verdict::Jump(target)) | Some(Verdict::Goto(target)) => {
+                let jump = matches!(rule_verdict(rule), Some(Verdict::Jump(_)));
+                let sub = match table.chain(&target) {
+                    Some(c) => evaluate(table, c, packet, depth + 1),
+                    None => Outcomes { drop: true, unknown: true, ..Outcomes::default() },
+                };
+                let back = sub.fall || sub.ret;
+                let effect = Outcomes {
+                    accept: sub.accept,
+                    drop: sub.drop,
+                    ret: !jump && back,
+                    unknown: sub.unknown,
+                    fall: false,
+                };
+                (effect, jump && back)
+            }
+        };
+        out.accept |= effect.accept;
+        out.drop |= effect.drop;
+        out.ret |= effect.ret;
+        out.unknown |= effect.unknown;
+        if !(goes_on || truth == Truth::Unknown) {
+            return out;
+        }
+    }
+    out.fall = true;
+    out
+}
+
+fn rule_verdict(rule: &Rule) -> Option<Verdict> {
+    rule.exprs.iter().rev().find_map(|e| match e {
+        Expr::Verdict(v) => Some(v.clone()),
+        Expr::Reject => Some(Verdict::Drop),
+        _ => None,
+    })
+}
+
+/// Whether the rule matches the packet, and its verdict (`None`: it only counts or logs).
+fn run_rule(rule: &Rule, packet: &Packet) -> (Truth, Option<Verdict>) {
+    let mut regs: Vec<(u32, Value)> = Vec::new();
+    let get = |regs: &[(u32, Value)], r: u32| {
+        regs.iter().rev().find(|(n, _)| *n == r).map_or(Value::Unknown, |(_, v)| v.clone())
+    };
+    let mut truth = Truth::True;
+    let mut verdict = None;
+    for expr in &rule.exprs {
+        match expr {
+            Expr::Meta { key, dreg } => regs.push((*dreg, packet.meta(*key))),
+            Expr::Payload { base, offset, len, dreg } => {
+                regs.push((*dreg, packet.payload(*base, *offset, *len)))
+            }
+            Expr::Ct { key, dreg } => {
+                if *key != CT_STATE {
+                    // An untracked packet has no conntrack entry: the rule stops here.
+                    return (Truth::False, None);
+                }
+                regs.push((*dreg, Value::Known(CT_STATE_UNTRACKED.to_ne_bytes().to_vec())));
+            }
+            Expr::Bitwise { sreg, dreg, mask, xor } => {
+                let value = match get(&regs, *sreg) {
+                    Value::Known(v) if v.len() == mask.len() && v.len() == xor.len() => {
+                        Value::Known(
+                            v.iter().zip(mask).zip(xor).map(|((b, m), x)| (b & m) ^ x).collect(),
+                        )
+                    }
+                    _ => Value::Unknown,
+                };
+                regs.push((*dreg, value));
+            }
+            Expr::Cmp { sreg, op, data } => {
+                let t = compare(&get(&regs, *sreg), *op, data);
+                match t {
+                    Truth::False => return (Truth::False, None),
+                    Truth::Unknown => truth = Truth::Unknown,
+                    Truth::True => {}
+                }
+            }
+            Expr::Verdict(v) => verdict = Some(v.clone()),
+            Expr::Reject => verdict = Some(Verdict::Drop),
+            Expr::Passive => {}
+            Expr::Other(_) => truth = Truth::Unknown,
+        }
+    }
+    (truth, verdict)
+}
+
+fn compare(value: &Value, op: u32, data: &[u8]) -> Truth {
+    let equal = match value {
+        Value::Known(v) if v.len() == data.len() => Some(v == data),
+        Value::NotLo => {
+            let lo = data.starts_with(b"lo\0") || data == b"lo";
+            lo.then_some(false)
+        }
+        _ => None,
+    };
+    match (equal, op) {
+        (Some(eq), CMP_EQ) => truth(eq),
+        (Some(eq), CMP_NEQ) => truth(!eq),
+        (Some(_), _) => match value {
+            // Orderings compare bytes, like the kernel's memcmp.
+            Value::Known(v) => {
+                let ord = v.as_slice().cmp(data);
+                truth(match op {
+                    2 => ord.is_lt(),
+                    3 => ord.is_le(),
+                    4 => ord.is_gt(),
+                    5 => ord.is_ge(),
+                    _ => return Truth::Unknown,
+                })
+            }
+            _ => Truth::Unknown,
+        },
+        (None, _) => Truth::Unknown,
+    }
+}
+
+fn truth(b: bool) -> Truth {
+    if b {
+        Truth::True
+    } else {
+        Truth::False
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CLUSTER_DNS: &str = "10.96.0.10";
+
+    fn meta(key: u32) -> Expr {
+        Expr::Meta { key, dreg: 1 }
+    }
+    fn eq(data: &[u8]) -> Expr {
+        Expr::Cmp { sreg: 1, op: CMP_EQ, data: data.to_vec() }
+    }
+    fn verdict(v: Verdict) -> Expr {
+        Expr::Verdict(v)
+    }
+    fn rule(exprs: Vec<Expr>) -> Rule {
+        Rule { exprs }
+    }
+    fn ifname(name: &str) -> Vec<u8> {
+        let mut b = name.as_bytes().to_vec();
+        b.resize(16, 0);
+        b
+    }
+    /// `ct state <bits>`: ct load, bitwise and mask, cmp neq 0.
+    fn ct_state(bits: u32, then: Verdict) -> Rule {
+        rule(vec![
+            Expr::Ct { key: CT_STATE, dreg: 1 },
+            Expr::Bitwise { sreg: 1, dreg: 1, mask: bits.to_ne_bytes().to_vec(), xor: vec![0; 4] },
+            Expr::Cmp { sreg: 1, op: CMP_NEQ, data: vec![0; 4] },
+            verdict(then),
+        ])
+    }
+    /// `ip daddr <addr> th dport 53 accept` in an inet table, as nft generates it.
+    fn allow_dns_to(addr: [u8; 4]) -> Rule {
+        rule(vec![
+            meta(META_NFPROTO),
+            eq(&[2]),
+            Expr::Payload { base: PAYLOAD_NETWORK, offset: 16, len: 4, dreg: 1 },
+            eq(&addr),
+            Expr::Payload { base: PAYLOAD_TRANSPORT, offset: 2, len: 2, dreg: 1 },
+            eq(&53u16.to_be_bytes()),
+            verdict(Verdict::Accept),
+        ])
+    }
+
+    /// firewalld's nftables backend, in short (see testdata/simnode.sh --nft-firewall).
+    fn firewalld(first: Option<Rule>) -> Table {
+        let mut input = vec![
+            rule(vec![
+                Expr::Ct { key: CT_STATE, dreg: 1 },
+                Expr::Other("lookup".into()),
+                verdict(Verdict::Accept),
+            ]),
+            // ct status dnat accept: no conntrack entry, no match.
+            rule(vec![
+                Expr::Ct { key: 2, dreg: 1 },
+                Expr::Other("bitwise".into()),
+                verdict(Verdict::Accept),
+            ]),
+            rule(vec![meta(META_IIFNAME), eq(&ifname("lo")), verdict(Verdict::Accept)]),
+            ct_state(1, Verdict::Drop), // invalid
+            rule(vec![verdict(Verdict::Jump("filter_INPUT_ZONES".into()))]),
+            rule(vec![Expr::Reject]),
+        ];
+        if let Some(first) = first {
+            input.insert(0, first);
+        }
+        Table {
+            family: 1,
+            name: "firewalld".into(),
+            chains: vec![
+                Chain {
+                    name: "filter_INPUT".into(),
+                    hook: Some((HOOK_INPUT, 10)),
+                    policy: Some(NF_ACCEPT),
+                    rules: input,
+                },
+                Chain {
+                    name: "filter_INPUT_ZONES".into(),
+                    hook: None,
+                    policy: None,
+                    rules: vec![rule(vec![verdict(Verdict::Goto("filter_IN_public".into()))])],
+                },
+                Chain {
+                    name: "filter_IN_public".into(),
+                    hook: None,
+                    policy: None,
+                    rules: vec![
+                        rule(vec![
+                            meta(META_L4PROTO),
+                            Expr::Other("lookup".into()),
+                            verdict(Verdict::Accept),
+                        ]),
+                        rule(vec![
+                            meta(META_L4PROTO),
+                            eq(&[TCP]),
+                            Expr::Payload { base: PAYLOAD_TRANSPORT, offset: 2, len: 2, dreg: 1 },
+                            eq(&22u16.to_be_bytes()),
+                            verdict(Verdict::Accept),
+                        ]),
+                    ],
+                },
+            ],
+        }
+    }
+
+    fn addrs() -> Vec<IpAddr> {
+        vec![CLUSTER_DNS.parse().unwrap()]
+    }
+
+    #[test]
+    fn a_firewalld_input_chain_rejects_pods_queries() {
+        let found = blocking(&[firewalld(None)], &addrs());
+        assert_eq!(found.len(), 1, "{found:?}");
+        let b = &found[0];
+        assert_eq!((b.table.as_str(), b.chain.as_str()), ("inet firewalld", "filter_INPUT"));
+        assert_eq!(b.direction, Direction::Query);
+        assert_eq!(
+            b.fix(),
+            "nft insert rule inet firewalld filter_INPUT ip daddr 10.96.0.10 th dport 53 accept"
+        );
+        assert!(b.to_string().contains("pods' DNS queries to 10.96.0.10"), "{b}");
+    }
+
+    #[test]
+    fn the_rule_it_suggests_lets_them_through() {
+        let fixed = firewalld(Some(allow_dns_to([10, 96, 0, 10])));
+        assert_eq!(blocking(&[fixed], &addrs()), vec![]);
+        // An accept for another address does not.
+        let other = firewalld(Some(allow_dns_to([10, 96, 0, 99])));
+        assert_eq!(blocking(&[other], &addrs()).len(), 1);
+    }
+
+    #[test]
+    fn untracked_packets_are_neither_invalid_nor_established_nor_on_lo() {
+        let chain = |rules| Table {
+            family: 2,
+            name: "filter".into(),
+            chains: vec![Chain {
+                name: "input".into(),
+                hook: Some((HOOK_INPUT, 0)),
+                policy: Some(NF_DROP),
+                rules,
+            }],
+        };
+        // ct state established,related accept; iifname lo accept; policy drop: drops ours.
+        let t = chain(vec![
+            ct_state(2 | 4, Verdict::Accept),
+            rule(vec![meta(META_IIFNAME), eq(&ifname("lo")), verdict(Verdict::Accept)]),
+        ]);
+        let found = blocking(&[t], &addrs());
+        assert_eq!(found.len(), 1);
+        assert!(found[0].surely);
+        // ct state untracked accept lets them in.
+        let t = chain(vec![ct_state(CT_STATE_UNTRACKED, Verdict::Accept)]);
+        assert_eq!(blocking(&[t], &addrs()), vec![]);
+        // An ip6 table never sees IPv4 packets.
+        let mut t = chain(vec![]);
+        t.family = 10;
+        assert_eq!(blocking(&[t], &addrs()), vec![]);
+    }
+
+    #[test]
+    fn an_unknown_match_before_a_drop_counts_as_dropping() {
+        // ip saddr 10.244.0.0/16 accept (unknown source) before policy drop: may drop.
+        let t = Table {
+            family: 1,
+            name: "host".into(),
+            chains: vec![Chain {
+                name: "input".into(),
+                hook: Some((HOOK_INPUT, 0)),
+                policy: Some(NF_DROP),
+                rules: vec![rule(vec![
+                    Expr::Payload { base: PAYLOAD_NETWORK, offset: 12, len: 4, dreg: 1 },
+                    Expr::Other("bitwise".into()),
+                    verdict(Verdict::Accept),
+                ])],
+            }],
+        };
+        let found = blocking(&[t], &addrs());
+        assert_eq!(found.len(), 1);
+        assert!(!found[0].surely);
+        assert!(found[0].to_string().contains("may drop"), "{}", found[0]);
+    }
+
+    #[test]
+    fn replies_are_judged_on_output_and_other_hooks_are_not_ours() {
+        let t = |hook| Table {
+            family: 1,
+            name: "host".into(),
+            chains: vec![Chain {
+                name: "c".into(),
+                hook: Some((hook, 0)),
+                policy: Some(NF_DROP),
+                rules: vec![],
+            }],
+        };
+        let found = blocking(&[t(HOOK_OUTPUT)], &addrs());
+        assert_eq!(found[0].direction, Direction::Reply);
+        assert!(found[0].fix().contains("ip saddr 10.96.0.10 th sport 53 accept"));
+        // prerouting (0), forward (2): not the cache's path.
+        assert_eq!(blocking(&[t(0), t(2)], &addrs()), vec![]);
+    }
+
+    #[test]
+    fn return_and_goto_come_back_where_nft_does() {
+        // jump sub; sub: return; then accept → accepted. goto sub2 (falls off) → back to the
+        // base chain's caller: the policy (drop).
+        let base = |rules| Table {
+            family: 1,
+            name: "t".into(),
+            chains: vec![
+                Chain {
+                    name: "in".into(),
+                    hook: Some((HOOK_INPUT, 0)),
+                    policy: Some(NF_DROP),
+                    rules,
+                },
+                Chain {
+                    name: "sub".into(),
+                    hook: None,
+                    policy: None,
+                    rules: vec![rule(vec![verdict(Verdict::Return)])],
+                },
+                Chain { name: "sub2".into(), hook: None, policy: None, rules: vec![] },
+            ],
+        };
+        let jumped = base(vec![
+            rule(vec![verdict(Verdict::Jump("sub".into()))]),
+            rule(vec![verdict(Verdict::Accept)]),
+        ]);
+        assert_eq!(blocking(&[jumped], &addrs()), vec![]);
+        let went = base(vec![
+            rule(vec![verdict(Verdict::Goto("sub2".into()))]),
+            rule(vec![verdict(Verdict::Accept)]),
+        ]);
+        assert_eq!(blocking(&[went], &addrs()).len(), 1);
+    }
+}
