@@ -131,11 +131,12 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Release(args) => {
             let answer = control::call(&args.state_dir, &Request::Release, CALL_TIMEOUT);
             match answer {
-                Err(ControlError::NoAgent { .. }) if !state::agent_running(&args.state_dir) => {
+                Err(ControlError::NoAgent { .. }) if !agent_running(&args.state_dir)? => {
                     control::clear_override(&args.state_dir).map_err(Failure::runtime)?;
                     println!("no agent is running; removed the recorded override, if any");
                     Ok(())
                 }
+                Err(ControlError::NoAgent { .. }) => Err(not_answering(&args.state_dir)),
                 other => answered(other),
             }
         }
@@ -149,10 +150,11 @@ fn run(command: Command) -> Result<(), Failure> {
             match control::call(dir, &request, wait) {
                 // Without an agent the kernel fast path alone fails pods over when the cache
                 // stops: nothing to wait for, and a preStop hook must not fail for it.
-                Err(ControlError::NoAgent { .. }) if !state::agent_running(dir) => {
+                Err(ControlError::NoAgent { .. }) if !agent_running(dir)? => {
                     println!("no agent is running: nothing to drain");
                     Ok(())
                 }
+                Err(ControlError::NoAgent { .. }) => Err(not_answering(dir)),
                 other => answered(other),
             }
         }
@@ -166,7 +168,7 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
-            if state::agent_running(&args.state_dir) {
+            if agent_running(&args.state_dir)? {
                 return Err(Failure::runtime(format!(
                     "an agent is running with --state-dir {} and would put its rules back: stop \
                      it first (e.g. delete its DaemonSet), then tear down",
@@ -194,6 +196,29 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// A duration as whole milliseconds for the control protocol; bad input if it does not fit.
 fn millis(flag: &str, d: Duration) -> Result<u64, Failure> {
     u64::try_from(d.as_millis()).map_err(|_| Failure::usage(format!("{flag} is too long")))
+}
+
+/// Whether an agent runs with the state directory `dir`; a failure when that cannot be told (the
+/// lock file cannot be opened or locked), never "no agent".
+fn agent_running(dir: &std::path::Path) -> Result<bool, Failure> {
+    state::agent_running(dir).map_err(|e| {
+        Failure::runtime(format!(
+            "cannot tell whether an agent is running with --state-dir {}: {}; nothing was changed",
+            dir.display(),
+            with_causes(&e)
+        ))
+    })
+}
+
+/// An agent holds the lock in `dir` but nothing answers on its control socket.
+fn not_answering(dir: &std::path::Path) -> Failure {
+    Failure::runtime(format!(
+        "an agent is running with --state-dir {} (it holds {}) but does not answer on {}: check \
+         its log, or restart it; nothing was changed",
+        dir.display(),
+        state::LOCK_FILE,
+        control::socket_path(dir).display()
+    ))
 }
 
 /// Prints the agent's answer; an error answer is a runtime failure. (`NoAgent` while the
@@ -228,7 +253,8 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     let request = Request::Flip { route, for_ms, reason: args.reason.clone() };
     let dir = &args.control.state_dir;
     match control::call(dir, &request, CALL_TIMEOUT) {
-        Err(ControlError::NoAgent { .. }) if !state::agent_running(dir) => {}
+        Err(ControlError::NoAgent { .. }) if !agent_running(dir)? => {}
+        Err(ControlError::NoAgent { .. }) => return Err(not_answering(dir)),
         other => return answered(other),
     }
     // No agent: install the route's rules here, and record the override for the next agent.
@@ -442,7 +468,11 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
     let stale = st.is_stale(now);
     if args.json {
         let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
-        value["agent_running"] = serde_json::Value::Bool(alive && !stale);
+        // `null` when it cannot be told (the lock file cannot be opened).
+        value["agent_running"] = match &alive {
+            Ok(alive) => serde_json::Value::Bool(*alive && !stale),
+            Err(_) => serde_json::Value::Null,
+        };
         value["override"] = match control::read_override(&args.state_dir) {
             Ok(o) => serde_json::to_value(o).map_err(Failure::runtime)?,
             Err(e) => serde_json::Value::String(e.to_string()),
@@ -451,11 +481,12 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         return Ok(());
     }
     let running = match (alive, stale) {
-        (true, false) => format!("running (pid {})", st.pid),
-        (true, true) => {
+        (Ok(true), false) => format!("running (pid {})", st.pid),
+        (Ok(true), true) => {
             format!("running but not updating its state ({})", ago(st.updated_unix_ms, now))
         }
-        (false, _) => "not running (its last ruleset stays installed)".to_owned(),
+        (Ok(false), _) => "not running (its last ruleset stays installed)".to_owned(),
+        (Err(e), _) => format!("cannot tell whether it runs: {}", with_causes(&e)),
     };
     println!("agent:       {running}");
     println!("route:       {} since {} ({})", st.route, ago(st.since_unix_ms, now), st.reason);

@@ -103,7 +103,7 @@ pub enum LockError {
     #[error("another agent is running with --state-dir {}: stop it, or give this one its own state directory", .0.display())]
     Held(PathBuf),
     /// The lock file cannot be opened or locked.
-    #[error("cannot lock {}: {source}", .path.display())]
+    #[error("cannot open or lock {}: {source} (give this command read access to its state directory, or check --state-dir)", .path.display())]
     Io {
         path: PathBuf,
         #[source]
@@ -129,12 +129,30 @@ impl Lock {
     }
 }
 
-/// Whether an agent holds the lock in `dir` (false when there is no lock file).
-pub fn agent_running(dir: &Path) -> bool {
-    match Lock::acquire(dir) {
-        Ok(_released_on_drop) => false,
-        Err(LockError::Held(_)) => true,
-        Err(LockError::Io { .. }) => false,
+/// Whether an agent holds the lock in `dir`: `Ok(false)` when there is no lock file (no agent
+/// ever ran there) or nobody holds it, `Ok(true)` when an agent does, and an error when it cannot
+/// be told — the file cannot be opened or locked — which a caller must never read as "no agent".
+///
+/// Reads only: the file is opened read-only, without creating it, and tried with a shared lock
+/// (which an agent's exclusive one excludes), so the answer is the same on a read-only mount of
+/// the state directory (node-cache's preStop `drain` in the node-local-dns overlay) as on the
+/// host. `O_NONBLOCK`: a FIFO in the lock's place must not hang the command.
+pub fn agent_running(dir: &Path) -> Result<bool, LockError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(LOCK_FILE);
+    let file = match File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(source) => return Err(LockError::Io { path, source }),
+    };
+    match Flock::lock(file, FlockArg::LockSharedNonblock) {
+        Ok(_released_on_drop) => Ok(false),
+        Err((_, Errno::EWOULDBLOCK)) => Ok(true),
+        Err((_, errno)) => Err(LockError::Io { path, source: errno.into() }),
     }
 }
 
@@ -237,14 +255,25 @@ mod tests {
     fn the_lock_is_exclusive_and_dropped_with_its_holder() {
         let dir = std::env::temp_dir().join(format!("nlha-lock-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        assert!(!agent_running(&dir));
+        assert!(!agent_running(&dir).unwrap());
         let held = Lock::acquire(&dir).unwrap();
-        assert!(agent_running(&dir));
+        assert!(agent_running(&dir).unwrap());
         assert!(matches!(Lock::acquire(&dir), Err(LockError::Held(_))));
         drop(held);
-        assert!(!agent_running(&dir));
+        assert!(!agent_running(&dir).unwrap());
         remove(&dir).unwrap();
         assert!(!dir.exists());
+    }
+
+    #[test]
+    fn a_lock_that_cannot_be_opened_is_not_taken_for_no_agent() {
+        let dir = std::env::temp_dir().join(format!("nlha-lock-odd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A socket in the lock file's place: opening it fails (ENXIO), so nobody can tell.
+        let _socket = std::os::unix::net::UnixListener::bind(dir.join(LOCK_FILE)).unwrap();
+        let err = agent_running(&dir).unwrap_err().to_string();
+        assert!(err.contains(LOCK_FILE) && err.contains("read access"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -237,3 +237,50 @@ fn flip_without_an_agent_applies_directly() {
     assert_eq!(st["route"], "upstream", "the recorded override was not honoured: {st}");
     assert!(st["reason"].as_str().unwrap().contains("forced"), "{st}");
 }
+
+/// Runs the agent binary with `args` in the node namespace, in a mount namespace of its own in
+/// which the state directory `dir` is mounted read-only, as the node-local-dns overlay mounts it
+/// for node-cache's preStop `drain`.
+fn cli_read_only(node: &SimNode, dir: &str, args: &[&str]) -> std::process::Output {
+    let script = r#"dir=$1; shift; mount -o bind,ro "$dir" "$dir" && exec "$@""#;
+    let mut argv = vec!["--mount", "--propagation", "private", "sh", "-c", script, "sh", dir];
+    argv.push(AGENT);
+    argv.extend_from_slice(args);
+    node.run("node", "unshare", &argv)
+}
+
+/// Issue 17 (5): `drain` on a read-only state mount tells "no agent is running" (success: the
+/// kernel fast path alone fails pods over) from "an agent runs but does not answer" (failure,
+/// nothing drained, and said so). Before, a lock it could not open for writing counted as no
+/// agent, and `drain` exited 0 while the agent kept the node on the cache.
+#[test]
+fn drain_on_a_read_only_mount_tells_no_agent_from_an_agent_that_does_not_answer() {
+    let node = SimNode::up();
+    let mut agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    // The agent runs and holds its lock, but its control socket is gone: only the lock says so.
+    std::fs::remove_file(agent.state_dir.join("control.sock")).expect("remove control.sock");
+    let out = cli_read_only(&node, &dir, &["drain", "--timeout", "1s", "--state-dir", &dir]);
+    assert!(
+        !out.status.success(),
+        "drain reported success with an agent running: {}",
+        describe(&out)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("agent is running") && err.contains("control.sock"),
+        "the refusal does not say what failed: {}",
+        describe(&out)
+    );
+    assert_eq!(agent.state().unwrap()["route"], "local");
+
+    // No agent at all: nothing to drain, on the same read-only mount.
+    agent.stop(Signal::SIGTERM);
+    let out = cli_read_only(&node, &dir, &["drain", "--timeout", "1s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("no agent is running"),
+        "{}",
+        describe(&out)
+    );
+}
