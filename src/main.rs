@@ -268,7 +268,11 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
         cluster_dns_ip: args.cluster_dns_ip.clone(),
     })?;
     require_net_admin()?;
-    let (mut dataplane, _) = open_dataplane(DataplaneKind::Auto, &addrs, Duration::from_secs(5))?;
+    let (kind, chosen) = recorded_dataplane(dir)?;
+    if kind == DataplaneKind::IptablesLegacy {
+        require_net_raw_for_legacy()?;
+    }
+    let (mut dataplane, _) = open_dataplane(kind, &addrs, Duration::from_secs(5))?;
     let shape = dataplane::Shape { accepts: dataplane.has_accepts(), fast_path: true };
     let rules = dataplane::plan(&addrs, route, shape);
     dataplane.apply(&rules).map_err(|e| Failure::runtime(with_causes(&e)))?;
@@ -285,12 +289,50 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     std::fs::create_dir_all(dir).map_err(Failure::runtime)?;
     control::write_override(dir, &record).map_err(Failure::runtime)?;
     println!(
-        "no agent is running: installed the {route} ruleset directly ({}) and recorded the \
-         override in {} for the next agent",
+        "no agent is running: installed the {route} ruleset directly ({}, {chosen}) and recorded \
+         the override in {} for the next agent",
         dataplane.name(),
         dir.display()
     );
     Ok(())
+}
+
+/// The backend for a `flip` without an agent: the one the last agent recorded in its state file
+/// (where its rules are), else `auto` when no agent has recorded one; with the reason, for the
+/// user. A record that cannot be read or names no backend is a failure: guessing could put the
+/// rules where the agent's are not, and leave pods pinned to the cache.
+fn recorded_dataplane(dir: &std::path::Path) -> Result<(DataplaneKind, String), Failure> {
+    use clap::ValueEnum;
+    let st = match state::read(dir) {
+        Ok(st) => st,
+        Err(state::ReadError::Missing(_)) => {
+            let why = format!(
+                "chosen by --dataplane auto: no agent has recorded a backend in {}",
+                state::path(dir).display()
+            );
+            return Ok((DataplaneKind::Auto, why));
+        }
+        Err(e) => {
+            return Err(Failure::runtime(format!(
+                "{}: it says which backend the last agent used; remove it to let --dataplane auto \
+                 choose, or start the agent; nothing was changed",
+                with_causes(&e)
+            )))
+        }
+    };
+    match DataplaneKind::from_str(&st.dataplane, false) {
+        Ok(kind) if kind != DataplaneKind::Auto => {
+            let why =
+                format!("the backend the last agent recorded in {}", state::path(dir).display());
+            Ok((kind, why))
+        }
+        _ => Err(Failure::runtime(format!(
+            "{} names the backend {:?}, which this version does not know: remove the file to let \
+             --dataplane auto choose, or start the agent; nothing was changed",
+            state::path(dir).display(),
+            st.dataplane
+        ))),
+    }
 }
 
 fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {

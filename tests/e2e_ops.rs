@@ -284,3 +284,41 @@ fn drain_on_a_read_only_mount_tells_no_agent_from_an_agent_that_does_not_answer(
         describe(&out)
     );
 }
+
+/// Issue 17 (2): with no agent running, `flip` switches in the backend the last agent recorded,
+/// not in whatever `--dataplane auto` would pick: here kube-proxy runs in nftables mode (auto:
+/// nftables) but the DaemonSet named iptables-legacy. A flip into nftables would leave the legacy
+/// Local rules pinning pods to the cache while reporting success.
+#[test]
+fn flip_without_an_agent_uses_the_backend_the_last_agent_recorded() {
+    let node = SimNode::up_with(&["--kube-proxy", "nftables"]);
+    let mut agent = node.agent(&["--dataplane", "iptables-legacy"]);
+    let dir = state_dir(&agent);
+    agent.stop(Signal::SIGTERM);
+    drop(agent);
+    let out = node.cli(&[
+        "flip",
+        "upstream",
+        "--state-dir",
+        &dir,
+        "--local-ip",
+        LOCAL_IP,
+        "--cluster-dns-ip",
+        CLUSTER_DNS_IP,
+    ]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
+    assert_eq!(
+        String::from_utf8_lossy(&answer.stdout).trim(),
+        COREDNS_ANSWER,
+        "pods still go to the cache"
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("iptables-legacy") && said.contains("recorded"),
+        "flip does not say which backend it used and why: {}",
+        describe(&out)
+    );
+    assert_eq!(node.agent_table(), None, "flip put rules in nftables, which the agent never used");
+}
