@@ -677,7 +677,7 @@ pub async fn run(
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
     let lock = || state::Lock::acquire(&cfg.state_dir);
-    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(_))).await?;
+    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(..))).await?;
     let bind = |addr| {
         std::net::TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))

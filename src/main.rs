@@ -268,6 +268,18 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
         cluster_dns_ip: args.cluster_dns_ip.clone(),
     })?;
     require_net_admin()?;
+    // The agent's lock, held until the rules and the record are both in place: an agent that
+    // started in between would read no override, put its own route back as "changed by someone
+    // else" and remove the record as not its own, after this command reported success. An agent
+    // starting meanwhile waits for the lock (and gives up, to be restarted, if this takes long).
+    std::fs::create_dir_all(dir).map_err(|e| {
+        Failure::runtime(format!("cannot create the state directory {}: {e}", dir.display()))
+    })?;
+    let _lock = match state::Lock::acquire_for(dir, "nodelocaldns-ha flip (no agent running)") {
+        Ok(lock) => lock,
+        Err(state::LockError::Held(..)) => return Err(not_answering(dir)),
+        Err(e) => return Err(Failure::runtime(with_causes(&e))),
+    };
     let (kind, chosen) = recorded_dataplane(dir)?;
     if kind == DataplaneKind::IptablesLegacy {
         require_net_raw_for_legacy()?;
@@ -286,8 +298,13 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
         set_unix_ms: state::unix_ms(wall),
         kind: OverrideKind::Manual,
     };
-    std::fs::create_dir_all(dir).map_err(Failure::runtime)?;
-    control::write_override(dir, &record).map_err(Failure::runtime)?;
+    control::write_override(dir, &record).map_err(|e| {
+        Failure::runtime(format!(
+            "the {route} ruleset is installed, but recording the override in {} failed: {e}; a \
+             starting agent will decide the route by itself",
+            dir.display()
+        ))
+    })?;
     println!(
         "no agent is running: installed the {route} ruleset directly ({}, {chosen}) and recorded \
          the override in {} for the next agent",

@@ -99,9 +99,10 @@ pub struct Lock(#[allow(dead_code)] Flock<File>);
 /// Why the lock could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Another agent holds it.
-    #[error("another agent is running with --state-dir {}: stop it, or give this one its own state directory", .0.display())]
-    Held(PathBuf),
+    /// Another agent holds it (or a command standing in for one: `flip` with no agent running);
+    /// the holder's note, when it left one.
+    #[error("another agent is running with --state-dir {}{}: stop it, or give this one its own state directory", .0.display(), holder(.1))]
+    Held(PathBuf, Option<String>),
     /// The lock file cannot be opened or locked.
     #[error("cannot open or lock {}: {source} (give this command read access to its state directory, or check --state-dir)", .path.display())]
     Io {
@@ -111,21 +112,54 @@ pub enum LockError {
     },
 }
 
+/// ` (held by …)` for a holder's note, if there is one.
+fn holder(note: &Option<String>) -> String {
+    note.as_ref().map_or(String::new(), |note| format!(" (held by {note})"))
+}
+
+/// The longest holder's note read back from the lock file.
+const MAX_NOTE_BYTES: u64 = 256;
+
 impl Lock {
     /// Takes the lock in `dir` without waiting.
     pub fn acquire(dir: &Path) -> Result<Lock, LockError> {
+        Lock::take(dir, None)
+    }
+
+    /// Takes the lock in `dir` without waiting, for a command that stands in for the agent
+    /// meanwhile (`flip` with no agent running): `note` is left in the lock file, so that an
+    /// agent starting meanwhile names who holds it.
+    pub fn acquire_for(dir: &Path, note: &str) -> Result<Lock, LockError> {
+        Lock::take(dir, Some(note))
+    }
+
+    fn take(dir: &Path, note: Option<&str>) -> Result<Lock, LockError> {
+        use std::io::{Read, Seek, Write};
         let path = dir.join(LOCK_FILE);
+        let io_err = |source| LockError::Io { path: path.clone(), source };
         let file = File::options()
             .create(true)
             .truncate(false)
+            .read(true)
             .write(true)
             .open(&path)
-            .map_err(|source| LockError::Io { path: path.clone(), source })?;
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(Lock(lock)),
-            Err((_, Errno::EWOULDBLOCK)) => Err(LockError::Held(dir.to_owned())),
-            Err((_, errno)) => Err(LockError::Io { path, source: errno.into() }),
+            .map_err(io_err)?;
+        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => lock,
+            Err((mut file, Errno::EWOULDBLOCK)) => {
+                let mut note = String::new();
+                let _ = (&mut file).take(MAX_NOTE_BYTES).read_to_string(&mut note);
+                let note = Some(note.trim().to_owned()).filter(|n| !n.is_empty());
+                return Err(LockError::Held(dir.to_owned(), note));
+            }
+            Err((_, errno)) => return Err(io_err(errno.into())),
+        };
+        // The holder's note: this one's, or none (an agent's lock needs no explanation).
+        lock.set_len(0).map_err(io_err)?;
+        if let Some(note) = note {
+            lock.rewind().and_then(|()| lock.write_all(note.as_bytes())).map_err(io_err)?;
         }
+        Ok(Lock(lock))
     }
 }
 
@@ -258,9 +292,16 @@ mod tests {
         assert!(!agent_running(&dir).unwrap());
         let held = Lock::acquire(&dir).unwrap();
         assert!(agent_running(&dir).unwrap());
-        assert!(matches!(Lock::acquire(&dir), Err(LockError::Held(_))));
+        assert!(matches!(Lock::acquire(&dir), Err(LockError::Held(_, None))));
         drop(held);
         assert!(!agent_running(&dir).unwrap());
+        // A command standing in for the agent says so to whoever finds the lock held.
+        let flip = Lock::acquire_for(&dir, "nodelocaldns-ha flip").unwrap();
+        let err = Lock::acquire(&dir).unwrap_err();
+        assert!(err.to_string().contains("held by nodelocaldns-ha flip"), "{err}");
+        drop(flip);
+        drop(Lock::acquire(&dir).unwrap());
+        assert!(matches!(Lock::acquire(&dir), Ok(_)));
         remove(&dir).unwrap();
         assert!(!dir.exists());
     }

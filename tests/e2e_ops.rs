@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::process::Stdio;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -321,4 +322,87 @@ fn flip_without_an_agent_uses_the_backend_the_last_agent_recorded() {
         describe(&out)
     );
     assert_eq!(node.agent_table(), None, "flip put rules in nftables, which the agent never used");
+}
+
+/// The pids of the running children of `parent` whose command line contains `name`.
+fn children_named(parent: u32, name: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // `pid (comm) state ppid ...`; comm may hold spaces, so split after its `)`.
+            let Some((_, tail)) = stat.rsplit_once(')') else { return false };
+            let ppid = tail.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(parent) && String::from_utf8_lossy(&cmdline).contains(name)
+        })
+        .collect()
+}
+
+/// Issue 17 (5): `flip` with no agent running holds the agent's lock while it installs the rules
+/// and records the override, so an agent starting meanwhile cannot miss the record and remove it
+/// as not its own (while putting its old route back) after the CLI reported success. The window
+/// is held open by the node's xtables lock, which `flip`'s iptables-legacy-restore waits for.
+#[test]
+fn flip_without_an_agent_is_not_undone_by_an_agent_starting_meanwhile() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let legacy = ["--dataplane", "iptables-legacy"];
+    let mut agent = node.agent(&legacy);
+    let dir = state_dir(&agent);
+    agent.stop(Signal::SIGTERM);
+    drop(agent);
+
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    assert_eq!(node.script(&["xtables-lock-hold", "30"]).trim(), lock);
+    let mut flip = Proc::spawn(
+        node.cmd("node", AGENT)
+            .args(["flip", "upstream", "--reason", "race", "--state-dir", &dir])
+            .args(["--local-ip", LOCAL_IP, "--cluster-dns-ip", CLUSTER_DNS_IP])
+            .env("XTABLES_LOCKFILE", &lock)
+            .stdout(Stdio::piped()),
+    );
+    wait_for("flip to wait for the xtables lock", Duration::from_secs(5), || {
+        (!children_named(flip.pid(), "restore").is_empty()).then_some(())
+    });
+
+    // An agent starts (on the host's xtables lock, which nobody holds) while flip waits.
+    let log = node.dir.join("agent-race.log");
+    let mut racer = Proc::spawn(
+        node.cmd("node", AGENT)
+            .args(["run", "--local-ip", LOCAL_IP, "--cluster-dns-ip", CLUSTER_DNS_IP])
+            .args(["--upstream-ip", UPSTREAM_IP, "--probe-name", "who.test"])
+            .args(legacy)
+            .args(["--state-dir", &dir])
+            .stderr(std::fs::File::create(&log).unwrap()),
+    );
+    let state_file = std::path::Path::new(&dir).join("state.json");
+    let written_before = std::fs::metadata(&state_file).and_then(|m| m.modified()).ok();
+    // It either runs (its state file rewritten) or gives up on the agent lock that flip holds.
+    let racer_ran = wait_for("the racing agent to run or give up", Duration::from_secs(10), || {
+        if racer.try_wait().is_some() {
+            return Some(false);
+        }
+        let written = std::fs::metadata(&state_file).and_then(|m| m.modified()).ok();
+        (written != written_before).then_some(true)
+    });
+    node.script(&["xtables-lock-release"]);
+    let status = wait_for("flip to finish", Duration::from_secs(10), || flip.try_wait());
+    assert!(status.success(), "flip failed: {status}");
+
+    // Whatever agent runs from now on honours the override flip reported.
+    let agent = if racer_ran {
+        Agent::adopt(racer.into_child(), std::path::PathBuf::from(&dir), log)
+    } else {
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(said.contains("flip"), "the racing agent's refusal does not name flip: {said}");
+        node.agent_starting(&legacy)
+    };
+    let st = agent.wait_route("upstream", Duration::from_secs(5));
+    assert!(st["reason"].as_str().unwrap().contains("forced by hand: race"), "{st}");
+    wait_for("good probes", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["probes"]["cache_udp"]["streak_good"].as_u64() >= Some(10))
+    });
+    assert_eq!(agent.state().unwrap()["route"], "upstream", "the override was undone");
+    assert!(agent.state_dir.join("override.json").exists(), "the override's record was removed");
 }
