@@ -310,6 +310,20 @@ impl Agent {
         }
     }
 
+    /// Ends a drain because its cache is gone (`why` says how that was seen), whatever the
+    /// probes say; see [`Machine::end_drain`].
+    pub fn end_drain(&mut self, why: &str, now: Instant) {
+        if self.machine.end_drain(now) {
+            info!(reason = %self.machine.reason(), evidence = why, "drain over");
+            self.metrics.set_override(None);
+        }
+    }
+
+    /// The addresses the cache listens on: the link-local and the cluster-DNS IPs.
+    pub fn listen_ips(&self) -> Vec<std::net::IpAddr> {
+        self.addrs.local.iter().chain(&self.addrs.cluster_dns).copied().collect()
+    }
+
     /// The forced route, if any.
     pub fn forced(&self) -> Option<&Forced> {
         self.machine.forced()
@@ -810,6 +824,7 @@ pub async fn run(
             _ = resync.tick() => block_in_place(|| {
                 let now = Instant::now();
                 agent.expire(now);
+                maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
                 agent.poll(now, hearing.load(Ordering::Relaxed));
                 drain = drain.take().and_then(|d| d.progress(&mut agent, now));
             }),
@@ -914,6 +929,7 @@ mod tests {
             kind: crate::health::ForceKind::Manual,
             until: None,
             why: "maintenance".into(),
+            waits_for: None,
         };
         let metrics = Arc::new(Metrics::new());
         let mut agent =

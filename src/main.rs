@@ -297,6 +297,7 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
         set_by: "nodelocaldns-ha flip (no agent running)".to_owned(),
         set_unix_ms: state::unix_ms(wall),
         kind: OverrideKind::Manual,
+        drained_sockets: None,
     };
     control::write_override(dir, &record).map_err(|e| {
         Failure::runtime(format!(

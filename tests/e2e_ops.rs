@@ -406,3 +406,34 @@ fn flip_without_an_agent_is_not_undone_by_an_agent_starting_meanwhile() {
     assert_eq!(agent.state().unwrap()["route"], "upstream", "the override was undone");
     assert!(agent.state_dir.join("override.json").exists(), "the override's record was removed");
 }
+
+/// Issue 17 (5): a drain ends when the cache it drained is gone, not only when a probe fails.
+/// Here the agent is killed during the drain, the old cache stops and a new one answers before
+/// the agent is back: every probe it sends is answered, yet the node must not stay on CoreDNS
+/// for the drain's 10-minute limit. The drain recorded the old cache's sockets; they are gone.
+#[test]
+fn a_drain_whose_cache_went_while_the_agent_was_down_ends_at_its_restart() {
+    let node = SimNode::up();
+    let mut agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    let out = node.cli(&["drain", "--timeout", "5s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    agent.wait_route("upstream", Duration::from_secs(1));
+    agent.stop(Signal::SIGKILL);
+    drop(agent);
+
+    // The rolling update goes on without the agent: the old cache goes, the new one answers.
+    node.signal("cache-kill");
+    node.script(&["cache-start"]);
+    let agent = node.agent_starting(&[]);
+    let st = agent.wait_route("upstream", Duration::from_secs(5));
+    // The restarted agent resumes the recorded drain (and may have ended it already).
+    assert!(st["reason"].as_str().unwrap().contains("drain"), "the drain was not resumed: {st}");
+    // Back on the new cache once it has passed its probes and --min-hold (2 s), not 10 minutes.
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    println!("back: {}", local["reason"]);
+    assert!(!agent.state_dir.join("override.json").exists(), "the drain is still recorded");
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), CACHE_ANSWER);
+}
