@@ -437,3 +437,65 @@ fn a_drain_whose_cache_went_while_the_agent_was_down_ends_at_its_restart() {
         node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
     assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), CACHE_ANSWER);
 }
+
+/// Issue 17 (5): an agent killed between the IPv4 and the IPv6 transaction of an iptables switch
+/// leaves the families on different routes. The restarted agent must notice (neither route's
+/// ruleset is installed whole) and bring both to one route. The kill's result is made exactly:
+/// IPv4's raw table as the Upstream ruleset left it, IPv6's as the Local one.
+#[test]
+fn a_kill_between_the_families_is_noticed_and_evened_out_on_restart() {
+    let node = SimNode::up_with(&["--family", "dual", "--kube-proxy", "iptables-legacy"]);
+    let (local, cluster_dns, upstream) =
+        ("169.254.20.10,fd00:169:254::10", "10.96.0.10,fd00:96::10", "10.96.0.11,fd00:96::11");
+    let legacy = ["--dataplane", "iptables-legacy"];
+    let mut agent = node.agent_for(local, cluster_dns, upstream, &legacy);
+    let dir = state_dir(&agent);
+    let raw = |binary: &str| {
+        let out = node.run("node", binary, &["-t", "raw"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // The pods' NOTRACK (to the IP); the cache's replies are NOTRACKed on both routes.
+    let notracked = |text: &str, ip: &str| {
+        text.lines().any(|l| l.contains(&format!("-d {ip} ")) && l.contains("NOTRACK"))
+    };
+    assert!(node.cli(&["flip", "upstream", "--state-dir", &dir]).status.success());
+    agent.wait_route("upstream", Duration::from_secs(2));
+    let v4_upstream = raw("iptables-legacy-save");
+    assert!(!notracked(&v4_upstream, "10.96.0.10/32"), "{v4_upstream}");
+    assert!(node.cli(&["release", "--state-dir", &dir]).status.success());
+    agent.wait_route("local", Duration::from_secs(5));
+    agent.stop(Signal::SIGKILL);
+    drop(agent);
+
+    let saved = node.dir.join("v4-upstream.rules");
+    std::fs::write(&saved, &v4_upstream).unwrap();
+    let restore = format!("iptables-legacy-restore < {}", saved.display());
+    let out = node.run("node", "sh", &["-c", &restore]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(!notracked(&raw("iptables-legacy-save"), "10.96.0.10/32"), "IPv4 is not on Upstream");
+    assert!(notracked(&raw("ip6tables-legacy-save"), "fd00:96::10/128"), "IPv6 is not on Local");
+
+    std::fs::remove_file(node.dir.join("agent-state/state.json")).unwrap();
+    let agent = node.agent_for(local, cluster_dns, upstream, &legacy);
+    wait_for("both families on one route", Duration::from_secs(5), || {
+        let (v4, v6) = (raw("iptables-legacy-save"), raw("ip6tables-legacy-save"));
+        (notracked(&v4, "10.96.0.10/32") == notracked(&v6, "fd00:96::10/128")).then_some(())
+    });
+    let st = agent.state().unwrap();
+    println!("restarted: {} ({})", st["route"], st["reason"]);
+    for (qtype, want) in [("A", CACHE_ANSWER), ("AAAA", "fd00::1:1:1:1")] {
+        let answer = node.run(
+            "pod1",
+            "dig",
+            &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test", qtype],
+        );
+        assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), want, "{qtype}");
+    }
+    let answer = node.run(
+        "pod1",
+        "dig",
+        &["+short", "+time=1", "+tries=1", "@fd00:96::10", "who.test", "AAAA"],
+    );
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), "fd00::1:1:1:1", "IPv6 pods");
+}
