@@ -260,7 +260,10 @@ fn drain_on_a_read_only_mount_tells_no_agent_from_an_agent_that_does_not_answer(
     let mut agent = node.agent(&[]);
     let dir = state_dir(&agent);
     // The agent runs and holds its lock, but its control socket is gone: only the lock says so.
-    std::fs::remove_file(agent.state_dir.join("control.sock")).expect("remove control.sock");
+    // (The state file comes before the socket: wait for the socket to be there.)
+    let socket = agent.state_dir.join("control.sock");
+    wait_for("the control socket", Duration::from_secs(5), || socket.exists().then_some(()));
+    std::fs::remove_file(&socket).expect("remove control.sock");
     let out = cli_read_only(&node, &dir, &["drain", "--timeout", "1s", "--state-dir", &dir]);
     assert!(
         !out.status.success(),
