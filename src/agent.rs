@@ -350,6 +350,20 @@ impl Agent {
         }
     }
 
+    /// Ends a drain because its cache is gone (`why` says how that was seen), whatever the
+    /// probes say; see [`Machine::end_drain`].
+    pub fn end_drain(&mut self, why: &str, now: Instant) {
+        if self.machine.end_drain(now) {
+            info!(reason = %self.machine.reason(), evidence = why, "drain over");
+            self.metrics.set_override(None);
+        }
+    }
+
+    /// The addresses the cache listens on: the link-local and the cluster-DNS IPs.
+    pub fn listen_ips(&self) -> Vec<std::net::IpAddr> {
+        self.addrs.local.iter().chain(&self.addrs.cluster_dns).copied().collect()
+    }
+
     /// The forced route, if any.
     pub fn forced(&self) -> Option<&Forced> {
         self.machine.forced()
@@ -761,7 +775,7 @@ pub async fn run(
     std::fs::create_dir_all(&cfg.state_dir)
         .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
     let lock = || state::Lock::acquire(&cfg.state_dir);
-    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(_))).await?;
+    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(..))).await?;
     let bind = |addr| {
         std::net::TcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
@@ -899,6 +913,7 @@ pub async fn run(
             _ = resync.tick() => block_in_place(|| {
                 let now = Instant::now();
                 agent.expire(now);
+                maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
                 agent.poll(now, hearing.load(Ordering::Relaxed));
                 agent.remove_leftovers();
                 drain = drain.take().and_then(|d| d.progress(&mut agent, now));
@@ -1007,6 +1022,7 @@ mod tests {
             kind: crate::health::ForceKind::Manual,
             until: None,
             why: "maintenance".into(),
+            waits_for: None,
         };
         let metrics = Arc::new(Metrics::new());
         let mut agent = Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0);

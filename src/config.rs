@@ -63,6 +63,10 @@ pub enum ConfigError {
     /// A probe name that is not a DNS name.
     #[error("--probe-name {0:?} is not a valid DNS name")]
     BadProbeName(String),
+    /// A probe name still holding a manifest's placeholder: the probes would ask for a name no
+    /// cluster has, and the cache would forward it out of the cluster.
+    #[error("--probe-name {0:?} holds a placeholder: fill in the cluster's DNS domain (e.g. sed -e s/__PILLAR__DNS__DOMAIN__/cluster.local/g, see manifests/README.md)")]
+    ProbeNamePlaceholder(String),
     /// A duration beyond any sensible setting (a typo, or a unit mixed up).
     #[error("{flag}={value:?} is too long: at most {max} (30 days)", max = MAX_DURATION_TEXT)]
     TooLong { flag: &'static str, value: String },
@@ -360,6 +364,9 @@ impl AgentConfig {
             || raw.probe_name.trim().is_empty()
         {
             return Err(ConfigError::BadProbeName(raw.probe_name.clone()));
+        }
+        if raw.probe_name.contains("__PILLAR__") {
+            return Err(ConfigError::ProbeNamePlaceholder(raw.probe_name.clone()));
         }
         let cache_udp = cadence("--interval", &raw.interval, "--timeout", &raw.timeout)?;
         let tcp_interval = duration_flag("--tcp-interval", &raw.tcp_interval)?;

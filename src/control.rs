@@ -147,6 +147,10 @@ pub struct Override {
     pub set_by: String,
     pub set_unix_ms: u64,
     pub kind: OverrideKind,
+    /// For a drain: the cookies of the sockets the drained cache served on when it began (see
+    /// [`crate::health::Forced::waits_for`]); absent when unknown, and for a manual override.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drained_sockets: Option<Vec<u64>>,
 }
 
 impl Override {
@@ -166,6 +170,7 @@ impl Override {
             set_by: peer.to_string(),
             set_unix_ms: now_unix_ms,
             kind: OverrideKind::Manual,
+            drained_sockets: None,
         }
     }
 
@@ -179,6 +184,7 @@ impl Override {
             set_by: peer.to_string(),
             set_unix_ms: now_unix_ms,
             kind: OverrideKind::Drain,
+            drained_sockets: None,
         }
     }
 

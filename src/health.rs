@@ -99,8 +99,10 @@ impl Reason {
 pub enum ForceKind {
     /// `nodelocaldns-ha flip`: held until released or until it expires.
     Manual,
-    /// `nodelocaldns-ha drain`: `Upstream` until the cache it drained is gone (a probe fails);
-    /// from then on the automatic policy brings the route back once the new cache answers.
+    /// `nodelocaldns-ha drain`: `Upstream` until the cache it drained is gone — one of the
+    /// sockets it served on when the drain began is closed ([`Machine::end_drain`]), or a probe
+    /// fails — from then on the automatic policy brings the route back once the new cache
+    /// answers.
     Drain,
 }
 
@@ -113,6 +115,11 @@ pub struct Forced {
     pub until: Option<Instant>,
     /// What the operator said.
     pub why: String,
+    /// For a drain: the cookies of the sockets the drained cache served on when the drain began.
+    /// The drain is over once one of them is closed (the caller looks, and calls
+    /// [`Machine::end_drain`]), whether or not a new cache answers already. `None` when they
+    /// could not be listed: then only failed probes end it.
+    pub waits_for: Option<Vec<u64>>,
 }
 
 impl fmt::Display for Reason {
@@ -254,6 +261,21 @@ impl Machine {
             Some(until) if now >= until => self.unforce(Reason::Automatic { expired: true }, now),
             _ => None,
         }
+    }
+
+    /// Ends a drain because the drained cache is gone (its sockets are closed), whatever the
+    /// probes say: a new cache may answer already (a surge rollout), or it may have been gone
+    /// before this agent started. The route stays where it is; from `now` on, the new cache earns
+    /// its way back with `rise` good probes and `min_hold`. Returns whether a drain ended.
+    pub fn end_drain(&mut self, now: Instant) -> bool {
+        if self.forced.as_ref().is_none_or(|f| f.kind != ForceKind::Drain) {
+            return false;
+        }
+        self.forced = None;
+        self.held = None;
+        self.since = now;
+        self.reason = Reason::DrainEnded;
+        true
     }
 
     fn unforce(&mut self, reason: Reason, now: Instant) -> Option<Transition> {
@@ -580,7 +602,7 @@ mod tests {
     }
 
     fn forced(route: Route, kind: ForceKind, until: Option<Instant>) -> Forced {
-        Forced { route, kind, until, why: "maintenance".into() }
+        Forced { route, kind, until, why: "maintenance".into(), waits_for: None }
     }
 
     #[test]
@@ -638,6 +660,33 @@ mod tests {
         let got = feed(&mut m, t0, 4100, CacheUdp, &[Good; 5]);
         assert_eq!(got, [None; 5]);
         assert_eq!(feed(&mut m, t0, 6000, CacheUdp, &[Good]), [Some(Local)]);
+    }
+
+    #[test]
+    fn a_drain_ends_when_its_cache_is_gone_though_a_new_one_answers() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        m.force(forced(Upstream, ForceKind::Drain, None), t0);
+        // A new cache answers every probe (surge rollout, or the old one went before a restart):
+        // the probes alone never end the drain.
+        assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[Good; 30]), [None; 30]);
+        assert!(m.forced().is_some());
+        // The drained cache's sockets are gone: the drain is over, the route stays...
+        assert!(m.end_drain(t0 + Duration::from_millis(3000)));
+        assert_eq!((m.route(), m.forced(), m.reason()), (Upstream, None, &Reason::DrainEnded));
+        assert!(!m.end_drain(t0 + Duration::from_millis(3000)), "no drain left to end");
+        // ...until the new cache has answered `rise` probes and `min_hold` has passed since then.
+        assert_eq!(feed(&mut m, t0, 3100, CacheUdp, &[Good; 5]), [None; 5]);
+        assert_eq!(feed(&mut m, t0, 5000, CacheUdp, &[Good]), [Some(Local)]);
+    }
+
+    #[test]
+    fn end_drain_leaves_a_manual_override_alone() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        m.force(forced(Upstream, ForceKind::Manual, None), t0);
+        assert!(!m.end_drain(t0));
+        assert_eq!(m.forced().map(|f| f.kind), Some(ForceKind::Manual));
     }
 
     #[test]

@@ -132,11 +132,12 @@ fn run(command: Command) -> Result<(), Failure> {
         Command::Release(args) => {
             let answer = control::call(&args.state_dir, &Request::Release, CALL_TIMEOUT);
             match answer {
-                Err(ControlError::NoAgent { .. }) if !state::agent_running(&args.state_dir) => {
+                Err(ControlError::NoAgent { .. }) if !agent_running(&args.state_dir)? => {
                     control::clear_override(&args.state_dir).map_err(Failure::runtime)?;
                     println!("no agent is running; removed the recorded override, if any");
                     Ok(())
                 }
+                Err(ControlError::NoAgent { .. }) => Err(not_answering(&args.state_dir)),
                 other => answered(other),
             }
         }
@@ -150,10 +151,11 @@ fn run(command: Command) -> Result<(), Failure> {
             match control::call(dir, &request, wait) {
                 // Without an agent the kernel fast path alone fails pods over when the cache
                 // stops: nothing to wait for, and a preStop hook must not fail for it.
-                Err(ControlError::NoAgent { .. }) if !state::agent_running(dir) => {
+                Err(ControlError::NoAgent { .. }) if !agent_running(dir)? => {
                     println!("no agent is running: nothing to drain");
                     Ok(())
                 }
+                Err(ControlError::NoAgent { .. }) => Err(not_answering(dir)),
                 other => answered(other),
             }
         }
@@ -167,7 +169,7 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
-            if state::agent_running(&args.state_dir) {
+            if agent_running(&args.state_dir)? {
                 return Err(Failure::runtime(format!(
                     "an agent is running with --state-dir {} and would put its rules back: stop \
                      it first (e.g. delete its DaemonSet), then tear down",
@@ -195,6 +197,29 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// A duration as whole milliseconds for the control protocol; bad input if it does not fit.
 fn millis(flag: &str, d: Duration) -> Result<u64, Failure> {
     u64::try_from(d.as_millis()).map_err(|_| Failure::usage(format!("{flag} is too long")))
+}
+
+/// Whether an agent runs with the state directory `dir`; a failure when that cannot be told (the
+/// lock file cannot be opened or locked), never "no agent".
+fn agent_running(dir: &std::path::Path) -> Result<bool, Failure> {
+    state::agent_running(dir).map_err(|e| {
+        Failure::runtime(format!(
+            "cannot tell whether an agent is running with --state-dir {}: {}; nothing was changed",
+            dir.display(),
+            with_causes(&e)
+        ))
+    })
+}
+
+/// An agent holds the lock in `dir` but nothing answers on its control socket.
+fn not_answering(dir: &std::path::Path) -> Failure {
+    Failure::runtime(format!(
+        "an agent is running with --state-dir {} (it holds {}) but does not answer on {}: check \
+         its log, or restart it; nothing was changed",
+        dir.display(),
+        state::LOCK_FILE,
+        control::socket_path(dir).display()
+    ))
 }
 
 /// Prints the agent's answer; an error answer is a runtime failure. (`NoAgent` while the
@@ -229,7 +254,8 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     let request = Request::Flip { route, for_ms, reason: args.reason.clone() };
     let dir = &args.control.state_dir;
     match control::call(dir, &request, CALL_TIMEOUT) {
-        Err(ControlError::NoAgent { .. }) if !state::agent_running(dir) => {}
+        Err(ControlError::NoAgent { .. }) if !agent_running(dir)? => {}
+        Err(ControlError::NoAgent { .. }) => return Err(not_answering(dir)),
         other => return answered(other),
     }
     // No agent: install the route's rules here, and record the override for the next agent.
@@ -243,7 +269,23 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
         cluster_dns_ip: args.cluster_dns_ip.clone(),
     })?;
     require_net_admin()?;
-    let (mut dataplane, _) = open_dataplane(DataplaneKind::Auto, &addrs, Duration::from_secs(5))?;
+    // The agent's lock, held until the rules and the record are both in place: an agent that
+    // started in between would read no override, put its own route back as "changed by someone
+    // else" and remove the record as not its own, after this command reported success. An agent
+    // starting meanwhile waits for the lock (and gives up, to be restarted, if this takes long).
+    std::fs::create_dir_all(dir).map_err(|e| {
+        Failure::runtime(format!("cannot create the state directory {}: {e}", dir.display()))
+    })?;
+    let _lock = match state::Lock::acquire_for(dir, "nodelocaldns-ha flip (no agent running)") {
+        Ok(lock) => lock,
+        Err(state::LockError::Held(..)) => return Err(not_answering(dir)),
+        Err(e) => return Err(Failure::runtime(with_causes(&e))),
+    };
+    let (kind, chosen) = recorded_dataplane(dir)?;
+    if kind == DataplaneKind::IptablesLegacy {
+        require_net_raw_for_legacy()?;
+    }
+    let (mut dataplane, _) = open_dataplane(kind, &addrs, Duration::from_secs(5))?;
     let shape = dataplane::Shape { accepts: dataplane.has_accepts(), fast_path: true };
     let rules = dataplane::plan(&addrs, route, shape);
     dataplane.apply(&rules).map_err(|e| Failure::runtime(with_causes(&e)))?;
@@ -256,16 +298,60 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
         set_by: "nodelocaldns-ha flip (no agent running)".to_owned(),
         set_unix_ms: state::unix_ms(wall),
         kind: OverrideKind::Manual,
+        drained_sockets: None,
     };
-    std::fs::create_dir_all(dir).map_err(Failure::runtime)?;
-    control::write_override(dir, &record).map_err(Failure::runtime)?;
+    control::write_override(dir, &record).map_err(|e| {
+        Failure::runtime(format!(
+            "the {route} ruleset is installed, but recording the override in {} failed: {e}; a \
+             starting agent will decide the route by itself",
+            dir.display()
+        ))
+    })?;
     println!(
-        "no agent is running: installed the {route} ruleset directly ({}) and recorded the \
-         override in {} for the next agent",
+        "no agent is running: installed the {route} ruleset directly ({}, {chosen}) and recorded \
+         the override in {} for the next agent",
         dataplane.name(),
         dir.display()
     );
     Ok(())
+}
+
+/// The backend for a `flip` without an agent: the one the last agent recorded in its state file
+/// (where its rules are), else `auto` when no agent has recorded one; with the reason, for the
+/// user. A record that cannot be read or names no backend is a failure: guessing could put the
+/// rules where the agent's are not, and leave pods pinned to the cache.
+fn recorded_dataplane(dir: &std::path::Path) -> Result<(DataplaneKind, String), Failure> {
+    use clap::ValueEnum;
+    let st = match state::read(dir) {
+        Ok(st) => st,
+        Err(state::ReadError::Missing(_)) => {
+            let why = format!(
+                "chosen by --dataplane auto: no agent has recorded a backend in {}",
+                state::path(dir).display()
+            );
+            return Ok((DataplaneKind::Auto, why));
+        }
+        Err(e) => {
+            return Err(Failure::runtime(format!(
+                "{}: it says which backend the last agent used; remove it to let --dataplane auto \
+                 choose, or start the agent; nothing was changed",
+                with_causes(&e)
+            )))
+        }
+    };
+    match DataplaneKind::from_str(&st.dataplane, false) {
+        Ok(kind) if kind != DataplaneKind::Auto => {
+            let why =
+                format!("the backend the last agent recorded in {}", state::path(dir).display());
+            Ok((kind, why))
+        }
+        _ => Err(Failure::runtime(format!(
+            "{} names the backend {:?}, which this version does not know: remove the file to let \
+             --dataplane auto choose, or start the agent; nothing was changed",
+            state::path(dir).display(),
+            st.dataplane
+        ))),
+    }
 }
 
 fn listen_addrs(args: &ListenArgs) -> Result<ListenAddrs, Failure> {
@@ -479,7 +565,11 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
     let stale = st.is_stale(now);
     if args.json {
         let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
-        value["agent_running"] = serde_json::Value::Bool(alive && !stale);
+        // `null` when it cannot be told (the lock file cannot be opened).
+        value["agent_running"] = match &alive {
+            Ok(alive) => serde_json::Value::Bool(*alive && !stale),
+            Err(_) => serde_json::Value::Null,
+        };
         value["override"] = match control::read_override(&args.state_dir) {
             Ok(o) => serde_json::to_value(o).map_err(Failure::runtime)?,
             Err(e) => serde_json::Value::String(e.to_string()),
@@ -488,11 +578,12 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
         return Ok(());
     }
     let running = match (alive, stale) {
-        (true, false) => format!("running (pid {})", st.pid),
-        (true, true) => {
+        (Ok(true), false) => format!("running (pid {})", st.pid),
+        (Ok(true), true) => {
             format!("running but not updating its state ({})", ago(st.updated_unix_ms, now))
         }
-        (false, _) => "not running (its last ruleset stays installed)".to_owned(),
+        (Ok(false), _) => "not running (its last ruleset stays installed)".to_owned(),
+        (Err(e), _) => format!("cannot tell whether it runs: {}", with_causes(&e)),
     };
     println!("agent:       {running}");
     println!("route:       {} since {} ({})", st.route, ago(st.since_unix_ms, now), st.reason);

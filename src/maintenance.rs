@@ -10,13 +10,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::oneshot;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::agent::Agent;
 use crate::control::{self, Incoming, Override, OverrideKind, Request, Response};
 use crate::health::{ForceKind, Forced, Transition};
 use crate::metrics::Metrics;
-use crate::ruleset::Route;
+use crate::ruleset::{Route, DNS_PORT};
+use crate::sockdiag;
 use crate::state;
 
 /// How long a drain holds `Upstream` at most if the drained cache never goes away.
@@ -95,7 +96,47 @@ pub fn forced_from(o: &Override, now: Instant, wall: SystemTime) -> Option<Force
         return None;
     }
     let until = o.until_unix_ms.map(|ms| now + Duration::from_millis(ms.saturating_sub(now_ms)));
-    Some(Forced { route: o.route, kind: o.kind, until, why: o.reason.clone() })
+    let waits_for = o.drained_sockets.clone();
+    Some(Forced { route: o.route, kind: o.kind, until, why: o.reason.clone(), waits_for })
+}
+
+/// The cookies of the sockets the cache serves on now (its listen addresses, port 53), for a
+/// drain to wait for; `None`, said in the log, when they cannot be listed.
+fn cache_sockets(agent: &Agent) -> Option<Vec<u64>> {
+    match sockdiag::listeners(&agent.listen_ips(), DNS_PORT) {
+        Ok(found) => Some(found.iter().map(|l| l.cookie).collect()),
+        Err(e) => {
+            warn!(error = %e, "cannot list the cache's sockets; only failed probes will end the drain");
+            None
+        }
+    }
+}
+
+/// Ends a drain whose cache is gone: one of the sockets the drained cache served on when the
+/// drain began is closed (or it served on none). Whether a new cache answers already does not
+/// matter; nor whether this agent was running when the old one went. Call it on every tick; it
+/// lists sockets only while a drain that knows its sockets is in force.
+pub fn end_drain_if_its_cache_is_gone(agent: &mut Agent, now: Instant) {
+    let Some(waits_for) =
+        agent.forced().filter(|f| f.kind == ForceKind::Drain).and_then(|f| f.waits_for.clone())
+    else {
+        return;
+    };
+    let open = match sockdiag::listeners(&agent.listen_ips(), DNS_PORT) {
+        Ok(found) => found.iter().map(|l| l.cookie).collect::<Vec<_>>(),
+        Err(e) => {
+            debug!(error = %e, "cannot list the cache's sockets; the drain goes on");
+            return;
+        }
+    };
+    let closed = waits_for.iter().filter(|c| !open.contains(c)).count();
+    if waits_for.is_empty() || closed > 0 {
+        let why = format!(
+            "{closed} of the {} sockets the drained cache served on are closed",
+            waits_for.len()
+        );
+        agent.end_drain(&why, now);
+    }
 }
 
 /// Applies one control request; a drain is left in `drain`, to answer later.
@@ -109,7 +150,7 @@ pub fn handle(
     let Incoming { request, peer, reply } = incoming;
     let wall = SystemTime::now();
     let who = peer.to_string();
-    let record = |route, kind, until: Option<Instant>, reason: &str| {
+    let record = |route, kind, until: Option<Instant>, reason: &str, sockets: Option<Vec<u64>>| {
         let o = Override {
             version: control::OVERRIDE_VERSION,
             route,
@@ -118,6 +159,7 @@ pub fn handle(
             set_by: who.clone(),
             set_unix_ms: state::unix_ms(wall),
             kind,
+            drained_sockets: sockets,
         };
         control::write_override(dir, &o).map_err(|e| {
             format!("the route is forced, but recording it in {} failed: {e}", dir.display())
@@ -133,8 +175,10 @@ pub fn handle(
                 }
                 Route::Upstream => None,
             };
-            agent.force(Forced { route, kind: ForceKind::Manual, until, why: why.clone() }, now);
-            match record(route, OverrideKind::Manual, until, &why) {
+            let forced =
+                Forced { route, kind: ForceKind::Manual, until, why: why.clone(), waits_for: None };
+            agent.force(forced, now);
+            match record(route, OverrideKind::Manual, until, &why, None) {
                 Ok(()) => {
                     let until = for_ms.map_or(" until released".to_owned(), |ms| {
                         format!(" for {:?}", Duration::from_millis(ms))
@@ -171,10 +215,18 @@ pub fn handle(
                 if manual.is_none() {
                     let why = format!("drain requested by {who}");
                     let until = Some(now + DRAIN_HOLD_MAX);
-                    let forced =
-                        Forced { route: Route::Upstream, kind: ForceKind::Drain, until, why };
+                    // What the drain waits for: the sockets the cache serves on now.
+                    let waits_for = cache_sockets(agent);
+                    let sockets = waits_for.clone();
+                    let forced = Forced {
+                        route: Route::Upstream,
+                        kind: ForceKind::Drain,
+                        until,
+                        why,
+                        waits_for,
+                    };
                     if let Err(message) =
-                        record(Route::Upstream, OverrideKind::Drain, until, &forced.why)
+                        record(Route::Upstream, OverrideKind::Drain, until, &forced.why, sockets)
                     {
                         warn!(error = %message, "drain not persisted");
                     }

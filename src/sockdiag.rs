@@ -237,6 +237,144 @@ fn align4(len: usize) -> usize {
     len.saturating_add(3) & !3
 }
 
+/// `NLM_F_REQUEST`.
+const NLM_F_REQUEST: u16 = 0x1;
+/// `NLM_F_DUMP` (`NLM_F_ROOT | NLM_F_MATCH`).
+const NLM_F_DUMP: u16 = 0x300;
+/// `NLMSG_ERROR`.
+const NLMSG_ERROR: u16 = 2;
+/// `NLMSG_DONE`.
+const NLMSG_DONE: u16 = 3;
+/// `TCP_CLOSE`: the state of an unconnected UDP socket.
+const STATE_CLOSE: u32 = 7;
+/// `TCP_LISTEN`.
+const STATE_LISTEN: u32 = 10;
+/// `sizeof(struct inet_diag_req_v2)`.
+const INET_DIAG_REQ_V2_LEN: usize = 56;
+/// How long a dump may take before it is given up.
+const DUMP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// A socket serving a port, as the kernel lists it now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Listener {
+    pub transport: Transport,
+    /// The address and port it is bound to.
+    pub local: SocketAddr,
+    /// The kernel's socket cookie: unique among the sockets of this boot, never reused.
+    pub cookie: u64,
+}
+
+/// The TCP listeners and unconnected UDP sockets of the current network namespace that serve
+/// `port` on one of `addrs` (bound to it, or to a matching wildcard), with their cookies: a
+/// `SOCK_DIAG_BY_FAMILY` dump for each family and transport. Blocking, bounded by one second
+/// per dump; needs no privilege.
+pub fn listeners(addrs: &[IpAddr], port: u16) -> Result<Vec<Listener>, SockDiagError> {
+    let fd = socket(
+        AddressFamily::Netlink,
+        SockType::Raw,
+        SockFlag::SOCK_CLOEXEC,
+        SockProtocol::NetlinkSockDiag,
+    )
+    .map_err(SockDiagError::Open)?;
+    let timeout = nix::sys::time::TimeVal::new(DUMP_TIMEOUT.as_secs() as _, 0);
+    setsockopt(&fd, sockopt::ReceiveTimeout, &timeout).map_err(SockDiagError::Open)?;
+    let mut found = Vec::new();
+    let mut buf = vec![0u8; DATAGRAM_BYTES];
+    for family in [FAMILY_INET, FAMILY_INET6] {
+        for (protocol, states) in [(IPPROTO_UDP, STATE_CLOSE), (IPPROTO_TCP, STATE_LISTEN)] {
+            let request = dump_request(family, protocol, 1 << states);
+            nix::sys::socket::sendto(
+                fd.as_raw_fd(),
+                &request,
+                &NetlinkAddr::new(0, 0),
+                nix::sys::socket::MsgFlags::empty(),
+            )
+            .map_err(|e| SockDiagError::Recv(e.into()))?;
+            loop {
+                let (len, from) = recvfrom::<NetlinkAddr>(fd.as_raw_fd(), &mut buf)
+                    .map_err(|e| SockDiagError::Recv(e.into()))?;
+                if from.is_some_and(|f| f.pid() != 0) {
+                    continue;
+                }
+                let (sockets, done) = parse_dump(buf.get(..len).unwrap_or_default(), protocol)
+                    .map_err(SockDiagError::Recv)?;
+                found.extend(sockets.into_iter().filter(|l| {
+                    let socket = ClosedSocket {
+                        transport: l.transport,
+                        local: l.local,
+                        remote: SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), 0),
+                        state: 0,
+                    };
+                    socket.is_listener_on(addrs, port)
+                }));
+                if done {
+                    break;
+                }
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// One dump request: `nlmsghdr` and `inet_diag_req_v2` for `family`, `protocol` and the state
+/// mask `states`, every socket id field zero (no filter: the kernel's port filter is not the same
+/// on every version; the caller filters).
+fn dump_request(family: u8, protocol: u8, states: u32) -> Vec<u8> {
+    let len = (NLMSG_HDRLEN + INET_DIAG_REQ_V2_LEN) as u32;
+    let mut msg = Vec::with_capacity(len as usize);
+    msg.extend_from_slice(&len.to_ne_bytes());
+    msg.extend_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
+    msg.extend_from_slice(&(NLM_F_REQUEST | NLM_F_DUMP).to_ne_bytes());
+    msg.extend_from_slice(&1u32.to_ne_bytes());
+    msg.extend_from_slice(&0u32.to_ne_bytes());
+    msg.extend_from_slice(&[family, protocol, 0, 0]);
+    msg.extend_from_slice(&states.to_ne_bytes());
+    msg.resize(len as usize, 0);
+    msg
+}
+
+/// Parses one datagram of a dump of `protocol` sockets: the sockets in it, and whether the dump
+/// is complete (`NLMSG_DONE`). An `NLMSG_ERROR` is the kernel's error. Never panics.
+pub fn parse_dump(buf: &[u8], protocol: u8) -> std::io::Result<(Vec<Listener>, bool)> {
+    let transport = if protocol == IPPROTO_TCP { Transport::Tcp } else { Transport::Udp };
+    let mut sockets = Vec::new();
+    let mut rest = buf;
+    while rest.len() >= NLMSG_HDRLEN {
+        let Some(len) = read_u32_ne(rest, 0).and_then(|len| usize::try_from(len).ok()) else {
+            break;
+        };
+        if len < NLMSG_HDRLEN || len > rest.len() {
+            break;
+        }
+        match read_u16_ne(rest, 4) {
+            Some(NLMSG_DONE) => return Ok((sockets, true)),
+            Some(NLMSG_ERROR) => {
+                let errno = rest
+                    .get(NLMSG_HDRLEN..NLMSG_HDRLEN + 4)
+                    .map_or(0, |b| i32::from_ne_bytes(b.try_into().unwrap_or_default()));
+                return Err(std::io::Error::from_raw_os_error(errno.saturating_neg()));
+            }
+            Some(SOCK_DIAG_BY_FAMILY) => {
+                let msg = &rest[NLMSG_HDRLEN..len];
+                let local = match (msg.first(), msg.get(8..24)) {
+                    (Some(&FAMILY_INET), Some(src)) => ipv4(src),
+                    (Some(&FAMILY_INET6), Some(src)) => ipv6(src),
+                    _ => None,
+                };
+                let sport = msg.get(4..6).map(|p| u16::from_be_bytes([p[0], p[1]]));
+                let cookie = (read_u32_ne(msg, 44), read_u32_ne(msg, 48));
+                if let (Some(ip), Some(sport), (Some(low), Some(high))) = (local, sport, cookie) {
+                    let cookie = u64::from(low) | u64::from(high) << 32;
+                    sockets.push(Listener { transport, local: SocketAddr::new(ip, sport), cookie });
+                }
+            }
+            _ => {}
+        }
+        rest = rest.get(align4(len)..).unwrap_or_default();
+    }
+    Ok((sockets, false))
+}
+
 /// A subscription to the kernel's TCP and UDP (IPv4 and IPv6) socket-destroy announcements in the
 /// current network namespace.
 #[derive(Debug)]
@@ -354,6 +492,45 @@ mod tests {
         out.extend_from_slice(&[0u8; 10]); // flags, seq, pid
         out.extend_from_slice(&msg);
         out
+    }
+
+    /// A netlink control message of `kind` with a 4-byte payload.
+    fn control_message(kind: u16, payload: i32) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&20u32.to_ne_bytes());
+        out.extend_from_slice(&kind.to_ne_bytes());
+        out.extend_from_slice(&[0u8; 10]);
+        out.extend_from_slice(&payload.to_ne_bytes());
+        out
+    }
+
+    #[test]
+    fn a_dump_lists_sockets_with_their_cookies_until_done() {
+        let local: SocketAddr = "169.254.20.10:53".parse().unwrap();
+        let nobody: SocketAddr = "0.0.0.0:0".parse().unwrap();
+        let mut buf = announcement(FAMILY_INET, 7, None, local, nobody);
+        let (found, done) = parse_dump(&buf, IPPROTO_UDP).unwrap();
+        assert_eq!(found, [Listener { transport: Transport::Udp, local, cookie: 3 }]);
+        assert!(!done, "no NLMSG_DONE yet");
+        buf.extend(control_message(NLMSG_DONE, 0));
+        assert!(parse_dump(&buf, IPPROTO_UDP).unwrap().1);
+        let err = parse_dump(&control_message(NLMSG_ERROR, -13), IPPROTO_TCP).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(13));
+        // Truncated or garbage input: no panic, nothing found.
+        for cut in 0..buf.len() {
+            let _ = parse_dump(&buf[..cut], IPPROTO_TCP);
+        }
+    }
+
+    #[test]
+    fn the_dump_request_is_what_the_kernel_expects() {
+        let request = dump_request(FAMILY_INET6, IPPROTO_TCP, 1 << STATE_LISTEN);
+        assert_eq!(request.len(), NLMSG_HDRLEN + INET_DIAG_REQ_V2_LEN);
+        assert_eq!(read_u32_ne(&request, 0), Some(request.len() as u32));
+        assert_eq!(read_u16_ne(&request, 4), Some(SOCK_DIAG_BY_FAMILY));
+        assert_eq!(read_u16_ne(&request, 6), Some(NLM_F_REQUEST | NLM_F_DUMP));
+        assert_eq!(&request[16..20], &[FAMILY_INET6, IPPROTO_TCP, 0, 0]);
+        assert_eq!(read_u32_ne(&request, 20), Some(1 << STATE_LISTEN));
     }
 
     fn addr(s: &str) -> SocketAddr {

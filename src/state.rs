@@ -103,11 +103,12 @@ pub struct Lock(#[allow(dead_code)] Flock<File>);
 /// Why the lock could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Another agent holds it.
-    #[error("another agent is running with --state-dir {}: stop it, or give this one its own state directory", .0.display())]
-    Held(PathBuf),
+    /// Another agent holds it (or a command standing in for one: `flip` with no agent running);
+    /// the holder's note, when it left one.
+    #[error("another agent is running with --state-dir {}{}: stop it, or give this one its own state directory", .0.display(), holder(.1))]
+    Held(PathBuf, Option<String>),
     /// The lock file cannot be opened or locked.
-    #[error("cannot lock {}: {source}", .path.display())]
+    #[error("cannot open or lock {}: {source} (give this command read access to its state directory, or check --state-dir)", .path.display())]
     Io {
         path: PathBuf,
         #[source]
@@ -115,30 +116,81 @@ pub enum LockError {
     },
 }
 
+/// ` (held by …)` for a holder's note, if there is one.
+fn holder(note: &Option<String>) -> String {
+    note.as_ref().map_or(String::new(), |note| format!(" (held by {note})"))
+}
+
+/// The longest holder's note read back from the lock file.
+const MAX_NOTE_BYTES: u64 = 256;
+
 impl Lock {
     /// Takes the lock in `dir` without waiting.
     pub fn acquire(dir: &Path) -> Result<Lock, LockError> {
+        Lock::take(dir, None)
+    }
+
+    /// Takes the lock in `dir` without waiting, for a command that stands in for the agent
+    /// meanwhile (`flip` with no agent running): `note` is left in the lock file, so that an
+    /// agent starting meanwhile names who holds it.
+    pub fn acquire_for(dir: &Path, note: &str) -> Result<Lock, LockError> {
+        Lock::take(dir, Some(note))
+    }
+
+    fn take(dir: &Path, note: Option<&str>) -> Result<Lock, LockError> {
+        use std::io::{Read, Seek, Write};
         let path = dir.join(LOCK_FILE);
+        let io_err = |source| LockError::Io { path: path.clone(), source };
         let file = File::options()
             .create(true)
             .truncate(false)
+            .read(true)
             .write(true)
             .open(&path)
-            .map_err(|source| LockError::Io { path: path.clone(), source })?;
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(lock) => Ok(Lock(lock)),
-            Err((_, Errno::EWOULDBLOCK)) => Err(LockError::Held(dir.to_owned())),
-            Err((_, errno)) => Err(LockError::Io { path, source: errno.into() }),
+            .map_err(io_err)?;
+        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(lock) => lock,
+            Err((mut file, Errno::EWOULDBLOCK)) => {
+                let mut note = String::new();
+                let _ = (&mut file).take(MAX_NOTE_BYTES).read_to_string(&mut note);
+                let note = Some(note.trim().to_owned()).filter(|n| !n.is_empty());
+                return Err(LockError::Held(dir.to_owned(), note));
+            }
+            Err((_, errno)) => return Err(io_err(errno.into())),
+        };
+        // The holder's note: this one's, or none (an agent's lock needs no explanation).
+        lock.set_len(0).map_err(io_err)?;
+        if let Some(note) = note {
+            lock.rewind().and_then(|()| lock.write_all(note.as_bytes())).map_err(io_err)?;
         }
+        Ok(Lock(lock))
     }
 }
 
-/// Whether an agent holds the lock in `dir` (false when there is no lock file).
-pub fn agent_running(dir: &Path) -> bool {
-    match Lock::acquire(dir) {
-        Ok(_released_on_drop) => false,
-        Err(LockError::Held(_)) => true,
-        Err(LockError::Io { .. }) => false,
+/// Whether an agent holds the lock in `dir`: `Ok(false)` when there is no lock file (no agent
+/// ever ran there) or nobody holds it, `Ok(true)` when an agent does, and an error when it cannot
+/// be told — the file cannot be opened or locked — which a caller must never read as "no agent".
+///
+/// Reads only: the file is opened read-only, without creating it, and tried with a shared lock
+/// (which an agent's exclusive one excludes), so the answer is the same on a read-only mount of
+/// the state directory (node-cache's preStop `drain` in the node-local-dns overlay) as on the
+/// host. `O_NONBLOCK`: a FIFO in the lock's place must not hang the command.
+pub fn agent_running(dir: &Path) -> Result<bool, LockError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(LOCK_FILE);
+    let file = match File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(&path)
+    {
+        Ok(file) => file,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(source) => return Err(LockError::Io { path, source }),
+    };
+    match Flock::lock(file, FlockArg::LockSharedNonblock) {
+        Ok(_released_on_drop) => Ok(false),
+        Err((_, Errno::EWOULDBLOCK)) => Ok(true),
+        Err((_, errno)) => Err(LockError::Io { path, source: errno.into() }),
     }
 }
 
@@ -242,14 +294,32 @@ mod tests {
     fn the_lock_is_exclusive_and_dropped_with_its_holder() {
         let dir = std::env::temp_dir().join(format!("nlha-lock-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        assert!(!agent_running(&dir));
+        assert!(!agent_running(&dir).unwrap());
         let held = Lock::acquire(&dir).unwrap();
-        assert!(agent_running(&dir));
-        assert!(matches!(Lock::acquire(&dir), Err(LockError::Held(_))));
+        assert!(agent_running(&dir).unwrap());
+        assert!(matches!(Lock::acquire(&dir), Err(LockError::Held(_, None))));
         drop(held);
-        assert!(!agent_running(&dir));
+        assert!(!agent_running(&dir).unwrap());
+        // A command standing in for the agent says so to whoever finds the lock held.
+        let flip = Lock::acquire_for(&dir, "nodelocaldns-ha flip").unwrap();
+        let err = Lock::acquire(&dir).unwrap_err();
+        assert!(err.to_string().contains("held by nodelocaldns-ha flip"), "{err}");
+        drop(flip);
+        drop(Lock::acquire(&dir).unwrap());
+        assert!(Lock::acquire(&dir).is_ok());
         remove(&dir).unwrap();
         assert!(!dir.exists());
+    }
+
+    #[test]
+    fn a_lock_that_cannot_be_opened_is_not_taken_for_no_agent() {
+        let dir = std::env::temp_dir().join(format!("nlha-lock-odd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A socket in the lock file's place: opening it fails (ENXIO), so nobody can tell.
+        let _socket = std::os::unix::net::UnixListener::bind(dir.join(LOCK_FILE)).unwrap();
+        let err = agent_running(&dir).unwrap_err().to_string();
+        assert!(err.contains(LOCK_FILE) && err.contains("read access"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -187,6 +187,11 @@ const RUN_CASES: &[Case] = &[
     case("--probe-name", "a..b", "not a valid DNS name"),
     case(
         "--probe-name",
+        "kubernetes.default.svc.__PILLAR__DNS__DOMAIN__",
+        "fill in the cluster's DNS domain",
+    ),
+    case(
+        "--probe-name",
         "a-label-of-sixty-four-characters-is-one-more-than-dns-allows-xxxx.test",
         "not a valid DNS name",
     ),

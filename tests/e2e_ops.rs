@@ -3,6 +3,7 @@
 
 mod support;
 
+use std::process::Stdio;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -236,4 +237,268 @@ fn flip_without_an_agent_applies_directly() {
     let st = agent.state().unwrap();
     assert_eq!(st["route"], "upstream", "the recorded override was not honoured: {st}");
     assert!(st["reason"].as_str().unwrap().contains("forced"), "{st}");
+}
+
+/// Runs the agent binary with `args` in the node namespace, in a mount namespace of its own in
+/// which the state directory `dir` is mounted read-only, as the node-local-dns overlay mounts it
+/// for node-cache's preStop `drain`.
+fn cli_read_only(node: &SimNode, dir: &str, args: &[&str]) -> std::process::Output {
+    let script = r#"dir=$1; shift; mount -o bind,ro "$dir" "$dir" && exec "$@""#;
+    let mut argv = vec!["--mount", "--propagation", "private", "sh", "-c", script, "sh", dir];
+    argv.push(AGENT);
+    argv.extend_from_slice(args);
+    node.run("node", "unshare", &argv)
+}
+
+/// Issue 17 (5): `drain` on a read-only state mount tells "no agent is running" (success: the
+/// kernel fast path alone fails pods over) from "an agent runs but does not answer" (failure,
+/// nothing drained, and said so). Before, a lock it could not open for writing counted as no
+/// agent, and `drain` exited 0 while the agent kept the node on the cache.
+#[test]
+fn drain_on_a_read_only_mount_tells_no_agent_from_an_agent_that_does_not_answer() {
+    let node = SimNode::up();
+    let mut agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    // The agent runs and holds its lock, but its control socket is gone: only the lock says so.
+    // (The state file comes before the socket: wait for the socket to be there.)
+    let socket = agent.state_dir.join("control.sock");
+    wait_for("the control socket", Duration::from_secs(5), || socket.exists().then_some(()));
+    std::fs::remove_file(&socket).expect("remove control.sock");
+    let out = cli_read_only(&node, &dir, &["drain", "--timeout", "1s", "--state-dir", &dir]);
+    assert!(
+        !out.status.success(),
+        "drain reported success with an agent running: {}",
+        describe(&out)
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("agent is running") && err.contains("control.sock"),
+        "the refusal does not say what failed: {}",
+        describe(&out)
+    );
+    assert_eq!(agent.state().unwrap()["route"], "local");
+
+    // No agent at all: nothing to drain, on the same read-only mount.
+    agent.stop(Signal::SIGTERM);
+    let out = cli_read_only(&node, &dir, &["drain", "--timeout", "1s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("no agent is running"),
+        "{}",
+        describe(&out)
+    );
+}
+
+/// Issue 17 (2): with no agent running, `flip` switches in the backend the last agent recorded,
+/// not in whatever `--dataplane auto` would pick: here kube-proxy runs in nftables mode (auto:
+/// nftables) but the DaemonSet named iptables-legacy. A flip into nftables would leave the legacy
+/// Local rules pinning pods to the cache while reporting success.
+#[test]
+fn flip_without_an_agent_uses_the_backend_the_last_agent_recorded() {
+    let node = SimNode::up_with(&["--kube-proxy", "nftables"]);
+    let mut agent = node.agent(&["--dataplane", "iptables-legacy"]);
+    let dir = state_dir(&agent);
+    agent.stop(Signal::SIGTERM);
+    drop(agent);
+    let out = node.cli(&[
+        "flip",
+        "upstream",
+        "--state-dir",
+        &dir,
+        "--local-ip",
+        LOCAL_IP,
+        "--cluster-dns-ip",
+        CLUSTER_DNS_IP,
+    ]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
+    assert_eq!(
+        String::from_utf8_lossy(&answer.stdout).trim(),
+        COREDNS_ANSWER,
+        "pods still go to the cache"
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("iptables-legacy") && said.contains("recorded"),
+        "flip does not say which backend it used and why: {}",
+        describe(&out)
+    );
+    assert_eq!(node.agent_table(), None, "flip put rules in nftables, which the agent never used");
+}
+
+/// The pids of the running children of `parent` whose command line contains `name`.
+fn children_named(parent: u32, name: &str) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // `pid (comm) state ppid ...`; comm may hold spaces, so split after its `)`.
+            let Some((_, tail)) = stat.rsplit_once(')') else { return false };
+            let ppid = tail.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            ppid == Some(parent) && String::from_utf8_lossy(&cmdline).contains(name)
+        })
+        .collect()
+}
+
+/// Issue 17 (5): `flip` with no agent running holds the agent's lock while it installs the rules
+/// and records the override, so an agent starting meanwhile cannot miss the record and remove it
+/// as not its own (while putting its old route back) after the CLI reported success. The window
+/// is held open by the node's xtables lock, which `flip`'s iptables-legacy-restore waits for.
+#[test]
+fn flip_without_an_agent_is_not_undone_by_an_agent_starting_meanwhile() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let legacy = ["--dataplane", "iptables-legacy"];
+    let mut agent = node.agent(&legacy);
+    let dir = state_dir(&agent);
+    agent.stop(Signal::SIGTERM);
+    drop(agent);
+
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    assert_eq!(node.script(&["xtables-lock-hold", "30"]).trim(), lock);
+    let mut flip = Proc::spawn(
+        node.cmd("node", AGENT)
+            .args(["flip", "upstream", "--reason", "race", "--state-dir", &dir])
+            .args(["--local-ip", LOCAL_IP, "--cluster-dns-ip", CLUSTER_DNS_IP])
+            .env("XTABLES_LOCKFILE", &lock)
+            .stdout(Stdio::piped()),
+    );
+    wait_for("flip to wait for the xtables lock", Duration::from_secs(5), || {
+        (!children_named(flip.pid(), "restore").is_empty()).then_some(())
+    });
+
+    // An agent starts (on the host's xtables lock, which nobody holds) while flip waits.
+    let log = node.dir.join("agent-race.log");
+    let mut racer = Proc::spawn(
+        node.cmd("node", AGENT)
+            .args(["run", "--local-ip", LOCAL_IP, "--cluster-dns-ip", CLUSTER_DNS_IP])
+            .args(["--upstream-ip", UPSTREAM_IP, "--probe-name", "who.test"])
+            .args(legacy)
+            .args(["--state-dir", &dir])
+            .stderr(std::fs::File::create(&log).unwrap()),
+    );
+    let state_file = std::path::Path::new(&dir).join("state.json");
+    let written_before = std::fs::metadata(&state_file).and_then(|m| m.modified()).ok();
+    // It either runs (its state file rewritten) or gives up on the agent lock that flip holds.
+    let racer_ran = wait_for("the racing agent to run or give up", Duration::from_secs(10), || {
+        if racer.try_wait().is_some() {
+            return Some(false);
+        }
+        let written = std::fs::metadata(&state_file).and_then(|m| m.modified()).ok();
+        (written != written_before).then_some(true)
+    });
+    node.script(&["xtables-lock-release"]);
+    let status = wait_for("flip to finish", Duration::from_secs(10), || flip.try_wait());
+    assert!(status.success(), "flip failed: {status}");
+
+    // Whatever agent runs from now on honours the override flip reported.
+    let agent = if racer_ran {
+        Agent::adopt(racer.into_child(), std::path::PathBuf::from(&dir), log)
+    } else {
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(said.contains("flip"), "the racing agent's refusal does not name flip: {said}");
+        node.agent_starting(&legacy)
+    };
+    let st = agent.wait_route("upstream", Duration::from_secs(5));
+    assert!(st["reason"].as_str().unwrap().contains("forced by hand: race"), "{st}");
+    wait_for("good probes", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["probes"]["cache_udp"]["streak_good"].as_u64() >= Some(10))
+    });
+    assert_eq!(agent.state().unwrap()["route"], "upstream", "the override was undone");
+    assert!(agent.state_dir.join("override.json").exists(), "the override's record was removed");
+}
+
+/// Issue 17 (5): a drain ends when the cache it drained is gone, not only when a probe fails.
+/// Here the agent is killed during the drain, the old cache stops and a new one answers before
+/// the agent is back: every probe it sends is answered, yet the node must not stay on CoreDNS
+/// for the drain's 10-minute limit. The drain recorded the old cache's sockets; they are gone.
+#[test]
+fn a_drain_whose_cache_went_while_the_agent_was_down_ends_at_its_restart() {
+    let node = SimNode::up();
+    let mut agent = node.agent(&[]);
+    let dir = state_dir(&agent);
+    let out = node.cli(&["drain", "--timeout", "5s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    agent.wait_route("upstream", Duration::from_secs(1));
+    agent.stop(Signal::SIGKILL);
+    drop(agent);
+
+    // The rolling update goes on without the agent: the old cache goes, the new one answers.
+    node.signal("cache-kill");
+    node.script(&["cache-start"]);
+    let agent = node.agent_starting(&[]);
+    let st = agent.wait_route("upstream", Duration::from_secs(5));
+    // The restarted agent resumes the recorded drain (and may have ended it already).
+    assert!(st["reason"].as_str().unwrap().contains("drain"), "the drain was not resumed: {st}");
+    // Back on the new cache once it has passed its probes and --min-hold (2 s), not 10 minutes.
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    println!("back: {}", local["reason"]);
+    assert!(!agent.state_dir.join("override.json").exists(), "the drain is still recorded");
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), CACHE_ANSWER);
+}
+
+/// Issue 17 (5): an agent killed between the IPv4 and the IPv6 transaction of an iptables switch
+/// leaves the families on different routes. The restarted agent must notice (neither route's
+/// ruleset is installed whole) and bring both to one route. The kill's result is made exactly:
+/// IPv4's raw table as the Upstream ruleset left it, IPv6's as the Local one.
+#[test]
+fn a_kill_between_the_families_is_noticed_and_evened_out_on_restart() {
+    let node = SimNode::up_with(&["--family", "dual", "--kube-proxy", "iptables-legacy"]);
+    let (local, cluster_dns, upstream) =
+        ("169.254.20.10,fd00:169:254::10", "10.96.0.10,fd00:96::10", "10.96.0.11,fd00:96::11");
+    let legacy = ["--dataplane", "iptables-legacy"];
+    let mut agent = node.agent_for(local, cluster_dns, upstream, &legacy);
+    let dir = state_dir(&agent);
+    let raw = |binary: &str| {
+        let out = node.run("node", binary, &["-t", "raw"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    // The pods' NOTRACK (to the IP); the cache's replies are NOTRACKed on both routes.
+    let notracked = |text: &str, ip: &str| {
+        text.lines().any(|l| l.contains(&format!("-d {ip} ")) && l.contains("NOTRACK"))
+    };
+    assert!(node.cli(&["flip", "upstream", "--state-dir", &dir]).status.success());
+    agent.wait_route("upstream", Duration::from_secs(2));
+    let v4_upstream = raw("iptables-legacy-save");
+    assert!(!notracked(&v4_upstream, "10.96.0.10/32"), "{v4_upstream}");
+    assert!(node.cli(&["release", "--state-dir", &dir]).status.success());
+    agent.wait_route("local", Duration::from_secs(5));
+    agent.stop(Signal::SIGKILL);
+    drop(agent);
+
+    let saved = node.dir.join("v4-upstream.rules");
+    std::fs::write(&saved, &v4_upstream).unwrap();
+    let restore = format!("iptables-legacy-restore < {}", saved.display());
+    let out = node.run("node", "sh", &["-c", &restore]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(!notracked(&raw("iptables-legacy-save"), "10.96.0.10/32"), "IPv4 is not on Upstream");
+    assert!(notracked(&raw("ip6tables-legacy-save"), "fd00:96::10/128"), "IPv6 is not on Local");
+
+    std::fs::remove_file(node.dir.join("agent-state/state.json")).unwrap();
+    let agent = node.agent_for(local, cluster_dns, upstream, &legacy);
+    wait_for("both families on one route", Duration::from_secs(5), || {
+        let (v4, v6) = (raw("iptables-legacy-save"), raw("ip6tables-legacy-save"));
+        (notracked(&v4, "10.96.0.10/32") == notracked(&v6, "fd00:96::10/128")).then_some(())
+    });
+    let st = agent.state().unwrap();
+    println!("restarted: {} ({})", st["route"], st["reason"]);
+    for (qtype, want) in [("A", CACHE_ANSWER), ("AAAA", "fd00::1:1:1:1")] {
+        let answer = node.run(
+            "pod1",
+            "dig",
+            &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test", qtype],
+        );
+        assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), want, "{qtype}");
+    }
+    let answer = node.run(
+        "pod1",
+        "dig",
+        &["+short", "+time=1", "+tries=1", "@fd00:96::10", "who.test", "AAAA"],
+    );
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), "fd00::1:1:1:1", "IPv6 pods");
 }

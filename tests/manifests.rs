@@ -50,8 +50,11 @@ const DRAIN_CALL_SLACK: Duration = Duration::from_secs(5);
 /// What node-cache keeps of the grace period, at least, after the longest drain.
 const NODE_CACHE_SHUTDOWN: Duration = Duration::from_secs(5);
 /// The values of node-local-dns's placeholders in the manifests' comments (and its docs).
-const PLACEHOLDERS: [(&str, &str); 2] =
-    [("__PILLAR__LOCAL__DNS__", "169.254.20.10"), ("__PILLAR__DNS__SERVER__", "10.96.0.10")];
+const PLACEHOLDERS: [(&str, &str); 3] = [
+    ("__PILLAR__LOCAL__DNS__", "169.254.20.10"),
+    ("__PILLAR__DNS__SERVER__", "10.96.0.10"),
+    ("__PILLAR__DNS__DOMAIN__", "cluster.local"),
+];
 /// The keys a kustomization here may use: anything else is a typo kustomize would reject.
 const KUSTOMIZATION_KEYS: [&str; 8] =
     ["apiVersion", "kind", "resources", "patches", "images", "namespace", "labels", "components"];
@@ -1249,4 +1252,33 @@ fn the_image_ends_with_an_exec_form_entrypoint() {
     let (last, entrypoint) = tail.next().unwrap();
     assert_eq!(last, "ENTRYPOINT");
     assert_eq!(exec_form(entrypoint), Some(vec!["nodelocaldns-ha".to_owned()]));
+}
+
+/// Issue 17 (5): the agent probes a name of the cluster's own domain. Without `--probe-name` it
+/// probes `kubernetes.default.svc.cluster.local`, which on a cluster with another domain is not
+/// the cluster's and leaves it (the cache forwards it out). The base sets it from node-local-dns's
+/// own domain placeholder, filled where the other placeholders are (one place to edit: the
+/// `DOMAIN` of manifests/README.md's step 3).
+#[test]
+fn the_agent_probes_a_name_in_the_clusters_own_domain() {
+    let ds = agent_daemonset();
+    let agent = container(pod_spec(&ds), "agent");
+    let name = setting(agent, "--probe-name", "NODELOCALDNS_HA_PROBE_NAME").unwrap_or_else(|| {
+        panic!(
+            "the agent's DaemonSet does not set --probe-name: the cluster's domain is never used"
+        )
+    });
+    assert_eq!(name, "kubernetes.default.svc.__PILLAR__DNS__DOMAIN__");
+    let filled = name.replace("__PILLAR__DNS__DOMAIN__", "corp.example");
+    assert_eq!(filled, "kubernetes.default.svc.corp.example");
+    let probe = nodelocaldns_ha::probe::Probe::new(&filled, Duration::from_millis(80));
+    assert!(probe.is_ok(), "{filled}: {:?}", probe.err());
+    // Everywhere the base's placeholders are filled, the domain is filled too.
+    for file in ["manifests/base/kustomization.yaml", "manifests/README.md"] {
+        let text = read(&repo().join(file));
+        assert!(
+            text.contains("s/__PILLAR__DNS__DOMAIN__/"),
+            "{file} does not say how to fill in the cluster's domain"
+        );
+    }
 }

@@ -380,6 +380,16 @@ impl Proc {
     pub fn wait(mut self) -> std::process::ExitStatus {
         self.0.take().expect("running").wait().expect("wait")
     }
+
+    /// The child, no longer killed on drop (to hand it to an [`Agent`], say).
+    pub fn into_child(mut self) -> Child {
+        self.0.take().expect("running")
+    }
+
+    /// Its exit status, if it has exited (reaped then); `None` while it runs.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.0.as_mut().expect("started").try_wait().expect("try_wait")
+    }
 }
 
 impl Drop for Proc {
