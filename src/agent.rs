@@ -28,6 +28,7 @@ use tracing::{debug, error, info, warn};
 use crate::config::{AgentConfig, Cadence};
 use crate::dataplane::nftables::TableRef;
 use crate::dataplane::{self, Check, Dataplane};
+use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stream, Transition};
 use crate::metrics::{Health, Metrics};
 use crate::probe::{Outcome, Probe, ProbeResult, Transport};
@@ -139,6 +140,22 @@ pub struct Agent {
     leftovers: Vec<Box<dyn Dataplane>>,
     /// What was found there and what became of it, for `status`.
     leftover_notes: Vec<String>,
+    /// What the node's own nftables firewall would stop, for `status` (as warnings).
+    firewall: Vec<String>,
+}
+
+/// Why pods on `Local` could not reach the cache: a chain of the node's firewall that would
+/// stop their queries to the cluster-DNS IP or the cache's replies from it. (One that stops
+/// only the link-local IP is a warning: those clients have no other path to switch to.)
+fn blocked_path(addrs: &ListenAddrs, firewall: &[Blocking]) -> Option<String> {
+    let blocking: Vec<String> = firewall
+        .iter()
+        .filter(|b| addrs.cluster_dns.contains(&b.addr))
+        .map(|b| format!("{} {} (hook {})", b.table, b.chain, b.hook()))
+        .collect();
+    (!blocking.is_empty()).then(|| {
+        format!("the node's nftables firewall would stop their DNS: {}", blocking.join(", "))
+    })
 }
 
 impl Agent {
@@ -154,13 +171,18 @@ impl Agent {
     /// through its probes like after any failover; when even that cannot be installed, it
     /// retries with backoff. Exiting instead would leave the node as the failure left it, on
     /// every restart of a crash loop.
+    ///
+    /// `firewall` is what the node's own nftables firewall would stop ([`crate::firewall`]):
+    /// while it would stop pods' queries to the cluster-DNS IP, `Local` is never installed.
     pub fn start(
         cfg: &AgentConfig,
         mut dataplane: Box<dyn Dataplane>,
         metrics: Arc<Metrics>,
         forced: Option<Forced>,
+        firewall: Vec<Blocking>,
         now: Instant,
     ) -> Agent {
+        let blocked = blocked_path(&cfg.addrs, &firewall);
         let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.shape)
             .unwrap_or_else(|e| {
                 warn!(error = %e, "reading back the installed ruleset failed; installing afresh");
@@ -168,6 +190,10 @@ impl Agent {
             });
         let forced_route = forced.as_ref().map(|f| f.route);
         let mut route = forced_route.or(installed).unwrap_or(Route::Local);
+        if let (Some(why), Route::Local, None) = (&blocked, route, forced_route) {
+            warn!(why = %why, "starting on upstream: pods could not reach the cache");
+            route = Route::Upstream;
+        }
         let mut desired = dataplane::plan(&cfg.addrs, route, cfg.shape);
         let (mut failed, mut dirty) = (None, false);
         if installed != Some(route) {
@@ -196,6 +222,7 @@ impl Agent {
         metrics.set_route(route);
         metrics.set_override(forced.as_ref().map(|f| f.route));
         let mut machine = Machine::new(cfg.thresholds, route, now);
+        machine.set_blocked(blocked, now);
         if let Some(forced) = forced {
             info!(route = %forced.route, kind = ?forced.kind, why = %forced.why, "recorded override");
             machine.force(forced, now);
@@ -237,7 +264,9 @@ impl Agent {
             changes: Vec::new(),
             leftovers: Vec::new(),
             leftover_notes: Vec::new(),
+            firewall: Vec::new(),
         };
+        agent.note_firewall(&firewall);
         if dirty {
             agent.failed_apply(now);
         }
@@ -514,6 +543,28 @@ impl Agent {
         });
     }
 
+    /// Takes a new look at the node's own nftables firewall: while it would stop pods' DNS to
+    /// the cache, the route is `Upstream` (see [`Machine::set_blocked`]).
+    pub fn set_firewall(&mut self, found: Vec<Blocking>, now: Instant) {
+        self.note_firewall(&found);
+        let before = self.machine.blocked().map(str::to_owned);
+        let blocked = blocked_path(&self.addrs, &found);
+        if blocked.is_none() && before.is_some() {
+            info!("the node's firewall lets pods reach the cache again");
+        }
+        if let Some(t) = self.machine.set_blocked(blocked, now) {
+            self.switched(t, now);
+        }
+    }
+
+    fn note_firewall(&mut self, found: &[Blocking]) {
+        let notes: Vec<String> = found.iter().map(ToString::to_string).collect();
+        for note in notes.iter().filter(|n| !self.firewall.contains(n)) {
+            warn!(problem = %note, "the node's firewall");
+        }
+        self.firewall = notes;
+    }
+
     /// Records what detection found, for `status`.
     pub fn set_notes(&mut self, notes: Notes) {
         self.notes = notes;
@@ -558,7 +609,7 @@ impl Agent {
             dataplane: self.dataplane.name().to_owned(),
             dataplane_why: self.notes.why.clone(),
             accepts_in: self.notes.accepts_in.clone(),
-            warnings: self.warnings.clone(),
+            warnings: self.firewall.iter().chain(&self.warnings).cloned().collect(),
             leftovers: self.leftover_notes.clone(),
             route: self.route(),
             since_unix_ms: state::unix_ms(since),
@@ -635,10 +686,18 @@ async fn watch_cache_sockets(addrs: Vec<IpAddr>, wake: [Arc<Notify>; 2]) {
 /// `None`), the agent's own changes included: the resync that follows finds them in order and
 /// does nothing. `hearing` is true while the announcements are heard; when they are not, the
 /// agent checks on every tick.
+/// What besides the agent's own tables [`watch_nftables`] tells about.
+struct Watched {
+    /// Set when an iptables-nft raw table changed (node-cache's rules, say).
+    raw: Arc<AtomicBool>,
+    /// Notified when a table of the node's own firewall may have changed.
+    firewall: Arc<Notify>,
+}
+
 async fn watch_nftables(
     tables: Option<Vec<TableRef>>,
     resync: Arc<Notify>,
-    raw_changed: Arc<AtomicBool>,
+    watched: Watched,
     hearing: Arc<AtomicBool>,
 ) {
     let raw = dataplane::iptables::Table::Raw.nft_tables();
@@ -654,7 +713,12 @@ async fn watch_nftables(
         match watch.changed().await {
             Ok(announced) => {
                 if announced.touches(&raw) {
-                    raw_changed.store(true, Ordering::Relaxed);
+                    watched.raw.store(true, Ordering::Relaxed);
+                }
+                let candidate =
+                    |t: &TableRef| dataplane::nftables::host_firewall_candidate(t.family, &t.name);
+                if announced.unknown || announced.tables.iter().any(candidate) {
+                    watched.firewall.notify_one();
                 }
                 if tables.as_ref().is_none_or(|t| announced.touches(t)) {
                     resync.notify_one();
@@ -665,6 +729,45 @@ async fn watch_nftables(
                 warn!(error = %e, "nftables change notifications failed; resyncing on the tick only");
                 return std::future::pending().await;
             }
+        }
+    }
+}
+
+/// How often the node's own nftables firewall is read again without being told it changed.
+const FIREWALL_PERIOD: Duration = Duration::from_secs(30);
+
+/// The node's own nftables firewall, judged for the listen addresses `addrs`.
+fn audit_firewall(addrs: &[IpAddr]) -> Result<Vec<Blocking>, dataplane::Error> {
+    let tables = dataplane::nftables::Nftables::new()?.host_firewall()?;
+    Ok(crate::firewall::blocking(&tables, addrs))
+}
+
+/// Reads the node's own nftables firewall again whenever one of its tables changes (`changed`)
+/// and every [`FIREWALL_PERIOD`], and sends what it would stop. A failed read is said once and
+/// changes nothing.
+async fn watch_firewall(addrs: Vec<IpAddr>, changed: Arc<Notify>, tx: mpsc::Sender<Vec<Blocking>>) {
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = changed.notified() => {}
+            _ = tokio::time::sleep(FIREWALL_PERIOD) => {}
+        }
+        let addrs = addrs.clone();
+        let Ok(found) = tokio::task::spawn_blocking(move || audit_firewall(&addrs)).await else {
+            continue;
+        };
+        match found {
+            Ok(found) => {
+                failing = false;
+                if tx.send(found).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) if !failing => {
+                failing = true;
+                warn!(error = %e, "cannot read the node's nftables firewall; keeping the last look");
+            }
+            Err(_) => {}
         }
     }
 }
@@ -807,8 +910,14 @@ pub async fn run(
             None
         }
     };
-    let mut agent =
-        block_in_place(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, Instant::now()));
+    let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
+    let firewall = block_in_place(|| audit_firewall(&listen)).unwrap_or_else(|e| {
+        warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
+        Vec::new()
+    });
+    let mut agent = block_in_place(|| {
+        Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, Instant::now())
+    });
     // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
     if !agent.is_dirty() {
         health.set_ready();
@@ -856,7 +965,6 @@ pub async fn run(
     let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
     let wake = Arc::new(Notify::new());
     tasks.spawn(probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx));
-    let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     if cfg.socket_events {
         tasks.spawn(watch_cache_sockets(listen.clone(), cache_wakes));
     }
@@ -864,7 +972,11 @@ pub async fn run(
     let hearing = Arc::new(AtomicBool::new(false));
     let tables = agent.announced_tables();
     let raw_changed = Arc::new(AtomicBool::new(false));
-    tasks.spawn(watch_nftables(tables, nft_changed.clone(), raw_changed.clone(), hearing.clone()));
+    let firewall_changed = Arc::new(Notify::new());
+    let watched = Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
+    tasks.spawn(watch_nftables(tables, nft_changed.clone(), watched, hearing.clone()));
+    let (firewall_tx, mut firewall_found) = mpsc::channel(1);
+    tasks.spawn(watch_firewall(listen.clone(), firewall_changed, firewall_tx));
     let (warn_tx, mut warnings) = mpsc::channel(1);
     let period = FOREIGN_RULES_PERIOD;
     tasks.spawn(watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx));
@@ -920,6 +1032,7 @@ pub async fn run(
             }),
             _ = state_tick.tick() => write_state(&agent),
             Some(found) = warnings.recv() => agent.set_warnings(found),
+            Some(found) = firewall_found.recv() => block_in_place(|| agent.set_firewall(found, Instant::now())),
             // Every task runs forever: one that ends has panicked, and the agent can no longer
             // see what it should. Exit, leaving the current ruleset; the DaemonSet restarts us.
             Some(ended) = tasks.join_next() => break Err(AgentError::TaskDied(match ended {
@@ -994,7 +1107,7 @@ mod tests {
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
-        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, t0)
+        Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, Vec::new(), t0)
     }
 
     #[test]
@@ -1025,7 +1138,8 @@ mod tests {
             waits_for: None,
         };
         let metrics = Arc::new(Metrics::new());
-        let mut agent = Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), t0);
+        let mut agent =
+            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), Vec::new(), t0);
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert_eq!(fake.kernel().applies, 1);
         assert!(agent.take_changes().is_empty(), "no transition through another route");

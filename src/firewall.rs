@@ -150,6 +150,14 @@ pub struct Blocking {
 }
 
 impl Blocking {
+    /// The hook its chain is on.
+    pub fn hook(&self) -> &'static str {
+        match self.direction {
+            Direction::Query => "input",
+            Direction::Reply => "output",
+        }
+    }
+
     /// The rule that lets the traffic through, as an `nft` command.
     pub fn fix(&self) -> String {
         let family = if self.addr.is_ipv4() { "ip" } else { "ip6" };
@@ -166,9 +174,10 @@ impl Blocking {
 
 impl fmt::Display for Blocking {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let (what, hook) = match self.direction {
-            Direction::Query => (format!("pods' DNS queries to {}", self.addr), "input"),
-            Direction::Reply => (format!("the cache's DNS replies from {}", self.addr), "output"),
+        let hook = self.hook();
+        let what = match self.direction {
+            Direction::Query => format!("pods' DNS queries to {}", self.addr),
+            Direction::Reply => format!("the cache's DNS replies from {}", self.addr),
         };
         let verb = if self.surely { "drops or rejects" } else { "may drop or reject" };
         write!(

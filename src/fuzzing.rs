@@ -26,6 +26,23 @@ pub fn nftables_netlink(data: &[u8]) {
                 netlink::NFT_MSG_NEWCHAIN => netlink::parse_chain(body).map(drop),
                 _ => netlink::parse_rule(body).map(drop),
             };
+            // Another owner's rule, decoded and judged like the node's firewall is.
+            if let Ok((chain, rule)) = netlink::parse_foreign_rule(body) {
+                let table = crate::firewall::Table {
+                    family: 1,
+                    name: "fuzz".to_owned(),
+                    chains: vec![crate::firewall::Chain {
+                        name: chain,
+                        hook: Some((crate::firewall::HOOK_INPUT, 0)),
+                        policy: Some(crate::firewall::NF_ACCEPT),
+                        rules: vec![rule.clone(), rule],
+                    }],
+                };
+                let _ = crate::firewall::blocking(
+                    &[table],
+                    &[IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10))],
+                );
+            }
         }
     }
     let _ = netlink::announced(data, None);

@@ -73,6 +73,9 @@ pub enum Reason {
     Automatic { expired: bool },
     /// The drained cache is gone: automatic again, the new cache must pass its probes.
     DrainEnded,
+    /// The node's own firewall would stop pods' DNS to the cache: the cache is of no use to
+    /// them, whatever its probes say.
+    PathBlocked(String),
 }
 
 impl Reason {
@@ -89,6 +92,7 @@ impl Reason {
             Reason::Automatic { expired: true } => "override_expired",
             Reason::Automatic { expired: false } => "released",
             Reason::DrainEnded => "drain_ended",
+            Reason::PathBlocked(_) => "firewall",
         }
     }
 }
@@ -145,6 +149,7 @@ impl fmt::Display for Reason {
             Reason::Automatic { expired: true } => f.write_str("forced route expired; automatic"),
             Reason::Automatic { expired: false } => f.write_str("forced route released; automatic"),
             Reason::DrainEnded => f.write_str("the drained cache is gone; automatic"),
+            Reason::PathBlocked(why) => write!(f, "pods cannot reach the cache: {why}"),
         }
     }
 }
@@ -213,6 +218,8 @@ pub struct Machine {
     upstream: Streak,
     /// The operator's override, while it lasts.
     forced: Option<Forced>,
+    /// Why pods could not reach the cache on `Local` (the node's firewall), while that lasts.
+    blocked: Option<String>,
 }
 
 impl Machine {
@@ -228,7 +235,29 @@ impl Machine {
             cache_tcp: Streak::default(),
             upstream: Streak::default(),
             forced: None,
+            blocked: None,
         }
+    }
+
+    /// Pods cannot reach the cache (the node's firewall would stop them), or can again
+    /// (`None`). While blocked the route leaves `Local` at once and does not return to it; once
+    /// unblocked, the cache earns `Local` back as after any failover (`rise` good probes, which
+    /// went on being counted, and `min_hold`). A forced route stays forced.
+    pub fn set_blocked(&mut self, why: Option<String>, now: Instant) -> Option<Transition> {
+        self.blocked = why;
+        let why = self.blocked.clone()?;
+        if self.route == Route::Upstream || self.forced.is_some() {
+            if self.route == Route::Upstream && self.forced.is_none() {
+                self.reason = Reason::PathBlocked(why);
+            }
+            return None;
+        }
+        Some(self.switch(Route::Upstream, Reason::PathBlocked(why), now))
+    }
+
+    /// Why pods cannot reach the cache, while they cannot.
+    pub fn blocked(&self) -> Option<&str> {
+        self.blocked.as_deref()
     }
 
     /// The route forced by hand, if any.
@@ -367,6 +396,9 @@ impl Machine {
     }
 
     fn why_leave_local(&mut self) -> Option<Reason> {
+        if let Some(why) = &self.blocked {
+            return Some(Reason::PathBlocked(why.clone()));
+        }
         let failing = [(Stream::CacheUdp, self.cache_udp), (Stream::CacheTcp, self.cache_tcp)]
             .into_iter()
             .find_map(|(stream, s)| {
@@ -398,6 +430,9 @@ impl Machine {
     }
 
     fn why_return_local(&mut self, now: Instant) -> Option<Reason> {
+        if self.blocked.is_some() {
+            return None;
+        }
         let count = self.cache_udp.good;
         let recovered = count >= self.thresholds.rise && self.cache_tcp.bad == 0;
         if self.upstream_failing() {
@@ -693,5 +728,33 @@ mod tests {
     fn reasons_read_well() {
         let r = Reason::CacheFailing { stream: CacheUdp, count: 3, last: "timeout" };
         assert_eq!(r.to_string(), "3 consecutive cache udp probes failed (last: timeout)");
+    }
+
+    #[test]
+    fn a_blocked_path_leaves_local_and_keeps_it_left_until_cleared() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(T, Local, t0);
+        let t = m.set_blocked(Some("chain x rejects".into()), t0).expect("a switch");
+        assert_eq!((t.from, t.to, t.reason.kind()), (Local, Upstream, "firewall"));
+        // Good probes are counted but do not bring it back while blocked.
+        let after = feed(&mut m, t0, 3000, CacheUdp, &[Good; 8]);
+        assert!(after.iter().all(Option::is_none), "{after:?}");
+        assert_eq!(m.route(), Upstream);
+        // Cleared: the streak it kept counting and min-hold bring it back at the next probe.
+        assert_eq!(m.set_blocked(None, t0 + Duration::from_secs(4)), None);
+        assert_eq!(feed(&mut m, t0, 4000, CacheUdp, &[Good]), [Some(Local)]);
+        // An operator's flip local stands; released, the policy leaves at once if blocked.
+        m.set_blocked(Some("again".into()), t0 + Duration::from_secs(5));
+        let forced = Forced {
+            route: Local,
+            kind: ForceKind::Manual,
+            until: None,
+            why: "ops".into(),
+            waits_for: Default::default(),
+        };
+        m.force(forced, t0 + Duration::from_secs(6));
+        assert_eq!(m.route(), Local);
+        let t = m.release(t0 + Duration::from_secs(7)).expect("leaves at once");
+        assert_eq!(t.reason.kind(), "firewall");
     }
 }

@@ -185,3 +185,81 @@ fn accept_failure_mid_switch_never_strands_pods() {
     println!("summary: {summary}");
     assert_eq!(summary["failed"], 0, "{summary}");
 }
+
+/// Issue 17, acceptance 2: a native nftables firewall (firewalld's shape) whose input chain
+/// ends in `reject`. No ACCEPT of the agent's can override it, so the agent keeps pods off the
+/// cache: it stays Upstream, `status` names the chain and the rule to add, and no pod lookup
+/// fails. With that rule added, the cache earns Local back; without it again, Upstream.
+#[test]
+fn nftables_firewall_that_rejects_keeps_pods_upstream() {
+    let node = SimNode::up_with(&["--kube-proxy", "nftables", "--nft-firewall"]);
+    let load = node.load(
+        "pod1",
+        CLUSTER_DNS_IP,
+        &["--rate", "200", "--duration", "3s", "--report-interval", "0"],
+    );
+    let agent = node.agent_starting(&["--dataplane", "nftables", "--min-hold", "1s"]);
+    let st = agent.wait_route("upstream", Duration::from_secs(5));
+    println!("state: {st}");
+    assert_eq!(st["transitions"], 0, "never Local, not even for a moment: {st}");
+    let reason = st["reason"].as_str().unwrap();
+    assert!(reason.contains("inet simnode-firewalld filter_INPUT"), "{st}");
+    let dir = agent.state_dir.display().to_string();
+    let status = node.cli(&["status", "--state-dir", &dir]);
+    let text = String::from_utf8_lossy(&status.stdout).into_owned();
+    println!("{text}");
+    let fixes: Vec<String> = text
+        .lines()
+        .filter_map(|l| {
+            l.split_once("add `").map(|(_, rest)| rest.trim_end_matches('`').to_owned())
+        })
+        .collect();
+    let prefix = "nft insert rule inet simnode-firewalld filter_INPUT ip daddr";
+    for ip in [LOCAL_IP, CLUSTER_DNS_IP] {
+        let want = format!("{prefix} {ip} th dport 53 accept");
+        assert!(fixes.contains(&want), "status does not say `{want}`:\n{text}");
+    }
+    let summary = load.finish();
+    println!("blocked: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_eq!(summary["by_origin"]["coredns"], summary["sent"], "{summary}");
+
+    // The operator adds the rules status gave, word for word: the cache earns Local back.
+    for fix in &fixes {
+        let words: Vec<&str> = fix.split_whitespace().collect();
+        let added = node.run("node", words[0], &words[1..]);
+        assert!(added.status.success(), "{}", describe(&added));
+    }
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    assert!(
+        local["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| !w.to_string().contains("filter_INPUT")),
+        "{local}"
+    );
+    let summary = node
+        .load(
+            "pod1",
+            CLUSTER_DNS_IP,
+            &["--rate", "200", "--duration", "1s", "--report-interval", "0"],
+        )
+        .finish();
+    println!("let through: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
+
+    // A firewall reload that drops the rule again: back to Upstream, told by the kernel's
+    // change announcement (not the 30 s safety net).
+    let reload =
+        node.run("node", "nft", &["flush", "chain", "inet", "simnode-firewalld", "filter_INPUT"]);
+    assert!(reload.status.success(), "{}", describe(&reload));
+    let reject = node.run(
+        "node",
+        "nft",
+        &["add", "rule", "inet", "simnode-firewalld", "filter_INPUT", "reject"],
+    );
+    assert!(reject.status.success(), "{}", describe(&reject));
+    agent.wait_route("upstream", Duration::from_secs(3));
+}

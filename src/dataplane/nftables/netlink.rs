@@ -6,6 +6,7 @@
 //! headers are host-endian, nf_tables attribute values big-endian.
 
 use super::expr::{Expr, Found, NFT_REG_1};
+use crate::firewall;
 
 /// An error message (or an ack, when its code is 0).
 pub const NLMSG_ERROR: u16 = 2;
@@ -397,6 +398,100 @@ pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
         comment: a[rule::USERDATA as usize].and_then(parse_comment),
         packets,
     })
+}
+
+/// Reads a rule of another owner's table for [`crate::firewall`]: its chain and what its
+/// expressions do. Expressions that write (a `meta set`, a payload mangle, a `ct set`) or only
+/// count are passive; those it does not model are [`firewall::Expr::Other`], an unknown match.
+pub fn parse_foreign_rule(attrs: &[u8]) -> Result<(String, firewall::Rule)> {
+    let a = attribute_table::<{ rule::MAX }>(attrs)?;
+    let chain = string(required(a[rule::CHAIN as usize], "rule chain")?);
+    let mut exprs = Vec::new();
+    if let Some(list) = a[rule::EXPRESSIONS as usize] {
+        for elem in attributes(list) {
+            let elem = elem?;
+            if elem.kind != rule::LIST_ELEM {
+                continue;
+            }
+            let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
+            let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
+            let data = e[rule::EXPR_DATA as usize].unwrap_or_default();
+            decode_expr(&name, data, &mut exprs)?;
+        }
+    }
+    Ok((chain, firewall::Rule { exprs }))
+}
+
+/// `NFTA_DATA_VALUE` of a nested `nft_data_attributes`.
+fn data_value(nested: &[u8], what: &'static str) -> Result<Vec<u8>> {
+    let d = attribute_table::<3>(nested)?;
+    Ok(required(d[1], what)?.to_vec())
+}
+
+/// Appends what expression `name` with `NFTA_EXPR_DATA` `data` does.
+fn decode_expr(name: &str, data: &[u8], out: &mut Vec<firewall::Expr>) -> Result<()> {
+    use firewall::{Expr, Verdict};
+    let a = attribute_table::<9>(data)?;
+    let u32_at = |kind: usize, what| required(a[kind], what).and_then(|v| be_u32(v, what));
+    let expr = match name {
+        // DREG 1, KEY 2, SREG 3 (a `meta set`).
+        "meta" if a[3].is_some() => Expr::Passive,
+        "meta" => Expr::Meta { key: u32_at(2, "meta key")?, dreg: u32_at(1, "meta register")? },
+        // DREG 1, BASE 2, OFFSET 3, LEN 4, SREG 5 (a payload write).
+        "payload" if a[5].is_some() => Expr::Passive,
+        "payload" => Expr::Payload {
+            base: u32_at(2, "payload base")?,
+            offset: u32_at(3, "payload offset")?,
+            len: u32_at(4, "payload length")?,
+            dreg: u32_at(1, "payload register")?,
+        },
+        // SREG 1, OP 2, DATA 3.
+        "cmp" => Expr::Cmp {
+            sreg: u32_at(1, "cmp register")?,
+            op: u32_at(2, "cmp operator")?,
+            data: data_value(required(a[3], "cmp data")?, "cmp data value")?,
+        },
+        // SREG 1, DREG 2, LEN 3, MASK 4, XOR 5, DATA 6, OP 7: only the boolean form (OP 0).
+        "bitwise" if a[7].is_some_and(|op| be_u32(op, "bitwise op").ok() != Some(0)) => {
+            Expr::Other("bitwise shift".to_owned())
+        }
+        "bitwise" => Expr::Bitwise {
+            sreg: u32_at(1, "bitwise source")?,
+            dreg: u32_at(2, "bitwise destination")?,
+            mask: data_value(required(a[4], "bitwise mask")?, "bitwise mask value")?,
+            xor: data_value(required(a[5], "bitwise xor")?, "bitwise xor value")?,
+        },
+        // DREG 1, KEY 2, DIRECTION 3, SREG 4 (a `ct set`).
+        "ct" if a[4].is_some() => Expr::Passive,
+        "ct" => Expr::Ct { key: u32_at(2, "ct key")?, dreg: u32_at(1, "ct register")? },
+        // DREG 1, DATA 2: a verdict when DREG is the verdict register (0).
+        "immediate" if u32_at(1, "immediate register")? == 0 => {
+            let d = attribute_table::<3>(required(a[2], "immediate data")?)?;
+            let v = attribute_table::<3>(required(d[2], "immediate verdict")?)?;
+            let code = be_u32(required(v[1], "verdict code")?, "verdict code")? as i32;
+            let target = || v[2].map(string).unwrap_or_default();
+            Expr::Verdict(match code {
+                0 => Verdict::Drop,
+                1 => Verdict::Accept,
+                -1 => Verdict::Continue,
+                -3 => Verdict::Jump(target()),
+                -4 => Verdict::Goto(target()),
+                -5 => Verdict::Return,
+                other => Verdict::Other(other),
+            })
+        }
+        // A verdict map (`vmap`, DREG 3 = the verdict register): a verdict this module cannot
+        // read, which may be a drop.
+        "lookup" if a[3].and_then(|r| be_u32(r, "lookup register").ok()) == Some(0) => {
+            out.push(Expr::Other("vmap".to_owned()));
+            Expr::Verdict(Verdict::Other(0))
+        }
+        "reject" => Expr::Reject,
+        "counter" | "log" | "notrack" => Expr::Passive,
+        other => Expr::Other(other.to_owned()),
+    };
+    out.push(expr);
+    Ok(())
 }
 
 /// Reads an expression's `NFTA_EXPR_DATA`. Attribute numbers are those of `enum nft_meta_attributes`,
