@@ -1063,6 +1063,9 @@ run_loop() { # run_loop SVC
 loop_start() { # loop_start SVC
     local svc=$1 pid deadline
     load_state
+    if [[ $svc == kube-proxy-resync && $KUBE_PROXY == ipvs ]]; then
+        die "kube-proxy-resync is not modelled for --kube-proxy ipvs"
+    fi
     ns_exists node || die "namespace $(ns_name node) does not exist"
     rm -f "$RUN_DIR/$svc.ready"
     svc_start "$svc" node bash "$SELF" __loop "$PREFIX" "$svc"
