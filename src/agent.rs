@@ -811,8 +811,14 @@ async fn watch_foreign_rules(
         let Some((nft_facts, nft_unreadable, _)) = &nft else { continue };
         let (legacy, mut unreadable) = legacy;
         unreadable.extend(nft_unreadable.iter().cloned());
-        let facts =
-            Facts { kube_proxy_nftables: false, legacy, nft: nft_facts.clone(), unreadable };
+        // Only the foreign rules and what was unreadable are used here.
+        let facts = Facts {
+            kube_proxy_nftables: false,
+            kube_ipvs0: false,
+            legacy,
+            nft: nft_facts.clone(),
+            unreadable,
+        };
         let found = crate::detect::decide(&facts);
         let foreign = found.foreign_notrack.into_iter().map(|rule| {
             format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")

@@ -9,6 +9,10 @@
 //! 3. otherwise the flavour with more rules, if any has rules;
 //! 4. otherwise native nftables.
 //!
+//! Independently, kube-proxy's IPVS mode is recognised (its `kube-ipvs0` interface, or rules
+//! matching its `KUBE-CLUSTER-IP` ipset): there IPVS takes the ClusterIP's packets in its
+//! LOCAL_IN hook whatever NOTRACK says, so `auto` refuses to intercept it ([`ipvs_refusal`]).
+//!
 //! Independently, the filter ACCEPTs go to every iptables flavour the node uses: the one
 //! kubelet's canaries are in, and any whose filter table holds a rule or a policy that is not
 //! ACCEPT. node-cache prepends them always, whatever the firewall; a NOTRACKed query is neither
@@ -17,7 +21,8 @@
 //! ACCEPT cannot override an iptables verdict. Rules that node-cache installed itself (it must
 //! run with `-setupiptables=false`) are reported.
 //!
-//! [`decide`] and [`parse_save`] are pure; [`gather`] runs `iptables-*-save`.
+//! [`decide`], [`ipvs_refusal`] and [`parse_save`] are pure; [`gather`] runs `iptables-*-save`
+//! and looks for the `kube-ipvs0` interface.
 
 use std::fmt;
 use std::net::IpAddr;
@@ -73,6 +78,8 @@ pub struct SaveFacts {
     /// The filter table can stop a packet: it holds a rule (a REJECT at the end of INPUT,
     /// kubelet's KUBE-FIREWALL, …) or a built-in chain whose policy is not ACCEPT.
     pub filter_in_use: bool,
+    /// A rule matches kube-proxy's IPVS-mode ipset `KUBE-CLUSTER-IP`.
+    pub ipvs_sets: bool,
     /// Rules node-cache installed (its comment), or any other NOTRACK for the listen addresses
     /// outside the agent's chains.
     pub foreign_notrack: Vec<String>,
@@ -83,6 +90,8 @@ pub struct SaveFacts {
 pub struct Facts {
     /// `table ip kube-proxy` or `table ip6 kube-proxy` exists.
     pub kube_proxy_nftables: bool,
+    /// kube-proxy's IPVS-mode interface `kube-ipvs0` exists.
+    pub kube_ipvs0: bool,
     pub legacy: SaveFacts,
     pub nft: SaveFacts,
     /// Save commands that exist but failed: what they saw is unknown.
@@ -102,6 +111,8 @@ pub struct Detection {
     /// Rules of node-cache (or anyone else) that NOTRACK the listen addresses, as
     /// `iptables-nft: -A PREROUTING …`. While they exist, `Upstream` cannot take effect.
     pub foreign_notrack: Vec<String>,
+    /// kube-proxy runs in IPVS mode, and what showed it.
+    pub ipvs: Option<String>,
     /// What could not be looked at, e.g. `iptables-legacy-save: Permission denied` (the agent
     /// lacks CAP_NET_RAW): the choice above may be wrong.
     pub unreadable: Vec<String>,
@@ -130,6 +141,9 @@ pub fn parse_save(text: &str, addrs: &[IpAddr]) -> SaveFacts {
         } else if let Some(rule) = line.strip_prefix("-A ") {
             facts.rules += 1;
             facts.filter_in_use |= table == "filter";
+            if rule.contains("--match-set KUBE-CLUSTER-IP ") {
+                facts.ipvs_sets = true;
+            }
             let chain = rule.split_whitespace().next().unwrap_or("");
             let node_cache = rule.contains("NodeLocal DNS Cache");
             let notracks_ours = table == "raw"
@@ -189,7 +203,38 @@ pub fn decide(facts: &Facts) -> Detection {
         .iter()
         .flat_map(|(flavour, f)| f.foreign_notrack.iter().map(move |r| format!("{flavour}: {r}")))
         .collect();
-    Detection { backend, why, accepts_in, foreign_notrack, unreadable: facts.unreadable.clone() }
+    let ipvs_sets = flavours.iter().filter(|(_, f)| f.ipvs_sets).map(|(flavour, _)| *flavour);
+    let mut ipvs_signs: Vec<String> = Vec::new();
+    if facts.kube_ipvs0 {
+        ipvs_signs.push("interface kube-ipvs0 exists".to_owned());
+    }
+    ipvs_signs.extend(ipvs_sets.map(|f| format!("{f} rules match ipset KUBE-CLUSTER-IP")));
+    let ipvs = (!ipvs_signs.is_empty()).then(|| ipvs_signs.join(", "));
+    Detection {
+        backend,
+        why,
+        accepts_in,
+        foreign_notrack,
+        ipvs,
+        unreadable: facts.unreadable.clone(),
+    }
+}
+
+/// Why `--dataplane auto` must not intercept `cluster_dns` on this node: kube-proxy runs in IPVS
+/// mode, where IPVS takes every packet for a ClusterIP in its LOCAL_IN hook and forwards it to a
+/// CoreDNS pod, NOTRACK or not (KEP-1024's "will not work in IPVS mode"; counted by
+/// `ipvs_clusterip_interception_never_reaches_the_cache` in `tests/e2e_vm.rs`).
+pub fn ipvs_refusal(found: &Detection, cluster_dns: &[IpAddr]) -> Option<String> {
+    let signs = found.ipvs.as_deref()?;
+    let ips: Vec<String> = cluster_dns.iter().map(ToString::to_string).collect();
+    Some(format!(
+        "kube-proxy runs in IPVS mode here ({signs}): IPVS forwards every packet for the \
+         ClusterIP {} to CoreDNS whatever NOTRACK says, so intercepting it cannot reach the \
+         node-local cache, and --dataplane auto installs nothing. On IPVS clusters pods must \
+         query the node-local IP itself (kubelet --cluster-dns); to install the ClusterIP rules \
+         anyway, name a backend with --dataplane",
+        ips.join(", ")
+    ))
 }
 
 /// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
@@ -217,7 +262,8 @@ pub fn gather(kube_proxy_nftables: bool, addrs: &[IpAddr]) -> Facts {
     let (legacy, mut unreadable) = gather_flavour(Flavour::Legacy, addrs);
     let (nft, more) = gather_flavour(Flavour::Nft, addrs);
     unreadable.extend(more);
-    Facts { kube_proxy_nftables, legacy, nft, unreadable }
+    let kube_ipvs0 = nix::net::if_::if_nametoindex("kube-ipvs0").is_ok();
+    Facts { kube_proxy_nftables, kube_ipvs0, legacy, nft, unreadable }
 }
 
 /// What one flavour's save commands show, and those of them that failed.
@@ -267,6 +313,7 @@ COMMIT
     fn facts(kube_proxy_nftables: bool, legacy: &str, nft: &str) -> Facts {
         Facts {
             kube_proxy_nftables,
+            kube_ipvs0: false,
             legacy: parse_save(legacy, &addrs()),
             nft: parse_save(nft, &addrs()),
             unreadable: Vec::new(),
@@ -350,5 +397,41 @@ COMMIT
             "{:?}",
             d.foreign_notrack
         );
+    }
+
+    const KUBE_PROXY_IPVS: &str = "\
+*nat
+:KUBE-SERVICES - [0:0]
+-A KUBE-SERVICES -m comment --comment \"Kubernetes service cluster ip + port for masquerade purpose\" -m set --match-set KUBE-CLUSTER-IP dst,dst ! -s 10.244.0.0/16 -j KUBE-MARK-MASQ
+-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT
+COMMIT
+";
+
+    #[test]
+    fn ipvs_mode_is_recognised_by_its_interface_or_its_ipset_and_refused() {
+        let cluster_dns = ["10.96.0.10".parse().unwrap()];
+        // Neither sign: no refusal, whatever the backend.
+        for f in [facts(false, KUBE_PROXY_LEGACY, ""), facts(true, "", ""), facts(false, "", "")] {
+            let d = decide(&f);
+            assert_eq!(d.ipvs, None);
+            assert_eq!(ipvs_refusal(&d, &cluster_dns), None);
+        }
+        // The interface alone.
+        let mut f = facts(false, "", KUBE_PROXY_LEGACY);
+        f.kube_ipvs0 = true;
+        let d = decide(&f);
+        assert_eq!(d.ipvs.as_deref(), Some("interface kube-ipvs0 exists"));
+        let refusal = ipvs_refusal(&d, &cluster_dns).expect("refused");
+        assert!(refusal.contains("IPVS mode") && refusal.contains("10.96.0.10"), "{refusal}");
+        assert!(refusal.contains("--dataplane"), "says what to do: {refusal}");
+        // The ipset alone (an iptables-nft kube-proxy in IPVS mode, interface not seen).
+        let d = decide(&facts(false, "", KUBE_PROXY_IPVS));
+        assert_eq!(d.ipvs.as_deref(), Some("iptables-nft rules match ipset KUBE-CLUSTER-IP"));
+        assert!(ipvs_refusal(&d, &cluster_dns).is_some());
+        // Both.
+        let mut f = facts(false, KUBE_PROXY_IPVS, "");
+        f.kube_ipvs0 = true;
+        let ipvs = decide(&f).ipvs.expect("ipvs");
+        assert!(ipvs.contains("kube-ipvs0") && ipvs.contains("iptables-legacy rules"), "{ipvs}");
     }
 }

@@ -378,6 +378,11 @@ fn open_dataplane(
     let kube_proxy_nftables = nft.kube_proxy_tables().unwrap_or(false);
     let listen: Vec<_> = addrs.local.iter().chain(&addrs.cluster_dns).copied().collect();
     let found = detect::decide(&detect::gather(kube_proxy_nftables, &listen));
+    if kind == DataplaneKind::Auto {
+        if let Some(refusal) = detect::ipvs_refusal(&found, &addrs.cluster_dns) {
+            return Err(Failure::usage(refusal));
+        }
+    }
     let (backend, why) = match kind {
         DataplaneKind::Auto => (found.backend, Some(found.why)),
         DataplaneKind::Nftables => (Backend::Nftables, None),

@@ -40,6 +40,29 @@
 #     localnet connections" DROP rule and `-I INPUT/OUTPUT -j KUBE-FIREWALL`. Those are all made
 #     here, with iptables-nft, so iptables is not empty in nftables mode (as on a real node), but
 #     it has no nat rules at all. (The iptables modes model only the canary and hint chains.)
+#   ipvs (IPv4 only; needs the ip_vs and dummy modules, which the build machine's kernel lacks:
+#     it runs in the ci/vm guest): kube-proxy's IPVS mode as pkg/proxy/ipvs/proxier.go
+#     (kubernetes/kubernetes, 1.30-era: NewProxier, createAndLinkKubeChain, writeIptablesRules,
+#     syncService/syncEndpoint; set names and comments from pkg/proxy/ipvs/ipset.go) leaves a
+#     node with these two Services: the sysctls net.ipv4.vs.conntrack=1, expire_nodest_conn=1,
+#     expire_quiescent_template=1; the dummy interface `kube-ipvs0` (left down) holding every
+#     ClusterIP as /32; IPVS virtual services 10.96.0.10:53 and 10.96.0.11:53, udp and tcp,
+#     scheduler rr, each with the CoreDNS endpoints as masquerading real servers (weight 1); its
+#     ipsets (all 17 created; KUBE-CLUSTER-IP holds ip,proto:port of each Service port,
+#     KUBE-LOOP-BACK the endpoints on this node as ip,proto:port,ip, KUBE-IPVS-IPS the addresses on
+#     kube-ipvs0) and its iptables chains in nat (KUBE-SERVICES, KUBE-POSTROUTING with the
+#     0x4000 masquerade mark, KUBE-MARK-MASQ, KUBE-NODE-PORT, KUBE-LOAD-BALANCER) and filter
+#     (KUBE-FORWARD, KUBE-NODE-PORT, KUBE-PROXY-FIREWALL, KUBE-SOURCE-RANGES-FIREWALL,
+#     KUBE-IPVS-FILTER, KUBE-IPVS-OUT-FILTER), with the jumps from the built-in chains that its
+#     EnsureRule(Prepend) puts first, all in iptables-nft (with kubelet's canary and hint chains).
+#     Local traffic detection by cluster CIDR (10.244.0.0/16). Written with `ipset restore` and
+#     one `iptables-restore --noflush` instead of kube-proxy's one command per set and entry;
+#     the rules' text is the same. ClusterIP traffic never meets a DNAT rule: IPVS takes it in
+#     its LOCAL_IN hook (pods) or LOCAL_OUT hook (the node) and forwards it to a real server.
+# --listen-dev lo|dummy: where the node-local IPs live. lo (the default) works on every kernel;
+#   dummy is node-cache's own layout (cmd/node-cache/app: netif.EnsureDummyDevice): a dummy
+#   interface `nodelocaldns`, left down, holding the IPs as /32. IPv4 only here; needs the
+#   dummy module (the ci/vm guest has it, the build machine's kernel has no CONFIG_DUMMY).
 # --filter-drop: a host firewall in the flavour's filter table (and ip6tables for 6/dual):
 #   INPUT policy DROP, accepting only `-i lo -d 127.0.0.0/8` (::1), ctstate RELATED,ESTABLISHED
 #   and ICMP (ICMPv6); FORWARD and OUTPUT stay ACCEPT. So DNATed pod traffic (FORWARD) and the
@@ -69,8 +92,9 @@
 #   override its reject.
 #
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
-#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables] [--family 4|6|dual]
+#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs] [--family 4|6|dual]
 #             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
+#             [--listen-dev lo|dummy]
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail] [--no-wait]
 #                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
@@ -90,8 +114,13 @@
 #   listen-addrs-del|listen-addrs-add PREFIX
 #     node-cache's teardown of its interface (it deletes its dummy interface `nodelocaldns` on
 #     SIGTERM unless -skipteardown): deletes the node-local IP and the cluster-DNS IP (and the v6
-#     pair) from the node's lo, leaving the cache running; -add puts them back. Both print when
-#     the change was complete, in ms since the epoch.
+#     pair) from the node's lo (or the `nodelocaldns` dummy), leaving the cache running; -add puts
+#     them back. Both print when the change was complete, in ms since the epoch.
+#   netem PREFIX ARGS... | netem-clear PREFIX
+#     `tc qdisc replace dev dns root netem ARGS` on the node's side of the veth to "CoreDNS"
+#     (e.g. `loss 30%`, `delay 200ms`): every packet the node sends towards CoreDNS, the cache's
+#     forwarded queries and the agent's upstream probes included. Needs sch_netem (the ci/vm
+#     guest). -clear removes it.
 #   cni-noise-start|cni-noise-stop PREFIX
 #     A loop (log: cni-noise.log) that every second makes sure raw PREROUTING's first rule is
 #     `-m comment --comment cali:fake -j ACCEPT`, in the flavour's iptables (and ip6tables for
@@ -173,13 +202,15 @@ load_state() {
     if [[ -f "$RUN_DIR/kube-proxy" ]]; then KUBE_PROXY=$(<"$RUN_DIR/kube-proxy"); fi
     FILTER_LO="" # --filter-drop: loopback | accept-lo
     if [[ -f "$RUN_DIR/filter-drop" ]]; then FILTER_LO=$(<"$RUN_DIR/filter-drop"); fi
+    LISTEN_DEV=lo
+    if [[ -f "$RUN_DIR/listen-dev" ]]; then LISTEN_DEV=$(<"$RUN_DIR/listen-dev"); fi
     set_flavour
 }
 # The iptables binaries of the node's Kubernetes components: kube-proxy's, or for nftables
 # mode the host's iptables (iptables-nft).
 set_flavour() {
     IPT4=$KUBE_PROXY
-    [[ "$KUBE_PROXY" != nftables ]] || IPT4=iptables-nft
+    [[ "$KUBE_PROXY" != nftables && "$KUBE_PROXY" != ipvs ]] || IPT4=iptables-nft
     IPT6="ip6${IPT4#ip}"
 }
 # The iptables binaries for the node's families, v4 first.
@@ -474,7 +505,119 @@ kube_nft() {
     done
 }
 
-# kubelet's iptables (the host's iptables: iptables-nft) on a node whose kube-proxy uses nftables.
+# ---------------------------------------------------------------------------------------------
+# kube-proxy's IPVS mode (see the header for where each part comes from).
+
+readonly KUBE_MASQ_MARK=0x4000 # 1 << --iptables-masquerade-bit (14)
+# Every set of ipsetInfo, with its type.
+readonly KUBE_IPVS_SETS=(
+    "KUBE-LOOP-BACK hash:ip,port,ip" "KUBE-CLUSTER-IP hash:ip,port" "KUBE-EXTERNAL-IP hash:ip,port"
+    "KUBE-EXTERNAL-IP-LOCAL hash:ip,port" "KUBE-LOAD-BALANCER hash:ip,port"
+    "KUBE-LOAD-BALANCER-FW hash:ip,port" "KUBE-LOAD-BALANCER-LOCAL hash:ip,port"
+    "KUBE-LOAD-BALANCER-SOURCE-IP hash:ip,port,ip" "KUBE-LOAD-BALANCER-SOURCE-CIDR hash:ip,port,net"
+    "KUBE-NODE-PORT-TCP bitmap:port" "KUBE-NODE-PORT-LOCAL-TCP bitmap:port"
+    "KUBE-NODE-PORT-UDP bitmap:port" "KUBE-NODE-PORT-LOCAL-UDP bitmap:port"
+    "KUBE-NODE-PORT-SCTP-HASH hash:ip,port" "KUBE-NODE-PORT-LOCAL-SCTP-HASH hash:ip,port"
+    "KUBE-HEALTH-CHECK-NODE-PORT bitmap:port" "KUBE-IPVS-IPS hash:ip")
+
+# kube_ipvs_sets CLUSTER_DNS UPSTREAM EP1 EP2: `ipset restore` input for the sets and entries.
+kube_ipvs_sets() {
+    local spec name type ip proto ep
+    for spec in "${KUBE_IPVS_SETS[@]}"; do
+        read -r name type <<<"$spec"
+        if [[ $type == bitmap:port ]]; then
+            echo "create $name $type range 0-65535"
+        else
+            echo "create $name $type family inet hashsize 1024 maxelem 65536"
+        fi
+    done
+    for ip in "$1" "$2"; do
+        echo "add KUBE-IPVS-IPS $ip"
+        for proto in udp tcp; do echo "add KUBE-CLUSTER-IP $ip,$proto:53"; done
+    done
+    # Endpoints on this node (CoreDNS runs here, in the dns namespace), for hairpin traffic.
+    for ep in "$3" "$4"; do
+        for proto in udp tcp; do echo "add KUBE-LOOP-BACK $ep,$proto:53,$ep"; done
+    done
+}
+
+# kube_ipvs_restore: kube-proxy's `iptables-restore --noflush` input (nat, then filter), its
+# chains declared (so flushed) and filled in writeIptablesRules' order.
+kube_ipvs_restore() {
+    local hairpin="Kubernetes endpoints dst ip:port, source ip for solving hairpin purpose"
+    local cluster="Kubernetes service cluster ip + port for masquerade purpose"
+    local mark="$KUBE_MASQ_MARK/$KUBE_MASQ_MARK" chain
+    echo "*nat"
+    for chain in KUBE-SERVICES KUBE-POSTROUTING KUBE-NODE-PORT KUBE-LOAD-BALANCER KUBE-MARK-MASQ; do
+        echo ":$chain - [0:0]"
+    done
+    echo "-A KUBE-SERVICES -s 127.0.0.0/8 -j RETURN"
+    echo "-A KUBE-POSTROUTING -m comment --comment \"$hairpin\" -m set --match-set KUBE-LOOP-BACK dst,dst,src -j MASQUERADE"
+    echo "-A KUBE-SERVICES -m comment --comment \"$cluster\" -m set --match-set KUBE-CLUSTER-IP dst,dst ! -s $V4_CLUSTER_CIDR -j KUBE-MARK-MASQ"
+    echo "-A KUBE-SERVICES -m addrtype --dst-type LOCAL -j KUBE-NODE-PORT"
+    echo "-A KUBE-LOAD-BALANCER -j KUBE-MARK-MASQ"
+    echo "-A KUBE-SERVICES -m set --match-set KUBE-CLUSTER-IP dst,dst -j ACCEPT"
+    echo "-A KUBE-POSTROUTING -m mark ! --mark $mark -j RETURN"
+    echo "-A KUBE-POSTROUTING -j MARK --xor-mark $KUBE_MASQ_MARK"
+    echo "-A KUBE-POSTROUTING -m comment --comment \"kubernetes service traffic requiring SNAT\" -j MASQUERADE --random-fully"
+    echo "-A KUBE-MARK-MASQ -j MARK --or-mark $KUBE_MASQ_MARK"
+    echo COMMIT
+    echo "*filter"
+    for chain in KUBE-FORWARD KUBE-NODE-PORT KUBE-PROXY-FIREWALL KUBE-SOURCE-RANGES-FIREWALL \
+        KUBE-IPVS-FILTER KUBE-IPVS-OUT-FILTER; do
+        echo ":$chain - [0:0]"
+    done
+    echo "-A KUBE-SOURCE-RANGES-FIREWALL -j DROP"
+    echo "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark $mark -j ACCEPT"
+    echo "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    echo "-A KUBE-NODE-PORT -m comment --comment \"Kubernetes health check node port\" -m set --match-set KUBE-HEALTH-CHECK-NODE-PORT dst -j ACCEPT"
+    for chain in KUBE-LOAD-BALANCER KUBE-CLUSTER-IP KUBE-EXTERNAL-IP KUBE-EXTERNAL-IP-LOCAL; do
+        echo "-A KUBE-IPVS-FILTER -m set --match-set $chain dst,dst -j RETURN"
+    done
+    echo "-A KUBE-IPVS-FILTER -m set --match-set KUBE-HEALTH-CHECK-NODE-PORT dst -j RETURN"
+    echo "-A KUBE-IPVS-FILTER -m conntrack --ctstate NEW -m set --match-set KUBE-IPVS-IPS dst -j REJECT"
+    echo COMMIT
+}
+
+# kube_ipvs CLUSTER_DNS UPSTREAM EP1 EP2: kube-proxy's IPVS mode on the node, IPv4.
+kube_ipvs() {
+    local cluster_dns=$1 upstream=$2 ep1=$3 ep2=$4 ip proto flag ep spec table from to comment
+    modprobe ip_vs && modprobe ip_vs_rr ||
+        die "--kube-proxy ipvs needs the ip_vs modules (this kernel: $(uname -r)); run it in the ci/vm guest"
+    in_ns node sysctl -qw net.ipv4.vs.conntrack=1 net.ipv4.vs.expire_nodest_conn=1 \
+        net.ipv4.vs.expire_quiescent_template=1
+    ip -n "$(ns_name node)" link add kube-ipvs0 type dummy ||
+        die "--kube-proxy ipvs needs the dummy module (this kernel: $(uname -r)); run it in the ci/vm guest"
+    for ip in "$cluster_dns" "$upstream"; do
+        ip -n "$(ns_name node)" addr add "$ip/32" dev kube-ipvs0
+        for proto in udp tcp; do
+            flag=-u
+            [[ $proto == tcp ]] && flag=-t
+            in_ns node ipvsadm -A "$flag" "$ip:53" -s rr
+            for ep in "$ep1" "$ep2"; do in_ns node ipvsadm -a "$flag" "$ip:53" -r "$ep:53" -m -w 1; done
+        done
+    done
+    kube_ipvs_sets "$@" >"$RUN_DIR/kube-proxy-ipsets"
+    in_ns node ipset restore <"$RUN_DIR/kube-proxy-ipsets"
+    kube_ipvs_restore >"$RUN_DIR/kube-proxy-ipvs.rules"
+    in_ns node iptables-nft-restore -w 5 --noflush "$RUN_DIR/kube-proxy-ipvs.rules"
+    # iptablesJumpChain, each EnsureRule(Prepend): the last one ends up first in its chain.
+    for spec in "nat OUTPUT KUBE-SERVICES kubernetes service portals" \
+        "nat PREROUTING KUBE-SERVICES kubernetes service portals" \
+        "nat POSTROUTING KUBE-POSTROUTING kubernetes postrouting rules" \
+        "filter FORWARD KUBE-FORWARD kubernetes forwarding rules" \
+        "filter INPUT KUBE-NODE-PORT kubernetes health check rules" \
+        "filter INPUT KUBE-PROXY-FIREWALL kube-proxy firewall rules" \
+        "filter FORWARD KUBE-PROXY-FIREWALL kube-proxy firewall rules" \
+        "filter INPUT KUBE-IPVS-FILTER kubernetes ipvs access filter" \
+        "filter OUTPUT KUBE-IPVS-OUT-FILTER kubernetes ipvs access filter"; do
+        read -r table from to comment <<<"$spec"
+        in_ns node iptables-nft -w 5 -t "$table" -I "$from" -m comment --comment "$comment" -j "$to"
+    done
+}
+
+# kubelet's iptables (the host's iptables: iptables-nft) on a node whose kube-proxy uses nftables
+# or IPVS.
 kubelet_iptables() {
     local ipt table
     for ipt in iptables-nft ip6tables-nft; do
@@ -612,7 +755,7 @@ add_dns() {
 
 cmd_up() {
     local kube_proxy=iptables-nft filter_drop=0 filter_lo=loopback filter_reject=0 nft_firewall=0 role
-    FAMILY=4
+    FAMILY=4 LISTEN_DEV=lo
     while (($#)); do
         case $1 in
         --kube-proxy) kube_proxy=${2:-}; shift 2 || usage ;;
@@ -621,12 +764,18 @@ cmd_up() {
         --filter-accept-lo) filter_lo=accept-lo; shift ;;
         --filter-reject) filter_reject=1; shift ;;
         --nft-firewall) nft_firewall=1; shift ;;
+        --listen-dev) LISTEN_DEV=${2:-}; shift 2 || usage ;;
         *) usage ;;
         esac
     done
-    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables)$ ]] ||
-        die "--kube-proxy must be iptables-nft, iptables-legacy or nftables"
+    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables|ipvs)$ ]] ||
+        die "--kube-proxy must be iptables-nft, iptables-legacy, nftables or ipvs"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
+    [[ "$LISTEN_DEV" =~ ^(lo|dummy)$ ]] || die "--listen-dev must be lo or dummy"
+    if [[ $LISTEN_DEV == dummy || $kube_proxy == ipvs ]] && [[ $FAMILY != 4 ]]; then
+        die "--listen-dev dummy and --kube-proxy ipvs are modelled for --family 4 only"
+    fi
+    [[ $LISTEN_DEV == lo ]] || LISTEN_DEV=nodelocaldns
     [[ $filter_lo == loopback ]] || ((filter_drop)) || die "--filter-accept-lo needs --filter-drop"
     ! ((filter_drop && filter_reject)) || die "--filter-drop and --filter-reject are two firewalls: pick one"
     for role in "${ROLES[@]}"; do
@@ -642,6 +791,7 @@ cmd_up() {
     echo "$FAMILY" >"$RUN_DIR/family"
     echo "$kube_proxy" >"$RUN_DIR/kube-proxy"
     if ((filter_drop)); then echo "$filter_lo" >"$RUN_DIR/filter-drop"; fi
+    echo "$LISTEN_DEV" >"$RUN_DIR/listen-dev"
 
     for role in "${ROLES[@]}"; do
         ip netns add "$(ns_name "$role")"
@@ -655,12 +805,18 @@ cmd_up() {
     add_pod pod1 "$V4_POD1" "$V6_POD1"
     add_pod pod2 "$V4_POD2" "$V6_POD2"
     add_dns
-    if [[ $kube_proxy == nftables ]]; then kubelet_iptables; fi
+    if [[ $kube_proxy == nftables || $kube_proxy == ipvs ]]; then kubelet_iptables; fi
+    if [[ $LISTEN_DEV != lo ]]; then
+        # node-cache's interface: created, never set up (netif.AddDummyDevice).
+        ip -n "$(ns_name node)" link add "$LISTEN_DEV" type dummy
+    fi
     if has_v4; then
-        ip -n "$(ns_name node)" addr add "$V4_LOCAL_IP/32" dev lo
-        ip -n "$(ns_name node)" addr add "$V4_CLUSTER_DNS/32" dev lo
+        ip -n "$(ns_name node)" addr add "$V4_LOCAL_IP/32" dev "$LISTEN_DEV"
+        ip -n "$(ns_name node)" addr add "$V4_CLUSTER_DNS/32" dev "$LISTEN_DEV"
         if [[ $kube_proxy == nftables ]]; then
             kube_nft_rules ip "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
+        elif [[ $kube_proxy == ipvs ]]; then
+            kube_ipvs "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
         else
             kube_rules "$kube_proxy" "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
         fi
@@ -682,7 +838,7 @@ cmd_up() {
     if ((filter_reject)); then host_firewall_reject; fi
     if ((nft_firewall)); then nft_firewall; fi
     trap - EXIT
-    echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy$( ((filter_drop)) && echo ", filter INPUT policy DROP ($filter_lo)")$( ((filter_reject)) && echo ", filter INPUT ends in REJECT")$( ((nft_firewall)) && echo ", nftables firewall rejecting")," \
+    echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy, listen IPs on $LISTEN_DEV$( ((filter_drop)) && echo ", filter INPUT policy DROP ($filter_lo)")$( ((filter_reject)) && echo ", filter INPUT ends in REJECT")$( ((nft_firewall)) && echo ", nftables firewall rejecting")," \
         "namespaces ${ROLES[*]/#/$PREFIX-}"
 }
 
@@ -810,12 +966,12 @@ listen_addrs() {
     local op=$1 ip
     load_state
     if has_v4; then
-        for ip in "$V4_LOCAL_IP" "$V4_CLUSTER_DNS"; do ip -n "$(ns_name node)" addr "$op" "$ip/32" dev lo; done
+        for ip in "$V4_LOCAL_IP" "$V4_CLUSTER_DNS"; do ip -n "$(ns_name node)" addr "$op" "$ip/32" dev "$LISTEN_DEV"; done
     fi
     if has_v6; then
         for ip in "$V6_LOCAL_IP" "$V6_CLUSTER_DNS"; do
             # shellcheck disable=SC2046 # nodad only when adding
-            ip -n "$(ns_name node)" addr "$op" "$ip/128" dev lo $([[ $op == add ]] && echo nodad)
+            ip -n "$(ns_name node)" addr "$op" "$ip/128" dev "$LISTEN_DEV" $([[ $op == add ]] && echo nodad)
         done
     fi
     now_ms
@@ -985,6 +1141,9 @@ run_loop() { # run_loop SVC
 loop_start() { # loop_start SVC
     local svc=$1 pid deadline
     load_state
+    if [[ $svc == kube-proxy-resync && $KUBE_PROXY == ipvs ]]; then
+        die "kube-proxy-resync is not modelled for --kube-proxy ipvs"
+    fi
     ns_exists node || die "namespace $(ns_name node) does not exist"
     rm -f "$RUN_DIR/$svc.ready"
     svc_start "$svc" node bash "$SELF" __loop "$PREFIX" "$svc"
@@ -1010,6 +1169,16 @@ cmd_xtables_lock_hold() {
     # shellcheck disable=SC2016 # expanded by the inner shell
     svc_start xtables-lock node bash -c 'exec 9>>"$1" && flock -x 9 && exec sleep "$2"' _ "$XTABLES_LOCKFILE" "$1"
     echo "$XTABLES_LOCKFILE"
+}
+
+cmd_netem() {
+    load_state
+    if (($#)); then
+        in_ns node tc qdisc replace dev dns root netem "$@" ||
+            die "tc netem $* failed: the kernel needs sch_netem (this one: $(uname -r); the ci/vm guest has it)"
+    else
+        in_ns node tc qdisc del dev dns root 2>/dev/null || true
+    fi
 }
 
 cmd_exec() {
@@ -1048,6 +1217,8 @@ main() {
     xtables-lock-hold) cmd_xtables_lock_hold "$@" ;;
     xtables-lock-release) (($# == 0)) || usage; svc_term xtables-lock ;;
     kube-proxy-migrate) (($# == 0)) || usage; cmd_kube_proxy_migrate ;;
+    netem) (($# > 0)) || usage; cmd_netem "$@" ;;
+    netem-clear) (($# == 0)) || usage; cmd_netem ;;
     exec) cmd_exec "$@" ;;
     *) usage ;;
     esac

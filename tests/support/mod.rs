@@ -230,7 +230,8 @@ impl SimNode {
         self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env, false)
     }
 
-    /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags.
+    /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags (2 attempts
+    /// of 1 s each, unless `extra` gives its own `--timeout`).
     pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
@@ -238,7 +239,7 @@ impl SimNode {
         let mut child = self
             .cmd(role, LOAD)
             .args(["--server", server, "--name", "who.test", "--attempts", "2"])
-            // 1 s unless the test names its own.
+            // 1 s unless the test sets its own (the VM tests: TCG is 5-20x slower).
             .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1s"][..] })
             .arg("--lookups-out")
             .arg(&lookups)
