@@ -17,6 +17,15 @@ fn pod_load(node: &SimNode, duration: &str) -> Load {
     )
 }
 
+/// A second of pod lookups at 200/s: every one answered, all by `origin` (`cache`, `coredns`).
+fn all_answered_by(node: &SimNode, origin: &str) {
+    let args = ["--rate", "200", "--duration", "1s", "--report-interval", "0"];
+    let summary = node.load("pod1", CLUSTER_DNS_IP, &args).finish();
+    println!("a second of lookups: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_eq!(summary["by_origin"][origin], summary["sent"], "{summary}");
+}
+
 /// Issue 17, acceptance 1: INPUT policy ACCEPT ending in a REJECT (RHEL's iptables-services).
 /// The agent puts its ACCEPTs first in the node's iptables flavour, as node-cache does, so pods
 /// are answered by the cache; a SIGKILL and a hang of the cache cost no lookup.
@@ -27,16 +36,7 @@ fn reject_firewall(kube_proxy: &str, dataplane: &str, flavour: &str) {
     assert_eq!(st["accepts_in"], serde_json::json!([flavour]), "{st}");
 
     // Before any fault, the cache answers every pod lookup.
-    let before = node
-        .load(
-            "pod1",
-            CLUSTER_DNS_IP,
-            &["--rate", "200", "--duration", "1s", "--report-interval", "0"],
-        )
-        .finish();
-    println!("{dataplane} before: {before}");
-    assert_eq!(before["failed"], 0, "{before}");
-    assert_eq!(before["by_origin"]["cache"], before["sent"], "{before}");
+    all_answered_by(&node, "cache");
 
     let mut load = pod_load(&node, "9s");
     load.wait_cache_answers();
@@ -239,16 +239,7 @@ fn nftables_firewall_that_rejects_keeps_pods_upstream() {
             .all(|w| !w.to_string().contains("filter_INPUT")),
         "{local}"
     );
-    let summary = node
-        .load(
-            "pod1",
-            CLUSTER_DNS_IP,
-            &["--rate", "200", "--duration", "1s", "--report-interval", "0"],
-        )
-        .finish();
-    println!("let through: {summary}");
-    assert_eq!(summary["failed"], 0, "{summary}");
-    assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
+    all_answered_by(&node, "cache");
 
     // A firewall reload that drops the rule again: back to Upstream, told by the kernel's
     // change announcement (not the 30 s safety net).

@@ -373,23 +373,15 @@ pub fn parse_rule(attrs: &[u8]) -> Result<Rule> {
     let a = attribute_table::<{ rule::MAX }>(attrs)?;
     let mut exprs = Vec::new();
     let mut packets = None;
-    if let Some(list) = a[rule::EXPRESSIONS as usize] {
-        for elem in attributes(list) {
-            let elem = elem?;
-            if elem.kind != rule::LIST_ELEM {
-                continue;
-            }
-            let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
-            let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
-            let data = e[rule::EXPR_DATA as usize].unwrap_or_default();
-            if name == "counter" {
-                // NFTA_COUNTER_BYTES 1, NFTA_COUNTER_PACKETS 2.
-                let c = attribute_table::<3>(data)?;
-                packets = c[2].map(|v| be_u64(v, "counter packets")).transpose()?;
-            }
-            exprs.push(parse_expr(&name, data)?);
+    each_expression(a[rule::EXPRESSIONS as usize], |name, data| {
+        if name == "counter" {
+            // NFTA_COUNTER_BYTES 1, NFTA_COUNTER_PACKETS 2.
+            let c = attribute_table::<3>(data)?;
+            packets = c[2].map(|v| be_u64(v, "counter packets")).transpose()?;
         }
-    }
+        exprs.push(parse_expr(name, data)?);
+        Ok(())
+    })?;
     Ok(Rule {
         table: string(required(a[rule::TABLE as usize], "rule table")?),
         chain: string(required(a[rule::CHAIN as usize], "rule chain")?),
@@ -407,19 +399,28 @@ pub fn parse_foreign_rule(attrs: &[u8]) -> Result<(String, firewall::Rule)> {
     let a = attribute_table::<{ rule::MAX }>(attrs)?;
     let chain = string(required(a[rule::CHAIN as usize], "rule chain")?);
     let mut exprs = Vec::new();
-    if let Some(list) = a[rule::EXPRESSIONS as usize] {
-        for elem in attributes(list) {
-            let elem = elem?;
-            if elem.kind != rule::LIST_ELEM {
-                continue;
-            }
-            let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
-            let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
-            let data = e[rule::EXPR_DATA as usize].unwrap_or_default();
-            decode_expr(&name, data, &mut exprs)?;
-        }
-    }
+    each_expression(a[rule::EXPRESSIONS as usize], |name, data| {
+        decode_expr(name, data, &mut exprs)
+    })?;
     Ok((chain, firewall::Rule { exprs }))
+}
+
+/// Calls `f` with the name and `NFTA_EXPR_DATA` of each expression in a rule's
+/// `NFTA_RULE_EXPRESSIONS` list, in order.
+fn each_expression(
+    list: Option<&[u8]>,
+    mut f: impl FnMut(&str, &[u8]) -> Result<()>,
+) -> Result<()> {
+    for elem in attributes(list.unwrap_or_default()) {
+        let elem = elem?;
+        if elem.kind != rule::LIST_ELEM {
+            continue;
+        }
+        let e = attribute_table::<{ rule::EXPR_MAX }>(elem.value)?;
+        let name = string(required(e[rule::EXPR_NAME as usize], "expression name")?);
+        f(&name, e[rule::EXPR_DATA as usize].unwrap_or_default())?;
+    }
+    Ok(())
 }
 
 /// `NFTA_DATA_VALUE` of a nested `nft_data_attributes`.
