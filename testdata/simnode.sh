@@ -797,7 +797,10 @@ cmd_up() {
         ip netns add "$(ns_name "$role")"
         ip -n "$(ns_name "$role")" link set lo up
         # Set before any veth exists, so new interfaces inherit it: v6 addresses usable at once.
-        in_ns "$role" sysctl -qw net.ipv6.conf.all.accept_dad=0 net.ipv6.conf.default.accept_dad=0
+        # (Not on a kernel booted with ipv6.disable=1: it has no IPv6 at all.)
+        if [[ -d /proc/sys/net/ipv6 ]]; then
+            in_ns "$role" sysctl -qw net.ipv6.conf.all.accept_dad=0 net.ipv6.conf.default.accept_dad=0
+        fi
     done
     in_ns node sysctl -qw net.ipv4.ip_forward=1
     if has_v6; then in_ns node sysctl -qw net.ipv6.conf.all.forwarding=1; fi

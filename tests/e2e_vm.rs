@@ -21,6 +21,11 @@ use support::*;
 
 /// Runs `body` in the guest: directly when this is the guest, else by booting one.
 fn in_guest(name: &str, body: impl FnOnce()) {
+    in_guest_booted(name, &[], body)
+}
+
+/// [`in_guest`], the guest kernel booted with `kernel_args` besides the test bed's own.
+fn in_guest_booted(name: &str, kernel_args: &[&str], body: impl FnOnce()) {
     if let Ok(kernel) = std::env::var("NLHA_GUEST_KERNEL") {
         println!("in the guest, kernel {kernel}");
         body();
@@ -30,7 +35,9 @@ fn in_guest(name: &str, body: impl FnOnce()) {
     let exe = std::env::current_exe().expect("the test binary's path");
     let runner = concat!(env!("CARGO_MANIFEST_DIR"), "/ci/vm/run");
     let out = Command::new(runner)
-        .args(["--no-install", "--timeout", "600", "--"])
+        .args(["--no-install", "--timeout", "600"])
+        .args(kernel_args.iter().flat_map(|a| ["--kernel-arg", a]))
+        .arg("--")
         .arg(&exe)
         .args([name, "--exact", "--nocapture", "--test-threads", "1"])
         .stdin(Stdio::null())
@@ -407,4 +414,61 @@ fn netem_dead_coredns_and_hung_cache_hold_the_route() {
         assert_eq!(st["route"], "local", "{st}");
         assert_eq!(st["transitions"], 0, "{st}");
     });
+}
+
+/// Issue 17, acceptance 5: a node whose kernel was booted with `ipv6.disable=1` has no IPv6 at
+/// all (`ip6tables-*-save` fails there). The agent starts on an IPv4-only node, fails over on a
+/// crash and a hang with no pod lookup lost, and `teardown` leaves nothing.
+fn without_ipv6(kube_proxy: &str, dataplane: &str) {
+    assert!(
+        !std::path::Path::new("/proc/sys/net/ipv6").exists(),
+        "the guest kernel has IPv6: was it booted with ipv6.disable=1?"
+    );
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--listen-dev", "dummy"]);
+    let mut args = vec!["--dataplane", dataplane];
+    args.extend(AGENT_TIMING);
+    let agent = node.agent(&args);
+    let st = agent.state().expect("state");
+    assert!(st["last_error"].is_null(), "{st}");
+    let mut pod = pod_load(&node, CLUSTER_DNS_IP);
+    wait_only(&mut pod, "cache");
+    node.signal("cache-kill");
+    agent.wait_route("upstream", ROUTE);
+    wait_only(&mut pod, "coredns");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", ROUTE);
+    wait_only(&mut pod, "cache");
+    node.signal("cache-stop");
+    agent.wait_route("upstream", ROUTE);
+    wait_only(&mut pod, "coredns");
+    node.signal("cache-cont");
+    agent.wait_route("local", ROUTE);
+    let summary = pod.interrupt();
+    println!("{kube_proxy} × {dataplane} without IPv6: pod {summary}");
+    assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
+    let st = agent.state().expect("state");
+    assert!(st["last_error"].is_null(), "{st}");
+    let unreadable = st["warnings"].to_string();
+    assert!(!unreadable.contains("ip6tables"), "IPv6's absence is an error: {unreadable}");
+    drop(agent);
+    let out = node.cli(&["teardown", "--state-dir", "/nonexistent-nlha"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_nothing_left(&node);
+}
+
+macro_rules! guest_tests_without_ipv6 {
+    ($(fn $name:ident() $body:block)*) => {
+        $(
+            #[test]
+            fn $name() {
+                in_guest_booted(test_name!(), &["ipv6.disable=1"], || $body);
+            }
+        )*
+    };
+}
+
+guest_tests_without_ipv6! {
+    fn no_ipv6_legacy_kube_proxy_legacy_agent() { without_ipv6("iptables-legacy", "iptables-legacy") }
+    fn no_ipv6_nft_kube_proxy_nft_agent() { without_ipv6("iptables-nft", "iptables-nft") }
+    fn no_ipv6_nftables_kube_proxy_nftables_agent() { without_ipv6("nftables", "nftables") }
 }
