@@ -9,6 +9,12 @@
 //! table back and restores it if it is not exactly the ruleset of the current route. A failed
 //! apply is retried on the next tick; the batch is atomic, so the node never holds half a ruleset.
 //!
+//! Decisions never wait behind a read-back: a check runs as a [`CheckJob`] on a worker thread
+//! with its own handle on the dataplane ([`Dataplane::reader`]), while the loop goes on taking
+//! probe results and applying. Applies stay on the loop, one at a time. Every apply starts a new
+//! generation; a check that began in an older one is discarded when it returns (what it read
+//! may predate the apply, or mix both), so it can never trigger a spurious repair.
+//!
 //! Exit policy: on SIGTERM or SIGINT the agent leaves the ruleset of its current route installed
 //! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
 //! cache dies); `Upstream` stays because the agent last saw the cache failing. So an agent that
@@ -80,6 +86,37 @@ const REPAIR_SPACING: Duration = Duration::from_millis(50);
 /// a second with kube-proxy's 50,000 nat rules, too much for every tick.
 const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 
+/// A read-back to run off the control loop ([`CheckJob::run`], e.g. in `spawn_blocking`); its
+/// result goes back to [`Agent::checked`].
+pub struct CheckJob {
+    generation: u64,
+    rules: RuleSet,
+    reader: Box<dyn Dataplane>,
+}
+
+impl CheckJob {
+    /// Reads the ruleset back and compares it with the route's (blocks: child processes or
+    /// netlink dumps).
+    pub fn run(mut self) -> CheckDone {
+        let started = Instant::now();
+        let result = self.reader.check(&self.rules);
+        CheckDone {
+            generation: self.generation,
+            result,
+            took: started.elapsed(),
+            reader: self.reader,
+        }
+    }
+}
+
+/// A finished [`CheckJob`].
+pub struct CheckDone {
+    generation: u64,
+    result: Result<Check, dataplane::Error>,
+    took: Duration,
+    reader: Box<dyn Dataplane>,
+}
+
 /// A probe result, tagged with the stream it belongs to.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -128,6 +165,14 @@ pub struct Agent {
     announced: bool,
     /// When the ruleset was last read back (checked or applied).
     checked_at: Option<Instant>,
+    /// The handle checks read back through, off the loop; `None` while a check is in flight.
+    reader: Option<Box<dyn Dataplane>>,
+    /// Bumped by every apply: a check begun in an older generation is stale.
+    generation: u64,
+    /// A resync was asked for while a check was in flight: check again when it returns.
+    recheck: bool,
+    /// Checks discarded because an apply overtook them.
+    stale_checks: u64,
     transitions: u64,
     repairs: u64,
     last_error: Option<String>,
@@ -173,6 +218,7 @@ impl Agent {
             "started"
         );
         let announced = dataplane.announced_tables().is_some();
+        let reader = dataplane.reader().map_err(AgentError::Install)?;
         let stats = |target: std::net::SocketAddr| ProbeStats {
             target: target.to_string(),
             ..ProbeStats::default()
@@ -189,6 +235,10 @@ impl Agent {
             tick: cfg.cache_udp.interval,
             announced,
             checked_at: Some(now),
+            reader: Some(reader),
+            generation: 0,
+            recheck: false,
+            stale_checks: 0,
             transitions: 0,
             repairs: 0,
             last_error: None,
@@ -349,51 +399,89 @@ impl Agent {
 
     /// The tick's resync: every tick, unless the kernel announces the changes to the ruleset and
     /// `hearing` them (the watch is up), then every [`POLL_ANNOUNCED`] as a safety net.
-    pub fn poll(&mut self, now: Instant, hearing: bool) {
+    #[must_use = "a check to run off the loop"]
+    pub fn poll(&mut self, now: Instant, hearing: bool) -> Option<CheckJob> {
         let recent = self.checked_at.is_some_and(|t| now.duration_since(t) < POLL_ANNOUNCED);
         if self.announced && hearing && recent && !self.dirty {
-            return;
+            return None;
         }
-        self.resync(now);
+        self.resync(now)
     }
 
-    /// Reads the ruleset back and restores it when it is not exactly the current route's.
-    pub fn resync(&mut self, now: Instant) {
+    /// Resyncs: re-applies after a failed apply (here, on the loop), else returns the read-back
+    /// to run off the loop; its result goes to [`Agent::checked`], which restores the ruleset
+    /// when it is not exactly the current route's. Nothing while a check is in flight (one
+    /// follows when it returns) or a retry or spaced repair is pending.
+    #[must_use = "a check to run off the loop"]
+    pub fn resync(&mut self, now: Instant) -> Option<CheckJob> {
         if self.not_before.is_some_and(|t| now < t) {
-            return;
+            return None;
         }
         self.not_before = None;
         if self.dirty {
             self.apply(now);
-            return;
+            return None;
         }
-        let started = Instant::now();
-        let checked = self.dataplane.check(&self.desired);
-        self.metrics.check(started.elapsed());
-        self.checked_at = Some(now);
-        match checked {
-            Ok(Check::Matches) => {}
-            Ok(drift) => {
-                self.repairs += 1;
-                self.metrics.repair();
-                warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
-                self.apply(now);
-                // Whoever keeps changing the table (our own change notification included) cannot
-                // make the agent spin: repairs are spaced.
-                let spacing = self.tick.min(REPAIR_SPACING);
-                self.not_before = Some(self.not_before.unwrap_or(now).max(now + spacing));
-            }
-            Err(e) => {
-                warn!(error = %e, "reading the ruleset back failed, re-applying");
-                self.apply(now);
+        let Some(reader) = self.reader.take() else {
+            self.recheck = true;
+            return None;
+        };
+        self.recheck = false;
+        Some(CheckJob { generation: self.generation, rules: self.desired.clone(), reader })
+    }
+
+    /// Takes a finished check: repairs what it found, unless an apply overtook it (then it
+    /// is discarded: the apply read back itself). Returns the next check when one was asked
+    /// for meanwhile.
+    #[must_use = "a check to run off the loop"]
+    pub fn checked(&mut self, done: CheckDone, now: Instant) -> Option<CheckJob> {
+        self.reader = Some(done.reader);
+        self.metrics.check(done.took);
+        if done.generation != self.generation {
+            self.stale_checks += 1;
+            debug!(result = ?done.result.as_ref().ok(), "a check overtaken by an apply, discarded");
+        } else {
+            self.checked_at = Some(now);
+            match done.result {
+                Ok(Check::Matches) => {}
+                Ok(drift) => {
+                    self.repairs += 1;
+                    self.metrics.repair();
+                    warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
+                    self.apply(now);
+                    // Whoever keeps changing the table (our own change notification included)
+                    // cannot make the agent spin: repairs are spaced.
+                    let spacing = self.tick.min(REPAIR_SPACING);
+                    self.not_before = Some(self.not_before.unwrap_or(now).max(now + spacing));
+                }
+                Err(e) => {
+                    warn!(error = %e, "reading the ruleset back failed, re-applying");
+                    self.apply(now);
+                }
             }
         }
+        if std::mem::take(&mut self.recheck) {
+            return self.resync(now);
+        }
+        None
+    }
+
+    /// Checks discarded because an apply overtook them.
+    pub fn stale_checks(&self) -> u64 {
+        self.stale_checks
+    }
+
+    /// Whether a check is in flight.
+    pub fn checking(&self) -> bool {
+        self.reader.is_none()
     }
 
     /// Installs the current route's ruleset; on failure, schedules a retry with exponential
     /// backoff (one tick, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
     fn apply(&mut self, now: Instant) {
         let started = Instant::now();
+        // Whatever a check in flight reads now may predate this apply, or mix both.
+        self.generation += 1;
         let result = self.dataplane.apply(&self.desired);
         self.metrics.apply(started.elapsed(), result.is_ok());
         match result {
@@ -630,6 +718,17 @@ async fn watch_foreign_rules(
     }
 }
 
+/// Runs `job` (if any) on a blocking thread; its result comes back on `done`.
+fn start_check(job: Option<CheckJob>, done: &mpsc::Sender<CheckDone>) {
+    if let Some(job) = job {
+        let done = done.clone();
+        tokio::task::spawn_blocking(move || {
+            // Only at shutdown is nobody listening.
+            let _ = done.blocking_send(job.run());
+        });
+    }
+}
+
 /// Completes at `at`, never when `None`.
 async fn sleep_until(at: Option<Instant>) {
     match at {
@@ -659,8 +758,9 @@ async fn with_grace<T, E>(
     }
 }
 
-/// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: dataplane calls
-/// block (microseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile.
+/// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: applies block
+/// (milliseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile;
+/// checks run on blocking threads, beside the loop.
 pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
@@ -795,6 +895,8 @@ pub async fn run(
         tasks.spawn(maintenance::run_hooks(path, rx, cfg.hook_timeout, metrics.clone()));
         tx
     });
+    // Read-backs run on blocking threads, one at a time; their results come back here.
+    let (checks_tx, mut checks) = mpsc::channel(1);
     tokio::pin!(shutdown);
     let outcome = loop {
         health.beat(Instant::now());
@@ -805,14 +907,28 @@ pub async fn run(
             Some(incoming) = requests.recv() => block_in_place(|| {
                 maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, Instant::now())
             }),
-            _ = nft_changed.notified() => block_in_place(|| agent.resync(Instant::now())),
-            _ = sleep_until(agent.resync_due()) => block_in_place(|| agent.resync(Instant::now())),
-            _ = resync.tick() => block_in_place(|| {
-                let now = Instant::now();
-                agent.expire(now);
-                agent.poll(now, hearing.load(Ordering::Relaxed));
-                drain = drain.take().and_then(|d| d.progress(&mut agent, now));
-            }),
+            _ = nft_changed.notified() => {
+                let job = block_in_place(|| agent.resync(Instant::now()));
+                start_check(job, &checks_tx);
+            }
+            _ = sleep_until(agent.resync_due()) => {
+                let job = block_in_place(|| agent.resync(Instant::now()));
+                start_check(job, &checks_tx);
+            }
+            Some(done) = checks.recv() => {
+                let job = block_in_place(|| agent.checked(done, Instant::now()));
+                start_check(job, &checks_tx);
+            }
+            _ = resync.tick() => {
+                let job = block_in_place(|| {
+                    let now = Instant::now();
+                    agent.expire(now);
+                    let job = agent.poll(now, hearing.load(Ordering::Relaxed));
+                    drain = drain.take().and_then(|d| d.progress(&mut agent, now));
+                    job
+                });
+                start_check(job, &checks_tx);
+            }
             _ = state_tick.tick() => write_state(&agent),
             Some(found) = warnings.recv() => agent.set_warnings(found),
             // Every task runs forever: one that ends has panicked, and the agent can no longer
@@ -883,6 +999,21 @@ mod tests {
     /// The route whose ruleset the fake kernel holds.
     fn installed(fake: &FakeDataplane) -> Option<Route> {
         dataplane::installed_route(&mut fake.clone(), &cfg().addrs, Default::default()).unwrap()
+    }
+
+    /// A resync with its check run at once, as the loop does on a worker.
+    fn sync(agent: &mut Agent, now: Instant) {
+        let mut job = agent.resync(now);
+        while let Some(j) = job {
+            job = agent.checked(j.run(), now);
+        }
+    }
+
+    /// A tick's poll, likewise.
+    fn poll(agent: &mut Agent, now: Instant, hearing: bool) {
+        if let Some(job) = agent.poll(now, hearing) {
+            assert!(agent.checked(job.run(), now).is_none());
+        }
     }
 
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
@@ -957,10 +1088,10 @@ mod tests {
         assert!(agent.is_dirty());
         assert!(agent.state(t0, SystemTime::now()).last_error.is_some());
         // Not before the backoff (2 ticks after the first failure)...
-        agent.resync(t0 + Duration::from_millis(150));
+        sync(&mut agent, t0 + Duration::from_millis(150));
         assert_eq!(installed(&fake), Some(Route::Local));
         // ...but then.
-        agent.resync(t0 + Duration::from_millis(200));
+        sync(&mut agent, t0 + Duration::from_millis(200));
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert!(!agent.is_dirty());
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
@@ -977,18 +1108,18 @@ mod tests {
         let before = [checks(&polled), checks(&announced)];
         let tick = Duration::from_millis(100);
         for n in 1..=10 {
-            agents.iter_mut().for_each(|a| a.poll(t0 + tick * n, true));
+            agents.iter_mut().for_each(|a| poll(a, t0 + tick * n, true));
         }
         assert_eq!(checks(&polled) - before[0], 10, "a polled ruleset is checked every tick");
         assert_eq!(checks(&announced), before[1], "an announced one waits for announcements");
         // Not heard (the watch failed): every tick again.
-        agents[1].poll(t0 + tick * 11, false);
+        poll(&mut agents[1], t0 + tick * 11, false);
         assert_eq!(checks(&announced), before[1] + 1);
         // Heard, but nothing checked for POLL_ANNOUNCED: checked all the same, and repaired.
         announced.kernel().installed = None;
-        agents[1].poll(t0 + tick * 11 + POLL_ANNOUNCED / 2, true);
+        poll(&mut agents[1], t0 + tick * 11 + POLL_ANNOUNCED / 2, true);
         assert_eq!(installed(&announced), None);
-        agents[1].poll(t0 + tick * 11 + POLL_ANNOUNCED, true);
+        poll(&mut agents[1], t0 + tick * 11 + POLL_ANNOUNCED, true);
         assert_eq!(installed(&announced), Some(Route::Local));
     }
 
@@ -997,23 +1128,70 @@ mod tests {
         let t0 = Instant::now();
         let fake = FakeDataplane::default();
         let mut agent = start(&fake, t0);
-        agent.resync(t0);
+        sync(&mut agent, t0);
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
         fake.kernel().installed = None;
-        agent.resync(t0);
+        sync(&mut agent, t0);
         assert_eq!(installed(&fake), Some(Route::Local));
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
         // Someone removes it again at once: repaired after a pause, not in a loop.
         fake.kernel().installed = None;
-        agent.resync(t0 + Duration::from_millis(1));
+        sync(&mut agent, t0 + Duration::from_millis(1));
         assert_eq!(installed(&fake), None);
         assert_eq!(agent.resync_due(), Some(t0 + REPAIR_SPACING));
-        agent.resync(t0 + REPAIR_SPACING);
+        sync(&mut agent, t0 + REPAIR_SPACING);
         assert_eq!(installed(&fake), Some(Route::Local));
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 2);
         // Once due and done, nothing stays scheduled (the loop would spin on it).
-        agent.resync(t0 + REPAIR_SPACING * 3);
+        sync(&mut agent, t0 + REPAIR_SPACING * 3);
         assert_eq!(agent.resync_due(), None);
+    }
+
+    #[test]
+    fn a_switch_goes_ahead_of_a_check_in_flight_and_the_check_is_discarded() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        let gate = Arc::new(crate::dataplane::fake::Gate::default());
+        fake.kernel().gate = Some(gate.clone());
+        // A check starts and is held in its read-back, as iptables-nft-save is for a second on
+        // a node with 50,000 rules.
+        let job = agent.resync(t0).expect("a check is due");
+        let held = std::thread::spawn(move || job.run());
+        gate.wait_for_waiting(1);
+        assert!(agent.checking());
+        // The cache refuses: the switch is applied now, not after the check.
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
+        let upstream = dataplane::plan(&cfg().addrs, Route::Upstream, Default::default());
+        assert_eq!(fake.kernel().installed.as_ref(), Some(&upstream), "applied while checking");
+        assert_eq!(fake.kernel().applies, 2);
+        // Meanwhile nothing else starts a second read-back; one follows the first.
+        assert!(agent.resync(t0).is_none());
+        // The check returns having compared the new table with the old route's: stale, so it
+        // is discarded, not taken for drift.
+        gate.open();
+        let next = agent.checked(held.join().unwrap(), t0).expect("the resync asked meanwhile");
+        assert_eq!(agent.stale_checks(), 1);
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
+        assert_eq!(fake.kernel().applies, 2, "no spurious repair");
+        // The check that follows is of the current generation, and finds the table in order.
+        assert!(agent.checked(next.run(), t0).is_none());
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
+        assert_eq!(agent.stale_checks(), 1);
+        assert_eq!(fake.kernel().installed.as_ref(), Some(&upstream));
+    }
+
+    #[test]
+    fn a_check_of_the_current_generation_repairs_drift() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        let job = agent.resync(t0).expect("a check is due");
+        fake.kernel().installed = None;
+        assert!(agent.checked(job.run(), t0).is_none());
+        assert_eq!(installed(&fake), Some(Route::Local));
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
+        assert_eq!(agent.stale_checks(), 0);
     }
 
     #[test]

@@ -434,6 +434,11 @@ impl Dataplane for Iptables {
         Ok(self.remove_families()?)
     }
 
+    /// Every call runs its own child processes: a copy is a reader.
+    fn reader(&self) -> Result<Box<dyn Dataplane>, super::Error> {
+        Ok(Box::new(self.clone()))
+    }
+
     fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {
         if self.table != Table::Raw {
             return Ok(None);

@@ -40,7 +40,10 @@ pub enum Check {
 }
 
 /// A netfilter backend the agent can switch routes with.
-pub trait Dataplane {
+///
+/// `Send`, so that a [`Dataplane::reader`] can read back on a worker thread while the control
+/// loop decides and applies.
+pub trait Dataplane: Send {
     /// Short name for logs and status, e.g. `nftables`.
     fn name(&self) -> &'static str;
     /// Replaces whatever the agent has installed with `rules`, in one atomic transaction, then
@@ -50,6 +53,10 @@ pub trait Dataplane {
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error>;
     /// Removes everything the agent installed; `Ok` when nothing was.
     fn remove(&mut self) -> Result<(), Error>;
+    /// A second handle on the same objects, for [`Dataplane::check`]s off the control loop: it
+    /// shares nothing with this one but what the kernel holds (its own netlink socket), so a
+    /// check can run on another thread while this one applies. Only `check` is called on it.
+    fn reader(&self) -> Result<Box<dyn Dataplane>, Error>;
     /// Packets the cache has sent from the cluster-DNS IP so far (to pods and host clients), as
     /// counted by the agent's "cache replies" rules: a drain waits for this to stop moving. The
     /// link-local address is left out: the agent's own probes go there. `None` when the backend
@@ -182,6 +189,11 @@ impl Dataplane for Layered {
 
     fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
         self.switch.reply_packets()
+    }
+
+    fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {
+        let accepts = self.accepts.iter().map(|d| d.reader()).collect::<Result<_, _>>()?;
+        Ok(Box::new(Layered::new(self.switch.reader()?, accepts)))
     }
 
     fn remove(&mut self) -> Result<(), Error> {
