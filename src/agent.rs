@@ -91,6 +91,8 @@ const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 pub struct CheckJob {
     generation: u64,
     rules: RuleSet,
+    /// Only what lives in these tables ([`Dataplane::check_changed`]); `None`: everything.
+    changed: Option<Vec<TableRef>>,
     reader: Box<dyn Dataplane>,
 }
 
@@ -99,7 +101,10 @@ impl CheckJob {
     /// netlink dumps).
     pub fn run(mut self) -> CheckDone {
         let started = Instant::now();
-        let result = self.reader.check(&self.rules);
+        let result = match &self.changed {
+            Some(tables) => self.reader.check_changed(&self.rules, tables),
+            None => self.reader.check(&self.rules),
+        };
         CheckDone {
             generation: self.generation,
             result,
@@ -169,8 +174,10 @@ pub struct Agent {
     reader: Option<Box<dyn Dataplane>>,
     /// Bumped by every apply: a check begun in an older generation is stale.
     generation: u64,
-    /// A resync was asked for while a check was in flight: check again when it returns.
-    recheck: bool,
+    /// A whole check is wanted (a tick, a retry, or unknown announcements).
+    check_all: bool,
+    /// Tables announced changed since the last check began: the next check reads these.
+    changed: Vec<TableRef>,
     /// Checks discarded because an apply overtook them.
     stale_checks: u64,
     transitions: u64,
@@ -237,7 +244,8 @@ impl Agent {
             checked_at: Some(now),
             reader: Some(reader),
             generation: 0,
-            recheck: false,
+            check_all: false,
+            changed: Vec::new(),
             stale_checks: 0,
             transitions: 0,
             repairs: 0,
@@ -414,6 +422,33 @@ impl Agent {
     /// follows when it returns) or a retry or spaced repair is pending.
     #[must_use = "a check to run off the loop"]
     pub fn resync(&mut self, now: Instant) -> Option<CheckJob> {
+        self.check_all = true;
+        self.next_check(now)
+    }
+
+    /// Like [`Agent::resync`], for the kernel's announcement that `tables` changed (`None`:
+    /// unknown ones): the check reads back only what lives there.
+    #[must_use = "a check to run off the loop"]
+    pub fn announced(&mut self, tables: Option<Vec<TableRef>>, now: Instant) -> Option<CheckJob> {
+        match tables {
+            Some(tables) => {
+                for t in tables {
+                    if !self.changed.contains(&t) {
+                        self.changed.push(t);
+                    }
+                }
+            }
+            None => self.check_all = true,
+        }
+        self.next_check(now)
+    }
+
+    /// The check wanted, unless one is in flight (it follows that one) or a retry or spaced
+    /// repair is pending; after a failed apply, the apply (on the loop) instead.
+    fn next_check(&mut self, now: Instant) -> Option<CheckJob> {
+        if !self.check_all && self.changed.is_empty() {
+            return None;
+        }
         if self.not_before.is_some_and(|t| now < t) {
             return None;
         }
@@ -422,12 +457,10 @@ impl Agent {
             self.apply(now);
             return None;
         }
-        let Some(reader) = self.reader.take() else {
-            self.recheck = true;
-            return None;
-        };
-        self.recheck = false;
-        Some(CheckJob { generation: self.generation, rules: self.desired.clone(), reader })
+        let reader = self.reader.take()?;
+        let changed = std::mem::take(&mut self.changed);
+        let changed = (!std::mem::take(&mut self.check_all)).then_some(changed);
+        Some(CheckJob { generation: self.generation, rules: self.desired.clone(), changed, reader })
     }
 
     /// Takes a finished check: repairs what it found, unless an apply overtook it (then it
@@ -460,10 +493,7 @@ impl Agent {
                 }
             }
         }
-        if std::mem::take(&mut self.recheck) {
-            return self.resync(now);
-        }
-        None
+        self.next_check(now)
     }
 
     /// Checks discarded because an apply overtook them.
@@ -629,6 +659,7 @@ async fn watch_cache_sockets(addrs: Vec<IpAddr>, wake: [Arc<Notify>; 2]) {
 async fn watch_nftables(
     tables: Option<Vec<TableRef>>,
     resync: Arc<Notify>,
+    changed: Arc<std::sync::Mutex<Option<Vec<TableRef>>>>,
     raw_changed: Arc<AtomicBool>,
     hearing: Arc<AtomicBool>,
 ) {
@@ -648,6 +679,18 @@ async fn watch_nftables(
                     raw_changed.store(true, Ordering::Relaxed);
                 }
                 if tables.as_ref().is_none_or(|t| announced.touches(t)) {
+                    // Which of them, for the check; taken (and emptied) by the loop. `None`:
+                    // unknown, check everything.
+                    if let Ok(mut changed) = changed.lock() {
+                        let next = match (changed.take(), announced.unknown) {
+                            (Some(mut seen), false) => {
+                                seen.extend(announced.tables.iter().cloned());
+                                Some(seen)
+                            }
+                            _ => None,
+                        };
+                        *changed = next;
+                    }
                     resync.notify_one();
                 }
             }
@@ -861,7 +904,14 @@ pub async fn run(
     let hearing = Arc::new(AtomicBool::new(false));
     let tables = agent.announced_tables();
     let raw_changed = Arc::new(AtomicBool::new(false));
-    tasks.spawn(watch_nftables(tables, nft_changed.clone(), raw_changed.clone(), hearing.clone()));
+    let announced = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
+    tasks.spawn(watch_nftables(
+        tables,
+        nft_changed.clone(),
+        announced.clone(),
+        raw_changed.clone(),
+        hearing.clone(),
+    ));
     let (warn_tx, mut warnings) = mpsc::channel(1);
     let period = FOREIGN_RULES_PERIOD;
     tasks.spawn(watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx));
@@ -908,7 +958,11 @@ pub async fn run(
                 maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, Instant::now())
             }),
             _ = nft_changed.notified() => {
-                let job = block_in_place(|| agent.resync(Instant::now()));
+                let tables = announced
+                    .lock()
+                    .map(|mut a| a.replace(Vec::new()))
+                    .unwrap_or(None);
+                let job = block_in_place(|| agent.announced(tables, Instant::now()));
                 start_check(job, &checks_tx);
             }
             _ = sleep_until(agent.resync_due()) => {
@@ -1192,6 +1246,27 @@ mod tests {
         assert_eq!(installed(&fake), Some(Route::Local));
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
         assert_eq!(agent.stale_checks(), 0);
+    }
+
+    #[test]
+    fn announced_tables_scope_the_next_check_and_add_up_while_one_is_in_flight() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        let table = |name: &str| TableRef { family: 2, name: name.to_owned() };
+        let job = agent.announced(Some(vec![table("filter")]), t0).expect("a check");
+        assert_eq!(job.changed, Some(vec![table("filter")]));
+        // In flight: announcements add up for the check that follows it.
+        assert!(agent.announced(Some(vec![table("raw")]), t0).is_none());
+        assert!(agent.announced(Some(vec![table("filter")]), t0).is_none());
+        let next = agent.checked(job.run(), t0).expect("the announcements meanwhile");
+        assert_eq!(next.changed, Some(vec![table("raw"), table("filter")]));
+        // A tick's resync, or an announcement that could not be read, checks everything.
+        assert!(agent.resync(t0).is_none());
+        let next = agent.checked(next.run(), t0).expect("the resync meanwhile");
+        assert_eq!(next.changed, None);
+        assert!(agent.checked(next.run(), t0).is_none());
+        assert_eq!(agent.announced(None, t0).expect("a check").changed, None);
     }
 
     #[test]
