@@ -726,7 +726,7 @@ fn histogram(node: &SimNode, name: &str) -> (f64, f64) {
 /// its ACCEPTs in iptables-nft's filter table). Per node: the agent's CPU over `cpu_secs`,
 /// its children (iptables) included, and its read-backs; then a host-network client of the
 /// cluster-DNS IP at `rate` lookups/s across a cache SIGKILL (restarted after 2 s).
-fn busy_node(prefix: &str, rate: u32, cpu_secs: u64) -> Vec<Value> {
+fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) -> Vec<Value> {
     let node = SimNode::up_prefixed(
         &format!("{prefix}k"),
         &["--kube-proxy", "iptables-nft", "--filter-drop"],
@@ -759,7 +759,7 @@ fn busy_node(prefix: &str, rate: u32, cpu_secs: u64) -> Vec<Value> {
         let apply = "nodelocaldns_ha_dataplane_apply_duration_seconds";
         let (asum0, acount0) = histogram(&node, apply);
         let duration = "6s";
-        let args = ["--rate", &rate.to_string(), "--duration", duration, "--report-interval", "0"];
+        let args = ["--rate", &rate.to_string(), "--duration", duration];
         let mut load = node.load("node", CLUSTER_DNS_IP, &args);
         load.wait_cache_answers();
         let started = now_ms();
@@ -771,6 +771,8 @@ fn busy_node(prefix: &str, rate: u32, cpu_secs: u64) -> Vec<Value> {
         let (summary, lookups) = load.finish_recorded();
         let (asum1, acount1) = histogram(&node, apply);
         node.script(&["kube-proxy-resync-stop"]);
+        let log = out_dir.join(format!("busy-node-{nat_rules}-agent.log"));
+        std::fs::write(log, agent.log_text()).expect("write the agent's log");
         stop_agent(&node, agent);
         let down: Vec<&Lookup> = lookups
             .iter()
@@ -1040,7 +1042,7 @@ fn main() {
         switch.extend(switch_latency(&node, 10, 50_000));
     }
     drop(node);
-    let busy = if part("busy") { busy_node(&prefix, rate, 20) } else { Vec::new() };
+    let busy = if part("busy") { busy_node(&prefix, rate, 20, &out_dir) } else { Vec::new() };
 
     let Machine { date, cores, kernel } = Machine::this();
     let run_seconds = began.elapsed().as_secs_f64().round();

@@ -708,10 +708,11 @@ async fn watch_nftables(
 /// exist, the `Upstream` route cannot take effect, and only an operator can fix that.
 ///
 /// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
-/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`):
-/// `iptables-nft-save` fetches the whole ruleset, about a second with kube-proxy's 50,000 nat
-/// rules. iptables-legacy announces nothing and reads only the tables it lists; it is read
-/// every period.
+/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and then
+/// only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
+/// ([`gather_builtin_chains`]): `iptables-nft-save` fetches the whole ruleset, 4 s of CPU
+/// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing and reads only the
+/// tables it lists; it is read every period.
 async fn watch_foreign_rules(
     addrs: Vec<IpAddr>,
     period: Duration,
@@ -719,7 +720,7 @@ async fn watch_foreign_rules(
     hearing: Arc<AtomicBool>,
     tx: mpsc::Sender<Vec<String>>,
 ) {
-    use crate::detect::{gather_flavour, Facts, Flavour, SaveFacts};
+    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, Flavour, SaveFacts};
     let mut ticker = tokio::time::interval(period);
     let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
     loop {
@@ -730,7 +731,7 @@ async fn watch_foreign_rules(
         let addrs = addrs.clone();
         let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
             let legacy = gather_flavour(Flavour::Legacy, &addrs);
-            (legacy, reread.then(|| gather_flavour(Flavour::Nft, &addrs)))
+            (legacy, reread.then(|| gather_builtin_chains(Flavour::Nft, &addrs)))
         })
         .await
         else {
