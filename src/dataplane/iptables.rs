@@ -263,6 +263,20 @@ pub struct Iptables {
     lock_wait_secs: u64,
     /// Indexed like [`Family::ALL`].
     binaries: [Binaries; 2],
+    /// What this backend's last apply found in each family when it read back (indexed like
+    /// [`Family::ALL`]): lets the next apply go straight to its transaction.
+    verified: [Verified; 2],
+}
+
+/// What an apply's read-back found in one family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verified {
+    /// Not read back yet, or not as wanted.
+    Unknown,
+    /// The agent's chains, each jumped to once, first.
+    Placed,
+    /// Nothing of the agent's.
+    Empty,
 }
 
 impl Iptables {
@@ -286,6 +300,7 @@ impl Iptables {
             table,
             lock_wait_secs: lock_wait_secs(lock_wait),
             binaries: [binaries(Family::V4)?, binaries(Family::V6)?],
+            verified: [Verified::Unknown; 2],
         })
     }
 
@@ -396,7 +411,29 @@ impl Iptables {
 
     /// Brings `family` to `rules`: its share installed, or nothing of the agent's when the
     /// ruleset has no rules of that family. Runs no transaction when it already is.
-    fn apply_family(&self, family: Family, rules: &RuleSet) -> Result<(), Error> {
+    ///
+    /// With `trusting`, when the last read-back found the family as wanted (the jumps in place,
+    /// or nothing there) it reads nothing first: it only refills the agent's chains (or does
+    /// nothing), so a switch is one `iptables-restore` whatever the node holds. The read-back
+    /// after it tells whether that was enough. Returns whether it trusted.
+    fn apply_family(&self, family: Family, rules: &RuleSet, trusting: bool) -> Result<bool, Error> {
+        let wanted = text::wanted(rules, self.table, family);
+        if trusting {
+            match (&wanted, self.verified[family.index()]) {
+                (Some(wanted), Verified::Placed) => {
+                    self.restore(family, &text::fill_script(self.table, wanted))?;
+                    return Ok(true);
+                }
+                (None, Verified::Empty) => return Ok(true),
+                _ => {}
+            }
+        }
+        self.apply_family_read(family, rules)?;
+        Ok(false)
+    }
+
+    /// [`Iptables::apply_family`], reading the family first.
+    fn apply_family_read(&self, family: Family, rules: &RuleSet) -> Result<(), Error> {
         let saved = self.read(family)?;
         let script = match text::wanted(rules, self.table, family) {
             None => text::remove_script(self.table, &saved),
@@ -420,6 +457,15 @@ impl Iptables {
     /// Reads back the families `read` picks; the others count as holding their share (or
     /// nothing, when they have none), as at the last read-back.
     fn check_some(&self, rules: &RuleSet, read: impl Fn(Family) -> bool) -> Result<Check, Error> {
+        Ok(text::combine(self.table, self.states(rules, read)?))
+    }
+
+    /// Each family's state (`(family, wanted, state)`), read back where `read` says.
+    fn states(
+        &self,
+        rules: &RuleSet,
+        read: impl Fn(Family) -> bool,
+    ) -> Result<Vec<(Family, bool, State)>, Error> {
         let mut states = Vec::new();
         for family in Family::ALL {
             let wanted = text::wanted(rules, self.table, family);
@@ -433,7 +479,7 @@ impl Iptables {
             };
             states.push((family, wanted.is_some(), state));
         }
-        Ok(text::combine(self.table, states))
+        Ok(states)
     }
 
     fn remove_families(&self) -> Result<(), Error> {
@@ -460,11 +506,32 @@ impl Dataplane for Iptables {
         if let Some(comment) = text::unstorable_comment(rules, self.table) {
             return Err(Error::Comment(comment.to_owned()).into());
         }
+        let mut trusted = false;
         for family in Family::ALL {
-            self.apply_family(family, rules)?;
+            trusted |= self.apply_family(family, rules, true)?;
+        }
+        let mut states = self.states(rules, |_| true)?;
+        let as_wanted = |states: &[(Family, bool, State)]| {
+            states.iter().all(|(_, wanted, state)| {
+                *state == if *wanted { State::Matches } else { State::Nothing }
+            })
+        };
+        if trusted && !as_wanted(&states) {
+            // Someone moved or removed a jump since: read, then change what is needed.
+            for family in Family::ALL {
+                self.apply_family(family, rules, false)?;
+            }
+            states = self.states(rules, |_| true)?;
+        }
+        for (family, wanted, state) in &states {
+            self.verified[family.index()] = match (wanted, state) {
+                (true, State::Matches) => Verified::Placed,
+                (false, State::Nothing) => Verified::Empty,
+                _ => Verified::Unknown,
+            };
         }
         let wants_any = Family::ALL.iter().any(|&f| text::wanted(rules, self.table, f).is_some());
-        match self.check_families(rules)? {
+        match text::combine(self.table, states) {
             Check::Matches => Ok(()),
             Check::Missing if !wants_any => Ok(()),
             Check::Missing => Err(Error::NotApplied {

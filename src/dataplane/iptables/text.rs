@@ -524,6 +524,24 @@ pub(super) fn apply_script(table: Table, saved: &Saved, wanted: &Wanted) -> Stri
     script
 }
 
+/// The `iptables-restore --noflush` transaction that refills the agent's chains with `wanted`
+/// (declaring a chain creates or flushes it) and leaves every jump as it is: enough when the
+/// jumps are known to be in place.
+pub(super) fn fill_script(table: Table, wanted: &Wanted) -> String {
+    let mut script = format!("*{}\n", table.as_str());
+    for chain in &wanted.chains {
+        script.push_str(&format!(":{} - [0:0]\n", chain.hooked.own));
+    }
+    for chain in &wanted.chains {
+        for rule in &chain.rules {
+            script.push_str(rule);
+            script.push('\n');
+        }
+    }
+    script.push_str("COMMIT\n");
+    script
+}
+
 /// The transaction that removes everything of the agent's from `saved`: every rule in another
 /// chain that jumps to one of its chains, then the chains (flushed, then deleted). `None` when
 /// nothing is there.
