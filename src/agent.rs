@@ -82,8 +82,8 @@ const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 const REPAIR_SPACING: Duration = Duration::from_millis(50);
 
 /// How often a ruleset whose changes the kernel announces is checked all the same. Reading
-/// iptables-nft back runs `iptables-nft-save`, which fetches the family's whole ruleset: about
-/// a second with kube-proxy's 50,000 nat rules, too much for every tick.
+/// iptables-nft back runs child processes (`iptables-nft -S <chain>`: 4 per table and family,
+/// a few ms each): too much for every tick, when announcements say when to.
 const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 
 /// A read-back to run off the control loop ([`CheckJob::run`], e.g. in `spawn_blocking`); its
