@@ -2,7 +2,9 @@
 //! what a pod sees when its node's DNS cache crashes or hangs, with node-cache's static rules,
 //! with this agent, with probe-driven switching only, and with two nameservers in the pod's
 //! resolv.conf; then the agent's drift repair, switch latency, data-path cost (dnsperf) and
-//! footprint.
+//! footprint; then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
+//! every second with filter churn, 0 and 50,000 nat rules): the agent's CPU with its children,
+//! and a host-network client across a cache SIGKILL.
 //!
 //! One simulated node (`testdata/simnode.sh`, namespaces `$PREFIX-*`, PREFIX from
 //! `NLHA_BENCH_PREFIX` or `b<pid>`) serves every arrangement in turn. Each arrangement is checked
@@ -670,10 +672,10 @@ fn kube_proxy_rules(services: u32) -> String {
     s
 }
 
-fn load_nat_rules(node: &SimNode, services: u32) {
+fn load_nat_rules(node: &SimNode, services: u32, flavours: &[&str]) {
     let path = node.dir.join("kube-proxy-rules.txt");
     std::fs::write(&path, kube_proxy_rules(services)).expect("write rules");
-    for flavour in ["iptables-nft", "iptables-legacy"] {
+    for &flavour in flavours {
         let t0 = Instant::now();
         let file = std::fs::File::open(&path).expect("rules file");
         let out = node
@@ -685,6 +687,122 @@ fn load_nat_rules(node: &SimNode, services: u32) {
         assert!(out.status.success(), "{flavour}-restore: {}", support::describe(&out));
         eprintln!("bench: {} nat rules loaded in {flavour} in {:?}", services * 4, t0.elapsed());
     }
+}
+
+/// CPU ticks (user + system) of `pid`, and of its children it has waited for.
+fn cpu_ticks(pid: u32) -> (u64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // Fields after the command name's closing parenthesis: utime, stime, cutime, cstime are
+    // 14 to 17.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let f: Vec<u64> =
+        rest.split_whitespace().skip(11).take(4).map(|v| v.parse().unwrap()).collect();
+    (f[0] + f[1], f[2] + f[3])
+}
+
+fn clock_ticks_per_s() -> f64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().expect("sysconf(CLK_TCK)")
+        as f64
+}
+
+/// A histogram's (sum, count) from the agent's /metrics.
+fn histogram(node: &SimNode, name: &str) -> (f64, f64) {
+    let (status, body) = node.http_get("/metrics");
+    assert_eq!(status, 200, "/metrics");
+    let value = |suffix: &str| {
+        let key = format!("{name}_{suffix}");
+        body.lines()
+            .find_map(|l| {
+                l.strip_prefix(key.as_str())?.strip_prefix(' ')?.trim().parse::<f64>().ok()
+            })
+            .unwrap_or(0.0)
+    };
+    (value("sum"), value("count"))
+}
+
+/// Issue 17, acceptance 6: a busy iptables-nft node (INPUT policy DROP, kube-proxy syncing
+/// every second with a filter chain rewritten each time, as endpoint churn does), with 0 and
+/// then 50,000 kube-proxy-shaped nat rules, the agent at default settings (`auto`: iptables-nft,
+/// its ACCEPTs in iptables-nft's filter table). Per node: the agent's CPU over `cpu_secs`,
+/// its children (iptables) included, and its read-backs; then a host-network client of the
+/// cluster-DNS IP at `rate` lookups/s across a cache SIGKILL (restarted after 2 s).
+fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) -> Vec<Value> {
+    let node = SimNode::up_prefixed(
+        &format!("{prefix}k"),
+        &["--kube-proxy", "iptables-nft", "--filter-drop"],
+    );
+    let mut rows = Vec::new();
+    for nat_rules in [0, 50_000] {
+        if nat_rules > 0 {
+            load_nat_rules(&node, nat_rules / 4, &["iptables-nft"]);
+        }
+        eprintln!("bench: busy node, {nat_rules} nat rules");
+        let agent = start_agent(&node, &["--dataplane", "auto"]);
+        let state = agent.state().expect("state");
+        assert_eq!(state["dataplane"], "iptables-nft", "{state}");
+        assert_eq!(state["accepts_in"], json!(["iptables-nft"]), "{state}");
+        node.script(&["kube-proxy-resync-start"]);
+        let pid = agent.pid().expect("agent pid");
+        let hz = clock_ticks_per_s();
+        let check = "nodelocaldns_ha_dataplane_check_duration_seconds";
+        let (sum0, count0) = histogram(&node, check);
+        let (own0, children0) = cpu_ticks(pid);
+        let t0 = Instant::now();
+        std::thread::sleep(Duration::from_secs(cpu_secs));
+        let (own1, children1) = cpu_ticks(pid);
+        let wall = t0.elapsed().as_secs_f64();
+        let (sum1, count1) = histogram(&node, check);
+        let mcpu = |ticks: u64| round1(ticks as f64 / hz / wall * 1000.0);
+        let checks = count1 - count0;
+
+        // The fault, with kube-proxy still syncing.
+        let apply = "nodelocaldns_ha_dataplane_apply_duration_seconds";
+        let (asum0, acount0) = histogram(&node, apply);
+        let duration = "6s";
+        let args = ["--rate", &rate.to_string(), "--duration", duration];
+        let mut load = node.load("node", CLUSTER_DNS_IP, &args);
+        load.wait_cache_answers();
+        let started = now_ms();
+        sleep_until_ms(started + 1_500);
+        let killed = node.signal("cache-kill");
+        sleep_until_ms(killed + 2_000);
+        node.script(&["cache-start"]);
+        let restarted = now_ms();
+        let (summary, lookups) = load.finish_recorded();
+        let (asum1, acount1) = histogram(&node, apply);
+        node.script(&["kube-proxy-resync-stop"]);
+        let log = out_dir.join(format!("busy-node-{nat_rules}-agent.log"));
+        std::fs::write(log, agent.log_text()).expect("write the agent's log");
+        stop_agent(&node, agent);
+        let down: Vec<&Lookup> = lookups
+            .iter()
+            .filter(|l| l.start >= killed as f64 && l.start < restarted as f64)
+            .collect();
+        let failed: Vec<f64> =
+            down.iter().filter(|l| l.outcome == Outcome::Failed).map(|l| l.start).collect();
+        let window = match (failed.first(), failed.last()) {
+            (Some(a), Some(b)) => round1(b - a),
+            _ => 0.0,
+        };
+        let first_lost = down.iter().filter(|l| l.first_attempt_lost()).count();
+        rows.push(json!({
+            "nat_rules": nat_rules,
+            "cpu_seconds_measured": round1(wall),
+            "agent_mcpu": mcpu(own1 - own0),
+            "children_mcpu": mcpu(children1 - children0),
+            "total_mcpu": mcpu(own1 - own0 + children1 - children0),
+            "read_backs": checks,
+            "read_back_mean_ms": round1((sum1 - sum0) / checks.max(1.0) * 1000.0),
+            "applies_in_fault": acount1 - acount0,
+            "apply_mean_ms": round1((asum1 - asum0) / (acount1 - acount0).max(1.0) * 1000.0),
+            "lookups_while_down": down.len(),
+            "failed_while_down": failed.len(),
+            "first_attempts_lost_while_down": first_lost,
+            "failure_window_ms": window,
+            "summary": summary,
+        }));
+    }
+    rows
 }
 
 /// The agent's RSS and CPU over `secs` at default settings (`--dataplane auto`).
@@ -920,10 +1038,11 @@ fn main() {
     let mut switch = Vec::new();
     if part("switch") {
         switch = switch_latency(&node, 10, 0);
-        load_nat_rules(&node, 12_500);
+        load_nat_rules(&node, 12_500, &["iptables-nft", "iptables-legacy"]);
         switch.extend(switch_latency(&node, 10, 50_000));
     }
     drop(node);
+    let busy = if part("busy") { busy_node(&prefix, rate, 20, &out_dir) } else { Vec::new() };
 
     let Machine { date, cores, kernel } = Machine::this();
     let run_seconds = began.elapsed().as_secs_f64().round();
@@ -1017,6 +1136,32 @@ fn main() {
         footprint["cpu_percent_of_one_core"],
     );
 
+    if !busy.is_empty() {
+        md += "\nA busy iptables-nft node (INPUT policy DROP; kube-proxy syncing every second, \
+               rewriting a filter chain each time as endpoint churn does; agent at defaults: \
+               iptables-nft with its ACCEPTs in iptables-nft's filter table). CPU over 20 s of \
+               syncs, its iptables children included; then a host-network client of \
+               10.96.0.10 across a cache SIGKILL (restarted 2 s later).\n\n\
+               | nat rules | agent CPU, children included | read-backs (mean) | switch (agent's apply) | host client: failed while the cache was down | failure window |\n\
+               |---|---|---|---|---|---|\n";
+        for b in &busy {
+            let _ = writeln!(
+                md,
+                "| {} | {} mCPU (own {}, children {}) | {} ({}) | {} | {} of {} | {} |",
+                b["nat_rules"],
+                b["total_mcpu"],
+                b["agent_mcpu"],
+                b["children_mcpu"],
+                b["read_backs"],
+                ms(&b["read_back_mean_ms"]),
+                ms(&b["apply_mean_ms"]),
+                b["failed_while_down"],
+                b["lookups_while_down"],
+                ms(&b["failure_window_ms"]),
+            );
+        }
+    }
+
     let failover_json: Vec<Value> = results
         .iter()
         .map(|r| {
@@ -1038,6 +1183,7 @@ fn main() {
         "drift_repair": drift,
         "switch_latency": switch,
         "footprint": footprint,
+        "busy_node": busy,
         "dnsperf": perf,
         "run_seconds": run_seconds,
     });

@@ -2,8 +2,9 @@
 # The benchmark (issue 5): failover under load with node-cache's static rules, with the agent,
 # with probe-driven switching only and with two nameservers in the pod's resolv.conf (glibc and
 # musl clients); then the agent's drift repair, switch latency (with 0 and 50,000
-# kube-proxy-shaped nat rules), dnsperf through node-cache's rules and the agent's, and the
-# agent's footprint. Writes docs/bench.md (the table),
+# kube-proxy-shaped nat rules), dnsperf through node-cache's rules and the agent's, the
+# agent's footprint, and a busy iptables-nft node (0 and 50,000 nat rules, kube-proxy syncing
+# every second): the agent's CPU and a host-network client across a cache SIGKILL. Writes docs/bench.md (the table),
 # docs/bench.json and docs/failover.svg. Run as root; about 7 minutes on a 2-core machine, plus
 # the build. Everything happens in network namespaces named $prefix-*, removed when it ends,
 # also on failure.
@@ -29,6 +30,8 @@ prefix="b$(($$ % 100000))"
 cleanup() {
     # The benchmark removes its namespaces itself; this is for when it is killed.
     SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "$prefix" >/dev/null 2>&1 || true
+    # The busy node of issue 17.
+    SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}k" >/dev/null 2>&1 || true
     rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"
 }
 trap cleanup EXIT

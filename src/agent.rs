@@ -9,6 +9,12 @@
 //! table back and restores it if it is not exactly the ruleset of the current route. A failed
 //! apply is retried on the next tick; the batch is atomic, so the node never holds half a ruleset.
 //!
+//! Decisions never wait behind a read-back: a check runs as a [`CheckJob`] on a worker thread
+//! with its own handle on the dataplane ([`Dataplane::reader`]), while the loop goes on taking
+//! probe results and applying. Applies stay on the loop, one at a time. Every apply starts a new
+//! generation; a check that began in an older one is discarded when it returns (what it read
+//! may predate the apply, or mix both), so it can never trigger a spurious repair.
+//!
 //! Exit policy: on SIGTERM or SIGINT the agent leaves the ruleset of its current route installed
 //! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
 //! cache dies); `Upstream` stays because the agent last saw the cache failing. So an agent that
@@ -39,6 +45,9 @@ use crate::{control, maintenance};
 /// What can stop the agent.
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
+    /// The dataplane's second handle, for read-backs beside the loop, cannot be opened.
+    #[error("opening the dataplane for read-backs failed: {0}")]
+    Reader(#[source] dataplane::Error),
     /// The state directory cannot be created.
     #[error("cannot create the state directory {}: {source} (set --state-dir to a writable directory)", .path.display())]
     StateDir {
@@ -74,9 +83,45 @@ const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 const REPAIR_SPACING: Duration = Duration::from_millis(50);
 
 /// How often a ruleset whose changes the kernel announces is checked all the same. Reading
-/// iptables-nft back runs `iptables-nft-save`, which fetches the family's whole ruleset: about
-/// a second with kube-proxy's 50,000 nat rules, too much for every tick.
+/// iptables-nft back runs child processes (`iptables-nft -S <chain>`: 4 per table and family,
+/// a few ms each): too much for every tick, when announcements say when to.
 const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
+
+/// A read-back to run off the control loop ([`CheckJob::run`], e.g. in `spawn_blocking`); its
+/// result goes back to [`Agent::checked`].
+pub struct CheckJob {
+    generation: u64,
+    rules: RuleSet,
+    /// Only what lives in these tables ([`Dataplane::check_changed`]); `None`: everything.
+    changed: Option<Vec<TableRef>>,
+    reader: Box<dyn Dataplane>,
+}
+
+impl CheckJob {
+    /// Reads the ruleset back and compares it with the route's (blocks: child processes or
+    /// netlink dumps).
+    pub fn run(mut self) -> CheckDone {
+        let started = Instant::now();
+        let result = match &self.changed {
+            Some(tables) => self.reader.check_changed(&self.rules, tables),
+            None => self.reader.check(&self.rules),
+        };
+        CheckDone {
+            generation: self.generation,
+            result,
+            took: started.elapsed(),
+            reader: self.reader,
+        }
+    }
+}
+
+/// A finished [`CheckJob`].
+pub struct CheckDone {
+    generation: u64,
+    result: Result<Check, dataplane::Error>,
+    took: Duration,
+    reader: Box<dyn Dataplane>,
+}
 
 /// A probe result, tagged with the stream it belongs to.
 #[derive(Clone, Debug)]
@@ -126,6 +171,16 @@ pub struct Agent {
     announced: bool,
     /// When the ruleset was last read back (checked or applied).
     checked_at: Option<Instant>,
+    /// The handle checks read back through, off the loop; `None` while a check is in flight.
+    reader: Option<Box<dyn Dataplane>>,
+    /// Bumped by every apply: a check begun in an older generation is stale.
+    generation: u64,
+    /// A whole check is wanted (a tick, a retry, or unknown announcements).
+    check_all: bool,
+    /// Tables announced changed since the last check began: the next check reads these.
+    changed: Vec<TableRef>,
+    /// Checks discarded because an apply overtook them.
+    stale_checks: u64,
     transitions: u64,
     repairs: u64,
     last_error: Option<String>,
@@ -181,7 +236,9 @@ impl Agent {
         forced: Option<Forced>,
         firewall: Vec<Blocking>,
         now: Instant,
-    ) -> Agent {
+    ) -> Result<Agent, AgentError> {
+        // The second handle the read-backs use, before anything on the node changes.
+        let reader = dataplane.reader().map_err(AgentError::Reader)?;
         let blocked = blocked_path(&cfg.addrs, &firewall);
         let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.shape)
             .unwrap_or_else(|e| {
@@ -250,6 +307,11 @@ impl Agent {
             tick: cfg.cache_udp.interval,
             announced,
             checked_at: Some(now),
+            reader: Some(reader),
+            generation: 0,
+            check_all: false,
+            changed: Vec::new(),
+            stale_checks: 0,
             transitions: 0,
             repairs: 0,
             last_error: failed,
@@ -270,7 +332,7 @@ impl Agent {
         if dirty {
             agent.failed_apply(now);
         }
-        agent
+        Ok(agent)
     }
 
     pub fn route(&self) -> Route {
@@ -432,51 +494,111 @@ impl Agent {
 
     /// The tick's resync: every tick, unless the kernel announces the changes to the ruleset and
     /// `hearing` them (the watch is up), then every [`POLL_ANNOUNCED`] as a safety net.
-    pub fn poll(&mut self, now: Instant, hearing: bool) {
+    #[must_use = "a check to run off the loop"]
+    pub fn poll(&mut self, now: Instant, hearing: bool) -> Option<CheckJob> {
         let recent = self.checked_at.is_some_and(|t| now.duration_since(t) < POLL_ANNOUNCED);
         if self.announced && hearing && recent && !self.dirty {
-            return;
+            return None;
         }
-        self.resync(now);
+        self.resync(now)
     }
 
-    /// Reads the ruleset back and restores it when it is not exactly the current route's.
-    pub fn resync(&mut self, now: Instant) {
+    /// Resyncs: re-applies after a failed apply (here, on the loop), else returns the read-back
+    /// to run off the loop; its result goes to [`Agent::checked`], which restores the ruleset
+    /// when it is not exactly the current route's. Nothing while a check is in flight (one
+    /// follows when it returns) or a retry or spaced repair is pending.
+    #[must_use = "a check to run off the loop"]
+    pub fn resync(&mut self, now: Instant) -> Option<CheckJob> {
+        self.check_all = true;
+        self.next_check(now)
+    }
+
+    /// Like [`Agent::resync`], for the kernel's announcement that `tables` changed (`None`:
+    /// unknown ones): the check reads back only what lives there.
+    #[must_use = "a check to run off the loop"]
+    pub fn announced(&mut self, tables: Option<Vec<TableRef>>, now: Instant) -> Option<CheckJob> {
+        match tables {
+            Some(tables) => {
+                for t in tables {
+                    if !self.changed.contains(&t) {
+                        self.changed.push(t);
+                    }
+                }
+            }
+            None => self.check_all = true,
+        }
+        self.next_check(now)
+    }
+
+    /// The check wanted, unless one is in flight (it follows that one) or a retry or spaced
+    /// repair is pending; after a failed apply, the apply (on the loop) instead.
+    fn next_check(&mut self, now: Instant) -> Option<CheckJob> {
+        if !self.check_all && self.changed.is_empty() {
+            return None;
+        }
         if self.not_before.is_some_and(|t| now < t) {
-            return;
+            return None;
         }
         self.not_before = None;
         if self.dirty {
             self.apply(now);
-            return;
+            return None;
         }
-        let started = Instant::now();
-        let checked = self.dataplane.check(&self.desired);
-        self.metrics.check(started.elapsed());
-        self.checked_at = Some(now);
-        match checked {
-            Ok(Check::Matches) => {}
-            Ok(drift) => {
-                self.repairs += 1;
-                self.metrics.repair();
-                warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
-                self.apply(now);
-                // Whoever keeps changing the table (our own change notification included) cannot
-                // make the agent spin: repairs are spaced.
-                let spacing = self.tick.min(REPAIR_SPACING);
-                self.not_before = Some(self.not_before.unwrap_or(now).max(now + spacing));
-            }
-            Err(e) => {
-                warn!(error = %e, "reading the ruleset back failed, re-applying");
-                self.apply(now);
+        let reader = self.reader.take()?;
+        let changed = std::mem::take(&mut self.changed);
+        let changed = (!std::mem::take(&mut self.check_all)).then_some(changed);
+        Some(CheckJob { generation: self.generation, rules: self.desired.clone(), changed, reader })
+    }
+
+    /// Takes a finished check: repairs what it found, unless an apply overtook it (then it
+    /// is discarded: the apply read back itself). Returns the next check when one was asked
+    /// for meanwhile.
+    #[must_use = "a check to run off the loop"]
+    pub fn checked(&mut self, done: CheckDone, now: Instant) -> Option<CheckJob> {
+        self.reader = Some(done.reader);
+        self.metrics.check(done.took);
+        if done.generation != self.generation {
+            self.stale_checks += 1;
+            debug!(result = ?done.result.as_ref().ok(), "a check overtaken by an apply, discarded");
+        } else {
+            self.checked_at = Some(now);
+            match done.result {
+                Ok(Check::Matches) => {}
+                Ok(drift) => {
+                    self.repairs += 1;
+                    self.metrics.repair();
+                    warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
+                    self.apply(now);
+                    // Whoever keeps changing the table (our own change notification included)
+                    // cannot make the agent spin: repairs are spaced.
+                    let spacing = self.tick.min(REPAIR_SPACING);
+                    self.not_before = Some(self.not_before.unwrap_or(now).max(now + spacing));
+                }
+                Err(e) => {
+                    warn!(error = %e, "reading the ruleset back failed, re-applying");
+                    self.apply(now);
+                }
             }
         }
+        self.next_check(now)
+    }
+
+    /// Checks discarded because an apply overtook them.
+    pub fn stale_checks(&self) -> u64 {
+        self.stale_checks
+    }
+
+    /// Whether a check is in flight.
+    pub fn checking(&self) -> bool {
+        self.reader.is_none()
     }
 
     /// Installs the current route's ruleset; on failure, schedules a retry with exponential
     /// backoff (one tick, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
     fn apply(&mut self, now: Instant) {
         let started = Instant::now();
+        // Whatever a check in flight reads now may predate this apply, or mix both.
+        self.generation += 1;
         let result = self.dataplane.apply(&self.desired);
         self.metrics.apply(started.elapsed(), result.is_ok());
         match result {
@@ -697,6 +819,7 @@ struct Watched {
 async fn watch_nftables(
     tables: Option<Vec<TableRef>>,
     resync: Arc<Notify>,
+    changed: Arc<std::sync::Mutex<Option<Vec<TableRef>>>>,
     watched: Watched,
     hearing: Arc<AtomicBool>,
 ) {
@@ -721,6 +844,18 @@ async fn watch_nftables(
                     watched.firewall.notify_one();
                 }
                 if tables.as_ref().is_none_or(|t| announced.touches(t)) {
+                    // Which of them, for the check; taken (and emptied) by the loop. `None`:
+                    // unknown, check everything.
+                    if let Ok(mut changed) = changed.lock() {
+                        let next = match (changed.take(), announced.unknown) {
+                            (Some(mut seen), false) => {
+                                seen.extend(announced.tables.iter().cloned());
+                                Some(seen)
+                            }
+                            _ => None,
+                        };
+                        *changed = next;
+                    }
                     resync.notify_one();
                 }
             }
@@ -777,10 +912,11 @@ async fn watch_firewall(addrs: Vec<IpAddr>, changed: Arc<Notify>, tx: mpsc::Send
 /// exist, the `Upstream` route cannot take effect, and only an operator can fix that.
 ///
 /// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
-/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`):
-/// `iptables-nft-save` fetches the whole ruleset, about a second with kube-proxy's 50,000 nat
-/// rules. iptables-legacy announces nothing and reads only the tables it lists; it is read
-/// every period.
+/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and then
+/// only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
+/// ([`gather_builtin_chains`]): `iptables-nft-save` fetches the whole ruleset, 4 s of CPU
+/// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing and reads only the
+/// tables it lists; it is read every period.
 async fn watch_foreign_rules(
     addrs: Vec<IpAddr>,
     period: Duration,
@@ -788,7 +924,7 @@ async fn watch_foreign_rules(
     hearing: Arc<AtomicBool>,
     tx: mpsc::Sender<Vec<String>>,
 ) {
-    use crate::detect::{gather_flavour, Facts, Flavour, SaveFacts};
+    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, Flavour, SaveFacts};
     let mut ticker = tokio::time::interval(period);
     let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
     loop {
@@ -799,7 +935,7 @@ async fn watch_foreign_rules(
         let addrs = addrs.clone();
         let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
             let legacy = gather_flavour(Flavour::Legacy, &addrs);
-            (legacy, reread.then(|| gather_flavour(Flavour::Nft, &addrs)))
+            (legacy, reread.then(|| gather_builtin_chains(Flavour::Nft, &addrs)))
         })
         .await
         else {
@@ -836,6 +972,17 @@ async fn watch_foreign_rules(
     }
 }
 
+/// Runs `job` (if any) on a blocking thread; its result comes back on `done`.
+fn start_check(job: Option<CheckJob>, done: &mpsc::Sender<CheckDone>) {
+    if let Some(job) = job {
+        let done = done.clone();
+        tokio::task::spawn_blocking(move || {
+            // Only at shutdown is nobody listening.
+            let _ = done.blocking_send(job.run());
+        });
+    }
+}
+
 /// Completes at `at`, never when `None`.
 async fn sleep_until(at: Option<Instant>) {
     match at {
@@ -865,8 +1012,9 @@ async fn with_grace<T, E>(
     }
 }
 
-/// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: dataplane calls
-/// block (microseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile.
+/// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: applies block
+/// (milliseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile;
+/// checks run on blocking threads, beside the loop.
 pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
@@ -923,7 +1071,7 @@ pub async fn run(
     });
     let mut agent = block_in_place(|| {
         Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, Instant::now())
-    });
+    })?;
     // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
     if !agent.is_dirty() {
         health.set_ready();
@@ -980,7 +1128,14 @@ pub async fn run(
     let raw_changed = Arc::new(AtomicBool::new(false));
     let firewall_changed = Arc::new(Notify::new());
     let watched = Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
-    tasks.spawn(watch_nftables(tables, nft_changed.clone(), watched, hearing.clone()));
+    let announced = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
+    tasks.spawn(watch_nftables(
+        tables,
+        nft_changed.clone(),
+        announced.clone(),
+        watched,
+        hearing.clone(),
+    ));
     let (firewall_tx, mut firewall_found) = mpsc::channel(1);
     tasks.spawn(watch_firewall(listen.clone(), firewall_changed, firewall_tx));
     let (warn_tx, mut warnings) = mpsc::channel(1);
@@ -1016,6 +1171,8 @@ pub async fn run(
         tasks.spawn(maintenance::run_hooks(path, rx, cfg.hook_timeout, metrics.clone()));
         tx
     });
+    // Read-backs run on blocking threads, one at a time; their results come back here.
+    let (checks_tx, mut checks) = mpsc::channel(1);
     tokio::pin!(shutdown);
     let outcome = loop {
         health.beat(Instant::now());
@@ -1026,16 +1183,34 @@ pub async fn run(
             Some(incoming) = requests.recv() => block_in_place(|| {
                 maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, Instant::now())
             }),
-            _ = nft_changed.notified() => block_in_place(|| agent.resync(Instant::now())),
-            _ = sleep_until(agent.resync_due()) => block_in_place(|| agent.resync(Instant::now())),
-            _ = resync.tick() => block_in_place(|| {
-                let now = Instant::now();
-                agent.expire(now);
-                maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
-                agent.poll(now, hearing.load(Ordering::Relaxed));
-                agent.remove_leftovers();
-                drain = drain.take().and_then(|d| d.progress(&mut agent, now));
-            }),
+            _ = nft_changed.notified() => {
+                let tables = announced
+                    .lock()
+                    .map(|mut a| a.replace(Vec::new()))
+                    .unwrap_or(None);
+                let job = block_in_place(|| agent.announced(tables, Instant::now()));
+                start_check(job, &checks_tx);
+            }
+            _ = sleep_until(agent.resync_due()) => {
+                let job = block_in_place(|| agent.resync(Instant::now()));
+                start_check(job, &checks_tx);
+            }
+            Some(done) = checks.recv() => {
+                let job = block_in_place(|| agent.checked(done, Instant::now()));
+                start_check(job, &checks_tx);
+            }
+            _ = resync.tick() => {
+                let job = block_in_place(|| {
+                    let now = Instant::now();
+                    agent.expire(now);
+                    maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
+                    let job = agent.poll(now, hearing.load(Ordering::Relaxed));
+                    agent.remove_leftovers();
+                    drain = drain.take().and_then(|d| d.progress(&mut agent, now));
+                    job
+                });
+                start_check(job, &checks_tx);
+            }
             _ = state_tick.tick() => write_state(&agent),
             Some(found) = warnings.recv() => agent.set_warnings(found),
             Some(found) = firewall_found.recv() => block_in_place(|| agent.set_firewall(found, Instant::now())),
@@ -1112,8 +1287,24 @@ mod tests {
         dataplane::installed_route(&mut fake.clone(), &cfg().addrs, Default::default()).unwrap()
     }
 
+    /// A resync with its check run at once, as the loop does on a worker.
+    fn sync(agent: &mut Agent, now: Instant) {
+        let mut job = agent.resync(now);
+        while let Some(j) = job {
+            job = agent.checked(j.run(), now);
+        }
+    }
+
+    /// A tick's poll, likewise.
+    fn poll(agent: &mut Agent, now: Instant, hearing: bool) {
+        if let Some(job) = agent.poll(now, hearing) {
+            assert!(agent.checked(job.run(), now).is_none());
+        }
+    }
+
     fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
         Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, Vec::new(), t0)
+            .unwrap()
     }
 
     #[test]
@@ -1145,7 +1336,8 @@ mod tests {
         };
         let metrics = Arc::new(Metrics::new());
         let mut agent =
-            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), Vec::new(), t0);
+            Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), Vec::new(), t0)
+                .unwrap();
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert_eq!(fake.kernel().applies, 1);
         assert!(agent.take_changes().is_empty(), "no transition through another route");
@@ -1193,7 +1385,7 @@ mod tests {
         assert!(agent.is_dirty());
         assert_eq!(installed(&fake), None, "nothing of the agent's: pods go through the DNAT");
         let retry = agent.resync_due().expect("a retry is scheduled");
-        agent.resync(retry);
+        assert!(agent.resync(retry).is_none(), "a retry applies; it reads nothing back");
         assert!(!agent.is_dirty());
         assert_eq!(installed(&fake), Some(Route::Upstream));
     }
@@ -1210,7 +1402,7 @@ mod tests {
         agent.remove_leftovers();
         assert!(old.kernel().installed.is_some());
         assert_eq!(agent.state(t0, SystemTime::now()).leftovers, ["fake: found"]);
-        agent.resync(agent.resync_due().unwrap());
+        assert!(agent.resync(agent.resync_due().unwrap()).is_none());
         assert!(!agent.is_dirty());
         agent.remove_leftovers();
         assert_eq!(old.kernel().installed, None);
@@ -1242,10 +1434,10 @@ mod tests {
         assert!(agent.is_dirty());
         assert!(agent.state(t0, SystemTime::now()).last_error.is_some());
         // Not before the backoff (2 ticks after the first failure)...
-        agent.resync(t0 + Duration::from_millis(150));
+        sync(&mut agent, t0 + Duration::from_millis(150));
         assert_eq!(installed(&fake), Some(Route::Local));
         // ...but then.
-        agent.resync(t0 + Duration::from_millis(200));
+        sync(&mut agent, t0 + Duration::from_millis(200));
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert!(!agent.is_dirty());
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
@@ -1262,18 +1454,18 @@ mod tests {
         let before = [checks(&polled), checks(&announced)];
         let tick = Duration::from_millis(100);
         for n in 1..=10 {
-            agents.iter_mut().for_each(|a| a.poll(t0 + tick * n, true));
+            agents.iter_mut().for_each(|a| poll(a, t0 + tick * n, true));
         }
         assert_eq!(checks(&polled) - before[0], 10, "a polled ruleset is checked every tick");
         assert_eq!(checks(&announced), before[1], "an announced one waits for announcements");
         // Not heard (the watch failed): every tick again.
-        agents[1].poll(t0 + tick * 11, false);
+        poll(&mut agents[1], t0 + tick * 11, false);
         assert_eq!(checks(&announced), before[1] + 1);
         // Heard, but nothing checked for POLL_ANNOUNCED: checked all the same, and repaired.
         announced.kernel().installed = None;
-        agents[1].poll(t0 + tick * 11 + POLL_ANNOUNCED / 2, true);
+        poll(&mut agents[1], t0 + tick * 11 + POLL_ANNOUNCED / 2, true);
         assert_eq!(installed(&announced), None);
-        agents[1].poll(t0 + tick * 11 + POLL_ANNOUNCED, true);
+        poll(&mut agents[1], t0 + tick * 11 + POLL_ANNOUNCED, true);
         assert_eq!(installed(&announced), Some(Route::Local));
     }
 
@@ -1282,23 +1474,91 @@ mod tests {
         let t0 = Instant::now();
         let fake = FakeDataplane::default();
         let mut agent = start(&fake, t0);
-        agent.resync(t0);
+        sync(&mut agent, t0);
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
         fake.kernel().installed = None;
-        agent.resync(t0);
+        sync(&mut agent, t0);
         assert_eq!(installed(&fake), Some(Route::Local));
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
         // Someone removes it again at once: repaired after a pause, not in a loop.
         fake.kernel().installed = None;
-        agent.resync(t0 + Duration::from_millis(1));
+        sync(&mut agent, t0 + Duration::from_millis(1));
         assert_eq!(installed(&fake), None);
         assert_eq!(agent.resync_due(), Some(t0 + REPAIR_SPACING));
-        agent.resync(t0 + REPAIR_SPACING);
+        sync(&mut agent, t0 + REPAIR_SPACING);
         assert_eq!(installed(&fake), Some(Route::Local));
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 2);
         // Once due and done, nothing stays scheduled (the loop would spin on it).
-        agent.resync(t0 + REPAIR_SPACING * 3);
+        sync(&mut agent, t0 + REPAIR_SPACING * 3);
         assert_eq!(agent.resync_due(), None);
+    }
+
+    #[test]
+    fn a_switch_goes_ahead_of_a_check_in_flight_and_the_check_is_discarded() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        let gate = Arc::new(crate::dataplane::fake::Gate::default());
+        fake.kernel().gate = Some(gate.clone());
+        // A check starts and is held in its read-back, as iptables-nft-save is for a second on
+        // a node with 50,000 rules.
+        let job = agent.resync(t0).expect("a check is due");
+        let held = std::thread::spawn(move || job.run());
+        gate.wait_for_waiting(1);
+        assert!(agent.checking());
+        // The cache refuses: the switch is applied now, not after the check.
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
+        let upstream = dataplane::plan(&cfg().addrs, Route::Upstream, Default::default());
+        assert_eq!(fake.kernel().installed.as_ref(), Some(&upstream), "applied while checking");
+        assert_eq!(fake.kernel().applies, 2);
+        // Meanwhile nothing else starts a second read-back; one follows the first.
+        assert!(agent.resync(t0).is_none());
+        // The check returns having compared the new table with the old route's: stale, so it
+        // is discarded, not taken for drift.
+        gate.open();
+        let next = agent.checked(held.join().unwrap(), t0).expect("the resync asked meanwhile");
+        assert_eq!(agent.stale_checks(), 1);
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
+        assert_eq!(fake.kernel().applies, 2, "no spurious repair");
+        // The check that follows is of the current generation, and finds the table in order.
+        assert!(agent.checked(next.run(), t0).is_none());
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
+        assert_eq!(agent.stale_checks(), 1);
+        assert_eq!(fake.kernel().installed.as_ref(), Some(&upstream));
+    }
+
+    #[test]
+    fn a_check_of_the_current_generation_repairs_drift() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        let job = agent.resync(t0).expect("a check is due");
+        fake.kernel().installed = None;
+        assert!(agent.checked(job.run(), t0).is_none());
+        assert_eq!(installed(&fake), Some(Route::Local));
+        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
+        assert_eq!(agent.stale_checks(), 0);
+    }
+
+    #[test]
+    fn announced_tables_scope_the_next_check_and_add_up_while_one_is_in_flight() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = start(&fake, t0);
+        let table = |name: &str| TableRef { family: 2, name: name.to_owned() };
+        let job = agent.announced(Some(vec![table("filter")]), t0).expect("a check");
+        assert_eq!(job.changed, Some(vec![table("filter")]));
+        // In flight: announcements add up for the check that follows it.
+        assert!(agent.announced(Some(vec![table("raw")]), t0).is_none());
+        assert!(agent.announced(Some(vec![table("filter")]), t0).is_none());
+        let next = agent.checked(job.run(), t0).expect("the announcements meanwhile");
+        assert_eq!(next.changed, Some(vec![table("raw"), table("filter")]));
+        // A tick's resync, or an announcement that could not be read, checks everything.
+        assert!(agent.resync(t0).is_none());
+        let next = agent.checked(next.run(), t0).expect("the resync meanwhile");
+        assert_eq!(next.changed, None);
+        assert!(agent.checked(next.run(), t0).is_none());
+        assert_eq!(agent.announced(None, t0).expect("a check").changed, None);
     }
 
     #[test]

@@ -130,7 +130,11 @@
 #     A loop (log: kube-proxy-resync.log) that every second redoes kube-proxy's sync: iptables
 #     modes: EnsureRule(Prepend) of the PREROUTING/OUTPUT jumps (-C, else -I) and
 #     `iptables-restore -w 5 --noflush` of the nat table declaring KUBE-SERVICES, KUBE-SVC-*,
-#     KUBE-SEP-* (which flushes and rewrites only those chains); nftables mode: `nft -f` of the
+#     KUBE-SEP-* (which flushes and rewrites only those chains), then EnsureRule of its filter
+#     jumps (INPUT, FORWARD, OUTPUT; made at `up`) and a restore of its filter chains
+#     (KUBE-SERVICES, KUBE-EXTERNAL-SERVICES, KUBE-FORWARD, KUBE-NODEPORTS, KUBE-PROXY-FIREWALL)
+#     with endpoint churn: a "has no endpoints" REJECT comes and goes every round, so the
+#     filter table changes every second; nftables mode: `nft -f` of the
 #     transaction that adds and flushes every chain, set and map of `table ip kube-proxy` and
 #     refills them. Both loops return from -start after their first round, and stop at once
 #     (each change is one atomic transaction, so stopping leaves no half-written table).
@@ -371,6 +375,48 @@ kube_nat_restore() {
 
 # The jumps kube-proxy keeps in the built-in chains (with EnsureRule(Prepend) on every sync).
 readonly KUBE_PORTALS=(-m comment --comment "kubernetes service portals" -j KUBE-SERVICES)
+# Its filter jumps (pkg/proxy/iptables/proxier.go iptablesJumpChains), as "BUILTIN CHAIN COMMENT".
+readonly KUBE_FILTER_JUMPS=(
+    "INPUT KUBE-PROXY-FIREWALL kubernetes load balancer firewall"
+    "INPUT KUBE-NODEPORTS kubernetes health check service ports"
+    "INPUT KUBE-EXTERNAL-SERVICES kubernetes externally-visible service portals"
+    "FORWARD KUBE-FORWARD kubernetes forwarding rules"
+    "FORWARD KUBE-SERVICES kubernetes service portals"
+    "OUTPUT KUBE-SERVICES kubernetes service portals"
+)
+
+# kube_filter_restore IPT ROUND: kube-proxy's filter table as its syncProxyRules writes it on
+# every sync (every chain declared, so flushed and rewritten). Endpoint churn: in odd rounds a
+# Service has no endpoints and gets its REJECT rule, in even rounds it has one again.
+kube_filter_restore() {
+    local ipt=$1 round=$2 svc=10.100.255.1/32
+    [[ "$ipt" == ip6* ]] && svc=fd00:100::1/128
+    echo "*filter"
+    printf ':%s - [0:0]\n' KUBE-SERVICES KUBE-EXTERNAL-SERVICES KUBE-FORWARD KUBE-NODEPORTS KUBE-PROXY-FIREWALL
+    if ((round % 2)); then
+        echo "-A KUBE-SERVICES -d $svc -p tcp -m comment --comment \"simnode/churn:http has no endpoints\" -m tcp --dport 80 -j REJECT"
+    fi
+    echo "-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP"
+    echo "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x4000/0x4000 -j ACCEPT"
+    echo "-A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT"
+    echo COMMIT
+}
+
+# kube_filter_jumps IPT [RUNNER...]: EnsureRule(Prepend) of kube-proxy's filter jumps (-C, else
+# -I), each command run through RUNNER (e.g. `in_ns node`).
+kube_filter_jumps() {
+    local ipt=$1 jump builtin chain comment
+    shift
+    for jump in "${KUBE_FILTER_JUMPS[@]}"; do
+        read -r builtin chain comment <<<"$jump"
+        local spec=(-m comment --comment "$comment" -j "$chain")
+        if [[ $chain != KUBE-NODEPORTS && $chain != KUBE-FORWARD ]]; then
+            spec=(-m conntrack --ctstate NEW "${spec[@]}")
+        fi
+        "$@" "$ipt" -w 5 -t filter -C "$builtin" "${spec[@]}" 2>/dev/null ||
+            "$@" "$ipt" -w 5 -t filter -I "$builtin" "${spec[@]}" || return 1
+    done
+}
 
 kube_rules() { # kube_rules IPT CLUSTER_DNS UPSTREAM EP1 EP2
     local ipt=$1 table v=4
@@ -383,6 +429,9 @@ kube_rules() { # kube_rules IPT CLUSTER_DNS UPSTREAM EP1 EP2
     in_ns node "$ipt" -t nat -A OUTPUT "${KUBE_PORTALS[@]}"
     kube_nat_restore "$2" "$3" "$4" "$5" >"$RUN_DIR/kube-proxy-nat-v$v.rules"
     in_ns node "$ipt-restore" -w 5 --noflush "$RUN_DIR/kube-proxy-nat-v$v.rules"
+    kube_filter_restore "$ipt" 0 >"$RUN_DIR/kube-proxy-filter-v$v.rules"
+    in_ns node "$ipt-restore" -w 5 --noflush "$RUN_DIR/kube-proxy-filter-v$v.rules"
+    kube_filter_jumps "$ipt" in_ns node
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -1093,6 +1142,7 @@ cni_noise_round() {
 }
 
 # One round of kube-proxy's periodic sync.
+KUBE_PROXY_ROUND=1
 kube_proxy_resync_round() {
     local ipt v fam chain ok=1
     if [[ "$KUBE_PROXY" == nftables ]]; then
@@ -1111,7 +1161,12 @@ kube_proxy_resync_round() {
             done
             loop_run "$ipt-restore" -w 5 --noflush "$RUN_DIR/kube-proxy-nat-v$v.rules" ||
                 { ok=0; loop_log "$ipt-restore failed"; }
+            kube_filter_jumps "$ipt" loop_run || { ok=0; loop_log "$ipt: filter jumps failed"; }
+            kube_filter_restore "$ipt" "$KUBE_PROXY_ROUND" >"$RUN_DIR/kube-proxy-filter-v$v.rules"
+            loop_run "$ipt-restore" -w 5 --noflush "$RUN_DIR/kube-proxy-filter-v$v.rules" ||
+                { ok=0; loop_log "$ipt-restore (filter) failed"; }
         done
+        KUBE_PROXY_ROUND=$((KUBE_PROXY_ROUND + 1))
     fi
     if ((ok)); then loop_log "synced"; fi
 }

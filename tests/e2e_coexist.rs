@@ -342,3 +342,88 @@ fn iptables_legacy_is_checked_every_tick() {
     let after = checks(&node);
     assert!(after >= before + 10, "{} checks in 20 ticks", after - before);
 }
+
+/// Issue 17, point 6: on an iptables-nft node whose kube-proxy rewrites a filter chain every
+/// second (endpoint churn), each sync that the kernel announces costs the agent one read-back of
+/// its own chains (`iptables-nft -S <chain>`, a few processes), never `iptables-nft-save` of a
+/// whole family (0.3 s of CPU per run with kube-proxy's 50,000 nat rules). The real iptables
+/// binaries run behind wrappers that record each call.
+#[test]
+fn kube_proxy_churn_costs_one_chain_scoped_read_back_per_sync() {
+    const SYNCS: usize = 5;
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft", "--filter-drop"]);
+    let wrappers = node.dir.join("wrappers");
+    std::fs::create_dir_all(&wrappers).unwrap();
+    let calls = node.dir.join("iptables-calls.log");
+    for name in ["iptables-nft", "ip6tables-nft", "iptables-nft-save", "ip6tables-nft-save"] {
+        let real = ["/usr/sbin", "/sbin"]
+            .iter()
+            .map(|dir| std::path::Path::new(dir).join(name))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("{name} is not installed"));
+        let script = format!(
+            "#!/bin/sh\necho \"{name} $*\" >>{}\nexec {} \"$@\"\n",
+            calls.display(),
+            real.display()
+        );
+        let path = wrappers.join(name);
+        std::fs::write(&path, script).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let path = format!("{}:{}", wrappers.display(), std::env::var("PATH").unwrap_or_default());
+    let agent = node.agent_env(
+        LOCAL_IP,
+        CLUSTER_DNS_IP,
+        UPSTREAM_IP,
+        &["--dataplane", "iptables-nft"],
+        &[("PATH", &path)],
+    );
+    let st = agent.state().expect("state");
+    assert_eq!(st["accepts_in"], serde_json::json!(["iptables-nft"]), "{st}");
+    let read_backs = || {
+        let (status, body) = node.http_get("/metrics");
+        assert_eq!(status, 200, "/metrics");
+        body.lines()
+            .find_map(|l| {
+                l.strip_prefix("nodelocaldns_ha_dataplane_check_duration_seconds_count ")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .expect("the check-duration histogram")
+    };
+    let logged = || std::fs::read_to_string(&calls).unwrap_or_default();
+    // Detection at start saves whole families; what counts is what follows.
+    let (checks0, calls0) = (read_backs(), logged().lines().count());
+    node.script(&["kube-proxy-resync-start"]);
+    let synced = || {
+        let log = std::fs::read_to_string(node.dir.join("kube-proxy-resync.log")).unwrap();
+        log.lines().filter(|l| l.ends_with(" synced")).count()
+    };
+    wait_for("kube-proxy's syncs", Duration::from_secs(30), || (synced() > SYNCS).then_some(()));
+    node.script(&["kube-proxy-resync-stop"]);
+    let syncs = synced() as u64;
+    // The last sync's read-back may still be running: wait until its listings are logged.
+    let checks = wait_for("the read-backs", Duration::from_secs(5), || {
+        let n = read_backs() - checks0;
+        (n >= syncs - 1).then_some(n)
+    });
+    let text = logged();
+    let after: Vec<&str> = text.lines().skip(calls0).collect();
+    let whole: Vec<&&str> =
+        after.iter().filter(|l| l.contains("-save ") && l.contains("-t ")).collect();
+    assert!(whole.is_empty(), "whole-table saves after start: {whole:?}");
+    let listings = after.iter().filter(|l| l.contains(" -S ")).count() as u64;
+    println!("{syncs} syncs: {checks} read-backs, {listings} chain listings");
+    // One read-back per announced sync (announcements that come together are coalesced), and
+    // none when nothing happens; each lists the 4 filter chains (the agent's two, the two
+    // built-in ones it jumps from) of the one family announced, IPv4.
+    assert!(checks >= syncs - 1 && checks <= 2 * syncs + 2, "{checks} read-backs for {syncs}");
+    // Two whole read-backs (16 listings each: both tables, both families) are allowed, for
+    // ticks that came before the change watch was heard, or an announcement that could not
+    // be read. Reading every part on each announcement would be 16 per read-back.
+    assert!(listings <= 4 * checks + 32, "{listings} listings for {checks} read-backs");
+    let st = agent.state().expect("state");
+    assert_eq!(st["repairs"], 0, "{st}");
+}

@@ -2,10 +2,10 @@
 //!
 //! Like knftables' fake: a transaction either applies whole or fails and changes nothing, and a
 //! test keeps a clone of the handle to look at the fake kernel or tamper with it as another
-//! process would.
+//! process would. Its reader is another clone: a check can be held in flight ([`Gate`]) on
+//! another thread while the agent applies.
 
-use std::cell::{RefCell, RefMut};
-use std::rc::Rc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::{Check, Dataplane, Error};
 use crate::ruleset::RuleSet;
@@ -21,15 +21,52 @@ pub struct FakeKernel {
     pub fail_applies: usize,
     /// How many `apply` calls succeeded.
     pub applies: usize,
-    /// How many `check` calls ran.
+    /// How many `check` calls ran (counted when they start).
     pub checks: usize,
     /// Whether the fake's changes are announced, like an nftables table's.
     pub announces: bool,
+    /// When set, a `check` waits for the gate to open before it reads the kernel: a slow
+    /// read-back (`iptables-nft-save` on a node with 50,000 rules), held as long as a test wants.
+    pub gate: Option<Arc<Gate>>,
+}
+
+/// A gate that held checks wait at, until it is opened.
+#[derive(Debug, Default)]
+pub struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    open: bool,
+    waiting: usize,
+}
+
+impl Gate {
+    /// Lets every held check (and every later one) through.
+    pub fn open(&self) {
+        self.state.lock().unwrap().open = true;
+        self.changed.notify_all();
+    }
+
+    /// Blocks until `n` checks wait at the gate.
+    pub fn wait_for_waiting(&self, n: usize) {
+        let state = self.state.lock().unwrap();
+        drop(self.changed.wait_while(state, |s| s.waiting < n).unwrap());
+    }
+
+    fn pass(&self) {
+        let mut state = self.state.lock().unwrap();
+        state.waiting += 1;
+        self.changed.notify_all();
+        drop(self.changed.wait_while(state, |s| !s.open).unwrap());
+    }
 }
 
 /// In-memory dataplane; clones share one fake kernel.
 #[derive(Clone, Debug, Default)]
-pub struct FakeDataplane(Rc<RefCell<FakeKernel>>);
+pub struct FakeDataplane(Arc<Mutex<FakeKernel>>);
 
 impl FakeDataplane {
     /// A fake kernel that holds `installed`.
@@ -40,8 +77,8 @@ impl FakeDataplane {
     }
 
     /// The fake kernel.
-    pub fn kernel(&self) -> RefMut<'_, FakeKernel> {
-        self.0.borrow_mut()
+    pub fn kernel(&self) -> MutexGuard<'_, FakeKernel> {
+        self.0.lock().unwrap()
     }
 }
 
@@ -65,7 +102,15 @@ impl Dataplane for FakeDataplane {
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
-        self.kernel().checks += 1;
+        let gate = {
+            let mut kernel = self.kernel();
+            kernel.checks += 1;
+            kernel.gate.clone()
+        };
+        // Held without the kernel's lock: applies go on meanwhile, as on a real node.
+        if let Some(gate) = gate {
+            gate.pass();
+        }
         Ok(match &self.kernel().installed {
             None => Check::Missing,
             Some(installed) if installed == rules => Check::Matches,
@@ -82,5 +127,9 @@ impl Dataplane for FakeDataplane {
     fn remove(&mut self) -> Result<(), Error> {
         self.kernel().installed = None;
         Ok(())
+    }
+
+    fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {
+        Ok(Box::new(self.clone()))
     }
 }

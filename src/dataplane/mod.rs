@@ -40,7 +40,10 @@ pub enum Check {
 }
 
 /// A netfilter backend the agent can switch routes with.
-pub trait Dataplane {
+///
+/// `Send`, so that a [`Dataplane::reader`] can read back on a worker thread while the control
+/// loop decides and applies.
+pub trait Dataplane: Send {
     /// Short name for logs and status, e.g. `nftables`.
     fn name(&self) -> &'static str;
     /// Replaces whatever the agent has installed with `rules`, in one atomic transaction, then
@@ -48,8 +51,23 @@ pub trait Dataplane {
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error>;
     /// Reads back what is installed and compares it with `rules`.
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error>;
+    /// [`Dataplane::check`] of what lives in the `changed` tables only (announced changed
+    /// since the last check); the rest is taken to be as last read back, since every change to
+    /// it is announced. The default reads everything.
+    fn check_changed(
+        &mut self,
+        rules: &RuleSet,
+        changed: &[nftables::TableRef],
+    ) -> Result<Check, Error> {
+        let _ = changed;
+        self.check(rules)
+    }
     /// Removes everything the agent installed; `Ok` when nothing was.
     fn remove(&mut self) -> Result<(), Error>;
+    /// A second handle on the same objects, for [`Dataplane::check`]s off the control loop: it
+    /// shares nothing with this one but what the kernel holds (its own netlink socket), so a
+    /// check can run on another thread while this one applies. Only `check` is called on it.
+    fn reader(&self) -> Result<Box<dyn Dataplane>, Error>;
     /// Packets the cache has sent from the cluster-DNS IP so far (to pods and host clients), as
     /// counted by the agent's "cache replies" rules: a drain waits for this to stop moving. The
     /// link-local address is left out: the agent's own probes go there. `None` when the backend
@@ -179,6 +197,51 @@ impl Dataplane for Layered {
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
         let checks = self.parts().map(|p| p.check(rules)).collect::<Result<Vec<_>, _>>()?;
+        self.combine(checks)
+    }
+
+    /// Reads back only the parts whose tables were announced changed; the others count as
+    /// matching (they did at the last read-back, and nothing of theirs changed since).
+    fn check_changed(
+        &mut self,
+        rules: &RuleSet,
+        changed: &[nftables::TableRef],
+    ) -> Result<Check, Error> {
+        let checks = self
+            .parts()
+            .map(|p| match p.announced_tables() {
+                Some(tables) if !tables.iter().any(|t| changed.contains(t)) => Ok(Check::Matches),
+                _ => p.check_changed(rules, changed),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.combine(checks)
+    }
+
+    fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
+        self.switch.reply_packets()
+    }
+
+    fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {
+        let accepts = self.accepts.iter().map(|d| d.reader()).collect::<Result<_, _>>()?;
+        Ok(Box::new(Layered::new(self.switch.reader()?, accepts)))
+    }
+
+    fn remove(&mut self) -> Result<(), Error> {
+        // Every part, even after a failure, then the first failure.
+        let mut first = Ok(());
+        for part in self.parts() {
+            let result = part.remove();
+            if first.is_ok() {
+                first = result;
+            }
+        }
+        first
+    }
+}
+
+impl Layered {
+    /// One check from the parts' checks, in the order of [`Layered::parts`].
+    fn combine(&mut self, checks: Vec<Check>) -> Result<Check, Error> {
         if let Some(differs) = checks.iter().find(|c| matches!(c, Check::Differs(_))) {
             return Ok(differs.clone());
         }
@@ -195,22 +258,6 @@ impl Dataplane for Layered {
                 .collect();
             Check::Differs(format!("missing in {}", missing.join(", ")))
         })
-    }
-
-    fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
-        self.switch.reply_packets()
-    }
-
-    fn remove(&mut self) -> Result<(), Error> {
-        // Every part, even after a failure, then the first failure.
-        let mut first = Ok(());
-        for part in self.parts() {
-            let result = part.remove();
-            if first.is_ok() {
-                first = result;
-            }
-        }
-        first
     }
 }
 
@@ -261,5 +308,27 @@ mod tests {
 
         layered.remove().unwrap();
         assert_eq!(layered.check(&local).unwrap(), Check::Missing);
+    }
+
+    #[test]
+    fn layered_reads_back_only_the_parts_announced_changed() {
+        let (switch, accepts) = (FakeDataplane::default(), FakeDataplane::default());
+        accepts.kernel().announces = true;
+        let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
+        let rules = plan(&addrs(), Route::Local, Shape { accepts: true, fast_path: true });
+        layered.apply(&rules).unwrap();
+        let fake_table = nftables::TableRef { family: 1, name: "fake".to_owned() };
+        let other = nftables::TableRef { family: 2, name: "nat".to_owned() };
+        accepts.kernel().installed = None;
+        // Another table changed: the announced part is not read (its change would have been
+        // announced); the part that announces nothing always is.
+        let before = (switch.kernel().checks, accepts.kernel().checks);
+        assert_eq!(layered.check_changed(&rules, &[other]).unwrap(), Check::Matches);
+        assert_eq!(switch.kernel().checks, before.0 + 1);
+        assert_eq!(accepts.kernel().checks, before.1);
+        assert_eq!(
+            layered.check_changed(&rules, &[fake_table]).unwrap(),
+            Check::Differs("missing in fake".into())
+        );
     }
 }

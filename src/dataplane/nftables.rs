@@ -668,6 +668,11 @@ impl Dataplane for Nftables {
     fn remove(&mut self) -> Result<(), super::Error> {
         Ok(self.delete()?)
     }
+
+    /// Its own socket: a dump on it cannot mix with a batch on this one.
+    fn reader(&self) -> Result<Box<dyn Dataplane>, super::Error> {
+        Ok(Box::new(Nftables::new()?))
+    }
 }
 
 /// `NF_INET_*`, as nftnl and the kernel number hooks.

@@ -211,7 +211,8 @@ impl SimNode {
             .expect("spawn agent");
         let agent = Agent { child: Some(child), state_dir, log };
         if wait_local {
-            agent.wait_route("local", Duration::from_secs(10));
+            // Generous: at start, `auto` saves every table (seconds with 50,000 nat rules).
+            agent.wait_route("local", Duration::from_secs(30));
         } else {
             wait_for("the agent's state", Duration::from_secs(10), || agent.state());
         }

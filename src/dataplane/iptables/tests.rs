@@ -931,3 +931,26 @@ mod kernel {
         assert_eq!(packets(), 2, "NOTRACK for a cache bound to the wildcard address");
     }
 }
+
+#[test]
+fn chain_listings_read_as_one_table() {
+    use super::text::{no_such_chain, parse_listing};
+    // What `iptables-nft -t raw -S PREROUTING` then `-S NODELOCALDNS-HA-PREROUTING` print.
+    let listed = "-P PREROUTING ACCEPT\n\
+        -A PREROUTING -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-PREROUTING\n\
+        -A PREROUTING -m comment --comment cali:fake -j ACCEPT\n\
+        -N NODELOCALDNS-HA-PREROUTING\n\
+        -A NODELOCALDNS-HA-PREROUTING -d 10.96.0.10/32 -p udp -m udp --dport 53 -m comment --comment \"host to cache\" -j NOTRACK\n\
+        # Warning: iptables-legacy tables present, use iptables-legacy to see them\n";
+    let saved = parse_listing(listed, "raw").unwrap();
+    let names: Vec<&str> = saved.chains.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["PREROUTING", "NODELOCALDNS-HA-PREROUTING"]);
+    assert_eq!(saved.chains[0].rules.len(), 2);
+    assert_eq!(saved.chains[1].rules.len(), 1);
+    assert!(parse_listing("-Z PREROUTING\n", "raw").is_err());
+    let nft = "iptables v1.8.9 (nf_tables): chain `NODELOCALDNS-HA-OUTPUT' in table `raw' is incompatible, use 'nft' tool.\n";
+    assert!(no_such_chain(nft, "NODELOCALDNS-HA-OUTPUT"));
+    assert!(!no_such_chain(nft, "NODELOCALDNS-HA-PREROUTING"));
+    assert!(no_such_chain("iptables: No chain/target/match by that name.\n", "X"));
+    assert!(!no_such_chain("iptables v1.8.9 (nf_tables): Could not fetch rule set generation id: Permission denied (you must be root)\n", "X"));
+}

@@ -317,6 +317,44 @@ pub(super) fn parse_save(text: &str, table: &str) -> Result<Saved, ParseError> {
     }
 }
 
+/// Chain-scoped listings (`iptables -t <table> -S <chain>`, one after the other) read as one
+/// table: `-P <chain> <policy>` and `-N <chain>` declare a chain, `-A` lines are its rules,
+/// printed as `iptables-save` prints them.
+pub(super) fn parse_listing(text: &str, table: &str) -> Result<Saved, ParseError> {
+    let mut save = format!("*{table}\n");
+    for (number, line) in (1..).zip(text.lines()) {
+        let line = line.trim_end();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if let Some(chain) = line.strip_prefix("-P ").or_else(|| line.strip_prefix("-N ")) {
+            let name = chain.split(' ').next().unwrap_or_default();
+            save.push_str(&format!(":{name} - [0:0]\n"));
+        } else if line.starts_with("-A ") {
+            save.push_str(line);
+            save.push('\n');
+        } else {
+            return Err(ParseError {
+                line: number,
+                reason: "not a chain or a rule",
+                text: line.to_owned(),
+            });
+        }
+    }
+    save.push_str("COMMIT\n");
+    parse_save(&save, table)
+}
+
+/// Whether `iptables -S <chain>` failed because the chain does not exist: iptables-legacy says
+/// "No chain/target/match by that name", iptables-nft 1.8.9 "chain `<chain>' in table `<table>'
+/// is incompatible" (its cache holds no such chain). A chain of the agent's that iptables-nft
+/// calls incompatible for another reason (someone wrote nft rules into it) is thus taken for
+/// absent, and the next apply declares it anew.
+pub(super) fn no_such_chain(stderr: &str, chain: &str) -> bool {
+    stderr.contains("No chain/target/match by that name")
+        || stderr.contains(&format!("chain `{chain}' in table"))
+}
+
 /// Whether a saved rule jumps (or goes) to `chain`: a jump to a user chain has no target
 /// options, so `-j <chain>` ends the line (a comment ending so would end with a quote).
 fn targets(line: &str, chain: &str) -> bool {
@@ -481,6 +519,24 @@ pub(super) fn apply_script(table: Table, saved: &Saved, wanted: &Wanted) -> Stri
             script.push('\n');
         }
         script.push_str(&format!("-I {} 1 {}\n", hooked.builtin, hooked.jump_spec()));
+    }
+    script.push_str("COMMIT\n");
+    script
+}
+
+/// The `iptables-restore --noflush` transaction that refills the agent's chains with `wanted`
+/// (declaring a chain creates or flushes it) and leaves every jump as it is: enough when the
+/// jumps are known to be in place.
+pub(super) fn fill_script(table: Table, wanted: &Wanted) -> String {
+    let mut script = format!("*{}\n", table.as_str());
+    for chain in &wanted.chains {
+        script.push_str(&format!(":{} - [0:0]\n", chain.hooked.own));
+    }
+    for chain in &wanted.chains {
+        for rule in &chain.rules {
+            script.push_str(rule);
+            script.push('\n');
+        }
     }
     script.push_str("COMMIT\n");
     script
