@@ -237,11 +237,30 @@ pub fn ipvs_refusal(found: &Detection, cluster_dns: &[IpAddr]) -> Option<String>
     ))
 }
 
+/// Whether this kernel has IPv6 at all: not on one booted with `ipv6.disable=1`, where every
+/// `ip6tables-*` command fails. A family the kernel lacks is absent, not an error.
+pub fn kernel_has_ipv6() -> bool {
+    use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
+    match socket(AddressFamily::Inet6, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None) {
+        Ok(_) => true,
+        Err(errno) => errno != nix::errno::Errno::EAFNOSUPPORT,
+    }
+}
+
+/// The iptables command prefixes of the families this kernel has: `iptables`, `ip6tables`.
+fn iptables_families() -> &'static [&'static str] {
+    if kernel_has_ipv6() {
+        &["iptables", "ip6tables"]
+    } else {
+        &["iptables"]
+    }
+}
+
 /// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
 /// missing (a node without that flavour). Failures of binaries that exist go to `unreadable`.
 fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
     let mut text = String::new();
-    for family in ["iptables", "ip6tables"] {
+    for family in iptables_families() {
         let binary = format!("{family}-{}-save", flavour.as_str());
         match Command::new(&binary).output() {
             Ok(out) if out.status.success() => text.push_str(&String::from_utf8_lossy(&out.stdout)),
@@ -275,7 +294,7 @@ pub fn gather(kube_proxy_nftables: bool, addrs: &[IpAddr]) -> Facts {
 pub fn gather_builtin_chains(flavour: Flavour, addrs: &[IpAddr]) -> (SaveFacts, Vec<String>) {
     let mut unreadable = Vec::new();
     let mut text = String::new();
-    for family in ["iptables", "ip6tables"] {
+    for family in iptables_families() {
         let binary = format!("{family}-{}", flavour.as_str());
         for (table, chain) in
             [("raw", "PREROUTING"), ("raw", "OUTPUT"), ("filter", "INPUT"), ("filter", "OUTPUT")]

@@ -114,6 +114,13 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
+            let v6 = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).find(|ip| ip.is_ipv6());
+            if let (Some(ip), false) = (v6, detect::kernel_has_ipv6()) {
+                return Err(Failure::usage(format!(
+                    "{ip} is an IPv6 address, but this kernel has no IPv6 (booted with \
+                     ipv6.disable=1?): give --local-ip and --cluster-dns-ip IPv4 addresses only"
+                )));
+            }
             if args.dataplane == DataplaneKind::IptablesLegacy {
                 require_net_raw_for_legacy()?;
             }

@@ -190,6 +190,15 @@ pub enum Error {
         /// The line of the transaction it refused, as ` (at `…`)`, if it said which.
         at: String,
     },
+    /// The ruleset has rules for an address family the kernel does not have.
+    #[error(
+        "the ruleset has {family} rules but this kernel has no {family} (booted with \
+         ipv6.disable=1?): give --local-ip and --cluster-dns-ip addresses of the node's families"
+    )]
+    FamilyMissing {
+        /// `IPv6`.
+        family: &'static str,
+    },
     /// `iptables-save` failed.
     #[error(
         "{binary} -t {table} failed ({status}): {stderr} (needs CAP_NET_ADMIN in the node's \
@@ -266,6 +275,9 @@ pub struct Iptables {
     /// What this backend's last apply found in each family when it read back (indexed like
     /// [`Family::ALL`]): lets the next apply go straight to its transaction.
     verified: [Verified; 2],
+    /// The families the kernel has: IPv4, and IPv6 unless it was booted with
+    /// `ipv6.disable=1` (then `ip6tables-*` fail, and there is nothing of ours to find there).
+    families: Vec<Family>,
 }
 
 /// What an apply's read-back found in one family.
@@ -301,6 +313,10 @@ impl Iptables {
             lock_wait_secs: lock_wait_secs(lock_wait),
             binaries: [binaries(Family::V4)?, binaries(Family::V6)?],
             verified: [Verified::Unknown; 2],
+            families: Family::ALL
+                .into_iter()
+                .filter(|&f| f == Family::V4 || crate::detect::kernel_has_ipv6())
+                .collect(),
         })
     }
 
@@ -467,7 +483,7 @@ impl Iptables {
         read: impl Fn(Family) -> bool,
     ) -> Result<Vec<(Family, bool, State)>, Error> {
         let mut states = Vec::new();
-        for family in Family::ALL {
+        for &family in &self.families {
             let wanted = text::wanted(rules, self.table, family);
             let state = if read(family) {
                 let saved = self.read(family)?;
@@ -483,7 +499,7 @@ impl Iptables {
     }
 
     fn remove_families(&self) -> Result<(), Error> {
-        for family in Family::ALL {
+        for &family in &self.families {
             if let Some(script) = text::remove_script(self.table, &self.save(family)?) {
                 self.restore(family, &script)?;
             }
@@ -506,8 +522,15 @@ impl Dataplane for Iptables {
         if let Some(comment) = text::unstorable_comment(rules, self.table) {
             return Err(Error::Comment(comment.to_owned()).into());
         }
+        if let Some(&missing) = Family::ALL
+            .iter()
+            .find(|f| !self.families.contains(f) && text::wanted(rules, self.table, **f).is_some())
+        {
+            return Err(Error::FamilyMissing { family: missing.label() }.into());
+        }
+        let families = self.families.clone();
         let mut trusted = false;
-        for family in Family::ALL {
+        for &family in &families {
             trusted |= self.apply_family(family, rules, true)?;
         }
         let mut states = self.states(rules, |_| true)?;
@@ -518,7 +541,7 @@ impl Dataplane for Iptables {
         };
         if trusted && !as_wanted(&states) {
             // Someone moved or removed a jump since: read, then change what is needed.
-            for family in Family::ALL {
+            for &family in &families {
                 self.apply_family(family, rules, false)?;
             }
             states = self.states(rules, |_| true)?;
@@ -585,7 +608,7 @@ impl Dataplane for Iptables {
             return Ok(None);
         }
         let mut total = 0;
-        for family in Family::ALL {
+        for &family in &self.families {
             let binary = &self.binaries(family).save;
             let done = self.run(binary, &["-c", "-t", "raw"], None)?;
             if !done.status.success() {
