@@ -49,11 +49,21 @@ fn test_names(root: &Path) -> Vec<String> {
         }
         let text = std::fs::read_to_string(&path).expect("read test file");
         let mut lines = text.lines();
+        // Inside a top-level macro call (`guest_tests! { fn name() { … } }`), every `fn` is a
+        // test the macro makes.
+        let mut in_macro = false;
         while let Some(line) = lines.next() {
+            let fn_name = |f: &str| {
+                f.trim().strip_prefix("fn ").and_then(|f| f.split('(').next()).map(str::to_owned)
+            };
             if line.trim() == "#[test]" {
-                let f = lines.next().unwrap_or_default().trim();
-                let name = f.strip_prefix("fn ").and_then(|f| f.split('(').next());
-                names.extend(name.map(str::to_owned));
+                names.extend(fn_name(lines.next().unwrap_or_default()));
+            } else if !line.starts_with(' ') && line.ends_with("! {") {
+                in_macro = true;
+            } else if line == "}" {
+                in_macro = false;
+            } else if in_macro {
+                names.extend(fn_name(line));
             }
         }
     }
