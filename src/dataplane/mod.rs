@@ -138,17 +138,36 @@ pub fn installed_route(
 /// is not NOTRACKed is DNATed to CoreDNS); towards `Upstream` the switching part goes first, so
 /// a failed ACCEPT (a held xtables lock) never delays a failover. Removal takes the switching
 /// part first too.
+///
+/// The ACCEPTs are the same in both routes: a route switch that follows a complete apply leaves
+/// them as they are (no xtables lock to wait for, no transaction of another program on the
+/// way). Any other apply, a repair or a retry, rewrites every part.
 pub struct Layered {
     switch: Box<dyn Dataplane>,
     accepts: Vec<Box<dyn Dataplane>>,
     name: &'static str,
+    /// The ruleset of the last apply that succeeded whole.
+    applied: Option<RuleSet>,
 }
 
 impl Layered {
     /// `switch` alone when `accepts` is empty.
     pub fn new(switch: Box<dyn Dataplane>, accepts: Vec<Box<dyn Dataplane>>) -> Layered {
         let name = switch.name();
-        Layered { switch, accepts, name }
+        Layered { switch, accepts, name, applied: None }
+    }
+
+    /// Applies the ACCEPT parts, unless `rules` only switches the route after a complete apply
+    /// with the same ACCEPTs.
+    fn apply_accepts(&mut self, rules: &RuleSet) -> Result<(), Error> {
+        let switch_only = self
+            .applied
+            .as_ref()
+            .is_some_and(|last| last.accepts == rules.accepts && last.chains != rules.chains);
+        if switch_only {
+            return Ok(());
+        }
+        self.accepts.iter_mut().try_for_each(|d| d.apply(rules))
     }
 
     fn parts(&mut self) -> impl Iterator<Item = &mut Box<dyn Dataplane>> {
@@ -172,19 +191,22 @@ impl Dataplane for Layered {
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), Error> {
-        if rules.steers_to_cache() {
-            if let Err(e) = self.accepts.iter_mut().try_for_each(|d| d.apply(rules)) {
+        let result = if rules.steers_to_cache() {
+            match self.apply_accepts(rules) {
                 // The ACCEPTs may be gone (a firewall reload flushed them) and cannot be put
                 // back now: take the steering out rather than leave it without them. Best
                 // effort: the error returned is the ACCEPTs', and the retry restores it all.
-                let _ = self.switch.apply(&rules.clone().without_cache_steering());
-                return Err(e);
+                Err(e) => {
+                    let _ = self.switch.apply(&rules.clone().without_cache_steering());
+                    Err(e)
+                }
+                Ok(()) => self.switch.apply(rules),
             }
-            self.switch.apply(rules)
         } else {
-            self.switch.apply(rules)?;
-            self.accepts.iter_mut().try_for_each(|d| d.apply(rules))
-        }
+            self.switch.apply(rules).and_then(|()| self.apply_accepts(rules))
+        };
+        self.applied = result.is_ok().then(|| rules.clone());
+        result
     }
 
     fn announced_tables(&self) -> Option<Vec<nftables::TableRef>> {
@@ -296,15 +318,23 @@ mod tests {
         assert_eq!(layered.check(&local).unwrap(), Check::Matches);
         assert_eq!(installed_route(&mut layered, &addrs(), shape).unwrap(), Some(Route::Local));
 
-        // Towards Upstream, the switching part goes first: a failed ACCEPT does not delay it.
+        // A switch after a complete apply leaves the ACCEPTs (the same in both routes) alone:
+        // a held xtables lock cannot touch it.
         assert!(!upstream.steers_to_cache());
+        let before = accepts.kernel().applies;
         accepts.kernel().fail_next_apply = true;
+        layered.apply(&upstream).unwrap();
+        assert_eq!(accepts.kernel().applies, before, "the ACCEPTs were rewritten");
+        assert_eq!(switch.kernel().installed.as_ref(), Some(&upstream));
+
+        // A repair (the same ruleset again) rewrites every part; towards Upstream the
+        // switching part goes first, so a failed ACCEPT does not delay it.
+        switch.kernel().installed = None;
         assert!(layered.apply(&upstream).is_err());
         assert_eq!(switch.kernel().installed.as_ref(), Some(&upstream));
-        assert_eq!(
-            layered.check(&upstream).unwrap(),
-            Check::Differs("installed ruleset differs".into())
-        );
+        // After a failure nothing is taken for granted: the next switch rewrites the ACCEPTs.
+        layered.apply(&local).unwrap();
+        assert_eq!(accepts.kernel().applies, before + 1);
 
         layered.remove().unwrap();
         assert_eq!(layered.check(&local).unwrap(), Check::Missing);
