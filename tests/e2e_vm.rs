@@ -95,6 +95,21 @@ const AGENT_TIMING: [&str; 8] = [
     "400ms",
 ];
 
+/// For the netem tests, which assert that a healthy cache never leaves Local: probes slow
+/// enough that a guest CPU starved by its host (TCG under load) is not a hung cache.
+const CALM_TIMING: [&str; 10] = [
+    "--interval",
+    "500ms",
+    "--timeout",
+    "400ms",
+    "--fall",
+    "5",
+    "--upstream-interval",
+    "500ms",
+    "--upstream-timeout",
+    "400ms",
+];
+
 /// A pod client at a pace the single guest CPU sustains, with glibc's 2 attempts of 2 s.
 fn pod_load(node: &SimNode, server: &str) -> Load {
     node.load(
@@ -344,7 +359,7 @@ fn netem_lossy_or_slow_coredns_does_not_move_a_healthy_cache() {
     in_guest(test_name!(), || {
         let node = SimNode::up_with(&["--kube-proxy", "iptables-nft", "--listen-dev", "dummy"]);
         let mut args = vec!["--dataplane", "nftables"];
-        args.extend(AGENT_TIMING);
+        args.extend(CALM_TIMING);
         let agent = node.agent(&args);
         let mut pod = pod_load(&node, CLUSTER_DNS_IP);
         wait_only(&mut pod, "cache");
@@ -383,7 +398,7 @@ fn netem_dead_coredns_and_hung_cache_hold_the_route() {
     in_guest(test_name!(), || {
         let node = SimNode::up_with(&["--kube-proxy", "iptables-nft", "--listen-dev", "dummy"]);
         let mut args = vec!["--dataplane", "nftables"];
-        args.extend(AGENT_TIMING);
+        args.extend(CALM_TIMING);
         let agent = node.agent(&args);
 
         node.script(&["netem", "loss", "100%"]);
