@@ -233,13 +233,10 @@ fn socket_destroy_event_alone_wakes_the_probes_and_switches() {
     // The woken probe is refused within a round trip; 5 s is slack for a loaded machine, and
     // still far from the next tick.
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    let st = loop {
-        let st = agent.state().expect("the agent's state");
-        if st["route"] == "upstream" || std::time::Instant::now() >= deadline {
-            break st;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
+    let st = wait_for("the agent's state", Duration::from_secs(10), || {
+        let st = agent.state()?;
+        (st["route"] == "upstream" || std::time::Instant::now() >= deadline).then_some(st)
+    });
     let woken = cache_probes_sent(&st) - sent_before;
     println!("cache probes sent between the kill and the switch: {woken}");
     assert_eq!(
