@@ -173,8 +173,10 @@ fn foreign_changes_to_the_table_are_repaired() {
 #[test]
 fn host_network_client_fails_over_on_sigkill_at_once() {
     let node = SimNode::up();
-    // Probes every 2 s: a switch within 500 ms of the kill comes from the socket-destroy event.
-    let agent = node.agent(&["--interval", "2s", "--timeout", "1s", "--tcp-interval", "0s"]);
+    // Probes every 60 s (the first at start, the next a minute later): a switch within 500 ms of
+    // the kill can only come from the socket-destroy event.
+    let started = now_ms();
+    let agent = node.agent(&["--interval", "60s", "--timeout", "1s", "--tcp-interval", "0s"]);
     let mut load = node.load(
         "node",
         CLUSTER_DNS_IP,
@@ -195,6 +197,114 @@ fn host_network_client_fails_over_on_sigkill_at_once() {
     println!("host lookups failed: {} (all between the kill and the switch)", failed.len());
     assert_within("failed host lookup", &failed, killed_at - 5, switched);
     assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
+    assert!(now_ms() < started + 60_000, "ran past the second tick: the switch proves nothing");
+}
+
+/// The cache's probes sent so far (`cache_udp.sent`) in a state.
+fn cache_probes_sent(state: &serde_json::Value) -> u64 {
+    state["probes"]["cache_udp"]["sent"].as_u64().expect("cache_udp.sent")
+}
+
+/// Waits for the probes of the agent's first tick (at start) to be counted; returns the state.
+fn first_tick_counted(agent: &Agent) -> serde_json::Value {
+    let st = wait_for("the first tick's probes", Duration::from_secs(5), || {
+        agent.state().filter(|s| {
+            cache_probes_sent(s) >= 1 && s["probes"]["upstream"]["sent"].as_u64() >= Some(1)
+        })
+    });
+    assert_eq!(cache_probes_sent(&st), 1, "more than the first tick's cache probe: {st}");
+    st
+}
+
+/// Socket-destroy events alone move the route. Probes run every 60 s, the first at start, so
+/// no ordinary probe is due before `started + 60 s`: a switch before then, and the one cache
+/// probe behind it, can only come from the event that woke the probes. Broken events
+/// (`--socket-events false`, or a watch that does not wake the probes) leave the route on
+/// `Local` with no probe sent after the kill: this fails every time, not when a tick happens to
+/// fall outside a window.
+#[test]
+fn socket_destroy_event_alone_wakes_the_probes_and_switches() {
+    let node = SimNode::up();
+    let started = now_ms();
+    let agent = node.agent(&["--interval", "60s", "--timeout", "1s", "--tcp-interval", "0s"]);
+    let sent_before = cache_probes_sent(&first_tick_counted(&agent));
+
+    let killed_at = node.signal("cache-kill");
+    // The woken probe is refused within a round trip; 5 s is slack for a loaded machine, and
+    // still far from the next tick.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let st = wait_for("the agent's state", Duration::from_secs(10), || {
+        let st = agent.state()?;
+        (st["route"] == "upstream" || std::time::Instant::now() >= deadline).then_some(st)
+    });
+    let woken = cache_probes_sent(&st) - sent_before;
+    println!("cache probes sent between the kill and the switch: {woken}");
+    assert_eq!(
+        st["route"], "upstream",
+        "no switch within 5 s of the kill ({woken} cache probes sent since): {st}"
+    );
+    let switch_ms = st["since_unix_ms"].as_u64().unwrap();
+    println!("switched {} ms after the kill", switch_ms.saturating_sub(killed_at));
+    assert!(st["reason"].as_str().unwrap().contains("refused"), "{st}");
+    // The state is written in the loop's turn that switched: exactly the probe the event woke.
+    assert_eq!(woken, 1, "not one woken probe behind the switch: {st}");
+    assert!(now_ms() < started + 60_000, "ran past the second tick: the switch proves nothing");
+}
+
+/// The kernel fast path alone fails pods over. With socket events off and probes every 60 s the
+/// agent cannot notice the cache's SIGKILL (no probe is due before `started + 60 s`): the route
+/// stays `Local` and no cache probe is sent, yet no pod lookup fails, CoreDNS answers while the
+/// cache is dead and the cache again once it is back, and only queries already queued in the
+/// dying cache lose their first attempt. Without the fast path (`--fast-path false`) every pod
+/// query meets the dead cache's address and is refused twice: red every time.
+#[test]
+fn cache_sigkill_fast_path_alone_fails_pods_over() {
+    let node = SimNode::up();
+    let started = now_ms();
+    let agent = node.agent(&[
+        "--interval",
+        "60s",
+        "--timeout",
+        "1s",
+        "--tcp-interval",
+        "0s",
+        "--socket-events",
+        "false",
+    ]);
+    let sent_before = cache_probes_sent(&first_tick_counted(&agent));
+    let mut load = node.load(
+        "pod1",
+        POD_SERVER,
+        &["--rate", "500", "--duration", "4s", "--report-interval", "250ms"],
+    );
+    load.wait_cache_answers();
+
+    let killed_at = node.signal("cache-kill");
+    // A whole interval after the kill: answered by CoreDNS (fast path), or failing (none).
+    load.wait_line("a whole interval without the cache", Duration::from_secs(5), |l| {
+        field(l, "cache") == Some(0)
+            && (field(l, "coredns") > Some(0) || field(l, "failed") > Some(0))
+    });
+    node.script(&["cache-start"]);
+    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+    });
+    let summary = load.finish();
+    println!("summary: {summary}");
+    let st = agent.state().expect("the agent's state");
+    assert!(now_ms() < started + 60_000, "ran past the second tick: the result proves nothing");
+    // The agent did nothing: the kernel alone moved the pods, both ways.
+    assert_eq!(st["route"], "local", "{st}");
+    assert_eq!(st["transitions"], 0, "{st}");
+    assert_eq!(cache_probes_sent(&st), sent_before, "a cache probe was sent: {st}");
+    assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
+    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
+    assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0, "{summary}");
+    // Only queries already queued in the dying cache lose their first attempt (100 ms of slack
+    // either side for scheduling on a shared machine).
+    let lost = sent_at(&summary, "first_attempt_lost_at_ms");
+    println!("first attempts lost: {}", lost.len());
+    assert_within("first attempt lost", &lost, killed_at - 100, killed_at + 100);
 }
 
 /// Acceptance 6 and the exit policy: SIGTERM leaves the current route's rules; a restarted agent
