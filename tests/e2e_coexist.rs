@@ -46,34 +46,92 @@ fn filter_drop_iptables_nft() {
     filter_drop("iptables-nft");
 }
 
+/// What a simnode noise loop's rounds did since its `-start` (`simnode.sh NOISE-rounds`).
+#[derive(Debug, Clone, Copy)]
+struct Rounds {
+    ok: u64,
+    failed: u64,
+    /// cni-noise: rounds that found its rule already first in raw PREROUTING.
+    in_front: u64,
+}
+
+fn rounds(node: &SimNode, noise: &str) -> Rounds {
+    let text = node.script(&[&format!("{noise}-rounds")]);
+    let count = |key: &str| {
+        text.split_whitespace()
+            .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in {noise}-rounds: {text:?}"))
+    };
+    Rounds { ok: count("ok"), failed: count("failed"), in_front: count("in_front") }
+}
+
+/// What one run under noise saw: the client's summary, the agent's state, the loop's rounds
+/// that ended while the client ran (`during`, its `in_front` included) and in all (`total`),
+/// and the first rule of raw PREROUTING read (in the flavour's iptables) as the client ended.
+struct Noisy {
+    summary: serde_json::Value,
+    st: serde_json::Value,
+    during: Rounds,
+    total: Rounds,
+    raw_first: String,
+}
+
 /// Runs pod lookups at 200/s for `duration` while simnode's `noise` loop (`cni-noise`,
-/// `kube-proxy-resync`) rewrites the node's rules; the client's summary and the agent's state.
-fn under_noise(
-    kube_proxy: &str,
-    dataplane: &str,
-    noise: &str,
-    duration: &str,
-) -> (serde_json::Value, serde_json::Value) {
+/// `kube-proxy-resync`) rewrites the node's rules.
+fn under_noise(kube_proxy: &str, dataplane: &str, noise: &str, duration: &str) -> Noisy {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
     let agent = node.agent(&["--dataplane", dataplane]);
     node.script(&[&format!("{noise}-start")]);
+    let before = rounds(&node, noise);
     let args = ["--rate", "200", "--duration", duration, "--report-interval", "0"];
     let summary = node.load("pod1", CLUSTER_DNS_IP, &args).finish();
+    let after = rounds(&node, noise);
+    let raw_first = if noise == "cni-noise" {
+        // The CNI's flavour is kube-proxy's (`iptables-nft` or `iptables-legacy`).
+        let out = node.run("node", kube_proxy, &["-t", "raw", "-S", "PREROUTING"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        let raw = String::from_utf8_lossy(&out.stdout).into_owned();
+        raw.lines().find(|l| l.starts_with("-A PREROUTING ")).unwrap_or("").replace('"', "")
+    } else {
+        String::new()
+    };
     node.script(&[&format!("{noise}-stop")]);
-    (summary, agent.state().expect("state"))
+    let total = rounds(&node, noise);
+    let during = Rounds {
+        ok: after.ok - before.ok,
+        failed: after.failed - before.failed,
+        in_front: after.in_front - before.in_front,
+    };
+    println!("{noise}: {during:?} while the client ran, {total:?} in all");
+    Noisy { summary, st: agent.state().expect("state"), during, total, raw_first }
+}
+
+/// Asserts the loop ran: no round failed, and at least `n` succeeded while the client ran (a
+/// round a second; the client runs `n + 1` s or more).
+fn assert_ran(noisy: &Noisy, n: u64) {
+    assert_eq!(noisy.total.failed, 0, "rounds of the noise failed: {:?}", noisy.total);
+    assert!(noisy.during.ok >= n, "the noise ran {:?} while the client ran", noisy.during);
 }
 
 /// Issue 3, acceptance 4: a CNI that puts an ACCEPT-everything rule at the top of raw
 /// PREROUTING every second. nftables' chain runs before every iptables raw chain, so nothing
-/// changes; the iptables backends get their jump back within a tick each time.
+/// changes: the CNI's rule stays first in raw PREROUTING (every round finds it there) while pods
+/// are answered by the cache; the iptables backends get their jump back within a tick each time.
 fn cni_noise(kube_proxy: &str, dataplane: &str) {
-    let (summary, st) = under_noise(kube_proxy, dataplane, "cni-noise", "5s");
+    let noisy = under_noise(kube_proxy, dataplane, "cni-noise", "5s");
+    let (summary, st) = (&noisy.summary, &noisy.st);
     println!("{dataplane}: repairs {} summary {summary}", st["repairs"]);
+    assert_ran(&noisy, 3);
     assert_eq!(summary["failed"], 0, "{summary}");
     let coredns = summary["by_origin"]["coredns"].as_u64().unwrap();
     let sent = summary["sent"].as_u64().unwrap();
     if dataplane == "nftables" {
+        let cni = "-A PREROUTING -m comment --comment cali:fake -j ACCEPT";
+        assert_eq!(noisy.raw_first, cni, "the CNI's rule is not first in raw PREROUTING");
+        // Every round that ended while the client ran found it first: it stayed in front.
+        assert_eq!(noisy.during.in_front, noisy.during.ok, "{:?}", noisy.during);
         assert_eq!(coredns, 0, "the CNI's raw ACCEPT got in front of nftables: {summary}");
+        assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
     } else {
         // The CNI wins for at most a tick (100 ms) per second: at most ~10% plus slack.
         assert!(st["repairs"].as_u64().unwrap() >= 3, "the agent never fought back: {st}");
@@ -97,11 +155,13 @@ fn cni_noise_iptables_legacy() {
 }
 
 /// Issue 3, acceptance 4: kube-proxy re-running `iptables-restore --noflush` of its own chains
-/// (or its nftables transaction) every second never touches the agent's rules.
+/// (or its nftables transaction) every second never touches the agent's rules; every sync
+/// succeeded, at least 3 while the client ran.
 fn kube_proxy_resync(kube_proxy: &str, dataplane: &str) {
-    let (summary, st) = under_noise(kube_proxy, dataplane, "kube-proxy-resync", "4s");
-    assert_eq!(st["repairs"], 0, "kube-proxy's sync changed the agent's rules: {st}");
-    assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
+    let noisy = under_noise(kube_proxy, dataplane, "kube-proxy-resync", "4s");
+    assert_ran(&noisy, 3);
+    assert_eq!(noisy.st["repairs"], 0, "kube-proxy's sync changed the agent's rules: {}", noisy.st);
+    assert_eq!(noisy.summary["by_origin"]["cache"], noisy.summary["sent"], "{}", noisy.summary);
 }
 
 #[test]
