@@ -84,7 +84,7 @@ struct Noisy {
 
 /// Runs pod lookups at 200/s while simnode's `noise` loop (`cni-noise`, `kube-proxy-resync`)
 /// rewrites the node's rules, until the loop has finished `n` more successful rounds (one a
-/// second; it times out when they fail).
+/// second); a failed round fails the test at once.
 fn under_noise(kube_proxy: &str, dataplane: &str, noise: &str, n: u64) -> Noisy {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
     let agent = node.agent(&["--dataplane", dataplane]);
@@ -95,19 +95,28 @@ fn under_noise(kube_proxy: &str, dataplane: &str, noise: &str, n: u64) -> Noisy 
     let counts = node.dir.join(format!("{noise}.rounds"));
     wait_for(&format!("{n} successful rounds of {noise}"), Duration::from_secs(30), || {
         let now = std::fs::read_to_string(&counts).ok().as_deref().and_then(Rounds::parse);
+        if let Some(r) = now.filter(|r| r.failed > 0) {
+            panic!("a round of {noise} failed: {r:?} (its log: {noise}.log)");
+        }
         now.filter(|r| r.ok >= before.ok + n)
     });
-    let summary = load.interrupt();
-    let after = rounds(&node, noise);
-    let raw_first = if noise == "cni-noise" {
+    let raw_prerouting = || {
         // The CNI's flavour is kube-proxy's (`iptables-nft` or `iptables-legacy`).
         let out = node.run("node", kube_proxy, &["-t", "raw", "-S", "PREROUTING"]);
         assert!(out.status.success(), "{}", describe(&out));
         let raw = String::from_utf8_lossy(&out.stdout).into_owned();
         raw.lines().find(|l| l.starts_with("-A PREROUTING ")).unwrap_or("").replace('"', "")
-    } else {
-        String::new()
     };
+    if noise == "cni-noise" && dataplane != "nftables" {
+        // The last round put the CNI's rule first: end once the agent has moved its jump back
+        // (one repair per round that found it moved), not in the middle of the CNI's win.
+        let done = Rounds::parse(&std::fs::read_to_string(&counts).unwrap_or_default());
+        let moved = done.map_or(0, |r| r.ok - r.in_front);
+        agent.wait_repairs(moved, Duration::from_secs(10));
+    }
+    let summary = load.interrupt();
+    let after = rounds(&node, noise);
+    let raw_first = if noise == "cni-noise" { raw_prerouting() } else { String::new() };
     node.script(&[&format!("{noise}-stop")]);
     let total = rounds(&node, noise);
     let during = Rounds {
