@@ -136,8 +136,15 @@
 #     with endpoint churn: a "has no endpoints" REJECT comes and goes every round, so the
 #     filter table changes every second; nftables mode: `nft -f` of the
 #     transaction that adds and flushes every chain, set and map of `table ip kube-proxy` and
-#     refills them. Both loops return from -start after their first round, and stop at once
-#     (each change is one atomic transaction, so stopping leaves no half-written table).
+#     refills them. Both loops return from -start after their first round, and -start fails
+#     (the loop stopped, its log's tail shown) when that round failed; they stop at once (each
+#     change is one atomic transaction, so stopping leaves no half-written table).
+#   cni-noise-rounds|kube-proxy-resync-rounds PREFIX
+#     What the loop's rounds did since its -start (also once it has stopped): `ok=N failed=M
+#     in_front=K`. A round is ok when every command of it succeeded (cni-noise: and its rule is
+#     first in raw PREROUTING of every family when it ends); in_front (cni-noise) counts the
+#     rounds that found the rule already first in every family, i.e. nobody had moved it since
+#     the round before.
 #   xtables-lock-hold PREFIX SECONDS              xtables-lock-release PREFIX
 #     Holds the node's xtables lock for SECONDS in the background and prints its path,
 #     <state dir>/xtables.lock. The lock is a file, not per namespace: the host's is
@@ -1088,7 +1095,8 @@ cmd_node_cache_rules() {
 # ---------------------------------------------------------------------------------------------
 # Noise loops: this script run again (`bash SELF __loop PREFIX SVC`) in the node namespace.
 # Each command runs as a background child so that SIGTERM stops the loop at once (the trap kills
-# the child); the loop writes its pid to $RUN_DIR/<svc>.ready after its first round.
+# the child); the loop writes its pid to $RUN_DIR/<svc>.ready after its first round, if that
+# round succeeded (else it exits 1), and its counts to $RUN_DIR/<svc>.rounds after every round.
 
 LOOP_CHILD=""
 loop_exit() {
@@ -1109,14 +1117,18 @@ loop_run() { # loop_run CMD...: run CMD as a child the TERM trap can stop; its e
 }
 loop_log() { echo "$(now_ms) $*"; }
 
-# One round of the CNI plugin: its rule first in raw PREROUTING, and there once.
+# One round of the CNI plugin: its rule first in raw PREROUTING, and there once. Fails when a
+# command failed; sets ROUND_IN_FRONT=0 unless the rule was already first in every family.
 cni_noise_round() {
-    local ipt out="$RUN_DIR/cni-noise.out" restore="$RUN_DIR/cni-noise.restore" want line
+    local ipt out="$RUN_DIR/cni-noise.out" restore="$RUN_DIR/cni-noise.restore" want line rc=0
     local -a rules
     want="-A PREROUTING -m comment --comment cali:fake -j ACCEPT"
+    ROUND_IN_FRONT=1
     for ipt in $(ipt_families); do
         if ! loop_run "$ipt" -w 5 -t raw -S PREROUTING >"$out"; then
             loop_log "$ipt -S failed"
+            rc=1
+            ROUND_IN_FRONT=0
             continue
         fi
         rules=()
@@ -1127,6 +1139,7 @@ cni_noise_round() {
         local n=0 r
         for r in "${rules[@]}"; do [[ "$r" != "$want" ]] || n=$((n + 1)); done
         if ((n == 1)) && [[ "${rules[0]}" == "$want" ]]; then continue; fi
+        ROUND_IN_FRONT=0
         {
             echo "*raw"
             for ((r = 0; r < n; r++)); do echo "-D PREROUTING -m comment --comment cali:fake -j ACCEPT"; done
@@ -1137,8 +1150,10 @@ cni_noise_round() {
             loop_log "$ipt: cali:fake put first (had $n, first rule was: ${rules[0]:-none})"
         else
             loop_log "$ipt-restore failed"
+            rc=1
         fi
     done
+    return "$rc"
 }
 
 # One round of kube-proxy's periodic sync.
@@ -1168,11 +1183,11 @@ kube_proxy_resync_round() {
         done
         KUBE_PROXY_ROUND=$((KUBE_PROXY_ROUND + 1))
     fi
-    if ((ok)); then loop_log "synced"; fi
+    if ((ok)); then loop_log "synced"; else return 1; fi
 }
 
 run_loop() { # run_loop SVC
-    local svc=$1 round tick="$RUN_DIR/$1.tick" first=1
+    local svc=$1 round tick="$RUN_DIR/$1.tick" first=1 ok=0 failed=0 in_front=0
     case $svc in
     cni-noise) round=cni_noise_round ;;
     kube-proxy-resync) round=kube_proxy_resync_round ;;
@@ -1187,8 +1202,21 @@ run_loop() { # run_loop SVC
     exec 9<>"$tick"
     rm -f "$tick"
     while :; do
-        "$round" || loop_log "round failed"
+        ROUND_IN_FRONT=0
+        if "$round"; then
+            ok=$((ok + 1))
+            in_front=$((in_front + ROUND_IN_FRONT))
+        else
+            failed=$((failed + 1))
+            loop_log "round failed"
+        fi
+        echo "ok=$ok failed=$failed in_front=$in_front" >"$RUN_DIR/$svc.rounds.tmp"
+        mv -f "$RUN_DIR/$svc.rounds.tmp" "$RUN_DIR/$svc.rounds"
         if ((first)); then
+            if ((failed)); then
+                loop_log "the first round failed: stopping"
+                exit 1
+            fi
             echo "$$" >"$RUN_DIR/$svc.ready"
             first=0
         fi
@@ -1203,7 +1231,7 @@ loop_start() { # loop_start SVC
         die "kube-proxy-resync is not modelled for --kube-proxy ipvs"
     fi
     ns_exists node || die "namespace $(ns_name node) does not exist"
-    rm -f "$RUN_DIR/$svc.ready"
+    rm -f "$RUN_DIR/$svc.ready" "$RUN_DIR/$svc.rounds"
     svc_start "$svc" node bash "$SELF" __loop "$PREFIX" "$svc"
     pid=$(<"$RUN_DIR/$svc.pid")
     deadline=$(($(now_ms) + 15000))
@@ -1215,6 +1243,11 @@ loop_start() { # loop_start SVC
         fi
         sleep 0.01
     done
+}
+
+loop_rounds() { # loop_rounds SVC: the counts of the loop's rounds since its -start
+    [[ -f "$RUN_DIR/$1.rounds" ]] || die "$1 has not finished a round since its -start"
+    cat "$RUN_DIR/$1.rounds"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -1271,6 +1304,7 @@ main() {
     listen-addrs-del | listen-addrs-add) (($# == 0)) || usage; listen_addrs "${cmd#listen-addrs-}" ;;
     cni-noise-start | kube-proxy-resync-start) (($# == 0)) || usage; loop_start "${cmd%-start}" ;;
     cni-noise-stop | kube-proxy-resync-stop) (($# == 0)) || usage; svc_term "${cmd%-stop}" ;;
+    cni-noise-rounds | kube-proxy-resync-rounds) (($# == 0)) || usage; loop_rounds "${cmd%-rounds}" ;;
     __loop) (($# == 1)) || usage; run_loop "$1" ;; # internal: the noise loops
     xtables-lock-hold) cmd_xtables_lock_hold "$@" ;;
     xtables-lock-release) (($# == 0)) || usage; svc_term xtables-lock ;;

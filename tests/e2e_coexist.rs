@@ -46,34 +46,113 @@ fn filter_drop_iptables_nft() {
     filter_drop("iptables-nft");
 }
 
-/// Runs pod lookups at 200/s for `duration` while simnode's `noise` loop (`cni-noise`,
-/// `kube-proxy-resync`) rewrites the node's rules; the client's summary and the agent's state.
-fn under_noise(
-    kube_proxy: &str,
-    dataplane: &str,
-    noise: &str,
-    duration: &str,
-) -> (serde_json::Value, serde_json::Value) {
+/// What a simnode noise loop's rounds did since its `-start` (`simnode.sh NOISE-rounds`).
+#[derive(Debug, Clone, Copy)]
+struct Rounds {
+    ok: u64,
+    failed: u64,
+    /// cni-noise: rounds that found its rule already first in raw PREROUTING.
+    in_front: u64,
+}
+
+impl Rounds {
+    /// `ok=N failed=M in_front=K`.
+    fn parse(text: &str) -> Option<Rounds> {
+        let count = |key: &str| {
+            text.split_whitespace()
+                .find_map(|w| w.strip_prefix(key)?.strip_prefix('=')?.parse().ok())
+        };
+        Some(Rounds { ok: count("ok")?, failed: count("failed")?, in_front: count("in_front")? })
+    }
+}
+
+fn rounds(node: &SimNode, noise: &str) -> Rounds {
+    let text = node.script(&[&format!("{noise}-rounds")]);
+    Rounds::parse(&text).unwrap_or_else(|| panic!("{noise}-rounds printed {text:?}"))
+}
+
+/// What one run under noise saw: the client's summary, the agent's state, the loop's rounds
+/// that ended while the client ran (`during`, its `in_front` included) and in all (`total`),
+/// and the first rule of raw PREROUTING read (in the flavour's iptables) as the client ended.
+struct Noisy {
+    summary: serde_json::Value,
+    st: serde_json::Value,
+    during: Rounds,
+    total: Rounds,
+    raw_first: String,
+}
+
+/// Runs pod lookups at 200/s while simnode's `noise` loop (`cni-noise`, `kube-proxy-resync`)
+/// rewrites the node's rules, until the loop has finished `n` more successful rounds (one a
+/// second); a failed round fails the test at once.
+fn under_noise(kube_proxy: &str, dataplane: &str, noise: &str, n: u64) -> Noisy {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
     let agent = node.agent(&["--dataplane", dataplane]);
     node.script(&[&format!("{noise}-start")]);
-    let args = ["--rate", "200", "--duration", duration, "--report-interval", "0"];
-    let summary = node.load("pod1", CLUSTER_DNS_IP, &args).finish();
+    let before = rounds(&node, noise);
+    let args = ["--rate", "200", "--duration", "120s", "--report-interval", "0"];
+    let load = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let counts = node.dir.join(format!("{noise}.rounds"));
+    wait_for(&format!("{n} successful rounds of {noise}"), Duration::from_secs(30), || {
+        let now = std::fs::read_to_string(&counts).ok().as_deref().and_then(Rounds::parse);
+        if let Some(r) = now.filter(|r| r.failed > 0) {
+            panic!("a round of {noise} failed: {r:?} (its log: {noise}.log)");
+        }
+        now.filter(|r| r.ok >= before.ok + n)
+    });
+    let raw_prerouting = || {
+        // The CNI's flavour is kube-proxy's (`iptables-nft` or `iptables-legacy`).
+        let out = node.run("node", kube_proxy, &["-t", "raw", "-S", "PREROUTING"]);
+        assert!(out.status.success(), "{}", describe(&out));
+        let raw = String::from_utf8_lossy(&out.stdout).into_owned();
+        raw.lines().find(|l| l.starts_with("-A PREROUTING ")).unwrap_or("").replace('"', "")
+    };
+    if noise == "cni-noise" && dataplane != "nftables" {
+        // The last round put the CNI's rule first: end once the agent has moved its jump back
+        // (one repair per round that found it moved), not in the middle of the CNI's win.
+        let done = Rounds::parse(&std::fs::read_to_string(&counts).unwrap_or_default());
+        let moved = done.map_or(0, |r| r.ok - r.in_front);
+        agent.wait_repairs(moved, Duration::from_secs(10));
+    }
+    let summary = load.interrupt();
+    let after = rounds(&node, noise);
+    let raw_first = if noise == "cni-noise" { raw_prerouting() } else { String::new() };
     node.script(&[&format!("{noise}-stop")]);
-    (summary, agent.state().expect("state"))
+    let total = rounds(&node, noise);
+    let during = Rounds {
+        ok: after.ok - before.ok,
+        failed: after.failed - before.failed,
+        in_front: after.in_front - before.in_front,
+    };
+    println!("{noise}: {during:?} while the client ran, {total:?} in all");
+    Noisy { summary, st: agent.state().expect("state"), during, total, raw_first }
+}
+
+/// Asserts no round of the noise failed (those that succeeded while the client ran were
+/// waited for).
+fn assert_ran(noisy: &Noisy) {
+    assert_eq!(noisy.total.failed, 0, "rounds of the noise failed: {:?}", noisy.total);
 }
 
 /// Issue 3, acceptance 4: a CNI that puts an ACCEPT-everything rule at the top of raw
 /// PREROUTING every second. nftables' chain runs before every iptables raw chain, so nothing
-/// changes; the iptables backends get their jump back within a tick each time.
+/// changes: the CNI's rule stays first in raw PREROUTING (every round finds it there) while pods
+/// are answered by the cache; the iptables backends get their jump back within a tick each time.
 fn cni_noise(kube_proxy: &str, dataplane: &str) {
-    let (summary, st) = under_noise(kube_proxy, dataplane, "cni-noise", "5s");
+    let noisy = under_noise(kube_proxy, dataplane, "cni-noise", 4);
+    let (summary, st) = (&noisy.summary, &noisy.st);
     println!("{dataplane}: repairs {} summary {summary}", st["repairs"]);
+    assert_ran(&noisy);
     assert_eq!(summary["failed"], 0, "{summary}");
     let coredns = summary["by_origin"]["coredns"].as_u64().unwrap();
     let sent = summary["sent"].as_u64().unwrap();
     if dataplane == "nftables" {
+        let cni = "-A PREROUTING -m comment --comment cali:fake -j ACCEPT";
+        assert_eq!(noisy.raw_first, cni, "the CNI's rule is not first in raw PREROUTING");
+        // Every round that ended while the client ran found it first: it stayed in front.
+        assert_eq!(noisy.during.in_front, noisy.during.ok, "{:?}", noisy.during);
         assert_eq!(coredns, 0, "the CNI's raw ACCEPT got in front of nftables: {summary}");
+        assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
     } else {
         // The CNI wins for at most a tick (100 ms) per second: at most ~10% plus slack.
         assert!(st["repairs"].as_u64().unwrap() >= 3, "the agent never fought back: {st}");
@@ -97,11 +176,13 @@ fn cni_noise_iptables_legacy() {
 }
 
 /// Issue 3, acceptance 4: kube-proxy re-running `iptables-restore --noflush` of its own chains
-/// (or its nftables transaction) every second never touches the agent's rules.
+/// (or its nftables transaction) every second never touches the agent's rules; every sync
+/// succeeded, 3 of them while the client ran.
 fn kube_proxy_resync(kube_proxy: &str, dataplane: &str) {
-    let (summary, st) = under_noise(kube_proxy, dataplane, "kube-proxy-resync", "4s");
-    assert_eq!(st["repairs"], 0, "kube-proxy's sync changed the agent's rules: {st}");
-    assert_eq!(summary["by_origin"]["cache"], summary["sent"], "{summary}");
+    let noisy = under_noise(kube_proxy, dataplane, "kube-proxy-resync", 3);
+    assert_ran(&noisy);
+    assert_eq!(noisy.st["repairs"], 0, "kube-proxy's sync changed the agent's rules: {}", noisy.st);
+    assert_eq!(noisy.summary["by_origin"]["cache"], noisy.summary["sent"], "{}", noisy.summary);
 }
 
 #[test]

@@ -345,6 +345,75 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
     assert!(!String::from_utf8_lossy(&tables.stdout).contains("nodelocaldns-ha"));
 }
 
+/// Issue 18, point 4: an agent stopped (SIGTERM) on `Upstream` while the cache is still dead,
+/// restarted with the same flags, adopts `Upstream`: no transition, and the installed table is
+/// never replaced (its handles are unchanged: any apply, even of `Local` for a moment, replaces
+/// the whole table and renumbers them). Pods lose nothing across the restart. It returns to
+/// `Local` only once the cache is back, after `rise` good probes and `min-hold` counted from the
+/// restart.
+#[test]
+fn restart_on_upstream_with_the_cache_dead_adopts_upstream() {
+    let node = SimNode::up();
+    // rise 5 × 100 ms = 0.5 s, well inside min-hold 2 s: the return waits for min-hold.
+    let flags = ["--interval", "100ms", "--timeout", "80ms", "--min-hold", "2s"];
+    let mut agent = node.agent(&flags);
+    let mut load = node.load(
+        "pod1",
+        POD_SERVER,
+        &["--rate", "200", "--duration", "60s", "--report-interval", "100ms"],
+    );
+    load.wait_cache_answers();
+    node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    let upstream = node.expected_table("upstream");
+    assert_eq!(node.agent_table().as_deref(), Some(upstream.as_str()));
+    let handles = node.agent_table_handles().expect("the agent's table");
+
+    let status = agent.stop(Signal::SIGTERM);
+    assert!(status.success(), "agent exited with {status}");
+    let before = agent.state().expect("the stopped agent's state");
+    drop(agent);
+    assert_eq!(node.agent_table_handles().as_ref(), Some(&handles), "SIGTERM changed the table");
+    let agent = node.agent_restarting(&flags, &before);
+    let st = agent.state().expect("state");
+    assert_eq!(st["route"], "upstream", "{st}");
+    assert_eq!(st["transitions"], 0, "{st}");
+    let log = agent.log_text();
+    assert!(log.contains("route=upstream adopted=true"), "{log}");
+    // Some ticks later, on the dead cache: still the very table the first agent installed.
+    let sent = st["probes"]["cache_udp"]["sent"].as_u64().unwrap_or(0);
+    let later = wait_for("5 probes of the dead cache", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["probes"]["cache_udp"]["sent"].as_u64() >= Some(sent + 5))
+    });
+    assert_eq!(later["route"], "upstream", "{later}");
+    assert_eq!(later["transitions"], 0, "{later}");
+    assert_eq!(
+        node.agent_table_handles().as_ref(),
+        Some(&handles),
+        "the restarted agent replaced the Upstream table"
+    );
+    let adopted_at = later["since_unix_ms"].as_u64().expect("since_unix_ms");
+
+    let started = node.script(&["cache-start"]);
+    println!("cache started: {started}");
+    let local = agent.wait_route("local", Duration::from_secs(10));
+    assert_eq!(local["transitions"], 1, "{local}");
+    assert!(local["reason"].as_str().unwrap().contains("answered"), "{local}");
+    assert!(
+        local["probes"]["cache_udp"]["streak_good"].as_u64().unwrap() >= 5,
+        "returned before rise good probes: {local}"
+    );
+    let back = local["since_unix_ms"].as_u64().unwrap();
+    assert!(back >= adopted_at + 2000, "returned before min-hold from the restart: {local}");
+    assert_eq!(node.agent_table(), Some(node.expected_table("local")));
+    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+    });
+    let summary = load.interrupt();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "pod lookups failed across the restart: {summary}");
+}
+
 /// Dual stack, kube-proxy on iptables-legacy: IPv4 and IPv6 pods both survive a SIGKILL, and
 /// both come back to the cache.
 #[test]

@@ -231,6 +231,24 @@ impl SimNode {
         self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env, false)
     }
 
+    /// Starts the agent again with the same state directory (v4, nftables unless `extra` says
+    /// otherwise), without assuming its first route; returns once it has written its own state
+    /// (a `pid` other than `previous`).
+    pub fn agent_restarting(&self, extra: &[&str], previous: &Value) -> Agent {
+        let agent = self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, &[], false);
+        wait_for("the restarted agent's state", Duration::from_secs(10), || {
+            agent.state().filter(|s| s["pid"] != previous["pid"])
+        });
+        agent
+    }
+
+    /// The agent's table as `nft -a list` prints it (every handle; counters zeroed): a table
+    /// replaced by an apply, even by the same ruleset, gets new handles.
+    pub fn agent_table_handles(&self) -> Option<String> {
+        let out = self.run("node", "nft", &["-a", "list", "table", "inet", "nodelocaldns-ha"]);
+        out.status.success().then(|| strip_counters(&String::from_utf8_lossy(&out.stdout)))
+    }
+
     /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags (2 attempts
     /// of 1 s each, unless `extra` gives its own `--timeout`).
     pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
