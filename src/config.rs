@@ -263,7 +263,7 @@ pub struct AgentConfig {
     pub thresholds: Thresholds,
     pub state_dir: PathBuf,
     /// What goes into the ruleset besides the NOTRACK chains: `accepts` is set after
-    /// detection, when the host's firewall drops by default.
+    /// detection: in every iptables flavour the node uses.
     pub shape: crate::dataplane::Shape,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; `None` when off.
     pub metrics_addr: Option<SocketAddr>,

@@ -375,7 +375,7 @@ fn iptables(flavour: Flavour, table: Table, wait: Duration) -> Result<Box<dyn Da
 }
 
 /// The switching backend `kind` names (or detection picks), plus iptables filter backends for
-/// the ACCEPTs wherever the host's filter INPUT drops by default.
+/// the ACCEPTs in every iptables flavour the node uses.
 fn open_dataplane(
     kind: DataplaneKind,
     addrs: &ListenAddrs,

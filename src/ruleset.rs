@@ -174,7 +174,7 @@ pub enum FilterHook {
 }
 
 /// An ACCEPT in the filter table for DNS to or from a listen address, as node-cache installs:
-/// needed where the host's firewall drops by default (NOTRACKed packets are neither NEW nor
+/// needed wherever a host firewall may stop them (NOTRACKed packets are neither NEW nor
 /// ESTABLISHED to conntrack, so "allow established" rules do not let them through).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Accept {
@@ -188,7 +188,7 @@ pub struct Accept {
 pub struct RuleSet {
     /// The NOTRACK chains that switch the route (one `inet` table in nftables).
     pub chains: Vec<Chain>,
-    /// Filter ACCEPTs, route-independent; empty unless the host's firewall drops by default.
+    /// Filter ACCEPTs, route-independent; empty where the node has no iptables in use.
     pub accepts: Vec<Accept>,
 }
 

@@ -90,7 +90,7 @@ pub const REPLY_COMMENT: &str = "cache replies";
 /// What besides the NOTRACK chains goes into the ruleset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shape {
-    /// Filter ACCEPTs (the host's firewall drops by default).
+    /// Filter ACCEPTs (in the iptables flavours the node uses).
     pub accepts: bool,
     /// The kernel fast path (`socket` guard); off only for comparisons.
     pub fast_path: bool,
