@@ -153,22 +153,28 @@ fn serves(local: IpAddr, addr: IpAddr) -> bool {
 /// whose length runs past the buffer ends the parse. Never panics.
 pub fn parse(buf: &[u8]) -> Vec<ClosedSocket> {
     let mut closed = Vec::new();
-    let mut rest = buf;
-    while rest.len() >= NLMSG_HDRLEN {
-        let Some(len) = read_u32_ne(rest, 0).and_then(|len| usize::try_from(len).ok()) else {
-            break;
-        };
-        if len < NLMSG_HDRLEN || len > rest.len() {
-            break;
+    for (kind, payload) in messages(buf) {
+        if kind == SOCK_DIAG_BY_FAMILY {
+            closed.extend(parse_inet_diag(payload));
         }
-        if read_u16_ne(rest, 4) == Some(SOCK_DIAG_BY_FAMILY) {
-            if let Some(socket) = parse_inet_diag(&rest[NLMSG_HDRLEN..len]) {
-                closed.push(socket);
-            }
-        }
-        rest = rest.get(align4(len)..).unwrap_or_default();
     }
     closed
+}
+
+/// The netlink messages in one receive buffer, as (type, payload); a header whose length runs
+/// past the buffer (or is shorter than a header) ends them.
+fn messages(buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        let len = read_u32_ne(rest, 0).and_then(|len| usize::try_from(len).ok())?;
+        if len < NLMSG_HDRLEN || len > rest.len() {
+            return None;
+        }
+        let kind = read_u16_ne(rest, 4)?;
+        let payload = &rest[NLMSG_HDRLEN..len];
+        rest = rest.get(align4(len)..).unwrap_or_default();
+        Some((kind, payload))
+    })
 }
 
 /// Parses the payload of one `SOCK_DIAG_BY_FAMILY` message: `inet_diag_msg` plus attributes.
@@ -338,24 +344,16 @@ fn dump_request(family: u8, protocol: u8, states: u32) -> Vec<u8> {
 pub fn parse_dump(buf: &[u8], protocol: u8) -> std::io::Result<(Vec<Listener>, bool)> {
     let transport = if protocol == IPPROTO_TCP { Transport::Tcp } else { Transport::Udp };
     let mut sockets = Vec::new();
-    let mut rest = buf;
-    while rest.len() >= NLMSG_HDRLEN {
-        let Some(len) = read_u32_ne(rest, 0).and_then(|len| usize::try_from(len).ok()) else {
-            break;
-        };
-        if len < NLMSG_HDRLEN || len > rest.len() {
-            break;
-        }
-        match read_u16_ne(rest, 4) {
-            Some(NLMSG_DONE) => return Ok((sockets, true)),
-            Some(NLMSG_ERROR) => {
-                let errno = rest
-                    .get(NLMSG_HDRLEN..NLMSG_HDRLEN + 4)
+    for (kind, msg) in messages(buf) {
+        match kind {
+            NLMSG_DONE => return Ok((sockets, true)),
+            NLMSG_ERROR => {
+                let errno = msg
+                    .get(..4)
                     .map_or(0, |b| i32::from_ne_bytes(b.try_into().unwrap_or_default()));
                 return Err(std::io::Error::from_raw_os_error(errno.saturating_neg()));
             }
-            Some(SOCK_DIAG_BY_FAMILY) => {
-                let msg = &rest[NLMSG_HDRLEN..len];
+            SOCK_DIAG_BY_FAMILY => {
                 let local = match (msg.first(), msg.get(8..24)) {
                     (Some(&FAMILY_INET), Some(src)) => ipv4(src),
                     (Some(&FAMILY_INET6), Some(src)) => ipv6(src),
@@ -370,7 +368,6 @@ pub fn parse_dump(buf: &[u8], protocol: u8) -> std::io::Result<(Vec<Listener>, b
             }
             _ => {}
         }
-        rest = rest.get(align4(len)..).unwrap_or_default();
     }
     Ok((sockets, false))
 }

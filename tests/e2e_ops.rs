@@ -208,16 +208,7 @@ fn a_hung_transition_hook_never_delays_a_switch() {
 fn flip_without_an_agent_applies_directly() {
     let node = SimNode::up_with(&["--kube-proxy", "nftables"]);
     let dir = node.dir.join("agent-state").display().to_string();
-    let out = node.cli(&[
-        "flip",
-        "upstream",
-        "--state-dir",
-        &dir,
-        "--local-ip",
-        LOCAL_IP,
-        "--cluster-dns-ip",
-        CLUSTER_DNS_IP,
-    ]);
+    let out = flip_upstream_without_agent(&node, &dir);
     assert!(out.status.success(), "{}", describe(&out));
     assert!(
         String::from_utf8_lossy(&out.stdout).contains("no agent is running"),
@@ -300,16 +291,7 @@ fn flip_without_an_agent_uses_the_backend_the_last_agent_recorded() {
     let dir = state_dir(&agent);
     agent.stop(Signal::SIGTERM);
     drop(agent);
-    let out = node.cli(&[
-        "flip",
-        "upstream",
-        "--state-dir",
-        &dir,
-        "--local-ip",
-        LOCAL_IP,
-        "--cluster-dns-ip",
-        CLUSTER_DNS_IP,
-    ]);
+    let out = flip_upstream_without_agent(&node, &dir);
     assert!(out.status.success(), "{}", describe(&out));
     let answer =
         node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
@@ -501,4 +483,19 @@ fn a_kill_between_the_families_is_noticed_and_evened_out_on_restart() {
         &["+short", "+time=1", "+tries=1", "@fd00:96::10", "who.test", "AAAA"],
     );
     assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), "fd00::1:1:1:1", "IPv6 pods");
+}
+
+/// `flip upstream` for the state directory `dir` with the listen addresses, as with no agent
+/// running.
+fn flip_upstream_without_agent(node: &SimNode, dir: &str) -> std::process::Output {
+    node.cli(&[
+        "flip",
+        "upstream",
+        "--state-dir",
+        dir,
+        "--local-ip",
+        LOCAL_IP,
+        "--cluster-dns-ip",
+        CLUSTER_DNS_IP,
+    ])
 }

@@ -492,20 +492,25 @@ pub(super) fn combine(table: Table, states: Vec<(Family, bool, State)>) -> super
     }
 }
 
-/// The `iptables-restore --noflush` transaction that makes `saved` hold `wanted`: declaring the
-/// agent's chains creates or flushes them; their rules follow; each jump that is not already
-/// the first rule and the only copy is deleted (every copy) and inserted at position 1.
-pub(super) fn apply_script(table: Table, saved: &Saved, wanted: &Wanted) -> String {
+/// The start of a transaction on `table` that declares the agent's chains (which creates or
+/// flushes them) and appends their rules.
+fn chains_section(table: Table, wanted: &Wanted) -> String {
     let mut script = format!("*{}\n", table.as_str());
     for chain in &wanted.chains {
         script.push_str(&format!(":{} - [0:0]\n", chain.hooked.own));
     }
-    for chain in &wanted.chains {
-        for rule in &chain.rules {
-            script.push_str(rule);
-            script.push('\n');
-        }
+    for rule in wanted.chains.iter().flat_map(|chain| &chain.rules) {
+        script.push_str(rule);
+        script.push('\n');
     }
+    script
+}
+
+/// The `iptables-restore --noflush` transaction that makes `saved` hold `wanted`: declaring the
+/// agent's chains creates or flushes them; their rules follow; each jump that is not already
+/// the first rule and the only copy is deleted (every copy) and inserted at position 1.
+pub(super) fn apply_script(table: Table, saved: &Saved, wanted: &Wanted) -> String {
+    let mut script = chains_section(table, wanted);
     for chain in &wanted.chains {
         let hooked = chain.hooked;
         let builtin = saved.rules(hooked.builtin);
@@ -528,16 +533,7 @@ pub(super) fn apply_script(table: Table, saved: &Saved, wanted: &Wanted) -> Stri
 /// (declaring a chain creates or flushes it) and leaves every jump as it is: enough when the
 /// jumps are known to be in place.
 pub(super) fn fill_script(table: Table, wanted: &Wanted) -> String {
-    let mut script = format!("*{}\n", table.as_str());
-    for chain in &wanted.chains {
-        script.push_str(&format!(":{} - [0:0]\n", chain.hooked.own));
-    }
-    for chain in &wanted.chains {
-        for rule in &chain.rules {
-            script.push_str(rule);
-            script.push('\n');
-        }
-    }
+    let mut script = chains_section(table, wanted);
     script.push_str("COMMIT\n");
     script
 }
