@@ -340,22 +340,8 @@ fn evaluate(table: &Table, chain: &Chain, packet: &Packet, depth: usize) -> Outc
                 (Outcomes { drop: true, ..Outcomes::default() }, false)
             }
             Some(Verdict::Return) => (Outcomes { ret: true, ..Outcomes::default() }, false),
-            Some(Verdict::Jump(target)) | Some(Verdict::Goto(target)) => {
-                let jump = matches!(rule_verdict(rule), Some(Verdict::Jump(_)));
-                let sub = match table.chain(&target) {
-                    Some(c) => evaluate(table, c, packet, depth + 1),
-                    None => Outcomes { drop: true, unknown: true, ..Outcomes::default() },
-                };
-                let back = sub.fall || sub.ret;
-                let effect = Outcomes {
-                    accept: sub.accept,
-                    drop: sub.drop,
-                    ret: !jump && back,
-                    unknown: sub.unknown,
-                    fall: false,
-                };
-                (effect, jump && back)
-            }
+            Some(Verdict::Jump(target)) => follow(table, &target, packet, depth, true),
+            Some(Verdict::Goto(target)) => follow(table, &target, packet, depth, false),
         };
         out.accept |= effect.accept;
         out.drop |= effect.drop;
@@ -369,12 +355,28 @@ fn evaluate(table: &Table, chain: &Chain, packet: &Packet, depth: usize) -> Outc
     out
 }
 
-fn rule_verdict(rule: &Rule) -> Option<Verdict> {
-    rule.exprs.iter().rev().find_map(|e| match e {
-        Expr::Verdict(v) => Some(v.clone()),
-        Expr::Reject => Some(Verdict::Drop),
-        _ => None,
-    })
+/// A `jump` (or `goto`) to `target`: what it can come to, and whether the calling chain goes
+/// on after it (a jump whose target falls off or returns; a goto's does not come back here).
+fn follow(
+    table: &Table,
+    target: &str,
+    packet: &Packet,
+    depth: usize,
+    jump: bool,
+) -> (Outcomes, bool) {
+    let sub = match table.chain(target) {
+        Some(c) => evaluate(table, c, packet, depth + 1),
+        None => Outcomes { drop: true, unknown: true, ..Outcomes::default() },
+    };
+    let back = sub.fall || sub.ret;
+    let effect = Outcomes {
+        accept: sub.accept,
+        drop: sub.drop,
+        ret: !jump && back,
+        unknown: sub.unknown,
+        fall: false,
+    };
+    (effect, jump && back)
 }
 
 /// Whether the rule matches the packet, and its verdict (`None`: it only counts or logs).

@@ -416,17 +416,9 @@ fn open_dataplane(
 /// without CAP_NET_RAW) is said and skipped.
 fn leftovers(in_use: &Layered, addrs: &ListenAddrs, wait: Duration) -> Vec<Box<dyn Dataplane>> {
     let used: Vec<&str> = std::iter::once(in_use.name()).chain(in_use.accept_names()).collect();
-    let mut candidates: Vec<Box<dyn Dataplane>> = Vec::new();
+    let mut candidates = iptables_parts(wait);
     if let Ok(nft) = Nftables::new() {
-        candidates.push(Box::new(nft));
-    }
-    for flavour in [Flavour::Legacy, Flavour::Nft] {
-        for table in [Table::Raw, Table::Filter] {
-            // A node without this flavour's binaries has nothing of ours in it.
-            if let Ok(backend) = Iptables::new(flavour.into(), table, wait) {
-                candidates.push(Box::new(backend));
-            }
-        }
+        candidates.insert(0, Box::new(nft));
     }
     // Compared with the fullest ruleset: anything of the agent's there is not `Missing`.
     let rules =
@@ -457,16 +449,21 @@ fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
              socket; add NET_RAW",
         )?;
     }
-    let mut parts = Vec::new();
+    Ok(Layered::new(Box::new(nftables()?), iptables_parts(wait)))
+}
+
+/// Every iptables table the agent may have written (raw and filter of both flavours) whose
+/// flavour is installed: a node without a flavour's binaries has nothing of ours in it.
+fn iptables_parts(wait: Duration) -> Vec<Box<dyn Dataplane>> {
+    let mut parts: Vec<Box<dyn Dataplane>> = Vec::new();
     for flavour in [Flavour::Legacy, Flavour::Nft] {
         for table in [Table::Raw, Table::Filter] {
-            // A node without this flavour's binaries has nothing of ours in it.
             if let Ok(backend) = Iptables::new(flavour.into(), table, wait) {
-                parts.push(Box::new(backend) as Box<dyn Dataplane>);
+                parts.push(Box::new(backend));
             }
         }
     }
-    Ok(Layered::new(Box::new(nftables()?), parts))
+    parts
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
