@@ -1,8 +1,8 @@
 //! Dataplane backends: install a [`RuleSet`] atomically, read it back, remove it.
 //!
 //! Every backend owns its objects outright (for nftables, one table) and replaces them whole in
-//! one transaction, so a ruleset on the node is always exactly one that [`RuleSet::desired`]
-//! produced, never a mix.
+//! one transaction (iptables: one per address family), so what each transaction holds is always
+//! exactly its share of a ruleset [`RuleSet::desired`] produced, never a mix.
 
 #[cfg(test)]
 #[forbid(unsafe_code)]

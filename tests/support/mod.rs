@@ -142,9 +142,14 @@ impl SimNode {
 
     /// What `nodelocaldns-ha rules` prints for `route`.
     pub fn expected_table(&self, route: &str) -> String {
+        self.expected_table_for(route, LOCAL_IP, CLUSTER_DNS_IP)
+    }
+
+    /// [`SimNode::expected_table`] for the given (comma-separated, dual-stack) addresses.
+    pub fn expected_table_for(&self, route: &str, local: &str, cluster_dns: &str) -> String {
         let out = Command::new(AGENT)
-            .args(["rules", "--route", route, "--local-ip", LOCAL_IP])
-            .args(["--cluster-dns-ip", CLUSTER_DNS_IP])
+            .args(["rules", "--route", route, "--local-ip", local])
+            .args(["--cluster-dns-ip", cluster_dns])
             .output()
             .expect("run nodelocaldns-ha rules");
         assert!(out.status.success(), "{}", describe(&out));
@@ -229,6 +234,18 @@ impl SimNode {
     pub fn agent_starting_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Agent {
         let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
         self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env, false)
+    }
+
+    /// [`SimNode::agent_starting`] for the given (comma-separated, dual-stack) addresses.
+    pub fn agent_starting_for(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+    ) -> Agent {
+        let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
+        self.spawn_agent(local, cluster_dns, upstream, extra, &[], false)
     }
 
     /// Starts the agent again with the same state directory (v4, nftables unless `extra` says
