@@ -98,7 +98,8 @@
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail] [--no-wait]
 #                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
-#     (kill, stop and cont print when the signal went out, in ms since the epoch)
+#     (kill, stop and cont print when the signal went out, in ms since the epoch; kill then
+#     prints when the process was seen gone, at most one 50 ms poll after its sockets closed)
 #     --no-wait: return once unbound has been exec'd, without waiting for it to answer (a
 #     crash-looping cache, restarted as fast as it dies); prints when it was started.
 #   coredns-start PREFIX                          coredns-kill|coredns-stop|coredns-cont|coredns-pid PREFIX
@@ -301,6 +302,7 @@ svc_kill() {
         kill -KILL "$pid" 2>/dev/null || true
         echo "$at" # when the signal went out (ms since the epoch), for tests to line events up
         wait_for 5 "$1 (pid $pid) to exit" svc_gone "$1"
+        now_ms # when it was seen gone (its sockets closed): at most one poll late
     fi
     rm -f "$RUN_DIR/$1.pid"
 }

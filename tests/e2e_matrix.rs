@@ -125,7 +125,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
         failed.len(),
         switched - killed_at
     );
-    assert_within("failed host lookup", &failed, killed_at - 100, switched);
+    assert_within("failed host lookup", &failed, killed_at - ATTEMPT_TIMEOUT_MS, switched);
 
     drop(agent);
     let out = node.run("node", AGENT, &["teardown", "--state-dir", "/nonexistent-nlha"]);

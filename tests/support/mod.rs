@@ -22,6 +22,9 @@ pub const CLUSTER_DNS_IP: &str = "10.96.0.10";
 pub const UPSTREAM_IP: &str = "10.96.0.11";
 pub const CACHE_ANSWER: &str = "1.1.1.1";
 pub const COREDNS_ANSWER: &str = "2.2.2.2";
+/// How long `dnsload` waits for each attempt unless a test gives its own `--timeout`. A first
+/// attempt sent longer than this before a fault was lost, if at all, while the server was fine.
+pub const ATTEMPT_TIMEOUT_MS: u64 = 1000;
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -111,6 +114,18 @@ impl SimNode {
         let out = self.script(&[cmd]);
         let at = out.lines().next().and_then(|l| l.trim().parse().ok());
         at.unwrap_or_else(|| panic!("simnode.sh {cmd} printed no time: {out:?}"))
+    }
+
+    /// `simnode.sh cache-kill` (or `coredns-kill`): (when the SIGKILL went out, when the process
+    /// was seen gone), in ms since the epoch. Gone is seen at most one poll (50 ms) after the
+    /// sockets closed, however busy the machine: a bound for what the dead process could lose.
+    pub fn kill(&self, cmd: &str) -> (u64, u64) {
+        let out = self.script(&[cmd]);
+        let mut times = out.lines().filter_map(|l| l.trim().parse().ok());
+        match (times.next(), times.next()) {
+            (Some(at), Some(gone)) => (at, gone),
+            _ => panic!("simnode.sh {cmd} printed no times: {out:?}"),
+        }
     }
 
     /// The namespace name of `role` (node, pod1, pod2, dns).
@@ -276,7 +291,7 @@ impl SimNode {
             .cmd(role, LOAD)
             .args(["--server", server, "--name", "who.test", "--attempts", "2"])
             // 1 s unless the test sets its own (the VM tests: TCG is 5-20x slower).
-            .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1s"][..] })
+            .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1000ms"][..] })
             .arg("--lookups-out")
             .arg(&lookups)
             .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
@@ -534,6 +549,16 @@ pub fn assert_within(what: &str, times: &[u64], from: u64, to: u64) {
             t as i64 - from as i64
         );
     }
+}
+
+/// Prints when the lost first attempts in `lost` were sent, against a kill and its end.
+pub fn print_lost(lost: &[u64], killed_at: u64, gone_at: u64) {
+    let offsets: Vec<i64> = lost.iter().map(|&t| t as i64 - killed_at as i64).collect();
+    println!(
+        "first attempts lost: {} (sent at {offsets:?} ms from the SIGKILL; gone {} ms after it)",
+        lost.len(),
+        gone_at - killed_at
+    );
 }
 
 impl SimNode {
