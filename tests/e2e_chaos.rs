@@ -707,8 +707,14 @@ fn both_down_stays_put_and_follows_policy() {
 
     // Local; CoreDNS dies, then the cache: held.
     let held_local = |agent: &Agent| {
+        let before = agent.state().expect("state");
         node.script(&["coredns-kill"]);
+        // CoreDNS down, the cache fine: the route does not move.
         wait_upstream_failing(agent);
+        let st = wait_probes(agent, "cache_udp", 3);
+        assert_eq!(st["route"], "local", "{st}");
+        assert_eq!(st["transitions"], before["transitions"], "{st}");
+        assert!(st["held"].is_null(), "held with the cache answering: {st}");
         node.signal("cache-kill");
         let held = wait_for("the route to be held", Duration::from_secs(5), || {
             agent.state().filter(|s| s["held"].is_string())

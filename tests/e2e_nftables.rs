@@ -353,6 +353,11 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
     }
     let tables = node.run("node", "nft", &["list", "tables"]);
     assert!(!String::from_utf8_lossy(&tables.stdout).contains("nodelocaldns-ha"));
+    // With the cache still answering on the cluster-DNS IP, kube-proxy's DNAT takes pods to
+    // CoreDNS: nothing of the agent's steers them any more.
+    let answer =
+        node.run("pod1", "dig", &["+short", "+time=1", "+tries=2", "@10.96.0.10", "who.test"]);
+    assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), COREDNS_ANSWER, "after teardown");
 }
 
 /// Issue 18, point 4: an agent stopped (SIGTERM) on `Upstream` while the cache is still dead,
