@@ -466,6 +466,26 @@ fn without_ipv6(kube_proxy: &str, dataplane: &str) {
     let unreadable = st["warnings"].to_string();
     assert!(!unreadable.contains("ip6tables"), "IPv6's absence is an error: {unreadable}");
     drop(agent);
+    // An IPv6 listen address cannot work here: refused before anything is touched.
+    let before = node.run("node", "nft", &["list", "ruleset"]);
+    let out = node.cli(&[
+        "run",
+        "--dataplane",
+        dataplane,
+        "--local-ip",
+        "169.254.20.10,fd00:169:254::10",
+        "--cluster-dns-ip",
+        "10.96.0.10,fd00:96::10",
+        "--upstream-ip",
+        "10.96.0.11,fd00:96::11",
+        "--state-dir",
+        "/nonexistent-nlha",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("fd00:169:254::10") && stderr.contains("no IPv6"), "{stderr}");
+    let after = node.run("node", "nft", &["list", "ruleset"]);
+    assert_eq!(before.stdout, after.stdout, "the refused agent changed the ruleset");
     let out = node.cli(&["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
     assert_nothing_left(&node);
