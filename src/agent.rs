@@ -594,7 +594,7 @@ impl Agent {
     }
 
     /// Installs the current route's ruleset; on failure, schedules a retry with exponential
-    /// backoff (one tick, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
+    /// backoff (two ticks, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
     fn apply(&mut self, now: Instant) {
         let started = Instant::now();
         // Whatever a check in flight reads now may predate this apply, or mix both.
@@ -616,7 +616,7 @@ impl Agent {
         }
     }
 
-    /// Schedules the retry of a failed apply: one tick, doubling, at most 5 s.
+    /// Schedules the retry of a failed apply: two ticks, doubling, at most 5 s.
     fn failed_apply(&mut self, now: Instant) {
         self.apply_failures += 1;
         let backoff =
@@ -1441,6 +1441,55 @@ mod tests {
         assert_eq!(installed(&fake), Some(Route::Upstream));
         assert!(!agent.is_dirty());
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
+    }
+
+    /// The retries of a failing apply come 2, 4, 8 … ticks apart, never more than 5 s, none
+    /// before it is due; a success ends the backoff, and the next failure starts it afresh.
+    #[test]
+    fn apply_retries_back_off_doubling_up_to_a_cap() {
+        let t0 = Instant::now();
+        let tick = cfg().cache_udp.interval;
+        let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
+        let mut agent = start(&fake, t0);
+        let failing = 9;
+        fake.kernel().fail_applies = failing;
+        // Failed applies so far.
+        let attempts = |fake: &FakeDataplane| failing - fake.kernel().fail_applies;
+        let mut at = t0;
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), at);
+        let mut spacings = Vec::new();
+        while agent.is_dirty() {
+            let due = agent.resync_due().expect("a retry is scheduled while dirty");
+            // Early, nothing happens: not the retry, nor a read-back.
+            let tried = attempts(&fake);
+            assert!(agent.resync(due - Duration::from_millis(1)).is_none());
+            assert_eq!(attempts(&fake), tried, "retried before it was due");
+            spacings.push((due - at).as_millis());
+            at = due;
+            assert!(agent.resync(at).is_none(), "a retry applies; it reads nothing back");
+        }
+        assert_eq!((attempts(&fake), fake.kernel().applies), (failing, 1), "failed, then applied");
+        let ticks = |n: u32| (tick * n).as_millis();
+        let cap = 5000;
+        assert_eq!(
+            spacings,
+            [ticks(2), ticks(4), ticks(8), ticks(16), ticks(32), cap, cap, cap, cap],
+            "tick {tick:?}"
+        );
+        assert_eq!(installed(&fake), Some(Route::Upstream));
+        assert_eq!(agent.resync_due(), None);
+        // A new failure backs off from the start again.
+        fake.kernel().fail_next_apply = true;
+        let forced = Forced {
+            route: Route::Local,
+            kind: crate::health::ForceKind::Manual,
+            until: None,
+            why: "test".into(),
+            waits_for: None,
+        };
+        agent.force(forced, at);
+        assert!(agent.is_dirty());
+        assert_eq!(agent.resync_due(), Some(at + tick * 2));
     }
 
     #[test]
