@@ -69,8 +69,13 @@ pub enum AgentError {
         source: std::io::Error,
     },
     /// A probe or watch task ended: the agent is blind and exits.
-    #[error("{0}; exiting with the current ruleset left in place")]
-    TaskDied(String),
+    #[error("the {task} task {how}; exiting with the current ruleset left in place")]
+    TaskDied {
+        /// Which task ([`Tasks::spawn`]).
+        task: &'static str,
+        /// `ended`, or `panicked: <its message>`.
+        how: String,
+    },
 }
 
 /// `/healthz` fails when the control loop has not turned for this long.
@@ -594,7 +599,7 @@ impl Agent {
     }
 
     /// Installs the current route's ruleset; on failure, schedules a retry with exponential
-    /// backoff (one tick, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
+    /// backoff (two ticks, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
     fn apply(&mut self, now: Instant) {
         let started = Instant::now();
         // Whatever a check in flight reads now may predate this apply, or mix both.
@@ -616,7 +621,7 @@ impl Agent {
         }
     }
 
-    /// Schedules the retry of a failed apply: one tick, doubling, at most 5 s.
+    /// Schedules the retry of a failed apply: two ticks, doubling, at most 5 s.
     fn failed_apply(&mut self, now: Instant) {
         self.apply_failures += 1;
         let backoff =
@@ -1012,6 +1017,53 @@ async fn with_grace<T, E>(
     }
 }
 
+/// The agent's probe and watch tasks, each under a name. Every one of them runs forever: one
+/// that ends has panicked (or returned by mistake), and the agent can no longer see what it
+/// should.
+#[derive(Default)]
+struct Tasks {
+    set: tokio::task::JoinSet<()>,
+    names: std::collections::HashMap<tokio::task::Id, &'static str>,
+}
+
+impl Tasks {
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        let id = self.set.spawn(task).id();
+        self.names.insert(id, name);
+    }
+
+    /// The first task to end, named and with how it ended; pending while every one runs.
+    async fn died(&mut self) -> AgentError {
+        let (id, how) = loop {
+            match self.set.join_next_with_id().await {
+                Some(Ok((id, ()))) => break (id, "ended".to_owned()),
+                Some(Err(e)) if e.is_panic() => {
+                    let id = e.id();
+                    let payload = e.into_panic();
+                    let message = payload
+                        .downcast_ref::<&str>()
+                        .copied()
+                        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+                        .unwrap_or("no message");
+                    break (id, format!("panicked: {message}"));
+                }
+                // Cancelled: only at shutdown, by us.
+                Some(Err(_)) => {}
+                None => std::future::pending().await,
+            }
+        };
+        AgentError::TaskDied { task: self.names.get(&id).copied().unwrap_or("unnamed"), how }
+    }
+
+    async fn shutdown(&mut self) {
+        self.set.shutdown().await;
+    }
+}
+
 /// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: applies block
 /// (milliseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile;
 /// checks run on blocking threads, beside the loop.
@@ -1021,6 +1073,19 @@ pub async fn run(
     notes: Notes,
     leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    run_with(cfg, dataplane, notes, leftovers, shutdown, Tasks::default()).await
+}
+
+/// [`run`], supervising `tasks` beside the agent's own: nothing outside the process can make
+/// one of those end, so a test hands in one that does.
+async fn run_with(
+    cfg: AgentConfig,
+    dataplane: Box<dyn Dataplane>,
+    notes: Notes,
+    leftovers: Vec<Box<dyn Dataplane>>,
+    shutdown: impl std::future::Future<Output = ()>,
+    mut tasks: Tasks,
 ) -> Result<(), AgentError> {
     // Everything that can be refused is refused before the host is touched.
     let probe = |cadence: Cadence| Probe::new(&cfg.probe_name, cadence.timeout).map(Arc::new);
@@ -1090,37 +1155,28 @@ pub async fn run(
 
     let (tx, mut rx) = mpsc::channel(64);
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
-    let mut tasks = tokio::task::JoinSet::new();
     let target = cfg.cache_target();
     let every = cfg.cache_udp.interval;
     let wake = cache_wakes[0].clone();
-    tasks.spawn(probe_stream(
-        cache_udp,
-        target,
-        Transport::Udp,
-        Stream::CacheUdp,
-        every,
-        wake,
-        tx.clone(),
-    ));
+    tasks.spawn(
+        "cache UDP probe",
+        probe_stream(cache_udp, target, Transport::Udp, Stream::CacheUdp, every, wake, tx.clone()),
+    );
     if let Some((cadence, tcp)) = cache_tcp {
         let wake = cache_wakes[1].clone();
         let every = cadence.interval;
-        tasks.spawn(probe_stream(
-            tcp,
-            target,
-            Transport::Tcp,
-            Stream::CacheTcp,
-            every,
-            wake,
-            tx.clone(),
-        ));
+        tasks.spawn(
+            "cache TCP probe",
+            probe_stream(tcp, target, Transport::Tcp, Stream::CacheTcp, every, wake, tx.clone()),
+        );
     }
     let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
     let wake = Arc::new(Notify::new());
-    tasks.spawn(probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx));
+    let upstream =
+        probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx);
+    tasks.spawn("upstream probe", upstream);
     if cfg.socket_events {
-        tasks.spawn(watch_cache_sockets(listen.clone(), cache_wakes));
+        tasks.spawn("socket-destroy watch", watch_cache_sockets(listen.clone(), cache_wakes));
     }
     let nft_changed = Arc::new(Notify::new());
     let hearing = Arc::new(AtomicBool::new(false));
@@ -1129,21 +1185,19 @@ pub async fn run(
     let firewall_changed = Arc::new(Notify::new());
     let watched = Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
     let announced = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
-    tasks.spawn(watch_nftables(
-        tables,
-        nft_changed.clone(),
-        announced.clone(),
-        watched,
-        hearing.clone(),
-    ));
+    tasks.spawn(
+        "nftables change watch",
+        watch_nftables(tables, nft_changed.clone(), announced.clone(), watched, hearing.clone()),
+    );
     let (firewall_tx, mut firewall_found) = mpsc::channel(1);
-    tasks.spawn(watch_firewall(listen.clone(), firewall_changed, firewall_tx));
+    tasks.spawn("firewall watch", watch_firewall(listen.clone(), firewall_changed, firewall_tx));
     let (warn_tx, mut warnings) = mpsc::channel(1);
     let period = FOREIGN_RULES_PERIOD;
-    tasks.spawn(watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx));
+    let foreign = watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx);
+    tasks.spawn("foreign-rule watch", foreign);
     let (control_tx, mut requests) = mpsc::channel(8);
     let dir = cfg.state_dir.clone();
-    tasks.spawn(async move {
+    tasks.spawn("control socket", async move {
         // Without the socket the agent still switches; operators lose the manual flip only.
         let Err(e) = control::serve(&dir, control_tx).await;
         error!(error = %e, "the control socket is unavailable");
@@ -1151,7 +1205,7 @@ pub async fn run(
     });
     if let Some(listener) = http {
         let (metrics, health) = (metrics.clone(), health.clone());
-        tasks.spawn(async move {
+        tasks.spawn("metrics endpoint", async move {
             let e = crate::metrics::serve(listener, metrics, health, LIVENESS_SILENCE).await;
             error!(error = %e, "the metrics endpoint stopped");
             std::future::pending().await
@@ -1168,7 +1222,8 @@ pub async fn run(
     // Hooks run one at a time, in order, beside the loop.
     let hooks = cfg.on_transition.clone().map(|path| {
         let (tx, rx) = mpsc::channel(16);
-        tasks.spawn(maintenance::run_hooks(path, rx, cfg.hook_timeout, metrics.clone()));
+        let hooks = maintenance::run_hooks(path, rx, cfg.hook_timeout, metrics.clone());
+        tasks.spawn("transition hook", hooks);
         tx
     });
     // Read-backs run on blocking threads, one at a time; their results come back here.
@@ -1214,12 +1269,9 @@ pub async fn run(
             _ = state_tick.tick() => write_state(&agent),
             Some(found) = warnings.recv() => agent.set_warnings(found),
             Some(found) = firewall_found.recv() => block_in_place(|| agent.set_firewall(found, Instant::now())),
-            // Every task runs forever: one that ends has panicked, and the agent can no longer
-            // see what it should. Exit, leaving the current ruleset; the DaemonSet restarts us.
-            Some(ended) = tasks.join_next() => break Err(AgentError::TaskDied(match ended {
-                Err(e) if e.is_panic() => "a probe or watch task panicked".to_owned(),
-                _ => "a probe or watch task ended".to_owned(),
-            })),
+            // The agent can no longer see what it should. Exit, leaving the current ruleset;
+            // the DaemonSet restarts us.
+            died = tasks.died() => break Err(died),
         }
         // A drain that ended by itself, or an expiry, leaves nothing forced: the record goes
         // too (with or without a route change), so a restart cannot bring it back.
@@ -1443,6 +1495,55 @@ mod tests {
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
     }
 
+    /// The retries of a failing apply come 2, 4, 8 … ticks apart, never more than 5 s, none
+    /// before it is due; a success ends the backoff, and the next failure starts it afresh.
+    #[test]
+    fn apply_retries_back_off_doubling_up_to_a_cap() {
+        let t0 = Instant::now();
+        let tick = cfg().cache_udp.interval;
+        let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
+        let mut agent = start(&fake, t0);
+        let failing = 9;
+        fake.kernel().fail_applies = failing;
+        // Failed applies so far.
+        let attempts = |fake: &FakeDataplane| failing - fake.kernel().fail_applies;
+        let mut at = t0;
+        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), at);
+        let mut spacings = Vec::new();
+        while agent.is_dirty() {
+            let due = agent.resync_due().expect("a retry is scheduled while dirty");
+            // Early, nothing happens: not the retry, nor a read-back.
+            let tried = attempts(&fake);
+            assert!(agent.resync(due - Duration::from_millis(1)).is_none());
+            assert_eq!(attempts(&fake), tried, "retried before it was due");
+            spacings.push((due - at).as_millis());
+            at = due;
+            assert!(agent.resync(at).is_none(), "a retry applies; it reads nothing back");
+        }
+        assert_eq!((attempts(&fake), fake.kernel().applies), (failing, 1), "failed, then applied");
+        let ticks = |n: u32| (tick * n).as_millis();
+        let cap = 5000;
+        assert_eq!(
+            spacings,
+            [ticks(2), ticks(4), ticks(8), ticks(16), ticks(32), cap, cap, cap, cap],
+            "tick {tick:?}"
+        );
+        assert_eq!(installed(&fake), Some(Route::Upstream));
+        assert_eq!(agent.resync_due(), None);
+        // A new failure backs off from the start again.
+        fake.kernel().fail_next_apply = true;
+        let forced = Forced {
+            route: Route::Local,
+            kind: crate::health::ForceKind::Manual,
+            until: None,
+            why: "test".into(),
+            waits_for: None,
+        };
+        agent.force(forced, at);
+        assert!(agent.is_dirty());
+        assert_eq!(agent.resync_due(), Some(at + tick * 2));
+    }
+
     #[test]
     fn ticks_check_an_announced_ruleset_only_as_a_safety_net() {
         let t0 = Instant::now();
@@ -1571,6 +1672,59 @@ mod tests {
         assert_eq!(installed(&fake), Some(Route::Local));
         agent.settle(t0);
         assert_eq!(installed(&fake), Some(Route::Upstream));
+    }
+
+    /// Every task of the agent runs forever: the first one to end, by returning or panicking,
+    /// is named in the error `run` exits with (exit code 1), however many others still run.
+    #[tokio::test]
+    async fn a_task_that_ends_or_panics_is_named_in_the_agents_exit() {
+        let patience = Duration::from_secs(10);
+        let mut tasks = Tasks::default();
+        tasks.spawn("steady watch", std::future::pending());
+        tasks.spawn("cache UDP probe", async { panic!("a bug") });
+        let died = tokio::time::timeout(patience, tasks.died()).await.expect("the panic seen");
+        assert_eq!(
+            died.to_string(),
+            "the cache UDP probe task panicked: a bug; exiting with the current ruleset left in place"
+        );
+        tasks.spawn("control socket", async {});
+        let died = tokio::time::timeout(patience, tasks.died()).await.expect("the return seen");
+        assert!(
+            matches!(died, AgentError::TaskDied { task: "control socket", ref how } if how == "ended")
+        );
+        // The steady one never counts as dead.
+        let quiet = tokio::time::timeout(Duration::ZERO, tasks.died()).await;
+        assert!(quiet.is_err(), "{:?}", quiet.map(|e| e.to_string()));
+    }
+
+    /// The whole loop, in a network namespace of its own (it probes, binds its sockets and
+    /// reads netfilter there): a task that dies stops the agent with an error naming it (exit
+    /// code 1), and the ruleset it installed stays.
+    #[test]
+    fn the_agent_exits_on_a_dead_task_and_leaves_its_ruleset() {
+        crate::testutil::in_netns("nlha-agent", crate::testutil::test_path!(), |_| {
+            let dir = std::env::temp_dir().join(format!("nlha-agent-{}", std::process::id()));
+            let raw = RawRun { state_dir: dir.clone(), ..test_raw() };
+            let cfg = AgentConfig::from_args(&raw, |_| None).unwrap();
+            let fake = FakeDataplane::default();
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+            let agent = Box::new(fake.clone());
+            let result = runtime.block_on(async {
+                let mut tasks = Tasks::default();
+                // Its end waits in the task set until the loop looks.
+                tasks.spawn("doomed watch", async { panic!("injected") });
+                let shutdown = std::future::pending();
+                let run = run_with(cfg, agent, Notes::default(), Vec::new(), shutdown, tasks);
+                tokio::time::timeout(Duration::from_secs(30), run).await
+            });
+            let _ = std::fs::remove_dir_all(&dir);
+            let error = result.expect("the agent went on with a dead task").expect_err("exit 0");
+            assert!(
+                matches!(error, AgentError::TaskDied { task: "doomed watch", ref how } if how == "panicked: injected"),
+                "{error}"
+            );
+            assert_eq!(installed(&fake), Some(Route::Local), "the ruleset was not left in place");
+        });
     }
 
     #[test]

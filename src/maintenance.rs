@@ -305,3 +305,333 @@ async fn run_hook(path: &Path, t: &Transition, at_unix_ms: u64, timeout: Duratio
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{test_raw, AgentConfig, RawRun};
+    use crate::control::Peer;
+    use crate::dataplane::fake::FakeDataplane;
+    use nix::sys::signal::Signal;
+
+    fn agent(fake: &FakeDataplane, t0: Instant) -> Agent {
+        let raw = RawRun { state_dir: "/nonexistent".into(), ..test_raw() };
+        let cfg = AgentConfig::from_args(&raw, |_| None).unwrap();
+        let metrics = Arc::new(Metrics::new());
+        Agent::start(&cfg, Box::new(fake.clone()), metrics, None, Vec::new(), t0).unwrap()
+    }
+
+    /// A drain begun at `t0` with `timeout`, as [`handle`] begins one (the route forced to
+    /// `Upstream`), and where its answer arrives.
+    fn drain(agent: &mut Agent, t0: Instant, timeout: Duration) -> (Drain, Receiver) {
+        let forced = Forced {
+            route: Route::Upstream,
+            kind: ForceKind::Drain,
+            until: Some(t0 + DRAIN_HOLD_MAX),
+            why: "drain".into(),
+            waits_for: None,
+        };
+        agent.force(forced, t0);
+        let (reply, answer) = oneshot::channel();
+        (Drain { reply, started: t0, deadline: t0 + timeout, last: None, quiet: 0 }, answer)
+    }
+
+    type Receiver = oneshot::Receiver<Response>;
+
+    /// Ticks `drain` every 100 ms from `t0` until it answers; the answer and the ticks it took.
+    /// `each` runs before every tick.
+    fn tick_until_done(
+        mut drain: Drain,
+        agent: &mut Agent,
+        t0: Instant,
+        mut answer: Receiver,
+        mut each: impl FnMut(u32),
+    ) -> (Response, u32) {
+        for n in 1..=1000 {
+            each(n);
+            match drain.progress(agent, t0 + Duration::from_millis(100) * n) {
+                Some(going_on) => drain = going_on,
+                None => return (answer.try_recv().expect("a drain that ends answers"), n),
+            }
+        }
+        panic!("the drain never ended");
+    }
+
+    fn message(response: &Response) -> &str {
+        match response {
+            Response::Ok { message } | Response::Error { message } => message,
+        }
+    }
+
+    #[test]
+    fn a_drain_ends_once_the_reply_counters_stand_still_for_three_ticks() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let (d, answer) = drain(&mut agent, t0, Duration::from_secs(5));
+        // The cache answers for 4 ticks, then goes quiet.
+        let counts = |n: u32| fake.kernel().replies = Some(u64::from(n.min(4)) * 10);
+        let (response, ticks) = tick_until_done(d, &mut agent, t0, answer, counts);
+        assert!(matches!(response, Response::Ok { .. }), "{response:?}");
+        assert!(message(&response).contains("gone quiet"), "{response:?}");
+        // The count first seen still at tick 4, then unchanged at 5, 6 and 7.
+        assert_eq!(ticks, 4 + QUIET_CHECKS);
+        assert_eq!(agent.route(), Route::Upstream);
+    }
+
+    #[test]
+    fn a_drain_that_cannot_count_answers_at_once() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let (d, answer) = drain(&mut agent, t0, Duration::from_secs(5));
+        let (response, ticks) = tick_until_done(d, &mut agent, t0, answer, |_| {});
+        assert_eq!(ticks, 1);
+        assert!(message(&response).contains("cannot count"), "{response:?}");
+        assert!(matches!(response, Response::Ok { .. }));
+    }
+
+    #[test]
+    fn a_drain_times_out_while_the_cache_still_answers() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let (d, answer) = drain(&mut agent, t0, Duration::from_secs(1));
+        let counts = |n: u32| fake.kernel().replies = Some(u64::from(n));
+        let (response, ticks) = tick_until_done(d, &mut agent, t0, answer, counts);
+        // The tick at the deadline (10 × 100 ms) answers: the route is in, the cache not quiet.
+        assert_eq!(ticks, 10);
+        assert!(matches!(response, Response::Ok { .. }), "{response:?}");
+        assert!(message(&response).contains("still answered"), "{response:?}");
+    }
+
+    #[test]
+    fn a_drain_whose_ruleset_is_not_in_fails_at_its_deadline() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        fake.kernel().replies = Some(7);
+        fake.kernel().fail_applies = 1000;
+        let (d, answer) = drain(&mut agent, t0, Duration::from_secs(1));
+        assert!(agent.is_dirty());
+        // Unchanged counters do not count as quiet while the ruleset is not in.
+        let (response, ticks) = tick_until_done(d, &mut agent, t0, answer, |_| {});
+        assert_eq!(ticks, 10);
+        assert!(matches!(response, Response::Error { .. }), "{response:?}");
+        assert!(message(&response).contains("not installed yet"), "{response:?}");
+    }
+
+    #[test]
+    fn a_drain_is_interrupted_when_the_route_leaves_upstream() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        fake.kernel().replies = Some(7);
+        let mut agent = agent(&fake, t0);
+        let (d, answer) = drain(&mut agent, t0, Duration::from_secs(5));
+        let d = d.progress(&mut agent, t0).expect("going on");
+        // An operator forces `Local` meanwhile.
+        let local = Forced {
+            route: Route::Local,
+            kind: ForceKind::Manual,
+            until: None,
+            why: "test".into(),
+            waits_for: None,
+        };
+        agent.force(local, t0);
+        assert_eq!(agent.route(), Route::Local);
+        let (response, ticks) = tick_until_done(d, &mut agent, t0, answer, |_| {});
+        assert_eq!(ticks, 1);
+        assert!(matches!(response, Response::Error { .. }), "{response:?}");
+        assert!(message(&response).contains("drain interrupted"), "{response:?}");
+    }
+
+    #[test]
+    fn wall_clock_times_either_side_of_now() {
+        let t0 = Instant::now();
+        let now = t0 + Duration::from_secs(10);
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        assert_eq!(unix_ms_at(now + Duration::from_millis(1500), now, wall), 101_500);
+        assert_eq!(unix_ms_at(t0, now, wall), 90_000);
+        assert_eq!(unix_ms_at(now, now, wall), 100_000);
+    }
+
+    #[test]
+    fn a_recorded_override_is_forced_until_its_time_or_not_at_all() {
+        let now = Instant::now();
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
+        let o = Override {
+            version: control::OVERRIDE_VERSION,
+            route: Route::Upstream,
+            until_unix_ms: Some(102_500),
+            reason: "drain requested".into(),
+            set_by: "uid 0".into(),
+            set_unix_ms: 99_000,
+            kind: ForceKind::Drain,
+            drained_sockets: Some(vec![7, 9]),
+        };
+        let forced = forced_from(&o, now, wall).expect("in force");
+        assert_eq!(forced.route, Route::Upstream);
+        assert_eq!(forced.kind, ForceKind::Drain);
+        assert_eq!(forced.until, Some(now + Duration::from_millis(2500)));
+        assert_eq!(forced.why, "drain requested");
+        assert_eq!(forced.waits_for, Some(vec![7, 9]));
+        let forever = Override { until_unix_ms: None, ..o.clone() };
+        assert_eq!(forced_from(&forever, now, wall).expect("in force").until, None);
+        for past in [100_000, 90_000] {
+            let expired = Override { until_unix_ms: Some(past), ..o.clone() };
+            assert!(forced_from(&expired, now, wall).is_none(), "{past}");
+        }
+    }
+
+    /// One request through [`handle`]; its answer (a drain's stays in `drain`).
+    fn request(
+        agent: &mut Agent,
+        dir: &Path,
+        request: Request,
+        drain: &mut Option<Drain>,
+        now: Instant,
+    ) -> Option<Response> {
+        let (reply, mut answer) = oneshot::channel();
+        let peer = Peer { uid: 0, gid: 0, pid: Some(7) };
+        handle(agent, dir, Incoming { request, peer, reply }, drain, now);
+        answer.try_recv().ok()
+    }
+
+    /// A state directory of the test's own.
+    fn dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("nlha-maint-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_flip_forces_and_records_the_route_and_a_release_ends_both() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let dir = dir("flip");
+        let mut drain = None;
+        let flip = Request::Flip { route: Route::Upstream, for_ms: Some(2000), reason: "".into() };
+        let response = request(&mut agent, &dir, flip, &mut drain, t0).expect("an answer");
+        assert_eq!(response, Response::ok("route forced to upstream for 2s"));
+        assert_eq!(agent.route(), Route::Upstream);
+        let recorded = control::read_override(&dir).unwrap().expect("recorded");
+        assert_eq!((recorded.route, recorded.kind), (Route::Upstream, ForceKind::Manual));
+        assert_eq!(recorded.set_by, "uid 0 pid 7");
+        assert_eq!(recorded.reason, "by uid 0 pid 7");
+        assert_eq!(recorded.until_unix_ms, Some(recorded.set_unix_ms + 2000));
+        // Forced: failing probes or not, the route stays until the override ends.
+        let forced = agent.forced().expect("forced");
+        assert_eq!(forced.until, Some(t0 + Duration::from_secs(2)));
+
+        let response = request(&mut agent, &dir, Request::Release, &mut drain, t0).unwrap();
+        assert_eq!(response, Response::ok("automatic again; route is upstream"));
+        assert!(agent.forced().is_none());
+        assert_eq!(control::read_override(&dir).unwrap(), None);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn forcing_local_on_a_failing_cache_warns() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let refused = crate::agent::Report {
+            stream: crate::health::Stream::CacheUdp,
+            result: crate::probe::ProbeResult {
+                outcome: crate::probe::Outcome::Refused,
+                latency: Duration::from_millis(1),
+            },
+        };
+        agent.on_probe(&refused, t0);
+        let dir = dir("warn");
+        let flip = Request::Flip { route: Route::Local, for_ms: None, reason: "test".into() };
+        let response = request(&mut agent, &dir, flip, &mut None, t0).unwrap();
+        let text = message(&response);
+        assert!(text.starts_with("route forced to local until released; WARNING: the cache is failing (1 consecutive probes failed"), "{text}");
+        assert_eq!(agent.route(), Route::Local);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_drain_is_refused_while_one_runs_or_local_is_forced() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let dir = dir("refuse");
+        let (running, _answer) = drain(&mut agent, t0, Duration::from_secs(5));
+        let mut current = Some(running);
+        let ask = Request::Drain { timeout_ms: 1000 };
+        let response = request(&mut agent, &dir, ask.clone(), &mut current, t0).unwrap();
+        assert_eq!(response, Response::error("a drain is already running"));
+        assert!(current.is_some(), "the running drain goes on");
+
+        let flip = Request::Flip { route: Route::Local, for_ms: None, reason: "test".into() };
+        request(&mut agent, &dir, flip, &mut None, t0).unwrap();
+        let mut none = None;
+        let response = request(&mut agent, &dir, ask, &mut none, t0).unwrap();
+        assert!(message(&response).contains("release it first"), "{response:?}");
+        assert!(none.is_none());
+        assert_eq!(agent.route(), Route::Local);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn status_answers_the_state_as_json() {
+        let t0 = Instant::now();
+        let mut agent = agent(&FakeDataplane::default(), t0);
+        let response =
+            request(&mut agent, Path::new("/nonexistent"), Request::Status, &mut None, t0);
+        let text = message(response.as_ref().unwrap()).to_owned();
+        let state: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        assert_eq!(state["route"], "local", "{text}");
+        assert_eq!(state["dataplane"], "fake", "{text}");
+    }
+
+    /// A shell script at `path` (run as the hook).
+    fn script(path: &Path, body: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::write(path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_hook_gets_the_change_and_is_bounded() {
+        let dir = dir("hook");
+        let t = Transition {
+            from: Route::Local,
+            to: Route::Upstream,
+            reason: crate::health::Reason::CacheRefused(crate::health::Stream::CacheUdp),
+        };
+        let hook = dir.join("hook");
+        let seen = dir.join("seen");
+        script(&hook, &format!("env | grep ^NODELOCALDNS_HA_ | sort >{}", seen.display()));
+        let patience = Duration::from_secs(10);
+        assert_eq!(run_hook(&hook, &t, 1234, patience).await, "ok");
+        let env = std::fs::read_to_string(&seen).unwrap();
+        let expected = format!(
+            "NODELOCALDNS_HA_FROM=local\nNODELOCALDNS_HA_REASON={}\nNODELOCALDNS_HA_REASON_KIND={}\n\
+             NODELOCALDNS_HA_TO=upstream\nNODELOCALDNS_HA_UNIX_MS=1234\n",
+            t.reason,
+            t.reason.kind()
+        );
+        assert_eq!(env, expected);
+        script(&hook, "exit 3");
+        assert_eq!(run_hook(&hook, &t, 1234, patience).await, "failed");
+        assert_eq!(run_hook(&dir.join("missing"), &t, 1234, patience).await, "failed");
+        // Killed with its whole process group at the timeout: the background child too.
+        let pid = dir.join("pid");
+        script(&hook, &format!("sleep 600 & echo $! >{}; wait", pid.display()));
+        assert_eq!(run_hook(&hook, &t, 1234, Duration::from_millis(200)).await, "timeout");
+        let child: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
+        let gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child), None).is_err()
+            || std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|rest| rest.starts_with('Z')));
+        if !gone {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child), Signal::SIGKILL);
+        }
+        assert!(gone, "the hook's child {child} outlived the timeout");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

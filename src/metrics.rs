@@ -657,14 +657,13 @@ mod tests {
         h.beat(t0 + Duration::from_secs(10));
         assert!(h.live(t0 + Duration::from_secs(15), limit));
         assert!(!h.live(t0 + Duration::from_secs(16), limit));
-        // A beat stamped before the Health was made still counts from its own time.
+        // A beat stamped before the Health was made (t0 is) still counts from its own time.
         let h = Health::new();
-        if let Some(old) = t0.checked_sub(Duration::from_secs(60)) {
-            h.beat(old);
-            assert!(!h.live(t0, limit));
-            assert_eq!(h.silence(t0), Duration::from_secs(60));
-            assert!(h.live(t0, Duration::from_secs(60)));
-        }
+        h.beat(t0);
+        let later = t0 + Duration::from_secs(60);
+        assert!(!h.live(later, limit));
+        assert_eq!(h.silence(later), Duration::from_secs(60));
+        assert!(h.live(later, Duration::from_secs(60)));
         // Readiness is separate from liveness.
         assert!(!h.ready());
         h.set_ready();

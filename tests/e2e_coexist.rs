@@ -46,6 +46,78 @@ fn filter_drop_iptables_nft() {
     filter_drop("iptables-nft");
 }
 
+/// Issue 18, point 7: behind the same firewall, lookups keep working through a cache SIGKILL,
+/// the cache's return and the agent's teardown, and the teardown leaves nothing of the agent
+/// (its ACCEPTs included). Pods lose nothing; host-network clients (no kernel fast path) only
+/// lookups sent between the kill and the switch. While the NOTRACK is in, its untracked packets
+/// pass INPUT only through the agent's ACCEPTs: a teardown that took those out first would drop
+/// pods' queries (first attempts lost after the kill window, or failed lookups).
+fn filter_drop_failover_and_teardown(dataplane: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft", "--filter-drop"]);
+    let mut agent = node.agent(&["--dataplane", dataplane]);
+    let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let mut host = node.load("node", CLUSTER_DNS_IP, &args);
+    let alone = |who: &'static str| {
+        let other = if who == "cache" { "coredns" } else { "cache" };
+        move |l: &str| field(l, who).is_some_and(|n| n > 0) && field(l, other) == Some(0)
+    };
+    for load in [&mut pod, &mut host] {
+        load.wait_line("the cache answering alone", Duration::from_secs(5), alone("cache"));
+    }
+    let killed_at = node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    for load in [&mut pod, &mut host] {
+        load.wait_line("CoreDNS answering alone", Duration::from_secs(5), alone("coredns"));
+    }
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in [&mut pod, &mut host] {
+        load.wait_line("the cache answering again", Duration::from_secs(5), alone("cache"));
+    }
+
+    let status = agent.stop(nix::sys::signal::Signal::SIGTERM);
+    assert!(status.success(), "agent exited with {status}");
+    let dir = agent.state_dir.display().to_string();
+    let out = node.cli(&["teardown", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    node.assert_nothing_left();
+    // Without the agent's rules, everything goes through kube-proxy's DNAT.
+    for load in [&mut pod, &mut host] {
+        load.wait_line("CoreDNS after the teardown", Duration::from_secs(5), alone("coredns"));
+    }
+    for (client, load) in [("pod", pod), ("host", host)] {
+        let (summary, lookups) = load.interrupt_recorded();
+        println!("{dataplane} {client}: {summary}");
+        assert_eq!(summary["by_origin"]["other"], 0, "{client}: {summary}");
+        // Lost only at the kill: until the client has seen CoreDNS answer after it.
+        let switched = coredns_seen_after(&lookups, killed_at);
+        let failed = sent_at(&summary, "failures_at_ms");
+        let lost = sent_at(&summary, "first_attempt_lost_at_ms");
+        println!("{client}: {} failed, {} first attempts lost", failed.len(), lost.len());
+        if client == "pod" {
+            assert_eq!(summary["failed"], 0, "{client}: {summary}");
+        }
+        assert_within(client, &failed, killed_at - 100, switched);
+        assert_within(client, &lost, killed_at - 100, switched.max(killed_at + 100));
+    }
+}
+
+#[test]
+fn filter_drop_failover_and_teardown_nftables() {
+    filter_drop_failover_and_teardown("nftables");
+}
+
+#[test]
+fn filter_drop_failover_and_teardown_iptables_legacy() {
+    filter_drop_failover_and_teardown("iptables-legacy");
+}
+
+#[test]
+fn filter_drop_failover_and_teardown_iptables_nft() {
+    filter_drop_failover_and_teardown("iptables-nft");
+}
+
 /// What a simnode noise loop's rounds did since its `-start` (`simnode.sh NOISE-rounds`).
 #[derive(Debug, Clone, Copy)]
 struct Rounds {

@@ -52,22 +52,6 @@ fn auto_choice(kube_proxy: &str) -> &'static str {
     }
 }
 
-/// Nothing of the agent's anywhere in the node's netfilter.
-fn assert_nothing_left(node: &SimNode) {
-    let ruleset = node.run("node", "nft", &["list", "ruleset"]);
-    let text = String::from_utf8_lossy(&ruleset.stdout);
-    assert!(!text.contains("nodelocaldns-ha"), "nftables still has the agent's table:\n{text}");
-    assert!(
-        !text.contains("NODELOCALDNS-HA"),
-        "iptables-nft still has the agent's chains:\n{text}"
-    );
-    for save in ["iptables-legacy-save", "ip6tables-legacy-save"] {
-        let out = node.run("node", save, &[]);
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(!text.contains("NODELOCALDNS-HA"), "{save} still has the agent's chains:\n{text}");
-    }
-}
-
 fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
     let (local, cluster_dns, upstream) = family.addrs();
@@ -130,7 +114,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     drop(agent);
     let out = node.run("node", AGENT, &["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
-    assert_nothing_left(&node);
+    node.assert_nothing_left();
 }
 
 macro_rules! matrix {

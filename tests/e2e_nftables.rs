@@ -317,6 +317,53 @@ fn cache_sigkill_fast_path_alone_fails_pods_over() {
     assert_within("first attempt lost", &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
 }
 
+/// Issue 18, point 7: DNS over TCP through the cluster-DNS IP, from a pod and from the host (a
+/// new connection per attempt): the cache answers on `Local`, CoreDNS after a cache SIGKILL
+/// (connections to the dead cache are refused, and the retry connects through the DNAT), the
+/// cache again once it is back. Pods lose no lookup; the host, as over UDP, only lookups sent
+/// between the kill and the switch.
+#[test]
+fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    let args = ["--tcp", "--rate", "500", "--duration", "60s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", POD_SERVER, &args);
+    let mut host = node.load("node", CLUSTER_DNS_IP, &args);
+    let alone = |who: &'static str| {
+        let other = if who == "cache" { "coredns" } else { "cache" };
+        move |l: &str| field(l, who).is_some_and(|n| n > 0) && field(l, other) == Some(0)
+    };
+    for load in [&mut pod, &mut host] {
+        load.wait_line("the cache answering alone", Duration::from_secs(5), alone("cache"));
+    }
+    let killed_at = node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    for load in [&mut pod, &mut host] {
+        load.wait_line("CoreDNS answering alone", Duration::from_secs(5), alone("coredns"));
+    }
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in [&mut pod, &mut host] {
+        load.wait_line("the cache answering again", Duration::from_secs(5), alone("cache"));
+    }
+    for (client, load) in [("pod", pod), ("host", host)] {
+        let (summary, lookups) = load.interrupt_recorded();
+        println!("{client}: {summary}");
+        assert_eq!(summary["by_origin"]["other"], 0, "{client}: {summary}");
+        let switched = coredns_seen_after(&lookups, killed_at);
+        let failed = sent_at(&summary, "failures_at_ms");
+        println!(
+            "{client}: {} failed, CoreDNS seen {} ms after the kill",
+            failed.len(),
+            switched - killed_at
+        );
+        if client == "pod" {
+            assert_eq!(summary["failed"], 0, "{client}: {summary}");
+        }
+        assert_within(client, &failed, killed_at - 100, switched);
+    }
+}
+
 /// Acceptance 6 and the exit policy: SIGTERM leaves the current route's rules; a restarted agent
 /// adopts them without a transition; teardown removes everything, twice.
 #[test]

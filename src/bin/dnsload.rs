@@ -97,6 +97,11 @@ struct Args {
     /// Use TCP (a new connection per attempt) instead of UDP
     #[arg(long)]
     tcp: bool,
+
+    /// Lookups in flight at most: a lookup due while this many are is not started, and counted
+    /// as `skipped` [default: rate × the longest a lookup can take, + 100]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_in_flight: Option<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -627,7 +632,10 @@ async fn run(args: Args) -> std::io::Result<serde_json::Value> {
         None => None,
     };
     let planned = (f64::from(args.rate) * args.duration.as_secs_f64()).round() as u64;
-    let max_in_flight = (f64::from(args.rate) * lookup_budget.as_secs_f64()).ceil() as usize + 100;
+    let max_in_flight = args.max_in_flight.map_or_else(
+        || (f64::from(args.rate) * lookup_budget.as_secs_f64()).ceil() as usize + 100,
+        |n| n as usize,
+    );
 
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;

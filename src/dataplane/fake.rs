@@ -28,6 +28,8 @@ pub struct FakeKernel {
     /// When set, a `check` waits for the gate to open before it reads the kernel: a slow
     /// read-back (`iptables-nft-save` on a node with 50,000 rules), held as long as a test wants.
     pub gate: Option<Arc<Gate>>,
+    /// What `reply_packets` reads: the cache's replies counted so far, or `None` (uncounted).
+    pub replies: Option<u64>,
 }
 
 /// A gate that held checks wait at, until it is opened.
@@ -99,6 +101,10 @@ impl Dataplane for FakeDataplane {
         kernel.installed = Some(rules.clone());
         kernel.applies += 1;
         Ok(())
+    }
+
+    fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
+        Ok(self.kernel().replies)
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {

@@ -64,7 +64,12 @@ struct State {
     health: Arc<Health>,
     /// `/healthz` fails when the control loop has not turned for longer than this.
     max_silence: Duration,
+    /// What time it is when a request is answered: the monotonic clock, or a test's.
+    clock: Clock,
 }
+
+/// A source of the current instant.
+type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 /// Serves `/metrics`, `/healthz` and `/readyz` on `listener` forever. Returns only when
 /// accepting fails for a reason other than one client's connection or a passing shortage of
@@ -75,7 +80,8 @@ pub async fn serve(
     health: Arc<Health>,
     max_silence: Duration,
 ) -> io::Error {
-    serve_with(listener, State { metrics, health, max_silence }, LIMITS).await
+    let clock = Arc::new(Instant::now);
+    serve_with(listener, State { metrics, health, max_silence, clock }, LIMITS).await
 }
 
 async fn serve_with(listener: TcpListener, state: State, limits: Limits) -> io::Error {
@@ -191,7 +197,7 @@ async fn handle(
         Err(_elapsed) => return Ok(()),
         Ok(head) => match head? {
             Head::Closed => return Ok(()),
-            Head::Complete(len) => answer(parse(&buf[..len]), state, Instant::now()),
+            Head::Complete(len) => answer(parse(&buf[..len]), state, (state.clock)()),
             Head::Truncated => Response::bad_request("the connection closed mid-request"),
             Head::TooLarge => Response::bad_request("the request head is larger than 8 KiB"),
         },
@@ -416,6 +422,7 @@ impl Response {
 #[cfg(test)]
 mod tests {
     use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     use super::*;
     use crate::ruleset::Route;
@@ -427,6 +434,9 @@ mod tests {
         addr: SocketAddr,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
+        /// How far the server's clock runs ahead of the monotonic clock, in ms: a test moves
+        /// time on without waiting, and whatever the machine's uptime.
+        ahead_ms: Arc<AtomicU64>,
         task: tokio::task::JoinHandle<io::Error>,
     }
 
@@ -441,13 +451,18 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let metrics = Arc::new(Metrics::new());
         let health = Arc::new(Health::new());
+        let ahead_ms = Arc::new(AtomicU64::new(0));
+        let ahead = ahead_ms.clone();
         let state = State {
             metrics: metrics.clone(),
             health: health.clone(),
             max_silence: Duration::from_secs(30),
+            clock: Arc::new(move || {
+                Instant::now() + Duration::from_millis(ahead.load(Ordering::Relaxed))
+            }),
         };
         let task = tokio::spawn(serve_with(listener, state, limits));
-        Server { addr, metrics, health, task }
+        Server { addr, metrics, health, ahead_ms, task }
     }
 
     /// A response, split up.
@@ -517,15 +532,21 @@ mod tests {
     #[tokio::test]
     async fn healthz_follows_the_control_loop_only() {
         let server = start(LIMITS).await;
+        let healthz = || async { get(server.addr, "/healthz").await };
         server.health.beat(Instant::now());
-        let reply = get(server.addr, "/healthz").await;
+        let reply = healthz().await;
         assert_eq!((reply.status, reply.body.as_str()), (200, "ok\n"));
-        // The loop last turned a minute ago (the limit is 30 s).
-        let Some(old) = Instant::now().checked_sub(Duration::from_secs(60)) else { return };
-        server.health.beat(old);
-        let reply = get(server.addr, "/healthz").await;
+        // The loop stops turning: live for the 30 s allowed, not after.
+        server.ahead_ms.store(29_000, Ordering::Relaxed);
+        assert_eq!(healthz().await.status, 200);
+        server.ahead_ms.store(60_000, Ordering::Relaxed);
+        let reply = healthz().await;
         assert_eq!(reply.status, 503, "{reply:?}");
-        assert!(reply.body.starts_with("not live: the control loop last turned 60"), "{reply:?}");
+        assert!(reply.body.starts_with("not live: the control loop last turned 60.0"), "{reply:?}");
+        assert!(reply.body.ends_with("ago (allowed: 30.0s)\n"), "{reply:?}");
+        // It turns again: live again.
+        server.health.beat(Instant::now() + Duration::from_secs(60));
+        assert_eq!(healthz().await.status, 200);
     }
 
     #[tokio::test]

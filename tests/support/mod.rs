@@ -574,6 +574,26 @@ impl SimNode {
         (status, body)
     }
 
+    /// Nothing of the agent's anywhere in the node's netfilter: nftables (iptables-nft
+    /// included) and iptables-legacy, both families.
+    pub fn assert_nothing_left(&self) {
+        let ruleset = self.run("node", "nft", &["list", "ruleset"]);
+        let text = String::from_utf8_lossy(&ruleset.stdout);
+        assert!(!text.contains("nodelocaldns-ha"), "nftables still has the agent's table:\n{text}");
+        assert!(
+            !text.contains("NODELOCALDNS-HA"),
+            "iptables-nft still has the agent's chains:\n{text}"
+        );
+        for save in ["iptables-legacy-save", "ip6tables-legacy-save"] {
+            let out = self.run("node", save, &[]);
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                !text.contains("NODELOCALDNS-HA"),
+                "{save} still has the agent's chains:\n{text}"
+            );
+        }
+    }
+
     /// Runs the agent binary's CLI in the node namespace.
     pub fn cli(&self, args: &[&str]) -> Output {
         self.run("node", AGENT, args)
@@ -602,6 +622,15 @@ impl Load {
         let pid = nix::unistd::Pid::from_raw(self.child.pid() as i32);
         let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
         self.finish()
+    }
+}
+
+impl Load {
+    /// [`Load::interrupt`], with every lookup, in the order they started.
+    pub fn interrupt_recorded(self) -> (Value, Vec<Lookup>) {
+        let pid = nix::unistd::Pid::from_raw(self.child.pid() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+        self.finish_recorded()
     }
 }
 
