@@ -575,7 +575,8 @@ fn flap(node: &SimNode, dice: &mut Dice, how_long: Duration, crashes: &mut Vec<C
 ///   lost, and every lost one was sent to a cache that a kill then took: at most one attempt
 ///   timeout before the kill, and before the process was gone. (Judged by when the client sent
 ///   it and when the process was seen gone: a busy machine widens nothing.)
-/// * The agent's memory and descriptors: the same at the end as after a warm-up.
+/// * The agent's descriptors: the same at the end as after a warm-up; its memory: no trend (the
+///   second half of the run grows it by allocator noise at most).
 #[test]
 fn flapping_cache_keeps_transitions_bounded_and_resources_flat() {
     let secs: u64 = std::env::var("NLHA_FLAP_SECS").map_or(60, |s| s.parse().expect("seconds"));
@@ -601,7 +602,10 @@ fn flapping_cache_keeps_transitions_bounded_and_resources_flat() {
     let before = transitions(&node);
 
     let started = Instant::now();
-    flap(&node, &mut dice, Duration::from_secs(secs), &mut crashes);
+    flap(&node, &mut dice, Duration::from_secs(secs / 2), &mut crashes);
+    let (rss_half, _) = resources(pid);
+    let half = transitions(&node);
+    flap(&node, &mut dice, Duration::from_secs(secs - secs / 2), &mut crashes);
     let flapped = started.elapsed();
     let after = transitions(&node);
     let st = agent.wait_route("local", Duration::from_secs(10));
@@ -618,8 +622,14 @@ fn flapping_cache_keeps_transitions_bounded_and_resources_flat() {
         st["transitions"],
         st["repairs"]
     );
+    let changes = |from: (u64, u64), to: (u64, u64)| to.0 + to.1 - from.0 - from.1;
+    let halves = [
+        (rss_half as i64 - rss_before as i64, changes(before, half)),
+        (rss_after as i64 - rss_half as i64, changes(half, after)),
+    ];
     println!(
-        "agent RSS {rss_before} KiB -> {rss_after} KiB, fds {fds_before} -> {fds_after} (least of 20 looks)"
+        "agent RSS {rss_before} -> {rss_half} -> {rss_after} KiB (halves: {:+} KiB in {} route changes, {:+} KiB in {}), fds {fds_before} -> {fds_after} (least of 20 looks)",
+        halves[0].0, halves[0].1, halves[1].0, halves[1].1
     );
     println!("pod: {summary}");
     println!(
@@ -650,8 +660,14 @@ fn flapping_cache_keeps_transitions_bounded_and_resources_flat() {
 
     // Descriptors: the same set (the least of several looks leaves out probe sockets in flight).
     assert!(fds_after <= fds_before, "fds grew from {fds_before} to {fds_after}");
-    // Memory: allocator noise and metric series, far below 4 MiB.
-    assert!(rss_after <= rss_before + 4096, "RSS grew from {rss_before} to {rss_after} KiB");
+    // Memory: a leak grows with the route changes and the probes, so it shows in both halves;
+    // what settles (allocator arenas, buffers) does so mostly in the first. Seen in green runs
+    // (debug build): +276 to +468 KiB in all, +44 to +196 in the second half; the 30-minute soak
+    // grew 112 KiB. So at most 384 KiB in the second half and 1 MiB in all: a leak of 16 KiB
+    // per route change (~30 a half) fails both (+624 and +1432 KiB, where 4 MiB let it pass).
+    let second_half = halves[1].0;
+    assert!(second_half <= 384, "RSS grew {second_half} KiB in the second half: {halves:?}");
+    assert!(rss_after <= rss_before + 1024, "RSS grew from {rss_before} to {rss_after} KiB");
 }
 
 /// `nodelocaldns-ha status` for `agent`.

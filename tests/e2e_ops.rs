@@ -14,18 +14,28 @@ fn state_dir(agent: &Agent) -> String {
 }
 
 /// Issue 4, acceptance 1: `flip upstream --for 2s` routes to CoreDNS at once and is automatic
-/// again after 2 s.
+/// again when the 2 s are over: not before, and at the tick that finds them over.
 #[test]
 fn flip_for_a_while_then_automatic() {
     let node = SimNode::up();
-    let agent = node.agent(&[]);
+    // min-hold (and rise 5 × 100 ms) well inside the 2 s, so that only the override's end can
+    // time the return: with min-hold equal to it, an override ending early went unnoticed.
+    let agent = node.agent(&["--interval", "100ms", "--min-hold", "500ms"]);
     let dir = state_dir(&agent);
+    let asked_at = now_ms();
     let out =
         node.cli(&["flip", "upstream", "--for", "2s", "--reason", "test", "--state-dir", &dir]);
     assert!(out.status.success(), "{}", describe(&out));
-    let flipped_at = now_ms();
+    let answered_at = now_ms();
     let up = agent.wait_route("upstream", Duration::from_secs(1));
     assert!(up["reason"].as_str().unwrap().contains("forced by hand: test"), "{up}");
+    // The agent's record: set while `flip` ran, ending 2 s later.
+    let record = std::fs::read(agent.state_dir.join("override.json")).expect("override.json");
+    let record: serde_json::Value = serde_json::from_slice(&record).expect("override JSON");
+    let set = record["set_unix_ms"].as_u64().expect("set_unix_ms");
+    let until = record["until_unix_ms"].as_u64().expect("until_unix_ms");
+    assert!((asked_at..=answered_at).contains(&set), "set outside {asked_at}..: {record}");
+    assert_eq!(until - set, 2000, "{record}");
     let answer =
         node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
     assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), COREDNS_ANSWER);
@@ -38,7 +48,13 @@ fn flip_for_a_while_then_automatic() {
 
     let local = agent.wait_route("local", Duration::from_secs(5));
     let back = local["since_unix_ms"].as_u64().unwrap();
-    assert!(back >= flipped_at + 1900, "automatic again too early: {local}");
+    println!("automatic again {} ms after the override's end", back as i64 - until as i64);
+    // The agent checks the expiry every tick (100 ms): back at the first tick past `until`, so
+    // never before it (less 10 ms: the agent reads its two clocks one after the other), and
+    // within 500 ms of it (a tick, and 400 ms for the loop being scheduled late on a loaded
+    // machine). An override lasting a quarter longer or shorter is outside.
+    assert!(back + 10 >= until, "automatic {} ms before the override's end: {local}", until - back);
+    assert!(back <= until + 500, "automatic {} ms after the override's end: {local}", back - until);
     assert!(
         !agent.state_dir.join("override.json").exists(),
         "the expired override is still recorded"

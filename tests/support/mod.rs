@@ -403,6 +403,36 @@ impl Agent {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// How much the agent has logged so far, for [`Agent::switch_after`].
+    pub fn log_mark(&self) -> usize {
+        self.log_text().len()
+    }
+
+    /// The first route change to `to` the agent logged after `mark` (from [`Agent::log_mark`]),
+    /// by its own counts: the streak of probe stream `stream` (`cache udp`, `cache tcp`,
+    /// `upstream`) it decided on, and the failed probes of `stream` it logged from `mark` until
+    /// then. `None` until that change is logged.
+    pub fn switch_after(&self, mark: usize, to: &str, stream: &str) -> Option<Switch> {
+        let log = self.log_text();
+        let mut failed = 0;
+        for line in log.get(mark..)?.lines() {
+            if line.contains("probe failed") && line.contains(&format!("stream={stream} ")) {
+                failed += 1;
+            }
+            if !(line.contains("route changed") && line.contains(&format!(" to={to} "))) {
+                continue;
+            }
+            // `evidence=cache udp +0/-3, cache tcp +1/-0, upstream +9/-0`
+            let evidence = line.split_once("evidence=")?.1;
+            let streak =
+                evidence.split(", ").find_map(|s| s.strip_prefix(stream)?.strip_prefix(" +"));
+            let (good, bad) = streak?.split_once("/-")?;
+            let (good, bad) = (good.parse().ok()?, bad.trim().parse().ok()?);
+            return Some(Switch { good, bad, failed, line: line.to_owned() });
+        }
+        None
+    }
 }
 
 impl Drop for Agent {
@@ -415,6 +445,18 @@ impl Drop for Agent {
             eprintln!("agent log:\n{}", self.log_text());
         }
     }
+}
+
+/// A route change as the agent logged it: see [`Agent::switch_after`].
+#[derive(Debug)]
+pub struct Switch {
+    /// The stream's streak of good and of failed probes when the agent decided.
+    pub good: u32,
+    pub bad: u32,
+    /// The stream's failed probes logged from the mark until the change.
+    pub failed: u32,
+    /// The log line.
+    pub line: String,
 }
 
 /// A child process, killed (by pid) and reaped on drop.
