@@ -621,15 +621,26 @@ mod tests {
         assert_eq!(run_hook(&hook, &t, 1234, patience).await, "failed");
         assert_eq!(run_hook(&dir.join("missing"), &t, 1234, patience).await, "failed");
         // Killed with its whole process group at the timeout: the background child too.
+        // (A timeout long enough for a busy machine to start the script and its child.)
         let pid = dir.join("pid");
         script(&hook, &format!("sleep 600 & echo $! >{}; wait", pid.display()));
-        assert_eq!(run_hook(&hook, &t, 1234, Duration::from_millis(200)).await, "timeout");
+        assert_eq!(run_hook(&hook, &t, 1234, Duration::from_secs(2)).await, "timeout");
         let child: i32 = std::fs::read_to_string(&pid).unwrap().trim().parse().unwrap();
-        let gone = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child), None).is_err()
-            || std::fs::read_to_string(format!("/proc/{child}/stat"))
-                .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|rest| rest.starts_with('Z')));
+        let child = nix::unistd::Pid::from_raw(child);
+        // SIGKILL is sent when the hook times out; the child is gone (or a zombie) once the
+        // kernel has run its exit, a moment later on a busy machine.
+        let gone = || {
+            nix::sys::signal::kill(child, None).is_err()
+                || std::fs::read_to_string(format!("/proc/{child}/stat"))
+                    .is_ok_and(|s| s.split(") ").nth(1).is_some_and(|rest| rest.starts_with('Z')))
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !gone() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let gone = gone();
         if !gone {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(child), Signal::SIGKILL);
+            let _ = nix::sys::signal::kill(child, Signal::SIGKILL);
         }
         assert!(gone, "the hook's child {child} outlived the timeout");
         let _ = std::fs::remove_dir_all(&dir);
