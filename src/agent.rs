@@ -1723,7 +1723,9 @@ mod tests {
                 matches!(error, AgentError::TaskDied { task: "doomed watch", ref how } if how == "panicked: injected"),
                 "{error}"
             );
-            assert_eq!(installed(&fake), Some(Route::Local), "the ruleset was not left in place");
+            // Left as it was (Local, or Upstream if a probe found no cache in this namespace
+            // before the loop looked at its tasks), not removed.
+            assert!(installed(&fake).is_some(), "the ruleset was not left in place");
         });
     }
 

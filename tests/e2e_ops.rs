@@ -460,7 +460,8 @@ fn a_kill_between_the_families_is_noticed_and_evened_out_on_restart() {
     let notracked = |text: &str, ip: &str| {
         text.lines().any(|l| l.contains(&format!("-d {ip} ")) && l.contains("NOTRACK"))
     };
-    assert!(node.cli(&["flip", "upstream", "--state-dir", &dir]).status.success());
+    let out = node.cli(&["flip", "upstream", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
     agent.wait_route("upstream", Duration::from_secs(2));
     let v4_upstream = raw("iptables-legacy-save");
     assert!(!notracked(&v4_upstream, "10.96.0.10/32"), "{v4_upstream}");

@@ -233,6 +233,12 @@ impl SimNode {
         if wait_local {
             // Generous: at start, `auto` saves every table (seconds with 50,000 nat rules).
             agent.wait_route("local", Duration::from_secs(30));
+            // The control socket listens a moment after the state is written: a `flip` sent
+            // before then finds the agent's lock but nobody answering, and fails.
+            let socket = agent.state_dir.join("control.sock");
+            wait_for("the control socket", Duration::from_secs(10), || {
+                socket.exists().then_some(())
+            });
         } else {
             wait_for("the agent's state", Duration::from_secs(10), || agent.state());
         }
