@@ -14,6 +14,12 @@
 //! (reads the head, writes the answer, lingers), `request` finds where the head ends and parses
 //! its request line, `route` turns a request into an endpoint's answer, and `response` is that
 //! answer as bytes; `tests` drives the whole server over loopback.
+//!
+//! Written by hand rather than on hyper, by measurement (release builds, a simulated node, 2,000
+//! scrapes then 100 silent clients): the agent's stripped binary is 4.4 MiB and its RSS 7 MiB
+//! idle, 8.6 MiB after, while hyper's HTTP/1.1 server adds 261 KiB of binary and about 200 KiB
+//! of RSS to a tokio server that answers the same, and meets a malformed head with its own bare
+//! 400 where this one says what is wrong.
 
 mod accept;
 mod conn;
