@@ -20,8 +20,8 @@
 # node lo fd00:169:254::10 (local IP) and fd00:96::10 (cluster DNS), upstream fd00:96::11;
 # who.test AAAA is fd00::1:1:1:1 from the cache, fd00::2:2:2:2 from CoreDNS.
 #
-# The parts, one concern each, are sourced from simnode/ beside this script (through a symlink,
-# the real one's), where each explains what it models and from which upstream code:
+# The parts, one concern each, are sourced from simnode/ in this script's real directory
+# (symlinks resolved); each says what it models and from which upstream code:
 #   common.sh                the address plan, namespaces, the options `up` saved, the flavour
 #   processes.sh             daemons started in a namespace and signalled only while still ours
 #   topology.sh              namespaces, veths, addresses, routes, the node-local IPs, netem

@@ -3,7 +3,7 @@
 # to test that the agent lives with them: a CNI plugin keeping its rule first, kube-proxy's
 # periodic resync, and a holder of the xtables lock.
 #
-# The loops are this script run again (`bash SELF __loop PREFIX SVC`) in the node namespace.
+# The loops are simnode.sh run again (`bash SELF __loop PREFIX SVC`) in the node namespace.
 # Each command runs as a background child so that SIGTERM stops the loop at once (the trap kills
 # the child); the loop writes its pid to $RUN_DIR/<svc>.ready after its first round, if that
 # round succeeded (else it exits 1), and its counts to $RUN_DIR/<svc>.rounds after every round.
