@@ -1,0 +1,104 @@
+# shellcheck shell=bash
+# simnode DNS servers: the node-local cache (unbound, in the node namespace, on the node-local
+# IPs) answering who.test with 1.1.1.1, and "CoreDNS" (dnsmasq, in the dns namespace, on the
+# endpoints behind the kube-dns Services) answering 2.2.2.2, so every answer says who gave it.
+
+dig_answers() { # dig_answers ROLE SERVER NAME WANT: the first answer is WANT
+    [[ "$(in_ns "$1" dig +time=1 +tries=1 +short "@$2" "$3" | head -n1)" == "$4" ]]
+}
+dig_servfail() { # dig_servfail ROLE SERVER NAME
+    in_ns "$1" dig +time=1 +tries=1 "@$2" "$3" | grep -q 'status: SERVFAIL'
+}
+
+# cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in, answering
+# who.test itself and forwarding the rest to the kube-dns-upstream Service (normal), or answering
+# SERVFAIL to everything (servfail: no upstream it can reach).
+cmd_cache_start() {
+    local mode=normal interfaces="" local_data="" forward="" mode_options="" conf ip wait=1
+    while (($#)); do
+        case $1 in
+        --mode) mode=${2:-}; shift 2 || usage ;;
+        --no-wait) wait=0; shift ;;
+        *) usage ;;
+        esac
+    done
+    [[ "$mode" =~ ^(normal|servfail)$ ]] || die "--mode must be normal or servfail"
+    load_state
+    if has_v4; then
+        for ip in "$V4_LOCAL_IP" "$V4_CLUSTER_DNS"; do interfaces+="    interface: $ip"$'\n'; done
+    fi
+    if has_v6; then
+        for ip in "$V6_LOCAL_IP" "$V6_CLUSTER_DNS"; do interfaces+="    interface: $ip"$'\n'; done
+    fi
+    local server=$V4_LOCAL_IP
+    has_v4 || server=$V6_LOCAL_IP
+    if [[ $FILTER_LO == loopback ]]; then
+        # The host firewall drops what reaches the node-local IPs from the node itself: check
+        # readiness on loopback (see --filter-drop in firewall.sh).
+        server=127.0.0.1
+        has_v4 || server=::1
+        interfaces+="    interface: $server"$'\n'
+    fi
+    if [[ $mode == normal ]]; then
+        local_data="    local-zone: \"$PROBE_NAME.\" static"$'\n'
+        local_data+="    local-data: \"$PROBE_NAME. 30 IN A $CACHE_A\""$'\n'
+        local_data+="    local-data: \"$PROBE_NAME. 30 IN AAAA $CACHE_AAAA\""$'\n'
+        if has_v4; then forward+="    forward-addr: $V4_UPSTREAM"$'\n'; fi
+        if has_v6; then forward+="    forward-addr: $V6_UPSTREAM"$'\n'; fi
+    else
+        # Nothing listens on port 1. unbound treats the ECONNREFUSED like a timeout and retries
+        # with a growing timeout: with the default 120 s cap the first queries hang for over
+        # 15 s. Capped at 10 ms, the first query gets SERVFAIL after ~25 ms; the upstream is
+        # then marked down (for infra-host-ttl, 900 s) and every query gets SERVFAIL at once.
+        forward="    forward-addr: 127.0.0.1@1"$'\n'
+        mode_options="    infra-cache-max-rtt: 10"$'\n'
+    fi
+    conf=$(<"$SCRIPT_DIR/unbound.conf.in")
+    conf=${conf//@RUN_DIR@/$RUN_DIR}
+    conf=${conf//@INTERFACES@/${interfaces%$'\n'}}
+    conf=${conf//@MODE_OPTIONS@/${mode_options%$'\n'}}
+    conf=${conf//@LOCAL_DATA@/${local_data%$'\n'}}
+    conf=${conf//@FORWARD_ADDRS@/${forward%$'\n'}}
+    printf '%s\n' "$conf" >"$RUN_DIR/unbound.conf"
+    unbound-checkconf "$RUN_DIR/unbound.conf" >/dev/null || die "bad unbound config $RUN_DIR/unbound.conf"
+
+    echo "--- cache-start --mode $mode" >>"$RUN_DIR/cache.log"
+    local at
+    at=$(now_ms)
+    svc_start cache node unbound -d -p -c "$RUN_DIR/unbound.conf"
+    if ((!wait)); then
+        echo "$at"
+        return
+    fi
+    if [[ $mode == normal ]]; then
+        wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A"
+    else
+        wait_for 10 "the cache to answer SERVFAIL" dig_servfail node "$server" "$PROBE_NAME"
+    fi
+    svc_pid cache || die "the cache exited (log: $RUN_DIR/cache.log)"
+}
+
+# coredns-start: dnsmasq on both endpoint IPs, ready once each answers and the upstream Service
+# reaches it.
+cmd_coredns_start() {
+    local args=() ip
+    load_state
+    args=(dnsmasq --keep-in-foreground --conf-file=/dev/null --no-resolv --no-hosts
+        --bind-interfaces --port=53 --user=root --pid-file --log-facility=-
+        "--address=/$PROBE_NAME/$COREDNS_A" "--address=/$PROBE_NAME/$COREDNS_AAAA"
+        --address=/kubernetes.default.svc.cluster.local/10.96.0.1
+        --address=/kubernetes.default.svc.cluster.local/fd00:96::1)
+    if has_v4; then for ip in "${V4_DNS_EPS[@]}"; do args+=("--listen-address=$ip"); done; fi
+    if has_v6; then for ip in "${V6_DNS_EPS[@]}"; do args+=("--listen-address=$ip"); done; fi
+
+    echo "--- coredns-start" >>"$RUN_DIR/coredns.log"
+    svc_start coredns dns "${args[@]}"
+    local eps=() upstream
+    if has_v4; then eps=("${V4_DNS_EPS[@]}") upstream=$V4_UPSTREAM; else eps=("${V6_DNS_EPS[@]}") upstream=$V6_UPSTREAM; fi
+    for ip in "${eps[@]}"; do
+        wait_for 10 "CoreDNS endpoint $ip" dig_answers node "$ip" "$PROBE_NAME" "$COREDNS_A"
+    done
+    wait_for 10 "CoreDNS through the upstream Service" dig_answers node "$upstream" "$PROBE_NAME" "$COREDNS_A"
+    svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
+}
+
