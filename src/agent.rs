@@ -359,7 +359,7 @@ impl Agent {
         stats.last = Some(outcome.label().to_owned());
         stats.last_latency_ms = Some(report.result.latency.as_secs_f64() * 1e3);
 
-        let held_before = self.machine.held().map(str::to_owned);
+        let held_before = self.machine.held().is_some();
         let forced_before = self.machine.forced().is_some();
         let transition = self.machine.observe(report.stream, sample(outcome), now);
         if forced_before && self.machine.forced().is_none() {
@@ -383,8 +383,8 @@ impl Agent {
 
         if let Some(held) = self.machine.held() {
             // Once when a hold begins; its text counts on, `status` shows the latest.
-            if held_before.is_none() {
-                warn!(route = %self.machine.route(), reason = held, "route held");
+            if !held_before {
+                warn!(route = %self.machine.route(), reason = %held, "route held");
             }
         }
         self.metrics.probe(report.stream, outcome.label(), report.result.latency);
@@ -741,7 +741,7 @@ impl Agent {
             route: self.route(),
             since_unix_ms: state::unix_ms(since),
             reason: self.machine.reason().to_string(),
-            held: self.machine.held().map(str::to_owned),
+            held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,
             repairs: self.repairs,
             last_error: self.last_error.clone(),
