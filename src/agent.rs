@@ -1144,13 +1144,10 @@ async fn run_with(
     agent.set_notes(notes);
     agent.set_leftovers(leftovers);
     block_in_place(|| agent.remove_leftovers());
-    let write_state = |agent: &Agent| {
-        if let Err(e) =
-            state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
-        {
-            warn!(dir = %cfg.state_dir.display(), error = %e, "writing the state file failed");
-        }
-    };
+    // Written beside the loop: a synced write must not hold a decision up.
+    let state_file = state::Writer::start(cfg.state_dir.clone());
+    let write_state =
+        |agent: &Agent| state_file.submit(agent.state(Instant::now(), SystemTime::now()));
     write_state(&agent);
 
     let (tx, mut rx) = mpsc::channel(64);
@@ -1311,6 +1308,7 @@ async fn run_with(
     tasks.shutdown().await;
     block_in_place(|| agent.settle(Instant::now()));
     write_state(&agent);
+    block_in_place(|| state_file.finish());
     if agent.is_dirty() {
         error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
     } else {
