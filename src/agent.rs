@@ -359,7 +359,7 @@ impl Agent {
         stats.last = Some(outcome.label().to_owned());
         stats.last_latency_ms = Some(report.result.latency.as_secs_f64() * 1e3);
 
-        let held_before = self.machine.held().map(str::to_owned);
+        let held_before = self.machine.held().is_some();
         let forced_before = self.machine.forced().is_some();
         let transition = self.machine.observe(report.stream, sample(outcome), now);
         if forced_before && self.machine.forced().is_none() {
@@ -383,8 +383,8 @@ impl Agent {
 
         if let Some(held) = self.machine.held() {
             // Once when a hold begins; its text counts on, `status` shows the latest.
-            if held_before.is_none() {
-                warn!(route = %self.machine.route(), reason = held, "route held");
+            if !held_before {
+                warn!(route = %self.machine.route(), reason = %held, "route held");
             }
         }
         self.metrics.probe(report.stream, outcome.label(), report.result.latency);
@@ -741,7 +741,7 @@ impl Agent {
             route: self.route(),
             since_unix_ms: state::unix_ms(since),
             reason: self.machine.reason().to_string(),
-            held: self.machine.held().map(str::to_owned),
+            held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,
             repairs: self.repairs,
             last_error: self.last_error.clone(),
@@ -1144,13 +1144,10 @@ async fn run_with(
     agent.set_notes(notes);
     agent.set_leftovers(leftovers);
     block_in_place(|| agent.remove_leftovers());
-    let write_state = |agent: &Agent| {
-        if let Err(e) =
-            state::write(&cfg.state_dir, &agent.state(Instant::now(), SystemTime::now()))
-        {
-            warn!(dir = %cfg.state_dir.display(), error = %e, "writing the state file failed");
-        }
-    };
+    // Written beside the loop: a synced write must not hold a decision up.
+    let state_file = state::Writer::start(cfg.state_dir.clone());
+    let write_state =
+        |agent: &Agent| state_file.submit(agent.state(Instant::now(), SystemTime::now()));
     write_state(&agent);
 
     let (tx, mut rx) = mpsc::channel(64);
@@ -1311,6 +1308,7 @@ async fn run_with(
     tasks.shutdown().await;
     block_in_place(|| agent.settle(Instant::now()));
     write_state(&agent);
+    block_in_place(|| state_file.finish());
     if agent.is_dirty() {
         error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
     } else {

@@ -20,7 +20,7 @@ use std::fmt;
 use std::fs::Permissions;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream as StdUnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -33,6 +33,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
+use crate::atomic_file;
 use crate::ruleset::Route;
 use crate::waiting::{Reading, Waiting};
 
@@ -227,34 +228,19 @@ pub const MAX_OVERRIDE_BYTES: u64 = 64 * 1024;
 
 /// Reads the override in `dir`: `None` when there is none.
 ///
-/// Whatever sits at the path, this returns at once with bounded memory: the file is opened
-/// without blocking (a FIFO in its place would otherwise hold the agent's start up until someone
-/// writes to it), only a regular file is read, and only up to [`MAX_OVERRIDE_BYTES`] (a device
-/// such as `/dev/zero` linked there never ends).
+/// Whatever sits at the path, this returns at once with bounded memory
+/// ([`atomic_file::read`]): a FIFO there would otherwise hold the agent's start up until someone
+/// writes to it, and a device such as `/dev/zero` linked there never ends.
 pub fn read_override(dir: &Path) -> Result<Option<Override>, OverrideError> {
     let path = override_path(dir);
-    let io_err = |source| OverrideError::Io { path: path.clone(), source };
-    let file = match std::fs::File::options()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(&path)
-    {
-        Ok(file) => file,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(io_err(source)),
-    };
-    let meta = file.metadata().map_err(io_err)?;
-    if !meta.is_file() {
-        let what = if meta.is_dir() { "a directory" } else { "not a regular file" };
-        return Err(io_err(io::Error::new(io::ErrorKind::InvalidInput, what)));
+    match atomic_file::read(&path, MAX_OVERRIDE_BYTES) {
+        Ok(Some(bytes)) => parse_override(&path, &bytes).map(Some),
+        Ok(None) => Ok(None),
+        Err(atomic_file::ReadError::Io(source)) => Err(OverrideError::Io { path, source }),
+        Err(e @ atomic_file::ReadError::TooLarge { .. }) => {
+            Err(OverrideError::Invalid { path, detail: e.to_string() })
+        }
     }
-    let mut bytes = Vec::new();
-    file.take(MAX_OVERRIDE_BYTES + 1).read_to_end(&mut bytes).map_err(io_err)?;
-    if bytes.len() as u64 > MAX_OVERRIDE_BYTES {
-        let detail = format!("larger than {MAX_OVERRIDE_BYTES} bytes");
-        return Err(OverrideError::Invalid { path, detail });
-    }
-    parse_override(&path, &bytes).map(Some)
 }
 
 /// Parses the bytes of the override file at `path` (named in errors).
@@ -275,17 +261,11 @@ pub fn parse_override(path: &Path, bytes: &[u8]) -> Result<Override, OverrideErr
         .map_err(|e| OverrideError::Invalid { path, detail: e.to_string() })
 }
 
-/// Writes `o` to `dir` atomically (a temporary file, then rename), mode 0600.
+/// Writes `o` to `dir` atomically ([`atomic_file::replace`]), mode 0600: an override is root's
+/// to set and to read, like the control socket beside it.
 pub fn write_override(dir: &Path, o: &Override) -> io::Result<()> {
     let json = serde_json::to_vec_pretty(o).map_err(io::Error::other)?;
-    let tmp = dir.join(format!(".{OVERRIDE_FILE}.tmp"));
-    let mut file =
-        std::fs::File::options().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
-    // `mode` applies only to a new file; a temporary file left behind keeps its own.
-    file.set_permissions(Permissions::from_mode(0o600))?;
-    file.write_all(&json)?;
-    file.sync_all()?;
-    std::fs::rename(&tmp, override_path(dir))
+    atomic_file::replace(&override_path(dir), &json, 0o600)
 }
 
 /// Removes the override in `dir`; `Ok` when there is none.

@@ -172,6 +172,37 @@ pub struct Transition {
     pub reason: Reason,
 }
 
+/// What keeps the route where it is although its resolver fails: the other resolver fails too.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// `Local` stays although the cache fails (`cache`: why it would leave), because the upstream
+    /// has failed `upstream_failed` consecutive probes, the last with `upstream_last`: a
+    /// half-dead cache may still serve from its cache, and a dead CoreDNS gains nothing.
+    Local { cache: Reason, upstream_failed: u32, upstream_last: &'static str },
+    /// `Upstream` stays although the upstream has failed `upstream_failed` consecutive probes,
+    /// the last with `upstream_last`, because the cache has not answered `rise` consecutive
+    /// probes yet.
+    Upstream { upstream_failed: u32, upstream_last: &'static str, rise: u32 },
+}
+
+impl fmt::Display for Hold {
+    /// The words `status`, the state file and the log show.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Hold::Local { cache, upstream_failed, upstream_last } => write!(
+                f,
+                "{cache}, but staying local: {upstream_failed} consecutive upstream probes failed \
+                 (last: {upstream_last})"
+            ),
+            Hold::Upstream { upstream_failed, upstream_last, rise } => write!(
+                f,
+                "{upstream_failed} consecutive upstream probes failed (last: {upstream_last}), but \
+                 staying upstream: the cache has not answered {rise} consecutive probes yet"
+            ),
+        }
+    }
+}
+
 /// Consecutive good and bad samples of one stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Streak {
@@ -212,7 +243,7 @@ pub struct Machine {
     since: Instant,
     reason: Reason,
     /// Set while both the cache and the upstream fail, so the route stays where it is.
-    held: Option<String>,
+    held: Option<Hold>,
     cache_udp: Streak,
     cache_tcp: Streak,
     upstream: Streak,
@@ -348,8 +379,8 @@ impl Machine {
 
     /// Why the route stays where it is although its resolver fails, if it does: `Local` with the
     /// cache failing, or `Upstream` with the upstream failing, because the other fails too.
-    pub fn held(&self) -> Option<&str> {
-        self.held.as_deref()
+    pub fn held(&self) -> Option<&Hold> {
+        self.held.as_ref()
     }
 
     pub fn streak(&self, stream: Stream) -> Streak {
@@ -419,11 +450,11 @@ impl Machine {
             return None;
         };
         if self.upstream_failing() {
-            self.held = Some(format!(
-                "{reason}, but staying local: {} consecutive upstream probes failed (last: {})",
-                self.upstream.bad,
-                self.upstream.last_bad.unwrap_or("bad")
-            ));
+            self.held = Some(Hold::Local {
+                cache: reason,
+                upstream_failed: self.upstream.bad,
+                upstream_last: self.upstream.last_bad.unwrap_or("bad"),
+            });
             return None;
         }
         Some(reason)
@@ -439,13 +470,11 @@ impl Machine {
             if recovered {
                 return Some(Reason::CacheRecoveredUpstreamFailing { count });
             }
-            self.held = Some(format!(
-                "{} consecutive upstream probes failed (last: {}), but staying upstream: the \
-                 cache has not answered {} consecutive probes yet",
-                self.upstream.bad,
-                self.upstream.last_bad.unwrap_or("bad"),
-                self.thresholds.rise
-            ));
+            self.held = Some(Hold::Upstream {
+                upstream_failed: self.upstream.bad,
+                upstream_last: self.upstream.last_bad.unwrap_or("bad"),
+                rise: self.thresholds.rise,
+            });
             return None;
         }
         self.held = None;
@@ -564,7 +593,9 @@ mod tests {
         feed(&mut m, t0, 0, Stream::Upstream, &[TIMEOUT, TIMEOUT, TIMEOUT]);
         let got = feed(&mut m, t0, 300, CacheUdp, &[Bad("servfail"); 4]);
         assert_eq!(got, [None; 4]);
-        assert!(m.held().unwrap().contains("staying local"), "{:?}", m.held());
+        let cache = Reason::CacheFailing { stream: CacheUdp, count: 4, last: "servfail" };
+        let held = Hold::Local { cache, upstream_failed: 3, upstream_last: "timeout" };
+        assert_eq!(m.held(), Some(&held));
         // The upstream answers again: the cache is still failing, so the route moves at once.
         assert_eq!(feed(&mut m, t0, 700, Stream::Upstream, &[Good]), [Some(Upstream)]);
         assert_eq!(m.held(), None);
@@ -589,12 +620,13 @@ mod tests {
         feed(&mut m, t0, 0, CacheUdp, &[Refused]);
         assert_eq!(m.held(), None);
         feed(&mut m, t0, 100, Stream::Upstream, &[TIMEOUT; 3]);
-        let held = m.held().expect("held");
-        assert!(held.contains("staying upstream") && held.contains("timeout"), "{held}");
-        // More failures on both sides: still held, on the same route.
+        let held =
+            |upstream_failed| Hold::Upstream { upstream_failed, upstream_last: "timeout", rise: 5 };
+        assert_eq!(m.held(), Some(&held(3)));
+        // More failures on both sides: still held, on the same route, and counting.
         feed(&mut m, t0, 400, Stream::Upstream, &[TIMEOUT; 3]);
         assert_eq!(feed(&mut m, t0, 700, CacheUdp, &[Refused; 5]), [None; 5]);
-        assert!(m.held().unwrap().starts_with("6 consecutive upstream probes failed"));
+        assert_eq!(m.held(), Some(&held(6)));
         // The upstream answers: nothing holds the route any more, it is where it should be.
         assert_eq!(feed(&mut m, t0, 1200, Stream::Upstream, &[Good]), [None]);
         assert_eq!((m.route(), m.held()), (Upstream, None));
@@ -728,6 +760,26 @@ mod tests {
     fn reasons_read_well() {
         let r = Reason::CacheFailing { stream: CacheUdp, count: 3, last: "timeout" };
         assert_eq!(r.to_string(), "3 consecutive cache udp probes failed (last: timeout)");
+    }
+
+    #[test]
+    fn holds_read_as_status_and_the_state_file_have_always_said() {
+        let local = Hold::Local {
+            cache: Reason::CacheRefused(CacheTcp),
+            upstream_failed: 3,
+            upstream_last: "timeout",
+        };
+        assert_eq!(
+            local.to_string(),
+            "cache tcp probe refused: nothing listens on the cache's port 53, but staying local: \
+             3 consecutive upstream probes failed (last: timeout)"
+        );
+        let upstream = Hold::Upstream { upstream_failed: 6, upstream_last: "refused", rise: 5 };
+        assert_eq!(
+            upstream.to_string(),
+            "6 consecutive upstream probes failed (last: refused), but staying upstream: the \
+             cache has not answered 5 consecutive probes yet"
+        );
     }
 
     #[test]

@@ -13,6 +13,8 @@
 #[forbid(unsafe_code)]
 pub mod agent;
 #[forbid(unsafe_code)]
+mod atomic_file;
+#[forbid(unsafe_code)]
 pub mod cli;
 #[forbid(unsafe_code)]
 pub mod config;

@@ -483,7 +483,22 @@ mod tests {
         }
     }
 
-    /// One request through [`handle`]; its answer (a drain's stays in `drain`).
+    /// One request through [`handle`], from `uid 0 pid 7`; where its answer arrives (a drain's
+    /// later, from the [`Drain`] left in `drain`).
+    fn send(
+        agent: &mut Agent,
+        dir: &Path,
+        request: Request,
+        drain: &mut Option<Drain>,
+        now: Instant,
+    ) -> Receiver {
+        let (reply, answer) = oneshot::channel();
+        let peer = Peer { uid: 0, gid: 0, pid: Some(7) };
+        handle(agent, dir, Incoming { request, peer, reply }, drain, now);
+        answer
+    }
+
+    /// One request through [`handle`]; its answer, if it has one yet.
     fn request(
         agent: &mut Agent,
         dir: &Path,
@@ -491,10 +506,7 @@ mod tests {
         drain: &mut Option<Drain>,
         now: Instant,
     ) -> Option<Response> {
-        let (reply, mut answer) = oneshot::channel();
-        let peer = Peer { uid: 0, gid: 0, pid: Some(7) };
-        handle(agent, dir, Incoming { request, peer, reply }, drain, now);
-        answer.try_recv().ok()
+        send(agent, dir, request, drain, now).try_recv().ok()
     }
 
     /// A state directory of the test's own.
@@ -575,6 +587,78 @@ mod tests {
         assert!(none.is_none());
         assert_eq!(agent.route(), Route::Local);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_drain_forces_upstream_records_itself_and_answers_once_quiet() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        fake.kernel().replies = Some(5);
+        let mut agent = agent(&fake, t0);
+        let dir = dir("drain");
+        let mut drain = None;
+        let ask = Request::Drain { timeout_ms: 5000 };
+        let mut answer = send(&mut agent, &dir, ask, &mut drain, t0);
+        assert!(answer.try_recv().is_err(), "a drain answers once the cache is quiet");
+        assert_eq!(agent.route(), Route::Upstream);
+        let forced = agent.forced().expect("forced").clone();
+        assert_eq!((forced.kind, forced.until), (ForceKind::Drain, Some(t0 + DRAIN_HOLD_MAX)));
+        assert_eq!(forced.why, "drain requested by uid 0 pid 7");
+        // Recorded as forced, for an agent that restarts meanwhile.
+        let recorded = control::read_override(&dir).unwrap().expect("recorded");
+        assert_eq!((recorded.route, recorded.kind), (Route::Upstream, ForceKind::Drain));
+        assert_eq!(
+            (recorded.reason.as_str(), recorded.set_by.as_str()),
+            (forced.why.as_str(), "uid 0 pid 7")
+        );
+        let limit = u64::try_from(DRAIN_HOLD_MAX.as_millis()).unwrap();
+        assert_eq!(recorded.until_unix_ms, Some(recorded.set_unix_ms + limit));
+        assert_eq!(recorded.drained_sockets, forced.waits_for);
+        // The counters stand still from the first tick on.
+        let d = drain.take().expect("the drain waits");
+        let (response, ticks) = tick_until_done(d, &mut agent, t0, answer, |_| {});
+        assert_eq!(ticks, 1 + QUIET_CHECKS);
+        assert!(message(&response).contains("gone quiet"), "{response:?}");
+        assert_eq!(agent.forced().map(|f| f.kind), Some(ForceKind::Drain), "held after the answer");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_drain_keeps_a_manual_flip_upstream() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        fake.kernel().replies = Some(5);
+        let mut agent = agent(&fake, t0);
+        let dir = dir("drain-manual");
+        let flip = Request::Flip { route: Route::Upstream, for_ms: None, reason: "ops".into() };
+        request(&mut agent, &dir, flip, &mut None, t0).expect("an answer");
+        let manual = agent.forced().cloned();
+        let recorded = control::read_override(&dir).unwrap();
+        let mut drain = None;
+        let answer = send(&mut agent, &dir, Request::Drain { timeout_ms: 5000 }, &mut drain, t0);
+        // The operator's override stands, in the agent and on disk; the drain only waits.
+        assert_eq!(agent.forced().cloned(), manual);
+        assert_eq!(control::read_override(&dir).unwrap(), recorded);
+        let d = drain.take().expect("the drain waits");
+        let (response, _) = tick_until_done(d, &mut agent, t0, answer, |_| {});
+        assert!(message(&response).contains("gone quiet"), "{response:?}");
+        assert_eq!(agent.forced().cloned(), manual);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_drain_that_cannot_be_recorded_goes_on() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let nowhere = Path::new("/nonexistent/state");
+        let mut drain = None;
+        let answer = send(&mut agent, nowhere, Request::Drain { timeout_ms: 5000 }, &mut drain, t0);
+        assert_eq!(agent.route(), Route::Upstream);
+        assert_eq!(agent.forced().map(|f| f.kind), Some(ForceKind::Drain));
+        let d = drain.take().expect("the drain waits");
+        let (response, _) = tick_until_done(d, &mut agent, t0, answer, |_| {});
+        assert!(matches!(response, Response::Ok { .. }), "{response:?}");
     }
 
     #[test]

@@ -63,8 +63,9 @@ const APPLY_BUCKETS: [f64; 15] = [
 /// The outcomes a probe can have (`probe::Outcome::label`), created at zero for every stream.
 const PROBE_OUTCOMES: [&str; 5] = ["answered", "servfail", "timeout", "refused", "error"];
 
-/// The results of a transition hook run, created at zero.
-const HOOK_RESULTS: [&str; 3] = ["ok", "failed", "timeout"];
+/// What became of a route change handed to the transition hook, created at zero: its run's
+/// result, or `dropped` when the hook was too far behind to be given it.
+const HOOK_RESULTS: [&str; 4] = ["ok", "failed", "timeout", "dropped"];
 
 const ROUTES: [Route; 2] = [Route::Local, Route::Upstream];
 const STREAMS: [Stream; 3] = [Stream::CacheUdp, Stream::CacheTcp, Stream::Upstream];
@@ -146,7 +147,7 @@ struct ProbeLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HookLabels {
-    /// `ok`, `failed` or `timeout`.
+    /// One of [`HOOK_RESULTS`].
     result: &'static str,
 }
 
@@ -264,7 +265,7 @@ impl Metrics {
         );
         r.register(
             "transition_hook_runs",
-            "Runs of the transition hook, by result (ok, failed, timeout)",
+            "Runs of the transition hook, by result (ok, failed, timeout; dropped: not run, the hook too far behind)",
             self.hook_runs.clone(),
         );
         self
@@ -319,7 +320,8 @@ impl Metrics {
         }
     }
 
-    /// Counts one run of the transition hook: `result` is `ok`, `failed` or `timeout`.
+    /// Counts one run of the transition hook: `result` is `ok`, `failed` or `timeout`, or
+    /// `dropped` for a route change the hook was too far behind to be given.
     pub fn hook(&self, result: &'static str) {
         self.hook_runs.get_or_create(&HookLabels { result }).inc();
     }
@@ -471,6 +473,62 @@ mod tests {
             assert!(name.starts_with("nodelocaldns_ha_"), "{name}");
         }
         assert_eq!(s.helps.len(), s.types.len());
+    }
+
+    /// Every series a scrape shows before anything happened: a dashboard's `increase()` counts
+    /// the first event of each only if its series was there, at zero, before it. Route changes
+    /// alone show up as they happen (their reasons are too many to create up front).
+    #[test]
+    fn every_series_exists_from_the_start() {
+        let s = Scrape::of(&Metrics::new());
+        let mut series: Vec<&str> = s
+            .samples
+            .keys()
+            .map(String::as_str)
+            .filter(|name| !name.contains("_bucket{"))
+            .collect();
+        series.sort_unstable();
+        let probes = |target: &str, protocol: &str| {
+            ["answered", "servfail", "timeout", "refused", "error"].map(|outcome| {
+                format!(
+                    r#"nodelocaldns_ha_probes_total{{target="{target}",protocol="{protocol}",outcome="{outcome}"}}"#
+                )
+            })
+        };
+        let mut expected: Vec<String> = [
+            "nodelocaldns_ha_dataplane_apply_duration_seconds_count",
+            "nodelocaldns_ha_dataplane_apply_duration_seconds_sum",
+            "nodelocaldns_ha_dataplane_apply_errors_total",
+            "nodelocaldns_ha_dataplane_check_duration_seconds_count",
+            "nodelocaldns_ha_dataplane_check_duration_seconds_sum",
+            "nodelocaldns_ha_drift_repairs_total",
+            r#"nodelocaldns_ha_override_active{route="local"}"#,
+            r#"nodelocaldns_ha_override_active{route="upstream"}"#,
+            r#"nodelocaldns_ha_probe_duration_seconds_count{target="cache",protocol="tcp"}"#,
+            r#"nodelocaldns_ha_probe_duration_seconds_count{target="cache",protocol="udp"}"#,
+            r#"nodelocaldns_ha_probe_duration_seconds_count{target="upstream",protocol="udp"}"#,
+            r#"nodelocaldns_ha_probe_duration_seconds_sum{target="cache",protocol="tcp"}"#,
+            r#"nodelocaldns_ha_probe_duration_seconds_sum{target="cache",protocol="udp"}"#,
+            r#"nodelocaldns_ha_probe_duration_seconds_sum{target="upstream",protocol="udp"}"#,
+            r#"nodelocaldns_ha_route{route="local"}"#,
+            r#"nodelocaldns_ha_route{route="upstream"}"#,
+            r#"nodelocaldns_ha_transition_hook_runs_total{result="dropped"}"#,
+            r#"nodelocaldns_ha_transition_hook_runs_total{result="failed"}"#,
+            r#"nodelocaldns_ha_transition_hook_runs_total{result="ok"}"#,
+            r#"nodelocaldns_ha_transition_hook_runs_total{result="timeout"}"#,
+        ]
+        .map(str::to_owned)
+        .into_iter()
+        .chain(probes("cache", "udp"))
+        .chain(probes("cache", "tcp"))
+        .chain(probes("upstream", "udp"))
+        .collect();
+        expected.sort_unstable();
+        assert_eq!(series, expected);
+        assert!(s.samples.values().all(|v| *v == 0.0), "not all at zero");
+        // Each histogram with its buckets: three of probes, one each of applies and checks.
+        let buckets = s.samples.keys().filter(|name| name.contains("_bucket{")).count();
+        assert_eq!(buckets, 3 * (PROBE_BUCKETS.len() + 1) + 2 * (APPLY_BUCKETS.len() + 1));
     }
 
     #[test]
@@ -639,12 +697,14 @@ mod tests {
         m.hook("ok");
         m.hook("timeout");
         m.hook("ok");
+        m.hook("dropped");
         let s = Scrape::of(&m);
         s.family("nodelocaldns_ha_transition_hook_runs", "counter");
         let runs = |result| {
             s.value(&format!(r#"nodelocaldns_ha_transition_hook_runs_total{{result="{result}"}}"#))
         };
-        assert_eq!((runs("ok"), runs("failed"), runs("timeout")), (2.0, 0.0, 1.0));
+        let all = (runs("ok"), runs("failed"), runs("timeout"), runs("dropped"));
+        assert_eq!(all, (2.0, 0.0, 1.0, 1.0));
     }
 
     #[test]

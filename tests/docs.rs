@@ -1,10 +1,12 @@
 //! The README's fail-safe table promises, row by row, what happens to DNS on a failure and names
 //! the tests that prove it. This keeps every row backed: each names at least one test, and
 //! every test it names exists and runs (a renamed, deleted or `#[ignore]`d test fails here, not
-//! silently in the docs).
+//! silently in the docs). Its list of metrics, and of the transition hook's results, is what
+//! `/metrics` serves.
 
 #![forbid(unsafe_code)]
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// The rows of the table under the "fail-safe policy" heading: (failure, cited test names).
@@ -133,4 +135,95 @@ fn ignored_tests_do_not_count() {
                 #[should_panic]\nfn panics() {}\n\nfn helper() {}\n\nguest_tests! {\n    \
                 fn in_macro() { cell() }\n    #[ignore]\n    fn ignored_in_macro() { cell() }\n}\n";
     assert_eq!(tests_in(text), ["runs", "panics", "in_macro"]);
+}
+
+/// The README's bullet that starts with `**title**`, up to the next bullet or heading.
+fn bullet<'a>(readme: &'a str, title: &str) -> &'a str {
+    let start = readme.find(&format!("* **{title}**")).unwrap_or_else(|| panic!("no {title:?}"));
+    let rest = &readme[start + 2..];
+    let end = ["\n* ", "\n#"].iter().filter_map(|e| rest.find(e)).min().unwrap_or(rest.len());
+    &rest[..end]
+}
+
+/// What is between backticks in `text`.
+fn quoted(text: &str) -> Vec<&str> {
+    text.split('`').skip(1).step_by(2).collect()
+}
+
+/// Metric names and their labels as the README lists them: `nodelocaldns_ha_route{route}`,
+/// then `_probes_total{…}` and the like, short for `nodelocaldns_ha_probes_total{…}`.
+fn readme_metrics(readme: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let text = bullet(readme, "Metrics and health");
+    let list = &text[..text.find("`/healthz`").expect("the list ends before /healthz")];
+    let mut metrics = BTreeMap::new();
+    let names = quoted(list)
+        .into_iter()
+        .filter(|q| q.starts_with("nodelocaldns_ha_") || q.starts_with('_'));
+    for item in names {
+        let (name, labels) = item.split_once('{').unwrap_or((item, "}"));
+        let name =
+            if name.starts_with('_') { format!("nodelocaldns_ha{name}") } else { name.to_owned() };
+        let labels = labels.strip_suffix('}').expect("labels end with }");
+        let labels = labels.split(',').filter(|l| !l.is_empty()).map(str::to_owned).collect();
+        assert!(metrics.insert(name, labels).is_none(), "{item} listed twice");
+    }
+    metrics
+}
+
+/// What `text`, a scrape, serves as the README names it: each family (a counter with `_total`)
+/// and the labels of its series, `le` aside.
+fn served_metrics(text: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut metrics = BTreeMap::new();
+    for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let (family, kind) = line.split_once(' ').expect("# TYPE name kind");
+        let name = if kind == "counter" { format!("{family}_total") } else { family.to_owned() };
+        let mut labels = BTreeSet::new();
+        for sample in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, _)) = sample.split_once('{') else { continue };
+            let own = series == name
+                || series
+                    .strip_prefix(family)
+                    .is_some_and(|s| ["_bucket", "_sum", "_count"].contains(&s));
+            if own {
+                let inside = &sample[sample.find('{').unwrap() + 1..sample.rfind('}').unwrap()];
+                for pair in inside.split(',') {
+                    let label = pair.split_once('=').expect("label=value").0;
+                    if label != "le" {
+                        labels.insert(label.to_owned());
+                    }
+                }
+            }
+        }
+        metrics.insert(name, labels);
+    }
+    metrics
+}
+
+#[test]
+fn the_readme_lists_every_metric_served_with_its_labels() {
+    use nodelocaldns_ha::metrics::Metrics;
+    use nodelocaldns_ha::ruleset::Route;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let metrics = Metrics::new();
+    // Route changes have no series before the first one.
+    metrics.transition(Route::Local, Route::Upstream, "cache_refused");
+    let text = metrics.encode();
+    assert_eq!(
+        readme_metrics(&readme),
+        served_metrics(&text),
+        "the README (left), /metrics (right)"
+    );
+
+    // The hook's results, each a series from the start.
+    let hook = bullet(&readme, "Transition hook");
+    let results = &hook[hook.find("results").expect("the hook's results")..];
+    let results = &results[..results.find(')').expect("listed in parentheses")];
+    let promised: BTreeSet<&str> = quoted(results).into_iter().collect();
+    let served: BTreeSet<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("nodelocaldns_ha_transition_hook_runs_total{result=\""))
+        .map(|rest| &rest[..rest.find('"').unwrap()])
+        .collect();
+    assert_eq!(promised, served, "the hook results the README names (left), served (right)");
 }

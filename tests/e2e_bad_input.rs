@@ -77,12 +77,30 @@ fn wait_probes(agent: &Agent, n: u64) {
     });
 }
 
-/// What is put where the override file belongs.
+/// What is put where a record (the override or the state file) belongs.
 enum Broken {
     File(Vec<u8>),
     Directory,
     Fifo,
     Link(&'static str),
+}
+
+impl Broken {
+    /// Puts it at `path`, in place of whatever was there.
+    fn put(self, path: &Path) {
+        if path.is_dir() {
+            std::fs::remove_dir(path).unwrap();
+        }
+        let _ = std::fs::remove_file(path);
+        match self {
+            Broken::File(bytes) => std::fs::write(path, bytes).unwrap(),
+            Broken::Directory => std::fs::create_dir(path).unwrap(),
+            Broken::Fifo => {
+                nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap()
+            }
+            Broken::Link(target) => std::os::unix::fs::symlink(target, path).unwrap(),
+        }
+    }
 }
 
 /// Issue 6, item 5: a broken override file never keeps the agent from starting or from
@@ -121,18 +139,7 @@ fn a_broken_override_file_is_ignored_and_the_probes_decide() {
     for (case, broken, says) in cases {
         // The last agent first: running, it would remove what is put there.
         drop(last.take());
-        if file.is_dir() {
-            std::fs::remove_dir(&file).unwrap();
-        }
-        let _ = std::fs::remove_file(&file);
-        match broken {
-            Broken::File(bytes) => std::fs::write(&file, bytes).unwrap(),
-            Broken::Directory => std::fs::create_dir(&file).unwrap(),
-            Broken::Fifo => {
-                nix::unistd::mkfifo(&file, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap()
-            }
-            Broken::Link(target) => std::os::unix::fs::symlink(target, &file).unwrap(),
-        }
+        broken.put(&file);
         // Starts (a FIFO would hang a blocking read here), and the cache's health decides.
         let agent = node.agent_starting(&[]);
         let st = agent.wait_route("local", Duration::from_secs(5));
@@ -170,6 +177,46 @@ fn a_broken_override_file_is_ignored_and_the_probes_decide() {
     wait_for("the garbage removed", Duration::from_secs(5), || (!file.exists()).then_some(()));
     assert_eq!(agent.state().unwrap()["route"], "local");
     assert_no_panic(&agent);
+}
+
+/// A broken state file: `status` says at once what is wrong with it, naming it, and exits 1 —
+/// where it used to wait forever on a FIFO, and read a link to `/dev/zero` until memory ran out.
+/// (A running agent replaces any of them but the directory within a second.)
+#[test]
+fn a_broken_state_file_is_refused_by_status_at_once() {
+    let dir = std::env::temp_dir().join(format!("nlha-bad-state-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("state.json");
+    let mut huge = br#"{"version":1,"pid":1}"#.to_vec();
+    huge.resize(2 << 20, b' ');
+    let cases = [
+        ("a FIFO nobody writes", Broken::Fifo, "not a regular file"),
+        ("a link to /dev/zero", Broken::Link("/dev/zero"), "not a regular file"),
+        ("a directory", Broken::Directory, "a directory"),
+        ("huge", Broken::File(huge), "larger than 1048576 bytes"),
+        ("garbage", Broken::File(b"\x00\xffnot json".to_vec()), "not a valid state file"),
+    ];
+    for (case, broken, says) in cases {
+        broken.put(&file);
+        for json in [false, true] {
+            let stderr = dir.join("stderr");
+            let mut status = Command::new(AGENT);
+            status.args(["status", "--state-dir"]).arg(&dir);
+            if json {
+                status.arg("--json");
+            }
+            status.stdout(Stdio::null()).stderr(std::fs::File::create(&stderr).unwrap());
+            let mut status = Proc::spawn(&mut status);
+            let what = format!("{case}: status to exit");
+            let exit = wait_for(&what, Duration::from_secs(10), || status.try_wait());
+            let said = std::fs::read_to_string(&stderr).unwrap();
+            assert_eq!(exit.code(), Some(1), "{case} (json: {json}): {said}");
+            let name = file.display().to_string();
+            assert!(said.contains(&name) && said.contains(says), "{case} (json: {json}): {said}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A crowd of control clients that connect and say nothing.
