@@ -66,14 +66,21 @@ impl AsyncSocket {
         Ok(AsyncSocket { fd: registered? })
     }
 
+    /// Waits for the next datagram and receives it into `buf`: its length (at most `buf.len()`;
+    /// the rest of a longer one is lost) and the sender's port id, 0 for the kernel.
+    /// Cancel-safe: dropping the future loses no datagram.
+    pub async fn recv_from(&self, buf: &mut [u8]) -> io::Result<(usize, Option<u32>)> {
+        self.fd.async_io(Interest::READABLE, |fd| recv_from(fd, buf)).await
+    }
+
     /// Waits until a datagram is pending; [`Self::try_recv`] then receives it.
     pub async fn readable(&self) -> io::Result<()> {
         // Dropped without clearing: the readiness stays until `try_recv` finds nothing.
         self.fd.readable().await.map(drop)
     }
 
-    /// Receives a pending datagram into `buf` without waiting: its length (at most `buf.len()`;
-    /// the rest of a longer one is lost), or an error of kind `WouldBlock` when none is pending.
+    /// Receives a pending datagram into `buf` without waiting: its length (as
+    /// [`Self::recv_from`]), or an error of kind `WouldBlock` when none is pending.
     pub fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         self.fd.try_io(Interest::READABLE, |fd| recv_from(fd, buf)).map(|(len, _)| len)
     }
