@@ -4,12 +4,16 @@
 //!   create, base chains, rules), built with nftnl and sent on a `NETLINK_NETFILTER` socket; then
 //!   it reads the table back. Either the whole new table is in place or the old one still is.
 //! * [`Nftables::check`] reads the table back with netlink dumps (built and parsed in safe Rust by
-//!   `objects`) and compares tables, chains (hook, priority, type, policy), rules in order,
+//!   `objects`) and `compare`s tables, chains (hook, priority, type, policy), rules in order,
 //!   their comments and every expression value (counter values aside) with what `expr` says
 //!   the rules consist of. The same function builds the batch, so the two cannot drift.
 //! * [`ChangeWatch`] (`changes`) hears every nftables change in the namespace (the kernel
 //!   announces them on the `NFNLGRP_NFTABLES` group), so the agent can re-check at once when
 //!   another tool touches the table.
+//! * [`Nftables::host_firewall`] (`host_firewall`) reads the node's own firewall tables for
+//!   [`crate::firewall`] to judge.
+//!
+//! This file holds the exchange itself: the socket, the batch, the requests and their answers.
 //!
 //! Everything runs in the network namespace that is current when the sockets are opened (the
 //! agent runs with hostNetwork). `unsafe` is confined to `ffi`, which hands expressions to
@@ -18,9 +22,13 @@
 #[forbid(unsafe_code)]
 pub(crate) mod changes;
 #[forbid(unsafe_code)]
+mod compare;
+#[forbid(unsafe_code)]
 mod expr;
 #[allow(unsafe_code)]
 mod ffi;
+#[forbid(unsafe_code)]
+mod host_firewall;
 #[forbid(unsafe_code)]
 pub(crate) mod objects;
 
@@ -39,11 +47,13 @@ use crate::netlink::{
     self, Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
 };
 use crate::ruleset::{self, Hook, RuleSet};
-use expr::{rule_expressions, Found};
+use compare::{compare, Installed};
+use expr::rule_expressions;
 use objects::{nft_body, nft_type};
 
 pub use crate::netlink::ParseError;
 pub use changes::{Announced, ChangeWatch, TableRef};
+pub use host_firewall::host_firewall_candidate;
 
 /// [`ruleset::TABLE`] for nftnl.
 const TABLE_NAME: &CStr = c"nodelocaldns-ha";
@@ -185,25 +195,6 @@ impl Snapshot {
     }
 }
 
-/// What is installed, as read back.
-#[derive(Debug, Default)]
-struct Installed {
-    table: Option<objects::Table>,
-    chains: Vec<objects::Chain>,
-    rules: Vec<objects::Rule>,
-}
-
-/// Whether table `name` of `family` (`NFPROTO_*`) may be part of the node's own firewall, as
-/// [`Nftables::host_firewall`] reads it: not the agent's, kube-proxy's or iptables-nft's.
-pub fn host_firewall_candidate(family: u8, name: &str) -> bool {
-    const IPTABLES_NFT: [&str; 5] = ["filter", "raw", "mangle", "nat", "security"];
-    match family {
-        1 => name != ruleset::TABLE,
-        2 | 10 => name != "kube-proxy" && !IPTABLES_NFT.contains(&name),
-        _ => false,
-    }
-}
-
 impl Nftables {
     /// Opens a netfilter netlink socket in the current network namespace.
     pub fn new() -> Result<Self, Error> {
@@ -238,100 +229,6 @@ impl Nftables {
             }
         }
         Ok(false)
-    }
-
-    /// The node's own nftables firewall: every table of another owner with a base chain on the
-    /// `input` or `output` hook, with all its chains and rules, for [`crate::firewall`]. Left
-    /// out: the agent's table; kube-proxy's (`ip`/`ip6 kube-proxy`: it judges only new
-    /// connections, `ct state new`, and an untracked packet is never new); and iptables-nft's
-    /// (`ip`/`ip6` `filter`, `raw`, `mangle`, `nat`, `security`: the agent's ACCEPTs go first in
-    /// the iptables flavours the node uses).
-    pub fn host_firewall(&mut self) -> Result<Vec<crate::firewall::Table>, Error> {
-        for _ in 0..READ_ATTEMPTS {
-            if let Some(tables) = self.host_firewall_once()? {
-                return Ok(tables);
-            }
-        }
-        Err(Error::Unsettled)
-    }
-
-    fn host_firewall_once(&mut self) -> Result<Option<Vec<crate::firewall::Table>>, Error> {
-        use crate::firewall::{self, Chain, Table};
-        let skipped = |family: u8, table: &str| !host_firewall_candidate(family, table);
-        let mut snapshot = Snapshot::default();
-        let mut tables = Vec::new();
-        for family in [libc::NFPROTO_INET as u8, libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8]
-        {
-            let mut chains: Vec<objects::Chain> = Vec::new();
-            let answer = self.request_in(
-                family,
-                &mut snapshot,
-                "the node's chains",
-                objects::NFT_MSG_GETCHAIN,
-                NLM_F_REQUEST | NLM_F_DUMP,
-                &[],
-                |message, attrs| {
-                    if message == objects::NFT_MSG_NEWCHAIN {
-                        let chain = objects::parse_chain(attrs)?;
-                        if !skipped(family, &chain.table) {
-                            chains.push(chain);
-                        }
-                    }
-                    Ok(())
-                },
-            )?;
-            answer.map_err(|source| Error::List { what: "chains", source })?;
-            let hooked = |c: &objects::Chain| {
-                c.chain_type.as_deref() == Some("filter")
-                    && c.hook.is_some_and(|h| {
-                        h.hooknum == firewall::HOOK_INPUT || h.hooknum == firewall::HOOK_OUTPUT
-                    })
-            };
-            let mut names: Vec<String> =
-                chains.iter().filter(|c| hooked(c)).map(|c| c.table.clone()).collect();
-            names.sort();
-            names.dedup();
-            for name in names {
-                let mut rules: Vec<(String, firewall::Rule)> = Vec::new();
-                let table_name = std::ffi::CString::new(name.clone()).unwrap_or_default();
-                let answer = self.request_in(
-                    family,
-                    &mut snapshot,
-                    "the node's rules",
-                    objects::NFT_MSG_GETRULE,
-                    NLM_F_REQUEST | NLM_F_DUMP,
-                    &[(objects::NFTA_RULE_TABLE, table_name.to_bytes_with_nul())],
-                    |message, attrs| {
-                        if message == objects::NFT_MSG_NEWRULE {
-                            rules.push(objects::parse_foreign_rule(attrs)?);
-                        }
-                        Ok(())
-                    },
-                )?;
-                match answer {
-                    // The table went away meanwhile: read again.
-                    Err(Errno::ENOENT) => return Ok(None),
-                    Err(source) => return Err(Error::List { what: "rules", source }),
-                    Ok(()) => {}
-                }
-                let chains = chains
-                    .iter()
-                    .filter(|c| c.table == name)
-                    .map(|c| Chain {
-                        name: c.name.clone(),
-                        hook: c.hook.map(|h| (h.hooknum, h.priority)),
-                        policy: c.policy,
-                        rules: rules
-                            .iter()
-                            .filter(|(chain, _)| *chain == c.name)
-                            .map(|(_, r)| r.clone())
-                            .collect(),
-                    })
-                    .collect();
-                tables.push(Table { family, name, chains });
-            }
-        }
-        Ok(snapshot.consistent().then_some(tables))
     }
 
     /// A [`ChangeWatch`] that ignores the changes made through `self`, so the agent's own
@@ -665,25 +562,6 @@ impl Dataplane for Nftables {
     }
 }
 
-/// `NF_INET_*`, as nftnl and the kernel number hooks.
-fn hook_number(hook: Hook) -> u32 {
-    match hook {
-        Hook::Prerouting => libc::NF_INET_PRE_ROUTING as u32,
-        Hook::Output => libc::NF_INET_LOCAL_OUT as u32,
-    }
-}
-
-fn hook_name(number: u32) -> String {
-    match number as i32 {
-        libc::NF_INET_PRE_ROUTING => "prerouting".to_owned(),
-        libc::NF_INET_LOCAL_IN => "input".to_owned(),
-        libc::NF_INET_FORWARD => "forward".to_owned(),
-        libc::NF_INET_LOCAL_OUT => "output".to_owned(),
-        libc::NF_INET_POST_ROUTING => "postrouting".to_owned(),
-        _ => format!("hook {number}"),
-    }
-}
-
 /// `type filter hook <hook> priority <priority>; policy accept;`
 fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
     let (name, hook) = match chain.hook {
@@ -695,108 +573,6 @@ fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Cha
     nft_chain.set_type(nftnl::ChainType::Filter);
     nft_chain.set_policy(nftnl::Policy::Accept);
     nft_chain
-}
-
-/// Compares what is installed with `want`.
-fn compare(want: &RuleSet, installed: &Installed) -> Check {
-    let Some(table) = &installed.table else {
-        return Check::Missing;
-    };
-    match first_difference(want, table, &installed.chains, &installed.rules) {
-        None => Check::Matches,
-        Some(difference) => Check::Differs(difference),
-    }
-}
-
-/// The first way the installed table differs from `want`, in words.
-fn first_difference(
-    want: &RuleSet,
-    table: &objects::Table,
-    chains: &[objects::Chain],
-    rules: &[objects::Rule],
-) -> Option<String> {
-    if table.flags != 0 {
-        return Some(format!(
-            "table flags are {:#x}, want 0 (0x1 is dormant: its chains see no packets)",
-            table.flags
-        ));
-    }
-    for wanted in &want.chains {
-        let name = wanted.name();
-        let Some(chain) = chains.iter().find(|chain| chain.name == name) else {
-            return Some(format!("chain {name} is missing"));
-        };
-        let hook =
-            objects::ChainHook { hooknum: hook_number(wanted.hook), priority: wanted.priority };
-        match chain.hook {
-            None => return Some(format!("chain {name} is not a base chain")),
-            Some(got) if got != hook => {
-                return Some(format!(
-                    "chain {name} hooks {} at priority {}, want {} at priority {}",
-                    hook_name(got.hooknum),
-                    got.priority,
-                    hook_name(hook.hooknum),
-                    hook.priority
-                ))
-            }
-            Some(_) => {}
-        }
-        if chain.chain_type.as_deref() != Some("filter") {
-            return Some(format!(
-                "chain {name} has type {}, want filter",
-                chain.chain_type.as_deref().unwrap_or("none")
-            ));
-        }
-        if chain.policy != Some(libc::NF_ACCEPT as u32) {
-            let policy = match chain.policy {
-                Some(p) if p == libc::NF_DROP as u32 => "drop".to_owned(),
-                Some(p) => p.to_string(),
-                None => "none".to_owned(),
-            };
-            return Some(format!("chain {name} has policy {policy}, want accept"));
-        }
-        let got: Vec<&objects::Rule> = rules.iter().filter(|rule| rule.chain == name).collect();
-        if got.len() != wanted.rules.len() {
-            return Some(format!("chain {name}: {} rules, want {}", got.len(), wanted.rules.len()));
-        }
-        for (number, (got, wanted)) in (1..).zip(got.iter().zip(&wanted.rules)) {
-            if got.comment.as_deref() != Some(wanted.comment.as_str()) {
-                return Some(match &got.comment {
-                    Some(comment) => format!(
-                        "chain {name}: rule {number} has comment {comment:?}, want {:?}",
-                        wanted.comment
-                    ),
-                    None => format!(
-                        "chain {name}: rule {number} has no comment, want {:?}",
-                        wanted.comment
-                    ),
-                });
-            }
-            let exprs = rule_expressions(wanted);
-            if got.exprs.len() != exprs.len() {
-                return Some(format!(
-                    "chain {name}: rule {number} has {} expressions ({}), want {} ({wanted})",
-                    got.exprs.len(),
-                    got.expr_names().join(" "),
-                    exprs.len()
-                ));
-            }
-            for (index, (got, want)) in (1..).zip(got.exprs.iter().zip(exprs)) {
-                if *got != Found::Known(want.clone()) {
-                    return Some(format!(
-                        "chain {name}: rule {number} expression {index} is `{got}`, want `{want}` \
-                         ({wanted})"
-                    ));
-                }
-            }
-        }
-    }
-    if let Some(extra) =
-        chains.iter().find(|chain| !want.chains.iter().any(|wanted| wanted.name() == chain.name))
-    {
-        return Some(format!("extra chain {}", extra.name));
-    }
-    None
 }
 
 #[cfg(test)]

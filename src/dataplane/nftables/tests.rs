@@ -1,6 +1,8 @@
 //! Tests of the nftables backend: the comparison on plain data, then the real kernel, each test
 //! in a network namespace of its own.
 
+use super::compare::hook_number;
+use super::expr::Found;
 use super::*;
 use crate::ruleset::{ListenAddrs, Route, TABLE};
 
