@@ -11,7 +11,8 @@ use std::str::FromStr;
 use hickory_proto::op::Query;
 use hickory_proto::rr::{Name, RecordType};
 
-use crate::dataplane::nftables::netlink;
+use crate::dataplane::nftables::{changes::announced, objects};
+use crate::netlink;
 use crate::ruleset::{ListenAddrs, Route, RuleSet};
 
 /// A netlink buffer as the nftables socket receives it: acks, errors, dumped tables, chains and
@@ -20,14 +21,14 @@ pub fn nftables_netlink(data: &[u8]) {
     for message in netlink::messages(data).take(64) {
         let Ok(message) = message else { break };
         let _ = message.error_code();
-        if let Ok((kind, body)) = message.nft_body() {
-            let _ = match kind {
-                netlink::NFT_MSG_NEWTABLE => netlink::parse_table(body).map(drop),
-                netlink::NFT_MSG_NEWCHAIN => netlink::parse_chain(body).map(drop),
-                _ => netlink::parse_rule(body).map(drop),
+        if let Ok((_generation, body)) = objects::nft_body(&message) {
+            let _ = match objects::nft_type(&message) {
+                Some(objects::NFT_MSG_NEWTABLE) => objects::parse_table(body).map(drop),
+                Some(objects::NFT_MSG_NEWCHAIN) => objects::parse_chain(body).map(drop),
+                _ => objects::parse_rule(body).map(drop),
             };
             // Another owner's rule, decoded and judged like the node's firewall is.
-            if let Ok((chain, rule)) = netlink::parse_foreign_rule(body) {
+            if let Ok((chain, rule)) = objects::parse_foreign_rule(body) {
                 let table = crate::firewall::Table {
                     family: 1,
                     name: "fuzz".to_owned(),
@@ -45,11 +46,12 @@ pub fn nftables_netlink(data: &[u8]) {
             }
         }
     }
-    let _ = netlink::announced(data, None);
-    let _ = netlink::announced(data, Some(1));
+    let _ = announced(data, None);
+    let _ = announced(data, Some(1));
 }
 
-/// A sock_diag destroy announcement: at most one closed socket per 16-byte netlink header.
+/// A sock_diag buffer: a destroy announcement (at most one closed socket per 16-byte netlink
+/// header), and the same bytes as a part of a dump of listening sockets.
 pub fn sock_diag(data: &[u8]) {
     let closed = crate::sockdiag::parse(data);
     assert!(
@@ -61,6 +63,11 @@ pub fn sock_diag(data: &[u8]) {
     let addrs = [IpAddr::V4(Ipv4Addr::new(169, 254, 20, 10))];
     for socket in closed {
         let _ = socket.is_listener_on(&addrs, 53);
+    }
+    for protocol in [libc::IPPROTO_TCP as u8, libc::IPPROTO_UDP as u8] {
+        if let Ok((listeners, _done)) = crate::sockdiag::parse_dump(data, protocol) {
+            assert!(listeners.len() <= data.len() / 16, "{} listeners", listeners.len());
+        }
     }
 }
 

@@ -6,8 +6,9 @@
 //! atomic batch. [`agent`] ties them together; [`sockdiag`] hears the cache's sockets die.
 
 // `unsafe` is denied in the whole crate and forbidden (no `allow` can undo it) in every module
-// but `dataplane`, whose `nftables::ffi` is the one reviewed place that needs it: libnftnl lacks
-// the `fib` and `socket` expressions. tests/unsafe_confined.rs keeps it that way.
+// but the two on the way to the reviewed places that need it: `dataplane::nftables::ffi`
+// (libnftnl lacks the `fib` and `socket` expressions) and `netlink::socket` (tokio registers a
+// descriptor only in an `unsafe` call). tests/unsafe_confined.rs keeps it that way.
 #![deny(unsafe_code)]
 
 #[forbid(unsafe_code)]
@@ -34,6 +35,7 @@ pub mod health;
 pub mod maintenance;
 #[forbid(unsafe_code)]
 pub mod metrics;
+mod netlink;
 #[forbid(unsafe_code)]
 pub mod probe;
 #[forbid(unsafe_code)]

@@ -4,23 +4,33 @@
 //!   create, base chains, rules), built with nftnl and sent on a `NETLINK_NETFILTER` socket; then
 //!   it reads the table back. Either the whole new table is in place or the old one still is.
 //! * [`Nftables::check`] reads the table back with netlink dumps (built and parsed in safe Rust by
-//!   `netlink`) and compares tables, chains (hook, priority, type, policy), rules in order,
+//!   `objects`) and `compare`s tables, chains (hook, priority, type, policy), rules in order,
 //!   their comments and every expression value (counter values aside) with what `expr` says
 //!   the rules consist of. The same function builds the batch, so the two cannot drift.
-//! * [`ChangeWatch`] hears every nftables change in the namespace (the kernel announces them on
-//!   the `NFNLGRP_NFTABLES` group), so the agent can re-check at once when another tool touches
-//!   the table.
+//! * [`ChangeWatch`] (`changes`) hears every nftables change in the namespace (the kernel
+//!   announces them on the `NFNLGRP_NFTABLES` group), so the agent can re-check at once when
+//!   another tool touches the table.
+//! * [`Nftables::host_firewall`] (`host_firewall`) reads the node's own firewall tables for
+//!   [`crate::firewall`] to judge.
+//!
+//! This file holds the exchange itself: the socket, the batch, the requests and their answers.
 //!
 //! Everything runs in the network namespace that is current when the sockets are opened (the
 //! agent runs with hostNetwork). `unsafe` is confined to `ffi`, which hands expressions to
-//! libnftnl and registers the watch socket with tokio.
+//! libnftnl.
 
+#[forbid(unsafe_code)]
+pub(crate) mod changes;
+#[forbid(unsafe_code)]
+mod compare;
 #[forbid(unsafe_code)]
 mod expr;
 #[allow(unsafe_code)]
 mod ffi;
 #[forbid(unsafe_code)]
-pub(crate) mod netlink;
+mod host_firewall;
+#[forbid(unsafe_code)]
+pub(crate) mod objects;
 
 use std::ffi::{CStr, CString};
 use std::fmt;
@@ -29,25 +39,26 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 use nftnl::{Batch, FinalizedBatch, MsgType, ProtoFamily};
 use nix::errno::Errno;
-use nix::sys::socket::{
-    self, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockProtocol, SockType,
-};
+use nix::sys::socket::{self, sockopt, MsgFlags, NetlinkAddr, SockProtocol};
 use nix::sys::time::TimeVal;
-use tokio::io::unix::AsyncFd;
 
 use super::{Check, Dataplane};
+use crate::netlink::{
+    self, Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
+};
 use crate::ruleset::{self, Hook, RuleSet};
-use expr::{rule_expressions, Found};
-use netlink::{Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST};
+use compare::{compare, Installed};
+use expr::rule_expressions;
+use objects::{nft_body, nft_type};
 
-pub use netlink::{Announced, ParseError, TableRef};
+pub use crate::netlink::ParseError;
+pub use changes::{Announced, ChangeWatch, TableRef};
+pub use host_firewall::host_firewall_candidate;
 
 /// [`ruleset::TABLE`] for nftnl.
 const TABLE_NAME: &CStr = c"nodelocaldns-ha";
 /// `NFPROTO_INET`: the table serves IPv4 and IPv6.
 const FAMILY: u8 = libc::NFPROTO_INET as u8;
-/// The multicast group of nftables change notifications.
-const NFNLGRP_NFTABLES: u32 = libc::NFNLGRP_NFTABLES as u32;
 /// How long to wait for the kernel's answer before giving up.
 const REPLY_TIMEOUT_SECS: i64 = 5;
 /// Receive buffer: the kernel's dump messages are at most 32 KiB.
@@ -169,18 +180,6 @@ impl fmt::Debug for Nftables {
     }
 }
 
-/// Opens a `NETLINK_NETFILTER` socket bound to `groups` in the current network namespace.
-fn netfilter_socket(flags: SockFlag, groups: u32) -> nix::Result<OwnedFd> {
-    let fd = socket::socket(
-        AddressFamily::Netlink,
-        SockType::Raw,
-        flags | SockFlag::SOCK_CLOEXEC,
-        SockProtocol::NetlinkNetFilter,
-    )?;
-    socket::bind(fd.as_raw_fd(), &NetlinkAddr::new(0, groups))?;
-    Ok(fd)
-}
-
 /// Whether the replies of a read-back form a consistent snapshot.
 #[derive(Debug, Default)]
 struct Snapshot {
@@ -196,29 +195,11 @@ impl Snapshot {
     }
 }
 
-/// What is installed, as read back.
-#[derive(Debug, Default)]
-struct Installed {
-    table: Option<netlink::Table>,
-    chains: Vec<netlink::Chain>,
-    rules: Vec<netlink::Rule>,
-}
-
-/// Whether table `name` of `family` (`NFPROTO_*`) may be part of the node's own firewall, as
-/// [`Nftables::host_firewall`] reads it: not the agent's, kube-proxy's or iptables-nft's.
-pub fn host_firewall_candidate(family: u8, name: &str) -> bool {
-    const IPTABLES_NFT: [&str; 5] = ["filter", "raw", "mangle", "nat", "security"];
-    match family {
-        1 => name != ruleset::TABLE,
-        2 | 10 => name != "kube-proxy" && !IPTABLES_NFT.contains(&name),
-        _ => false,
-    }
-}
-
 impl Nftables {
     /// Opens a netfilter netlink socket in the current network namespace.
     pub fn new() -> Result<Self, Error> {
-        let socket = netfilter_socket(SockFlag::empty(), 0).map_err(Error::Open)?;
+        let socket = netlink::socket::open(SockProtocol::NetlinkNetFilter).map_err(Error::Open)?;
+        netlink::socket::bind(&socket, &[]).map_err(Error::Open)?;
         let timeout = TimeVal::new(REPLY_TIMEOUT_SECS, 0);
         socket::setsockopt(&socket, sockopt::ReceiveTimeout, &timeout).map_err(Error::Open)?;
         let portid =
@@ -236,9 +217,9 @@ impl Nftables {
                 family,
                 &mut snapshot,
                 "kube-proxy's table",
-                netlink::NFT_MSG_GETTABLE,
+                objects::NFT_MSG_GETTABLE,
                 NLM_F_REQUEST,
-                &[(netlink::NFTA_TABLE_NAME, name)],
+                &[(objects::NFTA_TABLE_NAME, name)],
                 |_, _| Ok(()),
             )?;
             match answer {
@@ -248,100 +229,6 @@ impl Nftables {
             }
         }
         Ok(false)
-    }
-
-    /// The node's own nftables firewall: every table of another owner with a base chain on the
-    /// `input` or `output` hook, with all its chains and rules, for [`crate::firewall`]. Left
-    /// out: the agent's table; kube-proxy's (`ip`/`ip6 kube-proxy`: it judges only new
-    /// connections, `ct state new`, and an untracked packet is never new); and iptables-nft's
-    /// (`ip`/`ip6` `filter`, `raw`, `mangle`, `nat`, `security`: the agent's ACCEPTs go first in
-    /// the iptables flavours the node uses).
-    pub fn host_firewall(&mut self) -> Result<Vec<crate::firewall::Table>, Error> {
-        for _ in 0..READ_ATTEMPTS {
-            if let Some(tables) = self.host_firewall_once()? {
-                return Ok(tables);
-            }
-        }
-        Err(Error::Unsettled)
-    }
-
-    fn host_firewall_once(&mut self) -> Result<Option<Vec<crate::firewall::Table>>, Error> {
-        use crate::firewall::{self, Chain, Table};
-        let skipped = |family: u8, table: &str| !host_firewall_candidate(family, table);
-        let mut snapshot = Snapshot::default();
-        let mut tables = Vec::new();
-        for family in [libc::NFPROTO_INET as u8, libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8]
-        {
-            let mut chains: Vec<netlink::Chain> = Vec::new();
-            let answer = self.request_in(
-                family,
-                &mut snapshot,
-                "the node's chains",
-                netlink::NFT_MSG_GETCHAIN,
-                NLM_F_REQUEST | NLM_F_DUMP,
-                &[],
-                |message, attrs| {
-                    if message == netlink::NFT_MSG_NEWCHAIN {
-                        let chain = netlink::parse_chain(attrs)?;
-                        if !skipped(family, &chain.table) {
-                            chains.push(chain);
-                        }
-                    }
-                    Ok(())
-                },
-            )?;
-            answer.map_err(|source| Error::List { what: "chains", source })?;
-            let hooked = |c: &netlink::Chain| {
-                c.chain_type.as_deref() == Some("filter")
-                    && c.hook.is_some_and(|h| {
-                        h.hooknum == firewall::HOOK_INPUT || h.hooknum == firewall::HOOK_OUTPUT
-                    })
-            };
-            let mut names: Vec<String> =
-                chains.iter().filter(|c| hooked(c)).map(|c| c.table.clone()).collect();
-            names.sort();
-            names.dedup();
-            for name in names {
-                let mut rules: Vec<(String, firewall::Rule)> = Vec::new();
-                let table_name = std::ffi::CString::new(name.clone()).unwrap_or_default();
-                let answer = self.request_in(
-                    family,
-                    &mut snapshot,
-                    "the node's rules",
-                    netlink::NFT_MSG_GETRULE,
-                    NLM_F_REQUEST | NLM_F_DUMP,
-                    &[(netlink::NFTA_RULE_TABLE, table_name.to_bytes_with_nul())],
-                    |message, attrs| {
-                        if message == netlink::NFT_MSG_NEWRULE {
-                            rules.push(netlink::parse_foreign_rule(attrs)?);
-                        }
-                        Ok(())
-                    },
-                )?;
-                match answer {
-                    // The table went away meanwhile: read again.
-                    Err(Errno::ENOENT) => return Ok(None),
-                    Err(source) => return Err(Error::List { what: "rules", source }),
-                    Ok(()) => {}
-                }
-                let chains = chains
-                    .iter()
-                    .filter(|c| c.table == name)
-                    .map(|c| Chain {
-                        name: c.name.clone(),
-                        hook: c.hook.map(|h| (h.hooknum, h.priority)),
-                        policy: c.policy,
-                        rules: rules
-                            .iter()
-                            .filter(|(chain, _)| *chain == c.name)
-                            .map(|(_, r)| r.clone())
-                            .collect(),
-                    })
-                    .collect();
-                tables.push(Table { family, name, chains });
-            }
-        }
-        Ok(snapshot.consistent().then_some(tables))
     }
 
     /// A [`ChangeWatch`] that ignores the changes made through `self`, so the agent's own
@@ -477,12 +364,12 @@ impl Nftables {
         let table = self.request(
             &mut snapshot,
             "the table",
-            netlink::NFT_MSG_GETTABLE,
+            objects::NFT_MSG_GETTABLE,
             NLM_F_REQUEST,
-            &[(netlink::NFTA_TABLE_NAME, name)],
+            &[(objects::NFTA_TABLE_NAME, name)],
             |message, attrs| {
-                if message == netlink::NFT_MSG_NEWTABLE {
-                    installed.table = Some(netlink::parse_table(attrs)?);
+                if message == objects::NFT_MSG_NEWTABLE {
+                    installed.table = Some(objects::parse_table(attrs)?);
                 }
                 Ok(())
             },
@@ -496,12 +383,12 @@ impl Nftables {
         let chains = self.request(
             &mut snapshot,
             "the chains",
-            netlink::NFT_MSG_GETCHAIN,
+            objects::NFT_MSG_GETCHAIN,
             NLM_F_REQUEST | NLM_F_DUMP,
             &[],
             |message, attrs| {
-                if message == netlink::NFT_MSG_NEWCHAIN {
-                    let chain = netlink::parse_chain(attrs)?;
+                if message == objects::NFT_MSG_NEWCHAIN {
+                    let chain = objects::parse_chain(attrs)?;
                     if chain.table == ruleset::TABLE {
                         installed.chains.push(chain);
                     }
@@ -512,12 +399,12 @@ impl Nftables {
         let rules = self.request(
             &mut snapshot,
             "the rules",
-            netlink::NFT_MSG_GETRULE,
+            objects::NFT_MSG_GETRULE,
             NLM_F_REQUEST | NLM_F_DUMP,
-            &[(netlink::NFTA_RULE_TABLE, name)],
+            &[(objects::NFTA_RULE_TABLE, name)],
             |message, attrs| {
-                if message == netlink::NFT_MSG_NEWRULE {
-                    let rule = netlink::parse_rule(attrs)?;
+                if message == objects::NFT_MSG_NEWRULE {
+                    let rule = objects::parse_rule(attrs)?;
                     if rule.table == ruleset::TABLE {
                         installed.rules.push(rule);
                     }
@@ -566,7 +453,7 @@ impl Nftables {
         self.drain();
         let seq = self.next_seq;
         self.next_seq = self.next_seq.wrapping_add(1).max(FIRST_REQUEST_SEQ);
-        let request = netlink::request(msg, flags, seq, family, attrs);
+        let request = objects::request(msg, flags, seq, family, attrs);
         socket::send(self.socket.as_raw_fd(), &request, MsgFlags::empty())
             .map_err(|source| Error::Send { what, source })?;
 
@@ -590,8 +477,8 @@ impl Nftables {
                     }
                     NLMSG_DONE => complete = true,
                     _ => {
-                        if let Some(nft_msg) = message.nft_type() {
-                            let (generation, attrs) = message.nft_body().map_err(malformed)?;
+                        if let Some(nft_msg) = nft_type(&message) {
+                            let (generation, attrs) = nft_body(&message).map_err(malformed)?;
                             snapshot.generations.push(generation);
                             each(nft_msg, attrs).map_err(malformed)?;
                         }
@@ -675,25 +562,6 @@ impl Dataplane for Nftables {
     }
 }
 
-/// `NF_INET_*`, as nftnl and the kernel number hooks.
-fn hook_number(hook: Hook) -> u32 {
-    match hook {
-        Hook::Prerouting => libc::NF_INET_PRE_ROUTING as u32,
-        Hook::Output => libc::NF_INET_LOCAL_OUT as u32,
-    }
-}
-
-fn hook_name(number: u32) -> String {
-    match number as i32 {
-        libc::NF_INET_PRE_ROUTING => "prerouting".to_owned(),
-        libc::NF_INET_LOCAL_IN => "input".to_owned(),
-        libc::NF_INET_FORWARD => "forward".to_owned(),
-        libc::NF_INET_LOCAL_OUT => "output".to_owned(),
-        libc::NF_INET_POST_ROUTING => "postrouting".to_owned(),
-        _ => format!("hook {number}"),
-    }
-}
-
 /// `type filter hook <hook> priority <priority>; policy accept;`
 fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
     let (name, hook) = match chain.hook {
@@ -705,176 +573,6 @@ fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Cha
     nft_chain.set_type(nftnl::ChainType::Filter);
     nft_chain.set_policy(nftnl::Policy::Accept);
     nft_chain
-}
-
-/// Compares what is installed with `want`.
-fn compare(want: &RuleSet, installed: &Installed) -> Check {
-    let Some(table) = &installed.table else {
-        return Check::Missing;
-    };
-    match first_difference(want, table, &installed.chains, &installed.rules) {
-        None => Check::Matches,
-        Some(difference) => Check::Differs(difference),
-    }
-}
-
-/// The first way the installed table differs from `want`, in words.
-fn first_difference(
-    want: &RuleSet,
-    table: &netlink::Table,
-    chains: &[netlink::Chain],
-    rules: &[netlink::Rule],
-) -> Option<String> {
-    if table.flags != 0 {
-        return Some(format!(
-            "table flags are {:#x}, want 0 (0x1 is dormant: its chains see no packets)",
-            table.flags
-        ));
-    }
-    for wanted in &want.chains {
-        let name = wanted.name();
-        let Some(chain) = chains.iter().find(|chain| chain.name == name) else {
-            return Some(format!("chain {name} is missing"));
-        };
-        let hook =
-            netlink::ChainHook { hooknum: hook_number(wanted.hook), priority: wanted.priority };
-        match chain.hook {
-            None => return Some(format!("chain {name} is not a base chain")),
-            Some(got) if got != hook => {
-                return Some(format!(
-                    "chain {name} hooks {} at priority {}, want {} at priority {}",
-                    hook_name(got.hooknum),
-                    got.priority,
-                    hook_name(hook.hooknum),
-                    hook.priority
-                ))
-            }
-            Some(_) => {}
-        }
-        if chain.chain_type.as_deref() != Some("filter") {
-            return Some(format!(
-                "chain {name} has type {}, want filter",
-                chain.chain_type.as_deref().unwrap_or("none")
-            ));
-        }
-        if chain.policy != Some(libc::NF_ACCEPT as u32) {
-            let policy = match chain.policy {
-                Some(p) if p == libc::NF_DROP as u32 => "drop".to_owned(),
-                Some(p) => p.to_string(),
-                None => "none".to_owned(),
-            };
-            return Some(format!("chain {name} has policy {policy}, want accept"));
-        }
-        let got: Vec<&netlink::Rule> = rules.iter().filter(|rule| rule.chain == name).collect();
-        if got.len() != wanted.rules.len() {
-            return Some(format!("chain {name}: {} rules, want {}", got.len(), wanted.rules.len()));
-        }
-        for (number, (got, wanted)) in (1..).zip(got.iter().zip(&wanted.rules)) {
-            if got.comment.as_deref() != Some(wanted.comment.as_str()) {
-                return Some(match &got.comment {
-                    Some(comment) => format!(
-                        "chain {name}: rule {number} has comment {comment:?}, want {:?}",
-                        wanted.comment
-                    ),
-                    None => format!(
-                        "chain {name}: rule {number} has no comment, want {:?}",
-                        wanted.comment
-                    ),
-                });
-            }
-            let exprs = rule_expressions(wanted);
-            if got.exprs.len() != exprs.len() {
-                return Some(format!(
-                    "chain {name}: rule {number} has {} expressions ({}), want {} ({wanted})",
-                    got.exprs.len(),
-                    got.expr_names().join(" "),
-                    exprs.len()
-                ));
-            }
-            for (index, (got, want)) in (1..).zip(got.exprs.iter().zip(exprs)) {
-                if *got != Found::Known(want.clone()) {
-                    return Some(format!(
-                        "chain {name}: rule {number} expression {index} is `{got}`, want `{want}` \
-                         ({wanted})"
-                    ));
-                }
-            }
-        }
-    }
-    if let Some(extra) =
-        chains.iter().find(|chain| !want.chains.iter().any(|wanted| wanted.name() == chain.name))
-    {
-        return Some(format!("extra chain {}", extra.name));
-    }
-    None
-}
-
-/// Hears every nftables change in the network namespace it was opened in.
-///
-/// The kernel announces each change (tables, chains, rules, sets, and a new generation per
-/// batch) to the `NFNLGRP_NFTABLES` multicast group; this listens there.
-pub struct ChangeWatch {
-    socket: AsyncFd<OwnedFd>,
-    /// Announcements from this netlink port (the agent's own [`Nftables`]) are not changes.
-    ignore_portid: Option<u32>,
-    buf: Vec<u8>,
-}
-
-impl fmt::Debug for ChangeWatch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ChangeWatch")
-            .field("socket", self.socket.get_ref())
-            .field("ignore_portid", &self.ignore_portid)
-            .finish_non_exhaustive()
-    }
-}
-
-impl ChangeWatch {
-    /// Watches for every nftables change in the current network namespace, the agent's own
-    /// included (see [`Nftables::change_watch`] to leave those out). Must be called inside a
-    /// tokio runtime.
-    pub fn new() -> Result<Self, Error> {
-        Self::open(None)
-    }
-
-    fn open(ignore_portid: Option<u32>) -> Result<Self, Error> {
-        let groups = 1 << (NFNLGRP_NFTABLES - 1);
-        let fd = netfilter_socket(SockFlag::SOCK_NONBLOCK, groups)
-            .map_err(|e| Error::Watch(e.into()))?;
-        Ok(ChangeWatch {
-            socket: ffi::register_with_tokio(fd).map_err(Error::Watch)?,
-            ignore_portid,
-            buf: vec![0; RECV_BUFFER],
-        })
-    }
-
-    /// Returns once a change has been announced, after reading every announcement pending: the
-    /// tables changed.
-    ///
-    /// Lost announcements (the socket's buffer overflowed, `ENOBUFS`) make it `unknown`.
-    /// Cancel-safe: dropping the future loses nothing that a later call would report.
-    pub async fn changed(&mut self) -> Result<Announced, Error> {
-        let ChangeWatch { socket: fd, ignore_portid, buf } = self;
-        let mut announced = Announced::default();
-        loop {
-            let mut ready = fd.readable().await.map_err(Error::Watch)?;
-            loop {
-                match socket::recv(fd.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
-                    Ok(len) => announced.add(&buf[..len.min(buf.len())], *ignore_portid),
-                    Err(Errno::ENOBUFS) => announced.unknown = true,
-                    Err(Errno::EINTR) => {}
-                    Err(Errno::EAGAIN) => {
-                        ready.clear_ready();
-                        break;
-                    }
-                    Err(e) => return Err(Error::Watch(e.into())),
-                }
-            }
-            if announced.any() {
-                return Ok(announced);
-            }
-        }
-    }
 }
 
 #[cfg(test)]

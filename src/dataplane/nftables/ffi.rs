@@ -1,7 +1,5 @@
-//! The reviewed unsafe module of the nftables backend. It does two things:
-//!
-//! * turns an [`Expr`] into a libnftnl expression so `nftnl::Rule::add_expr` can serialise it;
-//! * registers the change-watch socket with tokio ([`register_with_tokio`]).
+//! The reviewed unsafe module of the nftables backend: it turns an [`Expr`] into a libnftnl
+//! expression so `nftnl::Rule::add_expr` can serialise it.
 //!
 //! nftnl has no `fib` or `notrack` expression and its `socket` one sends an attribute `nft` does
 //! not, so every expression goes through this one generic implementation instead: a pure table
@@ -10,12 +8,9 @@
 //! Nothing else in the backend uses `unsafe`.
 
 use std::ffi::{c_void, CStr};
-use std::io;
-use std::os::fd::OwnedFd;
 use std::ptr::NonNull;
 
 use nftnl::nftnl_sys as sys;
-use tokio::io::unix::AsyncFd;
 
 use super::expr::{Expr, NFT_REG_1};
 
@@ -116,13 +111,4 @@ impl nftnl::expr::Expression for Expr {
         // Ownership passes to the caller (`nftnl::Rule::add_expr` hands it to the rule).
         expr
     }
-}
-
-/// Registers `fd` with the current tokio runtime's reactor. Panics outside a tokio runtime.
-pub fn register_with_tokio(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
-    // SAFETY: `AsyncFd::register` needs a file descriptor that stays open, and the same, while
-    // the `AsyncFd` lives. An `OwnedFd` is an open descriptor that only its owner closes, on drop,
-    // and it always returns that same descriptor; the `AsyncFd` owns it.
-    let registered = unsafe { AsyncFd::register(fd) };
-    registered.map_err(io::Error::from)
 }

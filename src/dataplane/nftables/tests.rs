@@ -1,6 +1,8 @@
 //! Tests of the nftables backend: the comparison on plain data, then the real kernel, each test
 //! in a network namespace of its own.
 
+use super::compare::hook_number;
+use super::expr::Found;
 use super::*;
 use crate::ruleset::{ListenAddrs, Route, TABLE};
 
@@ -16,14 +18,14 @@ fn dual_stack() -> ListenAddrs {
 /// What the kernel reports for `rules` once they are installed.
 fn installed(rules: &RuleSet) -> Installed {
     Installed {
-        table: Some(netlink::Table { name: TABLE.to_owned(), flags: 0 }),
+        table: Some(objects::Table { name: TABLE.to_owned(), flags: 0 }),
         chains: rules
             .chains
             .iter()
-            .map(|chain| netlink::Chain {
+            .map(|chain| objects::Chain {
                 table: TABLE.to_owned(),
                 name: chain.name().to_owned(),
-                hook: Some(netlink::ChainHook {
+                hook: Some(objects::ChainHook {
                     hooknum: hook_number(chain.hook),
                     priority: chain.priority,
                 }),
@@ -33,7 +35,7 @@ fn installed(rules: &RuleSet) -> Installed {
             .collect(),
         rules: (4..)
             .zip(rules.rules())
-            .map(|(handle, (chain, rule))| netlink::Rule {
+            .map(|(handle, (chain, rule))| objects::Rule {
                 table: TABLE.to_owned(),
                 chain: chain.name().to_owned(),
                 handle,

@@ -1,23 +1,20 @@
-//! A small parser and request builder for the nf_tables netlink messages the backend reads.
+//! nf_tables objects (tables, chains, rules and their expressions) as netlink messages carry
+//! them: the requests that list them, and the parsers of the kernel's answers, which read them as
+//! the backend compares them (its own table) and as [`crate::firewall`] judges them (the node's).
 //!
-//! Pure and safe: it works on byte slices and never panics on malformed input (every read is
-//! bounds-checked and a bad length is a [`ParseError`]). It knows only the attributes the backend
-//! compares. Numbers are from `linux/netlink.h` and `linux/netfilter/nf_tables.h`: netlink
-//! headers are host-endian, nf_tables attribute values big-endian.
+//! Pure and safe: it works on byte slices that [`crate::netlink`] has cut into messages and
+//! attributes, and never panics on malformed input (a bad length or value is a [`ParseError`]).
+//! It knows only the attributes it is asked about. Numbers are from
+//! `linux/netfilter/nf_tables.h` and `linux/netfilter/nfnetlink.h`: nf_tables attribute values
+//! are big-endian.
 
 use super::expr::{Expr, Found, NFT_REG_1};
 use crate::firewall;
+use crate::netlink::{
+    attribute_table, attributes, be_u32, be_u64, put_attr, required, string, Message, ParseError,
+    Result,
+};
 
-/// An error message (or an ack, when its code is 0).
-pub const NLMSG_ERROR: u16 = 2;
-/// The end of a dump.
-pub const NLMSG_DONE: u16 = 3;
-/// A request.
-pub const NLM_F_REQUEST: u16 = 0x1;
-/// The ruleset changed while this dump was being built: it may be inconsistent.
-pub const NLM_F_DUMP_INTR: u16 = 0x10;
-/// Dump every object.
-pub const NLM_F_DUMP: u16 = 0x300;
 /// The nfnetlink subsystem of nf_tables, the high byte of the message type.
 pub const NFNL_SUBSYS_NFTABLES: u16 = 10;
 /// A table (the low byte of the type of a reply or notification).
@@ -37,11 +34,7 @@ pub const NFTA_TABLE_NAME: u16 = table::NAME;
 /// The table filter of a rule dump.
 pub const NFTA_RULE_TABLE: u16 = rule::TABLE;
 
-const NLMSG_HDRLEN: usize = 16;
 const NFGENMSG_LEN: usize = 4;
-const NLA_HDRLEN: usize = 4;
-/// Strips `NLA_F_NESTED` and `NLA_F_NET_BYTEORDER`.
-const NLA_TYPE_MASK: u16 = 0x3fff;
 /// `NFTNL_UDATA_RULE_COMMENT`: the comment in a rule's userdata.
 const UDATA_RULE_COMMENT: u8 = 0;
 
@@ -80,196 +73,21 @@ mod rule {
     pub const EXPR_MAX: usize = 3;
 }
 
-/// Why a message could not be read.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum ParseError {
-    /// Fewer bytes than a header or a length field says.
-    #[error("{what} truncated: {have} bytes, need {need}")]
-    Truncated {
-        /// The header or value being read.
-        what: &'static str,
-        /// Bytes available.
-        have: usize,
-        /// Bytes needed.
-        need: usize,
-    },
-    /// A fixed-size value of the wrong size.
-    #[error("{what} has {have} bytes, want {want}")]
-    Size {
-        /// The value being read.
-        what: &'static str,
-        /// Its size.
-        have: usize,
-        /// The size it must have.
-        want: usize,
-    },
-    /// A mandatory attribute is absent.
-    #[error("{0} is missing")]
-    Missing(&'static str),
+/// The nf_tables message type of `message` (`NFT_MSG_*`), if it is an nf_tables message.
+pub fn nft_type(message: &Message<'_>) -> Option<u16> {
+    (message.kind >> 8 == NFNL_SUBSYS_NFTABLES).then_some(message.kind & 0xff)
 }
 
-type Result<T> = std::result::Result<T, ParseError>;
-
-fn align4(len: usize) -> usize {
-    len.saturating_add(3) & !3
-}
-
-fn ne_u16(bytes: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_ne_bytes(bytes.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn ne_u32(bytes: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_ne_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// One netlink message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Message<'a> {
-    /// `nlmsg_type`: `NLMSG_*`, or the nfnetlink subsystem and message type.
-    pub kind: u16,
-    /// `NLM_F_*`.
-    pub flags: u16,
-    /// The sequence number of the request this answers.
-    pub seq: u32,
-    /// The sender's port: the kernel's replies carry the requester's, change notifications the
-    /// port of the socket that made the change.
-    pub portid: u32,
-    /// Everything after the header.
-    pub payload: &'a [u8],
-}
-
-impl<'a> Message<'a> {
-    /// The errno of an `NLMSG_ERROR` message, positive; 0 for an ack.
-    pub fn error_code(&self) -> Result<i32> {
-        let code = ne_u32(self.payload, 0).ok_or(ParseError::Truncated {
-            what: "netlink error message",
-            have: self.payload.len(),
-            need: 4,
-        })?;
-        Ok((code as i32).saturating_neg())
-    }
-
-    /// The nf_tables message type, if this is an nf_tables message.
-    pub fn nft_type(&self) -> Option<u16> {
-        (self.kind >> 8 == NFNL_SUBSYS_NFTABLES).then_some(self.kind & 0xff)
-    }
-
-    /// The ruleset generation (low 16 bits, from `nfgenmsg.res_id`) and the attributes.
-    pub fn nft_body(&self) -> Result<(u16, &'a [u8])> {
-        let header = self.payload.get(..NFGENMSG_LEN).ok_or(ParseError::Truncated {
-            what: "nfgenmsg header",
-            have: self.payload.len(),
-            need: NFGENMSG_LEN,
-        })?;
-        let generation = u16::from_be_bytes([header[2], header[3]]);
-        Ok((generation, &self.payload[NFGENMSG_LEN..]))
-    }
-}
-
-/// The messages in a buffer received from a netlink socket; stops after the first error.
-pub fn messages(buf: &[u8]) -> impl Iterator<Item = Result<Message<'_>>> {
-    let mut rest = buf;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let parsed = parse_message(rest);
-        rest = match &parsed {
-            Ok((_, next)) => next,
-            Err(_) => &[],
-        };
-        Some(parsed.map(|(message, _)| message))
-    })
-}
-
-fn parse_message(buf: &[u8]) -> Result<(Message<'_>, &[u8])> {
-    let truncated = |need| ParseError::Truncated { what: "netlink message", have: buf.len(), need };
-    let len = ne_u32(buf, 0).ok_or(truncated(NLMSG_HDRLEN))? as usize;
-    if len < NLMSG_HDRLEN || len > buf.len() {
-        return Err(truncated(len.max(NLMSG_HDRLEN)));
-    }
-    let field16 = |at| ne_u16(buf, at).unwrap_or_default();
-    let field32 = |at| ne_u32(buf, at).unwrap_or_default();
-    let message = Message {
-        kind: field16(4),
-        flags: field16(6),
-        seq: field32(8),
-        portid: field32(12),
-        payload: &buf[NLMSG_HDRLEN..len],
-    };
-    let next = buf.get(align4(len)..).unwrap_or_default();
-    Ok((message, next))
-}
-
-/// One netlink attribute.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Attr<'a> {
-    /// The attribute type, without the nested and byte-order flags.
-    pub kind: u16,
-    /// The value, without padding.
-    pub value: &'a [u8],
-}
-
-/// The attributes in `buf`; stops after the first error.
-pub fn attributes(buf: &[u8]) -> impl Iterator<Item = Result<Attr<'_>>> {
-    let mut rest = buf;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let truncated =
-            |need| ParseError::Truncated { what: "netlink attribute", have: rest.len(), need };
-        let parsed = match ne_u16(rest, 0).map(usize::from) {
-            None => Err(truncated(NLA_HDRLEN)),
-            Some(len) if len < NLA_HDRLEN || len > rest.len() => {
-                Err(truncated(len.max(NLA_HDRLEN)))
-            }
-            Some(len) => Ok(Attr {
-                kind: ne_u16(rest, 2).unwrap_or_default() & NLA_TYPE_MASK,
-                value: &rest[NLA_HDRLEN..len],
-            }),
-        };
-        rest = match &parsed {
-            Ok(attr) => rest.get(align4(NLA_HDRLEN + attr.value.len())..).unwrap_or_default(),
-            Err(_) => &[],
-        };
-        Some(parsed)
-    })
-}
-
-/// The attributes in `buf` indexed by type; types `N` and above are ignored, a repeated one
-/// keeps its last value.
-fn attribute_table<const N: usize>(buf: &[u8]) -> Result<[Option<&[u8]>; N]> {
-    let mut found = [None; N];
-    for attr in attributes(buf) {
-        let attr = attr?;
-        if let Some(slot) = found.get_mut(usize::from(attr.kind)) {
-            *slot = Some(attr.value);
-        }
-    }
-    Ok(found)
-}
-
-fn required<'a>(value: Option<&'a [u8]>, what: &'static str) -> Result<&'a [u8]> {
-    value.ok_or(ParseError::Missing(what))
-}
-
-fn be_u32(value: &[u8], what: &'static str) -> Result<u32> {
-    let bytes: [u8; 4] =
-        value.try_into().map_err(|_| ParseError::Size { what, have: value.len(), want: 4 })?;
-    Ok(u32::from_be_bytes(bytes))
-}
-
-fn be_u64(value: &[u8], what: &'static str) -> Result<u64> {
-    let bytes: [u8; 8] =
-        value.try_into().map_err(|_| ParseError::Size { what, have: value.len(), want: 8 })?;
-    Ok(u64::from_be_bytes(bytes))
-}
-
-/// A NUL-terminated string attribute (lossy: names are compared, never trusted).
-fn string(value: &[u8]) -> String {
-    let end = value.iter().position(|&b| b == 0).unwrap_or(value.len());
-    String::from_utf8_lossy(&value[..end]).into_owned()
+/// The ruleset generation (low 16 bits, from `nfgenmsg.res_id`) and the attributes of an
+/// nf_tables message.
+pub fn nft_body<'a>(message: &Message<'a>) -> Result<(u16, &'a [u8])> {
+    let header = message.payload.get(..NFGENMSG_LEN).ok_or(ParseError::Truncated {
+        what: "nfgenmsg header",
+        have: message.payload.len(),
+        need: NFGENMSG_LEN,
+    })?;
+    let generation = u16::from_be_bytes([header[2], header[3]]);
+    Ok((generation, &message.payload[NFGENMSG_LEN..]))
 }
 
 /// A table, as `NFT_MSG_NEWTABLE` describes it.
@@ -570,132 +388,26 @@ pub fn parse_comment(udata: &[u8]) -> Option<String> {
 /// A request for the nf_tables subsystem: `nlmsghdr`, `nfgenmsg` and attributes (values are
 /// given encoded, strings with their NUL).
 pub fn request(msg: u16, flags: u16, seq: u32, family: u8, attrs: &[(u16, &[u8])]) -> Vec<u8> {
-    let mut buf = vec![0; NLMSG_HDRLEN];
     // nfgenmsg: family, version NFNETLINK_V0, res_id 0.
-    buf.extend_from_slice(&[family, 0, 0, 0]);
+    let mut payload = vec![family, 0, 0, 0];
     for (kind, value) in attrs {
-        let len = NLA_HDRLEN + value.len();
-        buf.extend_from_slice(&(len as u16).to_ne_bytes());
-        buf.extend_from_slice(&kind.to_ne_bytes());
-        buf.extend_from_slice(value);
-        buf.resize(align4(buf.len()), 0);
+        put_attr(&mut payload, *kind, value);
     }
-    let len = buf.len() as u32;
     let kind = (NFNL_SUBSYS_NFTABLES << 8) | msg;
-    buf[0..4].copy_from_slice(&len.to_ne_bytes());
-    buf[4..6].copy_from_slice(&kind.to_ne_bytes());
-    buf[6..8].copy_from_slice(&flags.to_ne_bytes());
-    buf[8..12].copy_from_slice(&seq.to_ne_bytes());
-    buf
-}
-
-/// `NFT_MSG_NEWGEN`: the end of a batch; it names no table (the batch's other messages do).
-const NFT_MSG_NEWGEN: u16 = 16;
-/// The table's name in every object's message: `NFTA_TABLE_NAME`, `NFTA_CHAIN_TABLE`,
-/// `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, … are all attribute 1.
-const OBJECT_TABLE: u16 = table::NAME;
-
-/// An nftables table as change announcements name it: its family (`NFPROTO_*`) and name.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct TableRef {
-    pub family: u8,
-    pub name: String,
-}
-
-/// What change announcements said, merged over any number of reads.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Announced {
-    /// The tables changed, each once, sorted.
-    pub tables: Vec<TableRef>,
-    /// Something changed that could not be read (or announcements were lost): any table may
-    /// have changed.
-    pub unknown: bool,
-}
-
-impl Announced {
-    /// Whether anything was announced.
-    pub fn any(&self) -> bool {
-        self.unknown || !self.tables.is_empty()
-    }
-
-    /// Whether a change to one of `tables` may have been announced.
-    pub fn touches(&self, tables: &[TableRef]) -> bool {
-        self.unknown || self.tables.iter().any(|t| tables.contains(t))
-    }
-
-    /// Adds what `buf` (as received on the `NFNLGRP_NFTABLES` group) announces of the changes
-    /// made by any socket but `ignore_portid`. Every nf_tables change message (of a table, a
-    /// chain, a rule, a set, an object, …) carries its table's name ([`OBJECT_TABLE`]); a
-    /// message that cannot be read makes the announcement `unknown`.
-    pub fn add(&mut self, buf: &[u8], ignore_portid: Option<u32>) {
-        for message in messages(buf) {
-            let Ok(message) = message else {
-                self.unknown = true;
-                return;
-            };
-            let Some(kind) = message.nft_type() else { continue };
-            if kind == NFT_MSG_NEWGEN || Some(message.portid) == ignore_portid {
-                continue;
-            }
-            let family = message.payload.first().copied();
-            let name = message.nft_body().ok().and_then(|(_, attrs)| {
-                attributes(attrs)
-                    .map_while(Result::ok)
-                    .find(|a| a.kind == OBJECT_TABLE)
-                    .map(|a| string(a.value))
-            });
-            match (family, name) {
-                (Some(family), Some(name)) => {
-                    let table = TableRef { family, name };
-                    if let Err(at) = self.tables.binary_search(&table) {
-                        self.tables.insert(at, table);
-                    }
-                }
-                _ => self.unknown = true,
-            }
-        }
-    }
-}
-
-/// What `buf` announces (see [`Announced::add`]).
-#[cfg(any(test, fuzzing))]
-pub fn announced(buf: &[u8], ignore_portid: Option<u32>) -> Announced {
-    let mut out = Announced::default();
-    out.add(buf, ignore_portid);
-    out
+    Message { kind, flags, seq, portid: 0, payload: &payload }.encode()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dataplane::nftables::changes::announced;
     use crate::dataplane::nftables::expr::{
         NFT_META_L4PROTO, NFT_META_NFPROTO, NFT_SOCKET_TRANSPARENT,
     };
-
-    /// Encodes one attribute, like the kernel does.
-    fn attr(kind: u16, value: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(&((NLA_HDRLEN + value.len()) as u16).to_ne_bytes());
-        out.extend_from_slice(&kind.to_ne_bytes());
-        out.extend_from_slice(value);
-        out.resize(align4(out.len()), 0);
-        out
-    }
+    use crate::netlink::{attr, messages, NLM_F_REQUEST};
 
     fn nested(kind: u16, attrs: &[Vec<u8>]) -> Vec<u8> {
         attr(kind | 0x8000, &attrs.concat())
-    }
-
-    fn message(kind: u16, flags: u16, seq: u32, portid: u32, payload: &[u8]) -> Vec<u8> {
-        let mut out = Vec::new();
-        out.extend_from_slice(&((NLMSG_HDRLEN + payload.len()) as u32).to_ne_bytes());
-        out.extend_from_slice(&kind.to_ne_bytes());
-        out.extend_from_slice(&flags.to_ne_bytes());
-        out.extend_from_slice(&seq.to_ne_bytes());
-        out.extend_from_slice(&portid.to_ne_bytes());
-        out.extend_from_slice(payload);
-        out.resize(align4(out.len()), 0);
-        out
     }
 
     fn expr(name: &str, data: &[Vec<u8>]) -> Vec<u8> {
@@ -725,7 +437,8 @@ mod tests {
         ];
         let mut payload = vec![1, 0, 0, 42];
         payload.extend(attrs.concat());
-        message((NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE, 0, 9, 0, &payload)
+        let kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE;
+        Message { kind, flags: 0, seq: 9, portid: 0, payload: &payload }.encode()
     }
 
     #[test]
@@ -733,8 +446,8 @@ mod tests {
         let buf = rule_message();
         let messages: Vec<_> = messages(&buf).collect::<Result<_>>().unwrap();
         assert_eq!(messages.len(), 1);
-        assert_eq!(messages[0].nft_type(), Some(NFT_MSG_NEWRULE));
-        let (generation, attrs) = messages[0].nft_body().unwrap();
+        assert_eq!(nft_type(&messages[0]), Some(NFT_MSG_NEWRULE));
+        let (generation, attrs) = nft_body(&messages[0]).unwrap();
         assert_eq!(generation, 42);
         let rule = parse_rule(attrs).unwrap();
         assert_eq!(rule.table, "nodelocaldns-ha");
@@ -752,7 +465,7 @@ mod tests {
             let cut = &buf[..len];
             for message in messages(cut) {
                 let Ok(message) = message else { continue };
-                if let Ok((_, attrs)) = message.nft_body() {
+                if let Ok((_, attrs)) = nft_body(&message) {
                     let _ = parse_rule(attrs);
                 }
             }
@@ -760,7 +473,7 @@ mod tests {
         // A header that claims more than there is.
         assert!(matches!(messages(&buf[..20]).next(), Some(Err(ParseError::Truncated { .. }))));
         // Attributes cut inside the expression list.
-        let (_, attrs) = messages(&buf).next().unwrap().unwrap().nft_body().unwrap();
+        let (_, attrs) = nft_body(&messages(&buf).next().unwrap().unwrap()).unwrap();
         assert!(parse_rule(&attrs[..attrs.len() - 30]).is_err());
     }
 
@@ -783,7 +496,7 @@ mod tests {
             for message in messages(&buf) {
                 let Ok(message) = message else { continue };
                 let _ = message.error_code();
-                if let Ok((_, attrs)) = message.nft_body() {
+                if let Ok((_, attrs)) = nft_body(&message) {
                     let _ = parse_table(attrs);
                     let _ = parse_chain(attrs);
                     let _ = parse_rule(attrs);
@@ -794,14 +507,6 @@ mod tests {
             let _ = parse_comment(&buf);
             let _ = announced(&buf, Some(1));
         }
-    }
-
-    #[test]
-    fn zero_length_attribute_header_ends_parsing() {
-        // nla_len 0 would loop forever if taken at face value.
-        let buf = [0u8, 0, 1, 0, 0, 0, 0, 0];
-        assert!(attributes(&buf).next().unwrap().is_err());
-        assert_eq!(attributes(&buf).count(), 1);
     }
 
     #[test]
@@ -875,17 +580,6 @@ mod tests {
     }
 
     #[test]
-    fn error_messages_and_acks() {
-        let mut payload = (-2i32).to_ne_bytes().to_vec();
-        payload.extend_from_slice(&[0; 16]);
-        let buf =
-            [message(NLMSG_ERROR, 0, 5, 0, &payload), message(NLMSG_ERROR, 0, 6, 0, &[0; 20])]
-                .concat();
-        let codes: Vec<i32> = messages(&buf).map(|m| m.unwrap().error_code().unwrap()).collect();
-        assert_eq!(codes, [2, 0]);
-    }
-
-    #[test]
     fn request_round_trips() {
         let buf = request(
             NFT_MSG_GETTABLE,
@@ -896,38 +590,9 @@ mod tests {
         );
         assert_eq!(buf.len() % 4, 0);
         let message = messages(&buf).next().unwrap().unwrap();
-        assert_eq!(message.nft_type(), Some(NFT_MSG_GETTABLE));
+        assert_eq!(nft_type(&message), Some(NFT_MSG_GETTABLE));
         assert_eq!((message.flags, message.seq), (NLM_F_REQUEST, 77));
-        let (_, attrs) = message.nft_body().unwrap();
+        let (_, attrs) = nft_body(&message).unwrap();
         assert_eq!(parse_table(attrs).unwrap().name, "nodelocaldns-ha");
-    }
-
-    #[test]
-    fn change_announcements() {
-        let kind = |msg| (NFNL_SUBSYS_NFTABLES << 8) | msg;
-        let body = |family: u8, table: &[u8]| [vec![family, 0, 0, 0], attr(1, table)].concat();
-        let ours = message(kind(NFT_MSG_NEWTABLE), 0, 1, 4242, &body(1, b"ours\0"));
-        let theirs = message(kind(NFT_MSG_NEWRULE), 0, 1, 99, &body(2, b"raw\0"));
-        let again = message(kind(NFT_MSG_NEWCHAIN), 0, 1, 99, &body(2, b"raw\0"));
-        let ip6 = message(kind(NFT_MSG_NEWRULE), 0, 1, 99, &body(10, b"raw\0"));
-        let generation = message(kind(NFT_MSG_NEWGEN), 0, 1, 99, &[0, 0, 0, 0]);
-        let raw = |family| TableRef { family, name: "raw".to_owned() };
-        let ours_ref = TableRef { family: 1, name: "ours".to_owned() };
-
-        assert!(!announced(&ours, Some(4242)).any());
-        assert_eq!(announced(&ours, None).tables, std::slice::from_ref(&ours_ref));
-        let all = [ours.clone(), ip6, theirs.clone(), again, generation.clone()].concat();
-        let seen = announced(&all, Some(4242));
-        assert_eq!(seen, Announced { tables: vec![raw(2), raw(10)], unknown: false });
-        assert!(seen.touches(&[raw(10)]));
-        assert!(!seen.touches(&[ours_ref.clone(), raw(7)]));
-        // A batch's end names no table and is not a change by itself.
-        assert!(!announced(&generation, None).any());
-        // Unreadable: anything may have changed.
-        let cut = announced(&theirs[..10], Some(4242));
-        assert!(cut.unknown && cut.touches(std::slice::from_ref(&ours_ref)));
-        let nameless = message(kind(NFT_MSG_NEWRULE), 0, 1, 99, &[2, 0, 0, 0]);
-        assert!(announced(&nameless, None).unknown);
-        assert!(!announced(&[], None).any());
     }
 }

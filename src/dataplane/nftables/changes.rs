@@ -1,0 +1,195 @@
+//! Hearing other writers: the kernel announces every nftables change in a network namespace
+//! (tables, chains, rules, sets, and a new generation per batch) to the `NFNLGRP_NFTABLES`
+//! multicast group. [`ChangeWatch`] listens there and [`Announced`] says which tables changed, so
+//! the agent re-checks its own table at once when another tool touches it, and notices changes to
+//! kube-proxy's, iptables-nft's and the node firewall's tables.
+
+use std::fmt;
+
+use nix::sys::socket::SockProtocol;
+
+use super::objects::{self, nft_body, nft_type};
+use super::{Error, RECV_BUFFER};
+use crate::netlink::socket::{self, AsyncSocket};
+use crate::netlink::{attributes, messages, string};
+
+/// `NFNLGRP_NFTABLES`: the multicast group of nftables change announcements.
+const NFNLGRP_NFTABLES: u32 = libc::NFNLGRP_NFTABLES as u32;
+
+/// `NFT_MSG_NEWGEN`: the end of a batch; it names no table (the batch's other messages do).
+const NFT_MSG_NEWGEN: u16 = 16;
+/// The table's name in every object's message: `NFTA_TABLE_NAME`, `NFTA_CHAIN_TABLE`,
+/// `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, … are all attribute 1.
+const OBJECT_TABLE: u16 = objects::NFTA_TABLE_NAME;
+
+/// An nftables table as change announcements name it: its family (`NFPROTO_*`) and name.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TableRef {
+    pub family: u8,
+    pub name: String,
+}
+
+/// What change announcements said, merged over any number of reads.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Announced {
+    /// The tables changed, each once, sorted.
+    pub tables: Vec<TableRef>,
+    /// Something changed that could not be read (or announcements were lost): any table may
+    /// have changed.
+    pub unknown: bool,
+}
+
+impl Announced {
+    /// Whether anything was announced.
+    pub fn any(&self) -> bool {
+        self.unknown || !self.tables.is_empty()
+    }
+
+    /// Whether a change to one of `tables` may have been announced.
+    pub fn touches(&self, tables: &[TableRef]) -> bool {
+        self.unknown || self.tables.iter().any(|t| tables.contains(t))
+    }
+
+    /// Adds what `buf` (as received on the `NFNLGRP_NFTABLES` group) announces of the changes
+    /// made by any socket but `ignore_portid`. Every nf_tables change message (of a table, a
+    /// chain, a rule, a set, an object, …) carries its table's name ([`OBJECT_TABLE`]); a
+    /// message that cannot be read makes the announcement `unknown`.
+    pub fn add(&mut self, buf: &[u8], ignore_portid: Option<u32>) {
+        for message in messages(buf) {
+            let Ok(message) = message else {
+                self.unknown = true;
+                return;
+            };
+            let Some(kind) = nft_type(&message) else { continue };
+            if kind == NFT_MSG_NEWGEN || Some(message.portid) == ignore_portid {
+                continue;
+            }
+            let family = message.payload.first().copied();
+            let name = nft_body(&message).ok().and_then(|(_, attrs)| {
+                attributes(attrs)
+                    .map_while(Result::ok)
+                    .find(|a| a.kind == OBJECT_TABLE)
+                    .map(|a| string(a.value))
+            });
+            match (family, name) {
+                (Some(family), Some(name)) => {
+                    let table = TableRef { family, name };
+                    if let Err(at) = self.tables.binary_search(&table) {
+                        self.tables.insert(at, table);
+                    }
+                }
+                _ => self.unknown = true,
+            }
+        }
+    }
+}
+
+/// What `buf` announces (see [`Announced::add`]).
+#[cfg(any(test, fuzzing))]
+pub fn announced(buf: &[u8], ignore_portid: Option<u32>) -> Announced {
+    let mut out = Announced::default();
+    out.add(buf, ignore_portid);
+    out
+}
+
+/// Hears every nftables change in the network namespace it was opened in.
+pub struct ChangeWatch {
+    socket: AsyncSocket,
+    /// Announcements from this netlink port (the agent's own [`Nftables`](super::Nftables)) are not changes.
+    ignore_portid: Option<u32>,
+    buf: Vec<u8>,
+}
+
+impl fmt::Debug for ChangeWatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChangeWatch")
+            .field("socket", &self.socket)
+            .field("ignore_portid", &self.ignore_portid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChangeWatch {
+    /// Watches for every nftables change in the current network namespace, the agent's own
+    /// included (see [`Nftables::change_watch`](super::Nftables::change_watch) to leave those out). Must be called inside a
+    /// tokio runtime.
+    pub fn new() -> Result<Self, Error> {
+        Self::open(None)
+    }
+
+    /// Watches for the changes made by any socket but the one with port id `ignore_portid`.
+    pub(super) fn open(ignore_portid: Option<u32>) -> Result<Self, Error> {
+        let failed = |e: nix::Error| Error::Watch(e.into());
+        let fd = socket::open(SockProtocol::NetlinkNetFilter).map_err(failed)?;
+        socket::bind(&fd, &[NFNLGRP_NFTABLES]).map_err(failed)?;
+        Ok(ChangeWatch {
+            socket: AsyncSocket::register(fd).map_err(Error::Watch)?,
+            ignore_portid,
+            buf: vec![0; RECV_BUFFER],
+        })
+    }
+
+    /// Returns once a change has been announced, after reading every announcement pending: the
+    /// tables changed.
+    ///
+    /// Lost announcements (the socket's buffer overflowed, `ENOBUFS`) make it `unknown`.
+    /// Cancel-safe: dropping the future loses nothing that a later call would report.
+    pub async fn changed(&mut self) -> Result<Announced, Error> {
+        let ChangeWatch { socket, ignore_portid, buf } = self;
+        let mut announced = Announced::default();
+        loop {
+            socket.readable().await.map_err(Error::Watch)?;
+            loop {
+                match socket.try_recv(buf) {
+                    Ok(len) => announced.add(&buf[..len.min(buf.len())], *ignore_portid),
+                    Err(e) if socket::lost_messages(&e) => announced.unknown = true,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => return Err(Error::Watch(e)),
+                }
+            }
+            if announced.any() {
+                return Ok(announced);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::netlink::{attr, Message};
+    use objects::{NFNL_SUBSYS_NFTABLES, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWTABLE};
+
+    fn message(kind: u16, portid: u32, payload: &[u8]) -> Vec<u8> {
+        Message { kind, flags: 0, seq: 1, portid, payload }.encode()
+    }
+
+    #[test]
+    fn change_announcements() {
+        let kind = |msg| (NFNL_SUBSYS_NFTABLES << 8) | msg;
+        let body = |family: u8, table: &[u8]| [vec![family, 0, 0, 0], attr(1, table)].concat();
+        let ours = message(kind(NFT_MSG_NEWTABLE), 4242, &body(1, b"ours\0"));
+        let theirs = message(kind(NFT_MSG_NEWRULE), 99, &body(2, b"raw\0"));
+        let again = message(kind(NFT_MSG_NEWCHAIN), 99, &body(2, b"raw\0"));
+        let ip6 = message(kind(NFT_MSG_NEWRULE), 99, &body(10, b"raw\0"));
+        let generation = message(kind(NFT_MSG_NEWGEN), 99, &[0, 0, 0, 0]);
+        let raw = |family| TableRef { family, name: "raw".to_owned() };
+        let ours_ref = TableRef { family: 1, name: "ours".to_owned() };
+
+        assert!(!announced(&ours, Some(4242)).any());
+        assert_eq!(announced(&ours, None).tables, std::slice::from_ref(&ours_ref));
+        let all = [ours.clone(), ip6, theirs.clone(), again, generation.clone()].concat();
+        let seen = announced(&all, Some(4242));
+        assert_eq!(seen, Announced { tables: vec![raw(2), raw(10)], unknown: false });
+        assert!(seen.touches(&[raw(10)]));
+        assert!(!seen.touches(&[ours_ref.clone(), raw(7)]));
+        // A batch's end names no table and is not a change by itself.
+        assert!(!announced(&generation, None).any());
+        // Unreadable: anything may have changed.
+        let cut = announced(&theirs[..10], Some(4242));
+        assert!(cut.unknown && cut.touches(std::slice::from_ref(&ours_ref)));
+        let nameless = message(kind(NFT_MSG_NEWRULE), 99, &[2, 0, 0, 0]);
+        assert!(announced(&nameless, None).unknown);
+        assert!(!announced(&[], None).any());
+    }
+}

@@ -1,0 +1,115 @@
+//! Reading the node's own nftables firewall for [`crate::firewall`], which judges whether it
+//! would stop pods' DNS to the cache.
+
+use nix::errno::Errno;
+
+use super::{objects, Error, Nftables, Snapshot, READ_ATTEMPTS};
+use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
+use crate::ruleset;
+
+/// Whether table `name` of `family` (`NFPROTO_*`) may be part of the node's own firewall, as
+/// [`Nftables::host_firewall`] reads it: not the agent's, kube-proxy's or iptables-nft's.
+pub fn host_firewall_candidate(family: u8, name: &str) -> bool {
+    const IPTABLES_NFT: [&str; 5] = ["filter", "raw", "mangle", "nat", "security"];
+    match family {
+        1 => name != ruleset::TABLE,
+        2 | 10 => name != "kube-proxy" && !IPTABLES_NFT.contains(&name),
+        _ => false,
+    }
+}
+
+impl Nftables {
+    /// The node's own nftables firewall: every table of another owner with a base chain on the
+    /// `input` or `output` hook, with all its chains and rules, for [`crate::firewall`]. Left
+    /// out: the agent's table; kube-proxy's (`ip`/`ip6 kube-proxy`: it judges only new
+    /// connections, `ct state new`, and an untracked packet is never new); and iptables-nft's
+    /// (`ip`/`ip6` `filter`, `raw`, `mangle`, `nat`, `security`: the agent's ACCEPTs go first in
+    /// the iptables flavours the node uses).
+    pub fn host_firewall(&mut self) -> Result<Vec<crate::firewall::Table>, Error> {
+        for _ in 0..READ_ATTEMPTS {
+            if let Some(tables) = self.host_firewall_once()? {
+                return Ok(tables);
+            }
+        }
+        Err(Error::Unsettled)
+    }
+
+    fn host_firewall_once(&mut self) -> Result<Option<Vec<crate::firewall::Table>>, Error> {
+        use crate::firewall::{self, Chain, Table};
+        let skipped = |family: u8, table: &str| !host_firewall_candidate(family, table);
+        let mut snapshot = Snapshot::default();
+        let mut tables = Vec::new();
+        for family in [libc::NFPROTO_INET as u8, libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8]
+        {
+            let mut chains: Vec<objects::Chain> = Vec::new();
+            let answer = self.request_in(
+                family,
+                &mut snapshot,
+                "the node's chains",
+                objects::NFT_MSG_GETCHAIN,
+                NLM_F_REQUEST | NLM_F_DUMP,
+                &[],
+                |message, attrs| {
+                    if message == objects::NFT_MSG_NEWCHAIN {
+                        let chain = objects::parse_chain(attrs)?;
+                        if !skipped(family, &chain.table) {
+                            chains.push(chain);
+                        }
+                    }
+                    Ok(())
+                },
+            )?;
+            answer.map_err(|source| Error::List { what: "chains", source })?;
+            let hooked = |c: &objects::Chain| {
+                c.chain_type.as_deref() == Some("filter")
+                    && c.hook.is_some_and(|h| {
+                        h.hooknum == firewall::HOOK_INPUT || h.hooknum == firewall::HOOK_OUTPUT
+                    })
+            };
+            let mut names: Vec<String> =
+                chains.iter().filter(|c| hooked(c)).map(|c| c.table.clone()).collect();
+            names.sort();
+            names.dedup();
+            for name in names {
+                let mut rules: Vec<(String, firewall::Rule)> = Vec::new();
+                let table_name = std::ffi::CString::new(name.clone()).unwrap_or_default();
+                let answer = self.request_in(
+                    family,
+                    &mut snapshot,
+                    "the node's rules",
+                    objects::NFT_MSG_GETRULE,
+                    NLM_F_REQUEST | NLM_F_DUMP,
+                    &[(objects::NFTA_RULE_TABLE, table_name.to_bytes_with_nul())],
+                    |message, attrs| {
+                        if message == objects::NFT_MSG_NEWRULE {
+                            rules.push(objects::parse_foreign_rule(attrs)?);
+                        }
+                        Ok(())
+                    },
+                )?;
+                match answer {
+                    // The table went away meanwhile: read again.
+                    Err(Errno::ENOENT) => return Ok(None),
+                    Err(source) => return Err(Error::List { what: "rules", source }),
+                    Ok(()) => {}
+                }
+                let chains = chains
+                    .iter()
+                    .filter(|c| c.table == name)
+                    .map(|c| Chain {
+                        name: c.name.clone(),
+                        hook: c.hook.map(|h| (h.hooknum, h.priority)),
+                        policy: c.policy,
+                        rules: rules
+                            .iter()
+                            .filter(|(chain, _)| *chain == c.name)
+                            .map(|(_, r)| r.clone())
+                            .collect(),
+                    })
+                    .collect();
+                tables.push(Table { family, name, chains });
+            }
+        }
+        Ok(snapshot.consistent().then_some(tables))
+    }
+}
