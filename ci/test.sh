@@ -15,8 +15,8 @@ ci/vm/run --prepare
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --all-targets --locked -- -D warnings
-# Licences, duplicate versions, sources (deny.toml); `unsafe` only in one module is checked by
-# tests/unsafe_confined.rs and the compiler.
+# Licences, duplicate versions, sources (deny.toml); `unsafe` only in the reviewed modules is
+# checked by tests/unsafe_confined.rs and the compiler.
 cargo deny --locked check bans licenses sources
 cargo build --locked --bins
 # Unit and end-to-end tests (the crate has no doc tests; benches run only in ci/bench.sh).

@@ -41,7 +41,7 @@ pub(crate) fn golden(name: &str, actual: &str) {
 }
 
 /// The path of the test function this is written in, as the test harness names it (without the
-/// crate's name), e.g. `sockdiag::tests::kernel_announces_closes_in_own_namespace_only`. Write
+/// crate's name), e.g. `sockdiag::watch::tests::kernel_announces_closes_in_own_namespace_only`. Write
 /// it directly in the `#[test]` function, not in a closure or a helper it calls. Should the
 /// compiler ever spell the path differently, the re-run finds no test and [`Netns::run_test`]
 /// fails loudly.
