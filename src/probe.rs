@@ -90,62 +90,32 @@ impl fmt::Display for Transport {
     }
 }
 
-/// A DNS response code (RCODE), including extended codes; shown and serialised by its mnemonic
-/// (`NOERROR`, `SERVFAIL`, …, or `RCODE<n>` for codes without one).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Rcode(pub u16);
-
-impl Rcode {
-    /// No error: the name exists.
-    pub const NOERROR: Rcode = Rcode(0);
-    /// Format error: the server could not parse the query.
-    pub const FORMERR: Rcode = Rcode(1);
-    /// Server failure: typically the upstream did not answer.
-    pub const SERVFAIL: Rcode = Rcode(2);
-    /// Non-existent domain: a valid, authoritative "no".
-    pub const NXDOMAIN: Rcode = Rcode(3);
-    /// Not implemented.
-    pub const NOTIMP: Rcode = Rcode(4);
-    /// Query refused by policy.
-    pub const REFUSED: Rcode = Rcode(5);
-
-    /// Whether this code means the server resolved the query (NOERROR or NXDOMAIN).
-    pub fn is_answer(self) -> bool {
-        self == Rcode::NOERROR || self == Rcode::NXDOMAIN
+/// A response code as the `probe` command prints it and an [`Outcome`] is serialised: its
+/// mnemonic as `dig` prints it (`NOERROR`, `SERVFAIL`, `NXDOMAIN`, …), or `RCODE<n>` for a code
+/// without one.
+///
+/// hickory's variant names are the IANA mnemonics in mixed case (`ServFail`, `NXDomain`), so the
+/// name is its `Debug` in capitals; its `Display` is prose ("Server Failure"). Code 16 decodes as
+/// TSIG's `BADSIG`, but a probe sends no TSIG: for it, 16 is EDNS's `BADVERS`.
+pub fn rcode_name(code: ResponseCode) -> String {
+    match code {
+        ResponseCode::Unknown(other) => format!("RCODE{other}"),
+        ResponseCode::BADSIG => "BADVERS".to_owned(),
+        named => format!("{named:?}").to_ascii_uppercase(),
     }
 }
 
-impl From<ResponseCode> for Rcode {
-    fn from(code: ResponseCode) -> Self {
-        Rcode(u16::from(code))
-    }
+/// Whether `code` means the server resolved the query: NOERROR, or NXDOMAIN (a valid,
+/// authoritative "no").
+fn resolved(code: ResponseCode) -> bool {
+    matches!(code, ResponseCode::NoError | ResponseCode::NXDomain)
 }
 
-impl fmt::Display for Rcode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = match self.0 {
-            0 => "NOERROR",
-            1 => "FORMERR",
-            2 => "SERVFAIL",
-            3 => "NXDOMAIN",
-            4 => "NOTIMP",
-            5 => "REFUSED",
-            6 => "YXDOMAIN",
-            7 => "YXRRSET",
-            8 => "NXRRSET",
-            9 => "NOTAUTH",
-            10 => "NOTZONE",
-            16 => "BADVERS",
-            other => return write!(f, "RCODE{other}"),
-        };
-        f.write_str(name)
-    }
-}
-
-impl Serialize for Rcode {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
-    }
+fn serialize_rcode<S: serde::Serializer>(
+    code: &ResponseCode,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&rcode_name(*code))
 }
 
 /// What one probe found out about a server.
@@ -155,14 +125,16 @@ pub enum Outcome {
     /// A matching reply with NOERROR or NXDOMAIN (truncated or not): the server works.
     Answered {
         /// The reply's response code.
-        rcode: Rcode,
+        #[serde(serialize_with = "serialize_rcode")]
+        rcode: ResponseCode,
     },
     /// A matching reply with any other response code (SERVFAIL, REFUSED, …): the server is up
     /// but cannot resolve.
     #[serde(rename = "servfail")]
     ServerFailure {
         /// The reply's response code.
-        rcode: Rcode,
+        #[serde(serialize_with = "serialize_rcode")]
+        rcode: ResponseCode,
     },
     /// No matching reply before the timeout.
     Timeout,
@@ -464,10 +436,10 @@ pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, M
     if header.op_code != OpCode::Query {
         return Err(Mismatch::OpCode(header.op_code));
     }
-    let rcode = Rcode::from(header.response_code);
+    let rcode = header.response_code;
     match questions.as_slice() {
         [echoed] if echoed == question => {}
-        [] if !rcode.is_answer() => {}
+        [] if !resolved(rcode) => {}
         [] => return Err(Mismatch::Question { got: "none".to_owned() }),
         [first, rest @ ..] => {
             // The first only: a 64 KiB TCP message can carry thousands, and this gets logged.
@@ -478,11 +450,7 @@ pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, M
             return Err(Mismatch::Question { got });
         }
     }
-    Ok(if rcode.is_answer() {
-        Outcome::Answered { rcode }
-    } else {
-        Outcome::ServerFailure { rcode }
-    })
+    Ok(if resolved(rcode) { Outcome::Answered { rcode } } else { Outcome::ServerFailure { rcode } })
 }
 
 /// [`check_reply`] without the reason: `None` when the bytes are not the reply.
@@ -542,12 +510,12 @@ mod tests {
     fn rcodes_map_to_outcomes() {
         let q = question();
         let cases = [
-            (ResponseCode::NoError, Outcome::Answered { rcode: Rcode::NOERROR }),
-            (ResponseCode::NXDomain, Outcome::Answered { rcode: Rcode::NXDOMAIN }),
-            (ResponseCode::ServFail, Outcome::ServerFailure { rcode: Rcode::SERVFAIL }),
-            (ResponseCode::Refused, Outcome::ServerFailure { rcode: Rcode::REFUSED }),
-            (ResponseCode::FormErr, Outcome::ServerFailure { rcode: Rcode::FORMERR }),
-            (ResponseCode::NotImp, Outcome::ServerFailure { rcode: Rcode::NOTIMP }),
+            (ResponseCode::NoError, Outcome::Answered { rcode: ResponseCode::NoError }),
+            (ResponseCode::NXDomain, Outcome::Answered { rcode: ResponseCode::NXDomain }),
+            (ResponseCode::ServFail, Outcome::ServerFailure { rcode: ResponseCode::ServFail }),
+            (ResponseCode::Refused, Outcome::ServerFailure { rcode: ResponseCode::Refused }),
+            (ResponseCode::FormErr, Outcome::ServerFailure { rcode: ResponseCode::FormErr }),
+            (ResponseCode::NotImp, Outcome::ServerFailure { rcode: ResponseCode::NotImp }),
         ];
         for (code, want) in cases {
             let got = classify_reply(7, &q, &bytes(&reply(7, code, Some(q.clone()))));
@@ -566,7 +534,7 @@ mod tests {
         ));
         assert_eq!(
             classify_reply(9, &q, &bytes(&message)),
-            Some(Outcome::Answered { rcode: Rcode::NOERROR })
+            Some(Outcome::Answered { rcode: ResponseCode::NoError })
         );
     }
 
@@ -609,7 +577,7 @@ mod tests {
         let formerr = bytes(&reply(7, ResponseCode::FormErr, None));
         assert_eq!(
             classify_reply(7, &q, &formerr),
-            Some(Outcome::ServerFailure { rcode: Rcode::FORMERR })
+            Some(Outcome::ServerFailure { rcode: ResponseCode::FormErr })
         );
         let noerror = bytes(&reply(7, ResponseCode::NoError, None));
         assert_eq!(classify_reply(7, &q, &noerror), None);
@@ -630,7 +598,7 @@ mod tests {
         message.metadata.truncation = true;
         assert_eq!(
             classify_reply(7, &q, &bytes(&message)),
-            Some(Outcome::Answered { rcode: Rcode::NOERROR })
+            Some(Outcome::Answered { rcode: ResponseCode::NoError })
         );
         // Truncated in the middle of a record: the header and question still decide.
         message.add_answer(Record::from_rdata(
@@ -640,7 +608,10 @@ mod tests {
         ));
         let mut wire = bytes(&message);
         wire.truncate(wire.len() - 3);
-        assert_eq!(classify_reply(7, &q, &wire), Some(Outcome::Answered { rcode: Rcode::NOERROR }));
+        assert_eq!(
+            classify_reply(7, &q, &wire),
+            Some(Outcome::Answered { rcode: ResponseCode::NoError })
+        );
         // The same cut without TC is malformed.
         message.metadata.truncation = false;
         let mut wire = bytes(&message);
@@ -659,12 +630,33 @@ mod tests {
     #[test]
     fn labels_and_serialisation() {
         assert_eq!(Outcome::Timeout.label(), "timeout");
-        assert_eq!(Outcome::ServerFailure { rcode: Rcode::SERVFAIL }.label(), "servfail");
+        assert_eq!(Outcome::ServerFailure { rcode: ResponseCode::ServFail }.label(), "servfail");
         assert!(!Outcome::Refused.is_good());
-        assert_eq!(Rcode(23).to_string(), "RCODE23");
+        // Codes without a mnemonic (11 is unassigned) show their number.
+        let names: [(u16, &str); 15] = [
+            (0, "NOERROR"),
+            (1, "FORMERR"),
+            (2, "SERVFAIL"),
+            (3, "NXDOMAIN"),
+            (4, "NOTIMP"),
+            (5, "REFUSED"),
+            (6, "YXDOMAIN"),
+            (7, "YXRRSET"),
+            (8, "NXRRSET"),
+            (9, "NOTAUTH"),
+            (10, "NOTZONE"),
+            (11, "RCODE11"),
+            (16, "BADVERS"),
+            (23, "BADCOOKIE"),
+            (3000, "RCODE3000"),
+        ];
+        for (code, name) in names {
+            assert_eq!(rcode_name(code.into()), name, "rcode {code}");
+        }
         assert_eq!(serde_json::to_string(&Transport::Tcp).unwrap(), "\"tcp\"");
         assert_eq!(
-            serde_json::to_string(&Outcome::ServerFailure { rcode: Rcode::REFUSED }).unwrap(),
+            serde_json::to_string(&Outcome::ServerFailure { rcode: ResponseCode::Refused })
+                .unwrap(),
             r#"{"outcome":"servfail","rcode":"REFUSED"}"#
         );
         assert_eq!(serde_json::to_string(&Outcome::Timeout).unwrap(), r#"{"outcome":"timeout"}"#);
@@ -874,7 +866,10 @@ mod tests {
         // Bytes after the last record are not looked at: the reply still answers the query.
         let mut trailing = bytes(&reply(7, ResponseCode::NoError, Some(q.clone())));
         trailing.extend([0xab; 100]);
-        assert_eq!(check_reply(7, &q, &trailing), Ok(Outcome::Answered { rcode: Rcode::NOERROR }));
+        assert_eq!(
+            check_reply(7, &q, &trailing),
+            Ok(Outcome::Answered { rcode: ResponseCode::NoError })
+        );
     }
 
     #[tokio::test]
