@@ -1,14 +1,10 @@
 //! One real DNS probe against one server, classified into an [`Outcome`].
 //!
 //! A probe sends a single query (type A, RD set, a fresh random id) for a configured name and
-//! waits, bounded by the probe timeout, for a reply that really answers it:
-//!
-//! * **UDP** uses a fresh socket `connect()`ed to the server. A connected socket receives the
-//!   kernel's ICMP port-unreachable as `ECONNREFUSED`, so a dead listener is reported as
-//!   [`Outcome::Refused`] within about a millisecond instead of costing the whole timeout. (This
-//!   is why the probe owns its socket: hickory's UDP client hides that error.)
-//! * **TCP** connects within the same deadline and uses the 2-byte length framing of RFC 1035
-//!   §4.2.2; a refused connection or a reset is [`Outcome::Refused`].
+//! waits, bounded by the probe timeout, for a reply that really answers it. The query travels
+//! as a resolver's does ([`exchange`]): over UDP on a fresh connected socket, so a dead listener
+//! is [`Outcome::Refused`] within about a millisecond (the kernel's ICMP port unreachable), or
+//! over TCP with RFC 1035 framing, where a refused or reset connection is [`Outcome::Refused`].
 //!
 //! Only a reply that is a response to *this* query counts: the id, the opcode and the question
 //! must match. Anything else, including malformed datagrams, is ignored and the probe keeps
@@ -16,24 +12,24 @@
 //! one that a real reply would pass. A probe that got only such messages by its deadline is an
 //! [`Outcome::Error`] naming what was wrong with them (a server answering garbage is not a
 //! hung one). The decision itself is the pure function [`check_reply`].
+//!
+//! The `dnsload` test client (`crates/dnsload`) sends its lookups through the same
+//! [`exchange`] and accepts replies by the same [`match_reply`].
+
+mod exchange;
 
 use std::fmt;
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use hickory_proto::op::{Header, Message, MessageType, OpCode, Query, ResponseCode};
-use hickory_proto::rr::{Name, RecordType};
+use hickory_proto::rr::{Name, Record, RecordType};
 use hickory_proto::serialize::binary::{BinDecodable, BinDecoder};
 use hickory_proto::ProtoError;
 use serde::Serialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
-use tokio::time::Instant;
 
-/// The largest DNS message either transport can carry; UDP receive buffers use this size so a
-/// large reply is never cut short by the buffer.
-const MAX_MESSAGE: usize = u16::MAX as usize;
+pub use exchange::{exchange, new_query, ExchangeError, Exchanged};
 
 /// Errors building a [`Probe`].
 #[derive(Debug, thiserror::Error)]
@@ -219,13 +215,24 @@ impl Probe {
     /// Sends one query to `server` over `transport` and classifies what comes back. Never takes
     /// (much) longer than the timeout; never fails: every problem is an [`Outcome`].
     pub async fn run(&self, server: SocketAddr, transport: Transport) -> ProbeResult {
-        let begin = Instant::now();
-        let mut started = None;
+        let query = self.query();
+        let failed =
+            |reason| ProbeResult { outcome: Outcome::Error { reason }, latency: Duration::ZERO };
+        let wire = match query.to_vec() {
+            Ok(wire) => wire,
+            Err(err) => return failed(format!("encoding the query: {err}")),
+        };
+        let Some(question) = query.queries.first() else {
+            return failed("the query has no question".to_owned());
+        };
+        let id = query.metadata.id;
         let mut ignored = Ignored::default();
-        let exchange = self.exchange(server, transport, &mut started, &mut ignored);
-        let outcome = match tokio::time::timeout(self.timeout, exchange).await {
+        let check = |reply: &[u8]| ignored.check(id, question, reply);
+        let exchanged = exchange(server, transport, &wire, self.timeout, check).await;
+        let outcome = match exchanged.result {
             Ok(outcome) => outcome,
-            Err(_elapsed) => match ignored.last {
+            Err(ExchangeError::Io { doing, source }) => io_error(doing, server, &source),
+            Err(ExchangeError::Timeout) => match ignored.last {
                 None => Outcome::Timeout,
                 Some(last) => Outcome::Error {
                     reason: format!(
@@ -238,41 +245,12 @@ impl Probe {
                 },
             },
         };
-        let latency = started.unwrap_or(begin).elapsed();
-        ProbeResult { outcome, latency }
+        ProbeResult { outcome, latency: exchanged.latency }
     }
 
-    /// A new query message: random id (hickory draws it from `rand`'s thread RNG), RD set, one
-    /// question `<name> IN A`.
+    /// A new query message: random id, RD set, one question `<name> IN A`.
     fn query(&self) -> Message {
-        let mut message = Message::query();
-        message.metadata.recursion_desired = true;
-        message.add_query(Query::query(self.name.clone(), RecordType::A));
-        message
-    }
-
-    /// The unbounded exchange; `started` is set when the clock for the latency starts, and
-    /// `ignored` counts the messages that were not the reply.
-    async fn exchange(
-        &self,
-        server: SocketAddr,
-        transport: Transport,
-        started: &mut Option<Instant>,
-        ignored: &mut Ignored,
-    ) -> Outcome {
-        let query = self.query();
-        let wire = match query.to_vec() {
-            Ok(wire) => wire,
-            Err(err) => return Outcome::Error { reason: format!("encoding the query: {err}") },
-        };
-        let Some(question) = query.queries.first() else {
-            return Outcome::Error { reason: "the query has no question".to_owned() };
-        };
-        let id = query.metadata.id;
-        match transport {
-            Transport::Udp => udp_exchange(server, id, question, &wire, started, ignored).await,
-            Transport::Tcp => tcp_exchange(server, id, question, &wire, started, ignored).await,
-        }
+        new_query(Query::query(self.name.clone(), RecordType::A))
     }
 }
 
@@ -293,85 +271,6 @@ impl Ignored {
                 self.last = Some(mismatch);
                 None
             }
-        }
-    }
-}
-
-/// One query over a fresh connected UDP socket; waits for a matching reply.
-async fn udp_exchange(
-    server: SocketAddr,
-    id: u16,
-    question: &Query,
-    wire: &[u8],
-    started: &mut Option<Instant>,
-    ignored: &mut Ignored,
-) -> Outcome {
-    let local: SocketAddr = match server {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-    };
-    let socket = match UdpSocket::bind(local).await {
-        Ok(socket) => socket,
-        Err(err) => return io_error("binding a UDP socket", server, &err),
-    };
-    if let Err(err) = socket.connect(server).await {
-        return io_error("connecting a UDP socket", server, &err);
-    }
-    *started = Some(Instant::now());
-    if let Err(err) = socket.send(wire).await {
-        return io_error("sending the query", server, &err);
-    }
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    loop {
-        match socket.recv(&mut buf).await {
-            Ok(len) => {
-                if let Some(outcome) = ignored.check(id, question, &buf[..len]) {
-                    return outcome;
-                }
-            }
-            Err(err) => return io_error("receiving the reply", server, &err),
-        }
-    }
-}
-
-/// One query over a new TCP connection; reads framed messages until one matches.
-async fn tcp_exchange(
-    server: SocketAddr,
-    id: u16,
-    question: &Query,
-    wire: &[u8],
-    started: &mut Option<Instant>,
-    ignored: &mut Ignored,
-) -> Outcome {
-    *started = Some(Instant::now());
-    let mut stream = match TcpStream::connect(server).await {
-        Ok(stream) => stream,
-        Err(err) => return io_error("connecting", server, &err),
-    };
-    // Latency matters more than batching; a failure here only costs a little speed.
-    let _ = stream.set_nodelay(true);
-    let Ok(len) = u16::try_from(wire.len()) else {
-        return Outcome::Error {
-            reason: format!("query of {} bytes does not fit TCP framing", wire.len()),
-        };
-    };
-    let mut framed = Vec::with_capacity(wire.len() + 2);
-    framed.extend_from_slice(&len.to_be_bytes());
-    framed.extend_from_slice(wire);
-    if let Err(err) = stream.write_all(&framed).await {
-        return io_error("sending the query", server, &err);
-    }
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    loop {
-        let len = match stream.read_u16().await {
-            Ok(len) => usize::from(len),
-            Err(err) => return io_error("reading the reply length", server, &err),
-        };
-        if let Err(err) = stream.read_exact(&mut buf[..len]).await {
-            return io_error("reading the reply", server, &err);
-        }
-        if let Some(outcome) = ignored.check(id, question, &buf[..len]) {
-            return outcome;
         }
     }
 }
@@ -417,16 +316,25 @@ impl fmt::Display for Mismatch {
     }
 }
 
-/// Classifies one received message as the reply to the query with `id` and `question`.
+/// A message that is the reply to a query (see [`match_reply`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MatchedReply {
+    /// Its response code.
+    pub rcode: ResponseCode,
+    /// Its answer records; none when it was truncated in the middle of a record.
+    pub answers: Vec<Record>,
+}
+
+/// Matches one received message against the query with `id` and `question`.
 ///
-/// `Err` says why the bytes are not a reply to that query (malformed, not a response, another id
-/// or opcode, another question): the caller keeps waiting. A reply is accepted without a
+/// `Err` says why the bytes are not the reply to that query (malformed, not a response, another
+/// id or opcode, another question): the caller keeps waiting. A reply is accepted without a
 /// question section only when it reports an error (some servers omit the question in FORMERR or
 /// NOTIMP replies); an answer must echo the question. A truncated reply (TC) counts like any
 /// other: the server is alive and resolved the name, even if the records did not fit.
-pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, Mismatch> {
-    let (header, questions) =
-        decode_reply(reply).ok_or(Mismatch::Malformed { len: reply.len() })?;
+pub fn match_reply(id: u16, question: &Query, reply: &[u8]) -> Result<MatchedReply, Mismatch> {
+    let decoded = decode_reply(reply).ok_or(Mismatch::Malformed { len: reply.len() })?;
+    let header = decoded.metadata;
     if header.message_type != MessageType::Response {
         return Err(Mismatch::NotAResponse);
     }
@@ -437,7 +345,7 @@ pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, M
         return Err(Mismatch::OpCode(header.op_code));
     }
     let rcode = header.response_code;
-    match questions.as_slice() {
+    match decoded.queries.as_slice() {
         [echoed] if echoed == question => {}
         [] if !resolved(rcode) => {}
         [] => return Err(Mismatch::Question { got: "none".to_owned() }),
@@ -450,6 +358,14 @@ pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, M
             return Err(Mismatch::Question { got });
         }
     }
+    Ok(MatchedReply { rcode, answers: decoded.answers })
+}
+
+/// Classifies one received message as the probe's reply to the query with `id` and `question`
+/// ([`match_reply`]): NOERROR and NXDOMAIN are [`Outcome::Answered`], any other code
+/// [`Outcome::ServerFailure`].
+pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, Mismatch> {
+    let rcode = match_reply(id, question, reply)?.rcode;
     Ok(if resolved(rcode) { Outcome::Answered { rcode } } else { Outcome::ServerFailure { rcode } })
 }
 
@@ -458,23 +374,31 @@ pub fn classify_reply(id: u16, question: &Query, reply: &[u8]) -> Option<Outcome
     check_reply(id, question, reply).ok()
 }
 
-/// Decodes the header and the question section. A message that does not decode as a whole is
-/// accepted only when its TC bit is set (a server may cut a record in half when truncating);
-/// then only its header and question must be well-formed.
-fn decode_reply(reply: &[u8]) -> Option<(hickory_proto::op::Metadata, Vec<Query>)> {
+/// The parts of a message a reply is judged by.
+struct Decoded {
+    metadata: hickory_proto::op::Metadata,
+    queries: Vec<Query>,
+    answers: Vec<Record>,
+}
+
+/// Decodes the header, the question section and the answers. A message that does not decode as
+/// a whole is accepted only when its TC bit is set (a server may cut a record in half when
+/// truncating); then only its header and question must be well-formed, and it has no answers.
+fn decode_reply(reply: &[u8]) -> Option<Decoded> {
     if let Ok(message) = Message::from_vec(reply) {
-        return Some((message.metadata, message.queries));
+        let Message { metadata, queries, answers, .. } = message;
+        return Some(Decoded { metadata, queries, answers });
     }
     let mut decoder = BinDecoder::new(reply);
     let header = Header::read(&mut decoder).ok()?;
     if !header.metadata.truncation {
         return None;
     }
-    let mut questions = Vec::new();
+    let mut queries = Vec::new();
     for _ in 0..header.counts.queries {
-        questions.push(Query::read(&mut decoder).ok()?);
+        queries.push(Query::read(&mut decoder).ok()?);
     }
-    Some((header.metadata, questions))
+    Some(Decoded { metadata: header.metadata, queries, answers: Vec::new() })
 }
 
 #[cfg(test)]
@@ -482,8 +406,11 @@ mod tests {
     use super::*;
 
     use hickory_proto::rr::rdata::A;
-    use hickory_proto::rr::{RData, Record};
-    use tokio::net::TcpListener;
+    use hickory_proto::rr::RData;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, UdpSocket};
+
+    use super::exchange::MAX_MESSAGE;
 
     fn question() -> Query {
         Query::query(
@@ -536,6 +463,9 @@ mod tests {
             classify_reply(9, &q, &bytes(&message)),
             Some(Outcome::Answered { rcode: ResponseCode::NoError })
         );
+        // The matched reply carries the records, for a client that needs the address.
+        let matched = match_reply(9, &q, &bytes(&message)).unwrap();
+        assert_eq!(matched.answers, message.answers);
     }
 
     #[test]
