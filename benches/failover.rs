@@ -31,8 +31,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
-    CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD,
+    dnsload_exe, now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode,
+    CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER,
 };
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
@@ -291,7 +291,7 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
             cmd
         }
         Client::Dnsload | Client::Glibc => {
-            let mut cmd = node.cmd("pod1", LOAD);
+            let mut cmd = node.cmd("pod1", dnsload_exe());
             if client == Client::Glibc {
                 cmd.arg("--system-resolver");
             } else {

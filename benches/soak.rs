@@ -45,8 +45,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
-    CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD, LOCAL_IP, UPSTREAM_IP,
+    dnsload_exe, now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode,
+    CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// RSS growth after warm-up that still counts as flat: pages touched for the first time late
@@ -626,7 +626,7 @@ fn run(s: &Settings) -> Run {
     std::fs::create_dir_all(&out_dir).expect("load dir");
     let lookups_path = out_dir.join("lookups.txt");
     let stdout_path = out_dir.join("stdout.txt");
-    let mut cmd = node.cmd("pod1", LOAD);
+    let mut cmd = node.cmd("pod1", dnsload_exe());
     cmd.args(["--server", CLUSTER_DNS_IP, "--timeout", CLIENT_TIMEOUT])
         .args(["--attempts", CLIENT_ATTEMPTS, "--name", "who.test"])
         .args(["--rate", &s.rate.to_string(), "--duration", &format!("{}ms", s.duration_ms)])

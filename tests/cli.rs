@@ -25,7 +25,7 @@ impl Netns {
     /// upstream Service variable), so each case sets exactly what it tests.
     fn agent(&self) -> Command {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0, AGENT]);
+        c.args(["netns", "exec", &self.0, agent_exe()]);
         for (name, _) in std::env::vars_os() {
             if name.to_string_lossy().starts_with("NODELOCALDNS_HA_") {
                 c.env_remove(name);
@@ -439,8 +439,9 @@ fn run_with_capabilities(
     state_dir: &str,
 ) -> (u64, Output) {
     let script = format!(
-        "grep CapEff /proc/self/status >&2; exec {AGENT} run --local-ip {LOCAL_IP} \
-         --cluster-dns-ip {CLUSTER_DNS_IP} --upstream-ip {UPSTREAM_IP} --state-dir {state_dir} {extra}"
+        "grep CapEff /proc/self/status >&2; exec {agent} run --local-ip {LOCAL_IP} \
+         --cluster-dns-ip {CLUSTER_DNS_IP} --upstream-ip {UPSTREAM_IP} --state-dir {state_dir} {extra}",
+        agent = agent_exe(),
     );
     let out = Command::new("ip")
         .args(["netns", "exec", &ns.0])
@@ -491,7 +492,7 @@ fn missing_cap_net_admin_is_one_clear_line() {
 
 #[test]
 fn rules_prints_the_golden_ruleset() {
-    let out = Command::new(AGENT)
+    let out = Command::new(agent_exe())
         .args([
             "rules",
             "--route",
@@ -516,7 +517,7 @@ fn rules_prints_the_golden_ruleset() {
 fn probe_reports_refused_fast_on_a_closed_port() {
     // Loopback only: a port nobody listens on.
     let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let out = Command::new(AGENT)
+    let out = Command::new(agent_exe())
         .args(["probe", "--server", &format!("127.0.0.1:{port}"), "--timeout", "2s"])
         .output()
         .unwrap();

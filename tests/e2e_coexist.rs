@@ -367,8 +367,11 @@ fn node_cache_rules_are_reported() {
     let warnings = st["warnings"].to_string();
     assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
     assert!(warnings.contains("-setupiptables=false"), "{warnings}");
-    let out =
-        node.run("node", AGENT, &["status", "--state-dir", &agent.state_dir.display().to_string()]);
+    let out = node.run(
+        "node",
+        agent_exe(),
+        &["status", "--state-dir", &agent.state_dir.display().to_string()],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("WARNING"), "{text}");
 

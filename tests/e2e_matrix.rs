@@ -121,7 +121,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     assert_within("failed host lookup", &failed, killed_at - ATTEMPT_TIMEOUT_MS, switched);
 
     drop(agent);
-    let out = node.run("node", AGENT, &["teardown", "--state-dir", "/nonexistent-nlha"]);
+    let out = node.run("node", agent_exe(), &["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
     node.assert_nothing_left();
 }

@@ -10,13 +10,11 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, OnceLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::Value;
 
-pub const AGENT: &str = env!("CARGO_BIN_EXE_nodelocaldns-ha");
-pub const LOAD: &str = env!("CARGO_BIN_EXE_dnsload");
 pub const LOCAL_IP: &str = "169.254.20.10";
 pub const CLUSTER_DNS_IP: &str = "10.96.0.10";
 pub const UPSTREAM_IP: &str = "10.96.0.11";
@@ -25,6 +23,36 @@ pub const COREDNS_ANSWER: &str = "2.2.2.2";
 /// How long `dnsload` waits for each attempt unless a test gives its own `--timeout`. A first
 /// attempt sent longer than this before a fault was lost, if at all, while the server was fine.
 pub const ATTEMPT_TIMEOUT_MS: u64 = 1000;
+
+/// The agent's binary.
+pub fn agent_exe() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| built("nodelocaldns-ha"))
+}
+
+/// The load client's binary (crates/dnsload).
+pub fn dnsload_exe() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| built("dnsload"))
+}
+
+/// The path of the workspace's binary `name`, found where cargo puts it: a test or benchmark
+/// runs from `target/<profile>/deps/`, the binaries are built into `target/<profile>/`.
+/// (`env!("CARGO_BIN_EXE_<name>")` names only the binaries of the package whose test is being
+/// compiled: not dnsload, a package of its own. The VM guest of `tests/e2e_vm.rs` runs the test
+/// binary from the same path, so it finds them too.)
+fn built(name: &str) -> String {
+    let exe = std::env::current_exe().expect("the running test's path");
+    let deps = exe.parent().expect("the test's directory");
+    let path = deps.parent().expect("the profile's directory").join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built: build the workspace's binaries with `cargo build` (or `cargo test`, \
+         `cargo bench` in the repository's root, which build them all)",
+        path.display()
+    );
+    path.into_os_string().into_string().expect("a UTF-8 path")
+}
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -162,7 +190,7 @@ impl SimNode {
 
     /// [`SimNode::expected_table`] for the given (comma-separated, dual-stack) addresses.
     pub fn expected_table_for(&self, route: &str, local: &str, cluster_dns: &str) -> String {
-        let out = Command::new(AGENT)
+        let out = Command::new(agent_exe())
             .args(["rules", "--route", route, "--local-ip", local])
             .args(["--cluster-dns-ip", cluster_dns])
             .output()
@@ -211,7 +239,7 @@ impl SimNode {
         let state_dir = self.dir.join("agent-state");
         let log = self.dir.join("agent.log");
         let child = self
-            .cmd("node", AGENT)
+            .cmd("node", agent_exe())
             .args(["run", "--local-ip", local, "--cluster-dns-ip", cluster_dns])
             .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
             // nftables unless the test picks a backend.
@@ -288,7 +316,7 @@ impl SimNode {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let lookups = self.dir.join(format!("lookups-{role}-{n}.txt"));
         let mut child = self
-            .cmd(role, LOAD)
+            .cmd(role, dnsload_exe())
             .args(["--server", server, "--name", "who.test", "--attempts", "2"])
             // 1 s unless the test sets its own (the VM tests: TCG is 5-20x slower).
             .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1000ms"][..] })
@@ -638,7 +666,7 @@ impl SimNode {
 
     /// Runs the agent binary's CLI in the node namespace.
     pub fn cli(&self, args: &[&str]) -> Output {
-        self.run("node", AGENT, args)
+        self.run("node", agent_exe(), args)
     }
 }
 
