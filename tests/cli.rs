@@ -2,12 +2,10 @@
 //! flag (or the environment variable) and the bad value, and leaves the host as it was (no
 //! netfilter change, no state directory). Each test runs in a network namespace of its own.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use support::*;
+use testkit::*;
 
 /// A network namespace for one test, deleted on drop.
 struct Netns(String);

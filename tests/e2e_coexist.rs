@@ -2,11 +2,9 @@
 //! plugin that keeps its raw ACCEPT in front, kube-proxy re-syncing its chains, a process holding
 //! the xtables lock, and node-cache installing its own rules.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use testkit::*;
 
 /// Issue 3, acceptance 3: with filter INPUT DROP (strict: not even all of lo is accepted), DNS to
 /// the cache works from a pod and from the host with every dataplane choice.

@@ -5,11 +5,9 @@
 //! hang moves the route at the `fall`-th failed probe; the route returns after recovery;
 //! `teardown` leaves nothing of the agent in nftables or in either iptables flavour.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use testkit::*;
 
 #[derive(Clone, Copy)]
 enum Family {

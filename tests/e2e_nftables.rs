@@ -3,12 +3,10 @@
 //!
 //! Each test makes its own namespaces (unique prefix) and removes them, whatever happens.
 
-mod support;
-
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 const POD_SERVER: &str = CLUSTER_DNS_IP;
 

@@ -1,13 +1,11 @@
 //! Operating the agent on the simulated node: manual flips, drains for a rolling update of
 //! node-local-dns, metrics and health endpoints, the transition hook.
 
-mod support;
-
 use std::process::Stdio;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 fn state_dir(agent: &Agent) -> String {
     agent.state_dir.display().to_string()

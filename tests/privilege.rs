@@ -11,14 +11,12 @@
 //! * `teardown` on a node with iptables-legacy installed: CAP_NET_RAW too (it cleans every
 //!   backend), and without it, it refuses before removing anything.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 const NOBODY: u32 = 65534;
 

@@ -71,7 +71,7 @@ impl Counts {
 }
 
 /// Nearest-rank percentile of sorted values (0 if empty).
-pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
