@@ -7,9 +7,10 @@
 //! dnsload is a package of its own. The VM guest of `tests/e2e_vm.rs` runs the test binary from
 //! the same path, so it finds them the same way.
 //!
-//! Cargo builds the agent for its own package's tests; dnsload it builds with the workspace
-//! (`cargo build`, `cargo test`, `cargo bench` in the root: every crate is a default member).
-//! `cargo test --test NAME` alone does not rebuild dnsload.
+//! Cargo builds the agent for its own package's tests and benches, but dnsload only with the
+//! workspace: `cargo build` (`--release` for the benchmarks, as `ci/bench.sh` does) or a plain
+//! `cargo test` in the root, every crate being a default member. `cargo test --test NAME` and
+//! `cargo bench --bench NAME` use dnsload as it was last built.
 
 use std::sync::OnceLock;
 
@@ -32,8 +33,8 @@ fn built(name: &str) -> String {
     let path = deps.parent().expect("the profile's directory").join(name);
     assert!(
         path.is_file(),
-        "{} is not built: build the workspace's binaries with `cargo build` (`cargo test` and \
-         `cargo bench` in the repository's root build them all)",
+        "{} is not built: build the workspace's binaries with `cargo build` in the repository's \
+         root (`cargo build --release` for the benchmarks)",
         path.display()
     );
     path.into_os_string().into_string().expect("a UTF-8 path")

@@ -11,19 +11,22 @@ impl Proc {
         Proc(Some(child))
     }
 
+    /// Spawns `cmd`, panicking with it if it cannot start.
     pub fn spawn(cmd: &mut Command) -> Proc {
         Proc(Some(cmd.spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"))))
     }
 
+    /// Its process id.
     pub fn pid(&self) -> u32 {
         self.0.as_ref().expect("running").id()
     }
 
+    /// Waits for it to exit.
     pub fn wait(mut self) -> std::process::ExitStatus {
         self.0.take().expect("running").wait().expect("wait")
     }
 
-    /// The child, no longer killed on drop (to hand it to an [`Agent`], say).
+    /// The child, no longer killed on drop (to hand it to an [`Agent`](crate::Agent), say).
     pub fn into_child(mut self) -> Child {
         self.0.take().expect("running")
     }

@@ -18,6 +18,7 @@ pub const UPSTREAM_IP: &str = "10.96.0.11";
 pub const CACHE_ANSWER: &str = "1.1.1.1";
 /// The address CoreDNS answers for who.test.
 pub const COREDNS_ANSWER: &str = "2.2.2.2";
+
 /// The repository (this crate is `crates/testkit` in it): `testdata/simnode.sh` is there.
 fn repo() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
@@ -40,7 +41,9 @@ fn unique_prefix() -> String {
 
 /// One simulated node: namespaces node, pod1, pod2, dns.
 pub struct SimNode {
+    /// The namespaces' prefix: `PREFIX-node`, `PREFIX-pod1`, …
     pub prefix: String,
+    /// Its run directory: the servers' pid files and logs, the agent's state and log.
     pub dir: PathBuf,
 }
 
@@ -241,6 +244,7 @@ pub fn strip_counters(text: &str) -> String {
     out
 }
 
+/// A finished command's status and output, for an assertion's message.
 pub fn describe(out: &Output) -> String {
     format!(
         "status {}\nstdout:\n{}\nstderr:\n{}",
