@@ -17,6 +17,12 @@ RUN apt-get update \
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
+# The workspace's other members (the load client, the test kit), and the test and benchmarks
+# Cargo.toml names ([[test]] e2e_vm, [[bench]]): cargo reads them even to build the agent alone,
+# which does not depend on them.
+COPY crates ./crates
+COPY tests ./tests
+COPY benches ./benches
 RUN cargo build --release --locked --bin nodelocaldns-ha
 # The client bundle for other containers' images (node-cache's has no libc to rely on): the
 # binary (stripped: 4 MB instead of 30), every shared library it loads, and the dynamic loader

@@ -21,18 +21,16 @@
 
 #![forbid(unsafe_code)]
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
-    CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD,
+use testkit::{
+    clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, median, now_ms, percentile, read_lookups,
+    require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, Outcome, Proc,
+    SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP,
 };
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
@@ -42,17 +40,6 @@ const FAULT_MS: u64 = 5_000;
 const POST_MS: u64 = 12_000;
 /// Timeline resolution of the SVG.
 const BUCKET_MS: u64 = 100;
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
-
-fn sleep_until_ms(at_unix_ms: u64) {
-    let now = now_ms();
-    if at_unix_ms > now {
-        std::thread::sleep(Duration::from_millis(at_unix_ms - now));
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Guards.
@@ -207,15 +194,6 @@ fn raw_rules(node: &SimNode) -> String {
     text
 }
 
-fn dig(node: &SimNode, role: &str, server: &str) -> String {
-    let out = node.run(
-        role,
-        "dig",
-        &["+time=1", "+tries=1", "+short", &format!("@{server}"), "who.test"],
-    );
-    String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string()
-}
-
 /// Checks the node is in the state `setup` claims; returns what was checked, for the JSON.
 fn verify(node: &SimNode, setup: Setup, agent: Option<&Agent>) -> Vec<String> {
     let mut checked = Vec::new();
@@ -254,8 +232,8 @@ fn verify(node: &SimNode, setup: Setup, agent: Option<&Agent>) -> Vec<String> {
         }
     }
     // Who answers the pod at each address right now.
-    let at_cluster_ip = dig(node, "pod1", CLUSTER_DNS_IP);
-    let at_local_ip = dig(node, "pod1", support::LOCAL_IP);
+    let at_cluster_ip = node.dig("pod1", CLUSTER_DNS_IP);
+    let at_local_ip = node.dig("pod1", LOCAL_IP);
     let want_cluster = if setup == Setup::TwoNameservers { COREDNS_ANSWER } else { CACHE_ANSWER };
     assert_eq!(at_cluster_ip, want_cluster, "who answers the pod at {CLUSTER_DNS_IP}");
     assert_eq!(at_local_ip, CACHE_ANSWER, "who answers the pod at the link-local IP");
@@ -291,7 +269,7 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
             cmd
         }
         Client::Dnsload | Client::Glibc => {
-            let mut cmd = node.cmd("pod1", LOAD);
+            let mut cmd = node.cmd("pod1", dnsload_exe());
             if client == Client::Glibc {
                 cmd.arg("--system-resolver");
             } else {
@@ -331,14 +309,6 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
     let summary = summary_of(stdout.lines());
     let lookups = read_lookups(&lookups_path, &summary);
     FaultRun { fault, fault_at, recovered_at, lookups, summary, client }
-}
-
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 fn round1(x: f64) -> f64 {
@@ -478,7 +448,7 @@ fn stop_agent(node: &SimNode, mut agent: Agent) {
     agent.stop(nix::sys::signal::Signal::SIGTERM);
     let dir = agent.state_dir.to_string_lossy().into_owned();
     let out = node.cli(&["teardown", "--state-dir", &dir]);
-    assert!(out.status.success(), "teardown: {}", support::describe(&out));
+    assert!(out.status.success(), "teardown: {}", describe(&out));
 }
 
 struct ArrangementResult {
@@ -546,11 +516,6 @@ fn failover(node: &SimNode, rate: u32) -> Vec<ArrangementResult> {
 
 const DATAPLANES: [&str; 3] = ["nftables", "iptables-nft", "iptables-legacy"];
 
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    percentile(values, 50.0)
-}
-
 /// Flushes the agent's rules `trials` times and times their return (ms), polling from a shell
 /// in the node namespace (each poll is one `nft`/`iptables-save`, a few ms: the resolution).
 fn drift_repair(node: &SimNode, trials: u32) -> Value {
@@ -578,7 +543,7 @@ fn drift_repair(node: &SimNode, trials: u32) -> Value {
         let mut times = Vec::new();
         for _ in 0..trials {
             let out = node.run("node", "bash", &["-c", &script]);
-            assert!(out.status.success(), "drift trial: {}", support::describe(&out));
+            assert!(out.status.success(), "drift trial: {}", describe(&out));
             let us: f64 = String::from_utf8_lossy(&out.stdout).trim().parse().expect("µs");
             times.push(us / 1000.0);
             std::thread::sleep(Duration::from_millis(300)); // repairs are >= 50 ms apart
@@ -629,12 +594,12 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
             let t0 = Instant::now();
             let out = node.cli(&["flip", route, "--state-dir", &dir, "--reason", "bench"]);
             round_trips.push(t0.elapsed().as_secs_f64() * 1000.0);
-            assert!(out.status.success(), "flip {route}: {}", support::describe(&out));
+            assert!(out.status.success(), "flip {route}: {}", describe(&out));
             agent.wait_route(route, Duration::from_secs(10));
         }
         let (sum1, count1) = apply_histogram(node);
         let out = node.cli(&["release", "--state-dir", &dir]);
-        assert!(out.status.success(), "release: {}", support::describe(&out));
+        assert!(out.status.success(), "release: {}", describe(&out));
         stop_agent(node, agent);
         let applies = count1 - count0;
         rows.push(json!({
@@ -684,25 +649,9 @@ fn load_nat_rules(node: &SimNode, services: u32, flavours: &[&str]) {
             .stdin(file)
             .output()
             .expect("iptables-restore");
-        assert!(out.status.success(), "{flavour}-restore: {}", support::describe(&out));
+        assert!(out.status.success(), "{flavour}-restore: {}", describe(&out));
         eprintln!("bench: {} nat rules loaded in {flavour} in {:?}", services * 4, t0.elapsed());
     }
-}
-
-/// CPU ticks (user + system) of `pid`, and of its children it has waited for.
-fn cpu_ticks(pid: u32) -> (u64, u64) {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-    // Fields after the command name's closing parenthesis: utime, stime, cutime, cstime are
-    // 14 to 17.
-    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
-    let f: Vec<u64> =
-        rest.split_whitespace().skip(11).take(4).map(|v| v.parse().unwrap()).collect();
-    (f[0] + f[1], f[2] + f[3])
-}
-
-fn clock_ticks_per_s() -> f64 {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten().expect("sysconf(CLK_TCK)")
-        as f64
 }
 
 /// A histogram's (sum, count) from the agent's /metrics.
@@ -746,10 +695,10 @@ fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) -> Vec<Valu
         let hz = clock_ticks_per_s();
         let check = "nodelocaldns_ha_dataplane_check_duration_seconds";
         let (sum0, count0) = histogram(&node, check);
-        let (own0, children0) = cpu_ticks(pid);
+        let (own0, children0) = cpu_ticks(pid).expect("the agent runs");
         let t0 = Instant::now();
         std::thread::sleep(Duration::from_secs(cpu_secs));
-        let (own1, children1) = cpu_ticks(pid);
+        let (own1, children1) = cpu_ticks(pid).expect("the agent runs");
         let wall = t0.elapsed().as_secs_f64();
         let (sum1, count1) = histogram(&node, check);
         let mcpu = |ticks: u64| round1(ticks as f64 / hz / wall * 1000.0);
@@ -862,7 +811,7 @@ fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
     std::fs::write(&queries, "who.test A\n").expect("query file");
     let queries = queries.to_string_lossy().into_owned();
     let measure = || -> f64 {
-        assert_eq!(dig(node, "pod1", CLUSTER_DNS_IP), CACHE_ANSWER, "dnsperf: the cache answers");
+        assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER, "dnsperf: the cache answers");
         let out = node.run(
             "pod1",
             "dnsperf",
@@ -879,7 +828,7 @@ fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
                 "200",
             ],
         );
-        assert!(out.status.success(), "dnsperf: {}", support::describe(&out));
+        assert!(out.status.success(), "dnsperf: {}", describe(&out));
         let text = String::from_utf8_lossy(&out.stdout);
         text.lines()
             .find_map(|l| l.trim().strip_prefix("Queries per second:"))
@@ -1014,10 +963,10 @@ fn svg(
 
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument is not supported.
-    support::require_root();
+    require_root();
     let began = Instant::now();
-    let rate: u32 = env_or("NLHA_BENCH_RATE", 1000);
-    let footprint_secs: u64 = env_or("NLHA_BENCH_FOOTPRINT_SECS", 30);
+    let rate: u32 = setting("NLHA_BENCH_RATE", 1000);
+    let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 30);
     let prefix = std::env::var("NLHA_BENCH_PREFIX")
         .unwrap_or_else(|_| format!("b{}", std::process::id() % 100_000));
     let out_dir = PathBuf::from(

@@ -34,9 +34,6 @@
 
 #![forbid(unsafe_code)]
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::{ExitCode, Stdio};
@@ -44,9 +41,10 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use support::{
-    now_ms, read_lookups, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
-    CLUSTER_DNS_IP, COREDNS_ANSWER, LOAD, LOCAL_IP, UPSTREAM_IP,
+use testkit::{
+    clock_ticks_per_s, cpu_ticks, dnsload_exe, now_ms, poll, read_lookups, require_root, setting,
+    sleep_until_ms, summary_of, Agent, Lookup, Machine, Outcome, Proc, SimNode, CACHE_ANSWER,
+    CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// RSS growth after warm-up that still counts as flat: pages touched for the first time late
@@ -68,36 +66,6 @@ const RESTART_TAIL_MS: u64 = 30_000;
 /// The pod client: glibc's defaults for a single-nameserver resolv.conf.
 const CLIENT_TIMEOUT: &str = "5s";
 const CLIENT_ATTEMPTS: &str = "2";
-
-/// A setting from the environment; an unparsable value stops the run before anything starts.
-fn setting<T: std::str::FromStr>(name: &str, default: T) -> T {
-    match std::env::var(name) {
-        Err(_) => default,
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a valid value")),
-    }
-}
-
-fn sleep_until_ms(at_unix_ms: u64) {
-    let now = now_ms();
-    if at_unix_ms > now {
-        std::thread::sleep(Duration::from_millis(at_unix_ms - now));
-    }
-}
-
-/// Polls `f` every 5 ms until it returns `Some` or `deadline` passes (then `None`): a restart
-/// that does not complete is reported, not a panic that loses the whole run.
-fn poll<T>(deadline: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return Some(v);
-        }
-        if start.elapsed() >= deadline {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Settings.
@@ -191,15 +159,6 @@ fn proc_text(pid: u32, file: &str) -> Option<String> {
     std::fs::read_to_string(format!("/proc/{pid}/{file}")).ok()
 }
 
-/// utime + stime, in clock ticks.
-fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = proc_text(pid, "stat")?;
-    // Fields after the command name's closing parenthesis; utime and stime are 14 and 15.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
-}
-
 /// A `Name:   N ...` line of /proc/PID/status.
 fn status_field(pid: u32, name: &str) -> Option<u64> {
     let status = proc_text(pid, "status")?;
@@ -221,11 +180,6 @@ fn alive(pid: u32) -> bool {
 fn cache_pid(node: &SimNode) -> Option<u32> {
     let pid: u32 = std::fs::read_to_string(node.dir.join("cache.pid")).ok()?.trim().parse().ok()?;
     (proc_text(pid, "comm")?.trim() == "unbound" && alive(pid)).then_some(pid)
-}
-
-fn clock_ticks_per_s() -> f64 {
-    let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten();
-    ticks.expect("sysconf(CLK_TCK)") as f64
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -250,9 +204,9 @@ impl Sample {
             agent_rss_kib: status_field(agent, "VmRSS:"),
             agent_fds: fd_count(agent),
             agent_threads: status_field(agent, "Threads:"),
-            agent_cpu_ticks: cpu_ticks(agent),
+            agent_cpu_ticks: cpu_ticks(agent).map(|(own, _)| own),
             load_rss_kib: status_field(load, "VmRSS:"),
-            load_cpu_ticks: cpu_ticks(load),
+            load_cpu_ticks: cpu_ticks(load).map(|(own, _)| own),
             cache_rss_kib: cache.and_then(|pid| status_field(pid, "VmRSS:")),
         }
     }
@@ -568,15 +522,6 @@ struct Run {
     agent_log_warnings: usize,
 }
 
-fn dig(node: &SimNode, server: &str) -> String {
-    let out = node.run(
-        "pod1",
-        "dig",
-        &["+time=1", "+tries=1", "+short", &format!("@{server}"), "who.test"],
-    );
-    String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string()
-}
-
 /// The sum of a counter family's series in the agent's /metrics, if it serves them.
 fn metric_sum(node: &SimNode, family: &str) -> Option<f64> {
     let (status, body) = node.http_get("/metrics");
@@ -619,14 +564,14 @@ fn run(s: &Settings) -> Run {
         assert!(table.contains("socket transparent 0"), "fast path in the table:\n{table}");
         checked.push("nftables table with the fast path".into());
     }
-    assert_eq!(dig(&node, CLUSTER_DNS_IP), CACHE_ANSWER, "the cache answers the pod");
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER, "the cache answers the pod");
     checked.push(format!("pod: {CLUSTER_DNS_IP} answered by the cache"));
 
     let out_dir = node.dir.join("load");
     std::fs::create_dir_all(&out_dir).expect("load dir");
     let lookups_path = out_dir.join("lookups.txt");
     let stdout_path = out_dir.join("stdout.txt");
-    let mut cmd = node.cmd("pod1", LOAD);
+    let mut cmd = node.cmd("pod1", dnsload_exe());
     cmd.args(["--server", CLUSTER_DNS_IP, "--timeout", CLIENT_TIMEOUT])
         .args(["--attempts", CLIENT_ATTEMPTS, "--name", "who.test"])
         .args(["--rate", &s.rate.to_string(), "--duration", &format!("{}ms", s.duration_ms)])
@@ -669,7 +614,11 @@ fn run(s: &Settings) -> Run {
 
     let final_state = agent.state().expect("agent state at the end");
     let transitions_metric = metric_sum(&node, "nodelocaldns_ha_route_transitions_total");
-    assert_eq!(dig(&node, CLUSTER_DNS_IP), CACHE_ANSWER, "the cache answers the pod at the end");
+    assert_eq!(
+        node.dig("pod1", CLUSTER_DNS_IP),
+        CACHE_ANSWER,
+        "the cache answers the pod at the end"
+    );
     checked.push(format!("at the end: route {}, pod answered by the cache", final_state["route"]));
     let agent_log_warnings =
         agent.log_text().lines().filter(|l| l.contains(" WARN ") || l.contains(" ERROR ")).count();
@@ -724,7 +673,7 @@ fn spread_f(values: &[f64]) -> String {
 
 fn main() -> ExitCode {
     // `cargo bench` passes `--bench`; a filter argument is not supported.
-    support::require_root();
+    require_root();
     let s = Settings::from_env();
     std::fs::create_dir_all(&s.out_dir).expect("output dir");
     let began = Instant::now();

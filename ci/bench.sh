@@ -37,7 +37,8 @@ cleanup() {
 trap cleanup EXIT
 
 started=$(date +%s)
-cargo build --release --locked --bins
+# The agent and the load client (crates/dnsload) the benchmark runs, next to it in target/release.
+cargo build --release --locked --workspace --bins
 musl-gcc -static -O2 -pthread -Wall -o target/release/resolver-load testdata/resolver-load.c
 NLHA_BENCH_PREFIX=$prefix NLHA_BENCH_MUSL_CLIENT="$PWD/target/release/resolver-load" \
     cargo bench --locked --bench failover

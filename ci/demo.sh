@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "ci/demo.sh: run as root (it creates network namespaces)"; exit 2; }
 ci/deps.sh >/dev/null
 echo "== building"
-cargo build --quiet --bins
+cargo build --quiet --workspace --bins
 
 prefix="d$(printf '%04x' $((RANDOM % 65536)))"
 export SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-demo"

@@ -43,7 +43,8 @@ trap 'exit 143' TERM
 trap 'exit 129' HUP
 
 started=$(date +%s)
-cargo build --release --locked --bins
+# The agent and the load client (crates/dnsload) the benchmark runs, next to it in target/release.
+cargo build --release --locked --workspace --bins
 # In the background, so that a signal reaches the trap at once rather than after the run; in a
 # process group of its own (setsid does not fork here: a background job is no group leader), so
 # that the cleanup can stop cargo, the benchmark and what it started, and nothing else.

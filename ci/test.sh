@@ -14,22 +14,24 @@ ci/vm/run --prepare
 
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
-cargo clippy --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --locked -- -D warnings
 # Licences, duplicate versions, sources (deny.toml); `unsafe` only in the reviewed modules is
 # checked by tests/unsafe_confined.rs and the compiler.
 cargo deny --locked check bans licenses sources
-cargo build --locked --bins
-# Unit and end-to-end tests (the crate has no doc tests; benches run only in ci/bench.sh).
+# The agent and the load client (crates/dnsload) the end-to-end tests run.
+cargo build --locked --workspace --bins
+# Unit and end-to-end tests of every crate of the workspace (no doc tests; benches run only in
+# ci/bench.sh).
 # How end-to-end tests share the machine: two at a time (cargo's default on 2 cores), each on a
 # simulated node of its own. So no test judges a time window by a clock that a busy machine
 # delays. What is judged: the agent's own counts (probes sent between a fault and the switch,
-# ticks until a repair), the clients' own attempt timeout, and what was seen on the way (when
+# checks until a repair), the clients' own attempt timeout, and what was seen on the way (when
 # a query was sent, when a killed process was seen gone, the first CoreDNS answer). Deadlines
 # are only how long to wait for a condition, far past what it takes; the other test's load
 # makes a test slower, not red. (Not any load: on a machine several times oversubscribed, the
 # clients' own 1 s attempt timeout expires. Run the suite on an otherwise idle machine, as CI
 # does.) Timings are the benchmark's (ci/bench.sh), measured side by side.
-cargo test --locked --lib --bins --tests
+cargo test --locked --workspace --lib --bins --tests
 # The same agent on Debian 12's 6.1 LTS kernel (tests/e2e_vm.rs): each test boots its own VM
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
 cargo test --locked --test e2e_vm -- --test-threads 2

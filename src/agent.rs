@@ -1395,7 +1395,10 @@ mod tests {
         for i in 0..20 {
             let at = t0 + Duration::from_millis(100 * i);
             agent.on_probe(
-                &report(Stream::CacheUdp, Outcome::Answered { rcode: crate::probe::Rcode(0) }),
+                &report(
+                    Stream::CacheUdp,
+                    Outcome::Answered { rcode: hickory_proto::op::ResponseCode::NoError },
+                ),
                 at,
             );
         }
@@ -1415,7 +1418,10 @@ mod tests {
         let st = agent.state(t0, SystemTime::now());
         assert!(st.last_error.as_deref().is_some_and(|e| e.contains("local ruleset")), "{st:?}");
         // The cache earns Local back like after any failover: rise good probes and min-hold.
-        let good = report(Stream::CacheUdp, Outcome::Answered { rcode: crate::probe::Rcode(0) });
+        let good = report(
+            Stream::CacheUdp,
+            Outcome::Answered { rcode: hickory_proto::op::ResponseCode::NoError },
+        );
         let thresholds = cfg().thresholds;
         for i in 0..thresholds.rise {
             agent.on_probe(&good, t0 + thresholds.min_hold + Duration::from_millis(u64::from(i)));

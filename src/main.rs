@@ -550,7 +550,9 @@ fn probe(args: &ProbeArgs) -> Result<(), Failure> {
     let ms = result.latency.as_secs_f64() * 1e3;
     let detail = match &result.outcome {
         nodelocaldns_ha::probe::Outcome::Answered { rcode }
-        | nodelocaldns_ha::probe::Outcome::ServerFailure { rcode } => format!(" ({rcode})"),
+        | nodelocaldns_ha::probe::Outcome::ServerFailure { rcode } => {
+            format!(" ({})", nodelocaldns_ha::probe::rcode_name(*rcode))
+        }
         nodelocaldns_ha::probe::Outcome::Error { reason } => format!(" ({reason})"),
         _ => String::new(),
     };

@@ -630,8 +630,8 @@ mod tests {
     #[test]
     fn probe_outcomes_created_up_front_are_the_probes_labels() {
         let outcomes = [
-            Outcome::Answered { rcode: crate::probe::Rcode::NOERROR },
-            Outcome::ServerFailure { rcode: crate::probe::Rcode::SERVFAIL },
+            Outcome::Answered { rcode: hickory_proto::op::ResponseCode::NoError },
+            Outcome::ServerFailure { rcode: hickory_proto::op::ResponseCode::ServFail },
             Outcome::Timeout,
             Outcome::Refused,
             Outcome::Error { reason: String::new() },

@@ -1,14 +1,10 @@
 //! One real DNS probe against one server, classified into an [`Outcome`].
 //!
 //! A probe sends a single query (type A, RD set, a fresh random id) for a configured name and
-//! waits, bounded by the probe timeout, for a reply that really answers it:
-//!
-//! * **UDP** uses a fresh socket `connect()`ed to the server. A connected socket receives the
-//!   kernel's ICMP port-unreachable as `ECONNREFUSED`, so a dead listener is reported as
-//!   [`Outcome::Refused`] within about a millisecond instead of costing the whole timeout. (This
-//!   is why the probe owns its socket: hickory's UDP client hides that error.)
-//! * **TCP** connects within the same deadline and uses the 2-byte length framing of RFC 1035
-//!   §4.2.2; a refused connection or a reset is [`Outcome::Refused`].
+//! waits, bounded by the probe timeout, for a reply that really answers it. The query travels
+//! as a resolver's does ([`exchange`]): over UDP on a fresh connected socket, so a dead listener
+//! is [`Outcome::Refused`] within about a millisecond (the kernel's ICMP port unreachable), or
+//! over TCP with RFC 1035 framing, where a refused or reset connection is [`Outcome::Refused`].
 //!
 //! Only a reply that is a response to *this* query counts: the id, the opcode and the question
 //! must match. Anything else, including malformed datagrams, is ignored and the probe keeps
@@ -16,24 +12,24 @@
 //! one that a real reply would pass. A probe that got only such messages by its deadline is an
 //! [`Outcome::Error`] naming what was wrong with them (a server answering garbage is not a
 //! hung one). The decision itself is the pure function [`check_reply`].
+//!
+//! The `dnsload` test client (`crates/dnsload`) sends its lookups through the same
+//! [`exchange`] and accepts replies by the same [`match_reply`].
+
+mod exchange;
 
 use std::fmt;
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use hickory_proto::op::{Header, Message, MessageType, OpCode, Query, ResponseCode};
-use hickory_proto::rr::{Name, RecordType};
+use hickory_proto::rr::{Name, Record, RecordType};
 use hickory_proto::serialize::binary::{BinDecodable, BinDecoder};
 use hickory_proto::ProtoError;
 use serde::Serialize;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
-use tokio::time::Instant;
 
-/// The largest DNS message either transport can carry; UDP receive buffers use this size so a
-/// large reply is never cut short by the buffer.
-const MAX_MESSAGE: usize = u16::MAX as usize;
+pub use exchange::{exchange, new_query, ExchangeError, Exchanged};
 
 /// Errors building a [`Probe`].
 #[derive(Debug, thiserror::Error)]
@@ -90,62 +86,32 @@ impl fmt::Display for Transport {
     }
 }
 
-/// A DNS response code (RCODE), including extended codes; shown and serialised by its mnemonic
-/// (`NOERROR`, `SERVFAIL`, …, or `RCODE<n>` for codes without one).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Rcode(pub u16);
-
-impl Rcode {
-    /// No error: the name exists.
-    pub const NOERROR: Rcode = Rcode(0);
-    /// Format error: the server could not parse the query.
-    pub const FORMERR: Rcode = Rcode(1);
-    /// Server failure: typically the upstream did not answer.
-    pub const SERVFAIL: Rcode = Rcode(2);
-    /// Non-existent domain: a valid, authoritative "no".
-    pub const NXDOMAIN: Rcode = Rcode(3);
-    /// Not implemented.
-    pub const NOTIMP: Rcode = Rcode(4);
-    /// Query refused by policy.
-    pub const REFUSED: Rcode = Rcode(5);
-
-    /// Whether this code means the server resolved the query (NOERROR or NXDOMAIN).
-    pub fn is_answer(self) -> bool {
-        self == Rcode::NOERROR || self == Rcode::NXDOMAIN
+/// A response code as the `probe` command prints it and an [`Outcome`] is serialised: its
+/// mnemonic as `dig` prints it (`NOERROR`, `SERVFAIL`, `NXDOMAIN`, …), or `RCODE<n>` for a code
+/// without one.
+///
+/// hickory's variant names are the IANA mnemonics in mixed case (`ServFail`, `NXDomain`), so the
+/// name is its `Debug` in capitals; its `Display` is prose ("Server Failure"). Code 16 decodes as
+/// TSIG's `BADSIG`, but a probe sends no TSIG: for it, 16 is EDNS's `BADVERS`.
+pub fn rcode_name(code: ResponseCode) -> String {
+    match code {
+        ResponseCode::Unknown(other) => format!("RCODE{other}"),
+        ResponseCode::BADSIG => "BADVERS".to_owned(),
+        named => format!("{named:?}").to_ascii_uppercase(),
     }
 }
 
-impl From<ResponseCode> for Rcode {
-    fn from(code: ResponseCode) -> Self {
-        Rcode(u16::from(code))
-    }
+/// Whether `code` means the server resolved the query: NOERROR, or NXDOMAIN (a valid,
+/// authoritative "no").
+fn resolved(code: ResponseCode) -> bool {
+    matches!(code, ResponseCode::NoError | ResponseCode::NXDomain)
 }
 
-impl fmt::Display for Rcode {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = match self.0 {
-            0 => "NOERROR",
-            1 => "FORMERR",
-            2 => "SERVFAIL",
-            3 => "NXDOMAIN",
-            4 => "NOTIMP",
-            5 => "REFUSED",
-            6 => "YXDOMAIN",
-            7 => "YXRRSET",
-            8 => "NXRRSET",
-            9 => "NOTAUTH",
-            10 => "NOTZONE",
-            16 => "BADVERS",
-            other => return write!(f, "RCODE{other}"),
-        };
-        f.write_str(name)
-    }
-}
-
-impl Serialize for Rcode {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.collect_str(self)
-    }
+fn serialize_rcode<S: serde::Serializer>(
+    code: &ResponseCode,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    serializer.serialize_str(&rcode_name(*code))
 }
 
 /// What one probe found out about a server.
@@ -155,14 +121,16 @@ pub enum Outcome {
     /// A matching reply with NOERROR or NXDOMAIN (truncated or not): the server works.
     Answered {
         /// The reply's response code.
-        rcode: Rcode,
+        #[serde(serialize_with = "serialize_rcode")]
+        rcode: ResponseCode,
     },
     /// A matching reply with any other response code (SERVFAIL, REFUSED, …): the server is up
     /// but cannot resolve.
     #[serde(rename = "servfail")]
     ServerFailure {
         /// The reply's response code.
-        rcode: Rcode,
+        #[serde(serialize_with = "serialize_rcode")]
+        rcode: ResponseCode,
     },
     /// No matching reply before the timeout.
     Timeout,
@@ -247,13 +215,24 @@ impl Probe {
     /// Sends one query to `server` over `transport` and classifies what comes back. Never takes
     /// (much) longer than the timeout; never fails: every problem is an [`Outcome`].
     pub async fn run(&self, server: SocketAddr, transport: Transport) -> ProbeResult {
-        let begin = Instant::now();
-        let mut started = None;
+        let query = self.query();
+        let failed =
+            |reason| ProbeResult { outcome: Outcome::Error { reason }, latency: Duration::ZERO };
+        let wire = match query.to_vec() {
+            Ok(wire) => wire,
+            Err(err) => return failed(format!("encoding the query: {err}")),
+        };
+        let Some(question) = query.queries.first() else {
+            return failed("the query has no question".to_owned());
+        };
+        let id = query.metadata.id;
         let mut ignored = Ignored::default();
-        let exchange = self.exchange(server, transport, &mut started, &mut ignored);
-        let outcome = match tokio::time::timeout(self.timeout, exchange).await {
+        let check = |reply: &[u8]| ignored.check(id, question, reply);
+        let exchanged = exchange(server, transport, &wire, self.timeout, check).await;
+        let outcome = match exchanged.result {
             Ok(outcome) => outcome,
-            Err(_elapsed) => match ignored.last {
+            Err(ExchangeError::Io { doing, source }) => io_error(doing, server, &source),
+            Err(ExchangeError::Timeout) => match ignored.last {
                 None => Outcome::Timeout,
                 Some(last) => Outcome::Error {
                     reason: format!(
@@ -266,41 +245,12 @@ impl Probe {
                 },
             },
         };
-        let latency = started.unwrap_or(begin).elapsed();
-        ProbeResult { outcome, latency }
+        ProbeResult { outcome, latency: exchanged.latency }
     }
 
-    /// A new query message: random id (hickory draws it from `rand`'s thread RNG), RD set, one
-    /// question `<name> IN A`.
+    /// A new query message: random id, RD set, one question `<name> IN A`.
     fn query(&self) -> Message {
-        let mut message = Message::query();
-        message.metadata.recursion_desired = true;
-        message.add_query(Query::query(self.name.clone(), RecordType::A));
-        message
-    }
-
-    /// The unbounded exchange; `started` is set when the clock for the latency starts, and
-    /// `ignored` counts the messages that were not the reply.
-    async fn exchange(
-        &self,
-        server: SocketAddr,
-        transport: Transport,
-        started: &mut Option<Instant>,
-        ignored: &mut Ignored,
-    ) -> Outcome {
-        let query = self.query();
-        let wire = match query.to_vec() {
-            Ok(wire) => wire,
-            Err(err) => return Outcome::Error { reason: format!("encoding the query: {err}") },
-        };
-        let Some(question) = query.queries.first() else {
-            return Outcome::Error { reason: "the query has no question".to_owned() };
-        };
-        let id = query.metadata.id;
-        match transport {
-            Transport::Udp => udp_exchange(server, id, question, &wire, started, ignored).await,
-            Transport::Tcp => tcp_exchange(server, id, question, &wire, started, ignored).await,
-        }
+        new_query(Query::query(self.name.clone(), RecordType::A))
     }
 }
 
@@ -321,85 +271,6 @@ impl Ignored {
                 self.last = Some(mismatch);
                 None
             }
-        }
-    }
-}
-
-/// One query over a fresh connected UDP socket; waits for a matching reply.
-async fn udp_exchange(
-    server: SocketAddr,
-    id: u16,
-    question: &Query,
-    wire: &[u8],
-    started: &mut Option<Instant>,
-    ignored: &mut Ignored,
-) -> Outcome {
-    let local: SocketAddr = match server {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-    };
-    let socket = match UdpSocket::bind(local).await {
-        Ok(socket) => socket,
-        Err(err) => return io_error("binding a UDP socket", server, &err),
-    };
-    if let Err(err) = socket.connect(server).await {
-        return io_error("connecting a UDP socket", server, &err);
-    }
-    *started = Some(Instant::now());
-    if let Err(err) = socket.send(wire).await {
-        return io_error("sending the query", server, &err);
-    }
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    loop {
-        match socket.recv(&mut buf).await {
-            Ok(len) => {
-                if let Some(outcome) = ignored.check(id, question, &buf[..len]) {
-                    return outcome;
-                }
-            }
-            Err(err) => return io_error("receiving the reply", server, &err),
-        }
-    }
-}
-
-/// One query over a new TCP connection; reads framed messages until one matches.
-async fn tcp_exchange(
-    server: SocketAddr,
-    id: u16,
-    question: &Query,
-    wire: &[u8],
-    started: &mut Option<Instant>,
-    ignored: &mut Ignored,
-) -> Outcome {
-    *started = Some(Instant::now());
-    let mut stream = match TcpStream::connect(server).await {
-        Ok(stream) => stream,
-        Err(err) => return io_error("connecting", server, &err),
-    };
-    // Latency matters more than batching; a failure here only costs a little speed.
-    let _ = stream.set_nodelay(true);
-    let Ok(len) = u16::try_from(wire.len()) else {
-        return Outcome::Error {
-            reason: format!("query of {} bytes does not fit TCP framing", wire.len()),
-        };
-    };
-    let mut framed = Vec::with_capacity(wire.len() + 2);
-    framed.extend_from_slice(&len.to_be_bytes());
-    framed.extend_from_slice(wire);
-    if let Err(err) = stream.write_all(&framed).await {
-        return io_error("sending the query", server, &err);
-    }
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    loop {
-        let len = match stream.read_u16().await {
-            Ok(len) => usize::from(len),
-            Err(err) => return io_error("reading the reply length", server, &err),
-        };
-        if let Err(err) = stream.read_exact(&mut buf[..len]).await {
-            return io_error("reading the reply", server, &err);
-        }
-        if let Some(outcome) = ignored.check(id, question, &buf[..len]) {
-            return outcome;
         }
     }
 }
@@ -445,16 +316,25 @@ impl fmt::Display for Mismatch {
     }
 }
 
-/// Classifies one received message as the reply to the query with `id` and `question`.
+/// A message that is the reply to a query (see [`match_reply`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MatchedReply {
+    /// Its response code.
+    pub rcode: ResponseCode,
+    /// Its answer records; none when it was truncated in the middle of a record.
+    pub answers: Vec<Record>,
+}
+
+/// Matches one received message against the query with `id` and `question`.
 ///
-/// `Err` says why the bytes are not a reply to that query (malformed, not a response, another id
-/// or opcode, another question): the caller keeps waiting. A reply is accepted without a
+/// `Err` says why the bytes are not the reply to that query (malformed, not a response, another
+/// id or opcode, another question): the caller keeps waiting. A reply is accepted without a
 /// question section only when it reports an error (some servers omit the question in FORMERR or
 /// NOTIMP replies); an answer must echo the question. A truncated reply (TC) counts like any
 /// other: the server is alive and resolved the name, even if the records did not fit.
-pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, Mismatch> {
-    let (header, questions) =
-        decode_reply(reply).ok_or(Mismatch::Malformed { len: reply.len() })?;
+pub fn match_reply(id: u16, question: &Query, reply: &[u8]) -> Result<MatchedReply, Mismatch> {
+    let decoded = decode_reply(reply).ok_or(Mismatch::Malformed { len: reply.len() })?;
+    let header = decoded.metadata;
     if header.message_type != MessageType::Response {
         return Err(Mismatch::NotAResponse);
     }
@@ -464,10 +344,10 @@ pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, M
     if header.op_code != OpCode::Query {
         return Err(Mismatch::OpCode(header.op_code));
     }
-    let rcode = Rcode::from(header.response_code);
-    match questions.as_slice() {
+    let rcode = header.response_code;
+    match decoded.queries.as_slice() {
         [echoed] if echoed == question => {}
-        [] if !rcode.is_answer() => {}
+        [] if !resolved(rcode) => {}
         [] => return Err(Mismatch::Question { got: "none".to_owned() }),
         [first, rest @ ..] => {
             // The first only: a 64 KiB TCP message can carry thousands, and this gets logged.
@@ -478,11 +358,15 @@ pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, M
             return Err(Mismatch::Question { got });
         }
     }
-    Ok(if rcode.is_answer() {
-        Outcome::Answered { rcode }
-    } else {
-        Outcome::ServerFailure { rcode }
-    })
+    Ok(MatchedReply { rcode, answers: decoded.answers })
+}
+
+/// Classifies one received message as the probe's reply to the query with `id` and `question`
+/// ([`match_reply`]): NOERROR and NXDOMAIN are [`Outcome::Answered`], any other code
+/// [`Outcome::ServerFailure`].
+pub fn check_reply(id: u16, question: &Query, reply: &[u8]) -> Result<Outcome, Mismatch> {
+    let rcode = match_reply(id, question, reply)?.rcode;
+    Ok(if resolved(rcode) { Outcome::Answered { rcode } } else { Outcome::ServerFailure { rcode } })
 }
 
 /// [`check_reply`] without the reason: `None` when the bytes are not the reply.
@@ -490,23 +374,31 @@ pub fn classify_reply(id: u16, question: &Query, reply: &[u8]) -> Option<Outcome
     check_reply(id, question, reply).ok()
 }
 
-/// Decodes the header and the question section. A message that does not decode as a whole is
-/// accepted only when its TC bit is set (a server may cut a record in half when truncating);
-/// then only its header and question must be well-formed.
-fn decode_reply(reply: &[u8]) -> Option<(hickory_proto::op::Metadata, Vec<Query>)> {
+/// The parts of a message a reply is judged by.
+struct Decoded {
+    metadata: hickory_proto::op::Metadata,
+    queries: Vec<Query>,
+    answers: Vec<Record>,
+}
+
+/// Decodes the header, the question section and the answers. A message that does not decode as
+/// a whole is accepted only when its TC bit is set (a server may cut a record in half when
+/// truncating); then only its header and question must be well-formed, and it has no answers.
+fn decode_reply(reply: &[u8]) -> Option<Decoded> {
     if let Ok(message) = Message::from_vec(reply) {
-        return Some((message.metadata, message.queries));
+        let Message { metadata, queries, answers, .. } = message;
+        return Some(Decoded { metadata, queries, answers });
     }
     let mut decoder = BinDecoder::new(reply);
     let header = Header::read(&mut decoder).ok()?;
     if !header.metadata.truncation {
         return None;
     }
-    let mut questions = Vec::new();
+    let mut queries = Vec::new();
     for _ in 0..header.counts.queries {
-        questions.push(Query::read(&mut decoder).ok()?);
+        queries.push(Query::read(&mut decoder).ok()?);
     }
-    Some((header.metadata, questions))
+    Some(Decoded { metadata: header.metadata, queries, answers: Vec::new() })
 }
 
 #[cfg(test)]
@@ -514,8 +406,11 @@ mod tests {
     use super::*;
 
     use hickory_proto::rr::rdata::A;
-    use hickory_proto::rr::{RData, Record};
-    use tokio::net::TcpListener;
+    use hickory_proto::rr::RData;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, UdpSocket};
+
+    use super::exchange::MAX_MESSAGE;
 
     fn question() -> Query {
         Query::query(
@@ -542,12 +437,12 @@ mod tests {
     fn rcodes_map_to_outcomes() {
         let q = question();
         let cases = [
-            (ResponseCode::NoError, Outcome::Answered { rcode: Rcode::NOERROR }),
-            (ResponseCode::NXDomain, Outcome::Answered { rcode: Rcode::NXDOMAIN }),
-            (ResponseCode::ServFail, Outcome::ServerFailure { rcode: Rcode::SERVFAIL }),
-            (ResponseCode::Refused, Outcome::ServerFailure { rcode: Rcode::REFUSED }),
-            (ResponseCode::FormErr, Outcome::ServerFailure { rcode: Rcode::FORMERR }),
-            (ResponseCode::NotImp, Outcome::ServerFailure { rcode: Rcode::NOTIMP }),
+            (ResponseCode::NoError, Outcome::Answered { rcode: ResponseCode::NoError }),
+            (ResponseCode::NXDomain, Outcome::Answered { rcode: ResponseCode::NXDomain }),
+            (ResponseCode::ServFail, Outcome::ServerFailure { rcode: ResponseCode::ServFail }),
+            (ResponseCode::Refused, Outcome::ServerFailure { rcode: ResponseCode::Refused }),
+            (ResponseCode::FormErr, Outcome::ServerFailure { rcode: ResponseCode::FormErr }),
+            (ResponseCode::NotImp, Outcome::ServerFailure { rcode: ResponseCode::NotImp }),
         ];
         for (code, want) in cases {
             let got = classify_reply(7, &q, &bytes(&reply(7, code, Some(q.clone()))));
@@ -566,8 +461,11 @@ mod tests {
         ));
         assert_eq!(
             classify_reply(9, &q, &bytes(&message)),
-            Some(Outcome::Answered { rcode: Rcode::NOERROR })
+            Some(Outcome::Answered { rcode: ResponseCode::NoError })
         );
+        // The matched reply carries the records, for a client that needs the address.
+        let matched = match_reply(9, &q, &bytes(&message)).unwrap();
+        assert_eq!(matched.answers, message.answers);
     }
 
     #[test]
@@ -609,7 +507,7 @@ mod tests {
         let formerr = bytes(&reply(7, ResponseCode::FormErr, None));
         assert_eq!(
             classify_reply(7, &q, &formerr),
-            Some(Outcome::ServerFailure { rcode: Rcode::FORMERR })
+            Some(Outcome::ServerFailure { rcode: ResponseCode::FormErr })
         );
         let noerror = bytes(&reply(7, ResponseCode::NoError, None));
         assert_eq!(classify_reply(7, &q, &noerror), None);
@@ -630,7 +528,7 @@ mod tests {
         message.metadata.truncation = true;
         assert_eq!(
             classify_reply(7, &q, &bytes(&message)),
-            Some(Outcome::Answered { rcode: Rcode::NOERROR })
+            Some(Outcome::Answered { rcode: ResponseCode::NoError })
         );
         // Truncated in the middle of a record: the header and question still decide.
         message.add_answer(Record::from_rdata(
@@ -640,7 +538,10 @@ mod tests {
         ));
         let mut wire = bytes(&message);
         wire.truncate(wire.len() - 3);
-        assert_eq!(classify_reply(7, &q, &wire), Some(Outcome::Answered { rcode: Rcode::NOERROR }));
+        assert_eq!(
+            classify_reply(7, &q, &wire),
+            Some(Outcome::Answered { rcode: ResponseCode::NoError })
+        );
         // The same cut without TC is malformed.
         message.metadata.truncation = false;
         let mut wire = bytes(&message);
@@ -659,12 +560,33 @@ mod tests {
     #[test]
     fn labels_and_serialisation() {
         assert_eq!(Outcome::Timeout.label(), "timeout");
-        assert_eq!(Outcome::ServerFailure { rcode: Rcode::SERVFAIL }.label(), "servfail");
+        assert_eq!(Outcome::ServerFailure { rcode: ResponseCode::ServFail }.label(), "servfail");
         assert!(!Outcome::Refused.is_good());
-        assert_eq!(Rcode(23).to_string(), "RCODE23");
+        // Codes without a mnemonic (11 is unassigned) show their number.
+        let names: [(u16, &str); 15] = [
+            (0, "NOERROR"),
+            (1, "FORMERR"),
+            (2, "SERVFAIL"),
+            (3, "NXDOMAIN"),
+            (4, "NOTIMP"),
+            (5, "REFUSED"),
+            (6, "YXDOMAIN"),
+            (7, "YXRRSET"),
+            (8, "NXRRSET"),
+            (9, "NOTAUTH"),
+            (10, "NOTZONE"),
+            (11, "RCODE11"),
+            (16, "BADVERS"),
+            (23, "BADCOOKIE"),
+            (3000, "RCODE3000"),
+        ];
+        for (code, name) in names {
+            assert_eq!(rcode_name(code.into()), name, "rcode {code}");
+        }
         assert_eq!(serde_json::to_string(&Transport::Tcp).unwrap(), "\"tcp\"");
         assert_eq!(
-            serde_json::to_string(&Outcome::ServerFailure { rcode: Rcode::REFUSED }).unwrap(),
+            serde_json::to_string(&Outcome::ServerFailure { rcode: ResponseCode::Refused })
+                .unwrap(),
             r#"{"outcome":"servfail","rcode":"REFUSED"}"#
         );
         assert_eq!(serde_json::to_string(&Outcome::Timeout).unwrap(), r#"{"outcome":"timeout"}"#);
@@ -874,7 +796,10 @@ mod tests {
         // Bytes after the last record are not looked at: the reply still answers the query.
         let mut trailing = bytes(&reply(7, ResponseCode::NoError, Some(q.clone())));
         trailing.extend([0xab; 100]);
-        assert_eq!(check_reply(7, &q, &trailing), Ok(Outcome::Answered { rcode: Rcode::NOERROR }));
+        assert_eq!(
+            check_reply(7, &q, &trailing),
+            Ok(Outcome::Answered { rcode: ResponseCode::NoError })
+        );
     }
 
     #[tokio::test]

@@ -2,12 +2,10 @@
 //! flag (or the environment variable) and the bad value, and leaves the host as it was (no
 //! netfilter change, no state directory). Each test runs in a network namespace of its own.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use support::*;
+use testkit::*;
 
 /// A network namespace for one test, deleted on drop.
 struct Netns(String);
@@ -25,7 +23,7 @@ impl Netns {
     /// upstream Service variable), so each case sets exactly what it tests.
     fn agent(&self) -> Command {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0, AGENT]);
+        c.args(["netns", "exec", &self.0, agent_exe()]);
         for (name, _) in std::env::vars_os() {
             if name.to_string_lossy().starts_with("NODELOCALDNS_HA_") {
                 c.env_remove(name);
@@ -439,8 +437,9 @@ fn run_with_capabilities(
     state_dir: &str,
 ) -> (u64, Output) {
     let script = format!(
-        "grep CapEff /proc/self/status >&2; exec {AGENT} run --local-ip {LOCAL_IP} \
-         --cluster-dns-ip {CLUSTER_DNS_IP} --upstream-ip {UPSTREAM_IP} --state-dir {state_dir} {extra}"
+        "grep CapEff /proc/self/status >&2; exec {agent} run --local-ip {LOCAL_IP} \
+         --cluster-dns-ip {CLUSTER_DNS_IP} --upstream-ip {UPSTREAM_IP} --state-dir {state_dir} {extra}",
+        agent = agent_exe(),
     );
     let out = Command::new("ip")
         .args(["netns", "exec", &ns.0])
@@ -491,7 +490,7 @@ fn missing_cap_net_admin_is_one_clear_line() {
 
 #[test]
 fn rules_prints_the_golden_ruleset() {
-    let out = Command::new(AGENT)
+    let out = Command::new(agent_exe())
         .args([
             "rules",
             "--route",
@@ -516,7 +515,7 @@ fn rules_prints_the_golden_ruleset() {
 fn probe_reports_refused_fast_on_a_closed_port() {
     // Loopback only: a port nobody listens on.
     let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let out = Command::new(AGENT)
+    let out = Command::new(agent_exe())
         .args(["probe", "--server", &format!("127.0.0.1:{port}"), "--timeout", "2s"])
         .output()
         .unwrap();

@@ -4,12 +4,10 @@
 //! it no longer uses, once its own are in. Left there, a stale socket-guarded NOTRACK would keep
 //! pinning pods to a hung cache.
 
-mod support;
-
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 /// The agent's chains in an iptables flavour's raw table, or its nftables table.
 fn holds_agent_rules(node: &SimNode, backend: &str) -> bool {

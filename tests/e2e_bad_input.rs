@@ -3,8 +3,6 @@
 //! flood of silent clients on its metrics endpoint. Each time the agent must go on doing its job
 //! — switch the route on the probes' word — never panic, and say what was wrong.
 
-mod support;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream, UdpSocket};
 use std::os::unix::net::UnixStream;
@@ -18,7 +16,7 @@ use hickory_proto::op::{Message, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RecordType};
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use support::*;
+use testkit::*;
 
 /// The control socket of `agent`.
 fn socket(agent: &Agent) -> PathBuf {
@@ -201,7 +199,7 @@ fn a_broken_state_file_is_refused_by_status_at_once() {
         broken.put(&file);
         for json in [false, true] {
             let stderr = dir.join("stderr");
-            let mut status = Command::new(AGENT);
+            let mut status = Command::new(agent_exe());
             status.args(["status", "--state-dir"]).arg(&dir);
             if json {
                 status.arg("--json");

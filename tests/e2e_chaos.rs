@@ -8,15 +8,13 @@
 //! the chaos itself (random delays before a kill), never a way to wait for something: waits are
 //! conditions with deadlines.
 
-mod support;
-
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signal::Signal;
 use serde_json::Value;
-use support::*;
+use testkit::*;
 
 /// The local-only rule of the ruleset, as `nft` reads it back: pods to the cache while it listens.
 const NFT_FAST_PATH_RULE: &str = "ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 counter notrack comment \"pods to cache while it listens\"";

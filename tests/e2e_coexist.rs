@@ -2,11 +2,9 @@
 //! plugin that keeps its raw ACCEPT in front, kube-proxy re-syncing its chains, a process holding
 //! the xtables lock, and node-cache installing its own rules.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use testkit::*;
 
 /// Issue 3, acceptance 3: with filter INPUT DROP (strict: not even all of lo is accepted), DNS to
 /// the cache works from a pod and from the host with every dataplane choice.
@@ -367,8 +365,11 @@ fn node_cache_rules_are_reported() {
     let warnings = st["warnings"].to_string();
     assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
     assert!(warnings.contains("-setupiptables=false"), "{warnings}");
-    let out =
-        node.run("node", AGENT, &["status", "--state-dir", &agent.state_dir.display().to_string()]);
+    let out = node.run(
+        "node",
+        agent_exe(),
+        &["status", "--state-dir", &agent.state_dir.display().to_string()],
+    );
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("WARNING"), "{text}");
 

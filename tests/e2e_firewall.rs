@@ -2,11 +2,9 @@
 //! decides on. A firewall that rejects at the end of INPUT, an ACCEPT that cannot be installed
 //! (the xtables lock held) at start or in the middle of a switch: pods keep their DNS.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use testkit::*;
 
 /// Pod lookups at 300/s (glibc-like: 1 s timeout, 2 attempts) until `finish`.
 fn pod_load(node: &SimNode, duration: &str) -> Load {

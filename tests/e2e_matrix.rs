@@ -5,11 +5,9 @@
 //! hang moves the route at the `fall`-th failed probe; the route returns after recovery;
 //! `teardown` leaves nothing of the agent in nftables or in either iptables flavour.
 
-mod support;
-
 use std::time::Duration;
 
-use support::*;
+use testkit::*;
 
 #[derive(Clone, Copy)]
 enum Family {
@@ -121,7 +119,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     assert_within("failed host lookup", &failed, killed_at - ATTEMPT_TIMEOUT_MS, switched);
 
     drop(agent);
-    let out = node.run("node", AGENT, &["teardown", "--state-dir", "/nonexistent-nlha"]);
+    let out = node.run("node", agent_exe(), &["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
     node.assert_nothing_left();
 }

@@ -3,12 +3,10 @@
 //!
 //! Each test makes its own namespaces (unique prefix) and removes them, whatever happens.
 
-mod support;
-
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 const POD_SERVER: &str = CLUSTER_DNS_IP;
 
@@ -399,14 +397,14 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
     // Teardown refuses while an agent runs: it would put the rules back.
     let state_dir = agent.state_dir.display().to_string();
     let teardown = ["teardown", "--state-dir", state_dir.as_str()];
-    let out = node.run("node", AGENT, &teardown);
+    let out = node.run("node", agent_exe(), &teardown);
     assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("stop it first"), "{}", describe(&out));
     assert_eq!(node.agent_table(), Some(node.expected_table("local")));
     drop(agent);
 
     for _ in 0..2 {
-        let out = node.run("node", AGENT, &teardown);
+        let out = node.run("node", agent_exe(), &teardown);
         assert!(out.status.success(), "{}", describe(&out));
         assert_eq!(node.agent_table(), None);
         assert!(!std::path::Path::new(&state_dir).join("state.json").exists());

@@ -1,13 +1,11 @@
 //! Operating the agent on the simulated node: manual flips, drains for a rolling update of
 //! node-local-dns, metrics and health endpoints, the transition hook.
 
-mod support;
-
 use std::process::Stdio;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 fn state_dir(agent: &Agent) -> String {
     agent.state_dir.display().to_string()
@@ -94,7 +92,7 @@ fn override_survives_restart_and_only_root_may_flip() {
             "--regid",
             "65534",
             "--clear-groups",
-            AGENT,
+            agent_exe(),
             "release",
             "--state-dir",
             &dir,
@@ -252,7 +250,7 @@ fn flip_without_an_agent_applies_directly() {
 fn cli_read_only(node: &SimNode, dir: &str, args: &[&str]) -> std::process::Output {
     let script = r#"dir=$1; shift; mount -o bind,ro "$dir" "$dir" && exec "$@""#;
     let mut argv = vec!["--mount", "--propagation", "private", "sh", "-c", script, "sh", dir];
-    argv.push(AGENT);
+    argv.push(agent_exe());
     argv.extend_from_slice(args);
     node.run("node", "unshare", &argv)
 }
@@ -357,7 +355,7 @@ fn flip_without_an_agent_is_not_undone_by_an_agent_starting_meanwhile() {
     let lock = node.dir.join("xtables.lock").display().to_string();
     assert_eq!(node.script(&["xtables-lock-hold", "30"]).trim(), lock);
     let mut flip = Proc::spawn(
-        node.cmd("node", AGENT)
+        node.cmd("node", agent_exe())
             .args(["flip", "upstream", "--reason", "race", "--state-dir", &dir])
             .args(["--local-ip", LOCAL_IP, "--cluster-dns-ip", CLUSTER_DNS_IP])
             .env("XTABLES_LOCKFILE", &lock)
@@ -370,7 +368,7 @@ fn flip_without_an_agent_is_not_undone_by_an_agent_starting_meanwhile() {
     // An agent starts (on the host's xtables lock, which nobody holds) while flip waits.
     let log = node.dir.join("agent-race.log");
     let mut racer = Proc::spawn(
-        node.cmd("node", AGENT)
+        node.cmd("node", agent_exe())
             .args(["run", "--local-ip", LOCAL_IP, "--cluster-dns-ip", CLUSTER_DNS_IP])
             .args(["--upstream-ip", UPSTREAM_IP, "--probe-name", "who.test"])
             .args(legacy)

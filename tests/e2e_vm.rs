@@ -11,13 +11,11 @@
 //! TCG runs 5-20x slower than the host: the tests judge routes and counts of lookups, and their
 //! deadlines are generous; no bound in milliseconds is asserted here.
 
-mod support;
-
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use support::*;
+use testkit::*;
 
 /// Runs `body` in the guest: directly when this is the guest, else by booting one.
 fn in_guest(name: &str, body: impl FnOnce()) {

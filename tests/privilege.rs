@@ -11,14 +11,12 @@
 //! * `teardown` on a node with iptables-legacy installed: CAP_NET_RAW too (it cleans every
 //!   backend), and without it, it refuses before removing anything.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
-use support::*;
+use testkit::*;
 
 const NOBODY: u32 = 65534;
 
@@ -149,7 +147,7 @@ fn start(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Agent {
         "--state-dir",
         &dir,
     ];
-    let child = wrapped(node, p, &lock, AGENT, &args)
+    let child = wrapped(node, p, &lock, agent_exe(), &args)
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
@@ -229,7 +227,8 @@ fn full_cycle(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Vec<
     // Teardown with the same privileges. Where iptables-legacy is installed it needs
     // CAP_NET_RAW; without, it says so and removes nothing.
     let lock = node.dir.join(format!("xtables-{tag}.lock"));
-    let out = wrapped(node, p, &lock, AGENT, &["teardown", "--state-dir", &dir]).output().unwrap();
+    let out =
+        wrapped(node, p, &lock, agent_exe(), &["teardown", "--state-dir", &dir]).output().unwrap();
     if iptables_legacy_installed() && !p.has("net_raw") {
         assert_eq!(out.status.code(), Some(2), "{what}: {}", describe(&out));
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -307,7 +306,7 @@ fn a_user_who_is_not_root_runs_it_with_ambient_capabilities() {
 
 /// Runs the agent binary's CLI in the node's namespace as nobody.
 fn as_nobody(node: &SimNode, args: &[&str]) -> Output {
-    let ids = ["--reuid=65534", "--regid=65534", "--clear-groups", AGENT];
+    let ids = ["--reuid=65534", "--regid=65534", "--clear-groups", agent_exe()];
     node.run("node", "setpriv", &[&ids[..], args].concat())
 }
 

@@ -2,7 +2,8 @@
 //! expressions libnftnl lacks) and `src/netlink/socket.rs` (handing a netlink socket to tokio's
 //! reactor, which tokio allows only in an `unsafe` call since it deprecated its safe
 //! constructors as unsound). The compiler enforces it (`deny` at the crate root, `forbid` on
-//! every other module and in each binary); this test keeps anyone from quietly widening it.
+//! every other module, in each binary and in the workspace's other crates); this test keeps
+//! anyone from quietly widening it.
 
 #![forbid(unsafe_code)]
 
@@ -70,7 +71,7 @@ fn has_word(code: &str, word: &str) -> bool {
 fn unsafe_appears_only_in_the_reviewed_modules() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut files = Vec::new();
-    for dir in ["src", "tests", "benches", "fuzz"] {
+    for dir in ["src", "tests", "benches", "fuzz", "crates"] {
         rust_files(&root.join(dir), &mut files);
     }
     assert!(files.len() > 20, "found only {} Rust files under {}", files.len(), root.display());
@@ -103,7 +104,12 @@ fn the_crate_denies_and_every_binary_forbids_unsafe() {
     let lib = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
     assert!(lib.contains("#![deny(unsafe_code)]"), "src/lib.rs denies unsafe_code");
     let mut entry_points = vec![root.join("src/main.rs")];
-    rust_files(&root.join("src/bin"), &mut entry_points);
+    // The workspace's other crates: each root (library and binary) forbids it.
+    for krate in std::fs::read_dir(root.join("crates")).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        entry_points
+            .extend(["lib.rs", "main.rs"].map(|f| src.join(f)).into_iter().filter(|p| p.is_file()));
+    }
     let benches = std::fs::read_dir(root.join("benches")).unwrap();
     entry_points.extend(benches.map(|e| e.unwrap().path()).filter(|p| p.is_file()));
     for file in entry_points {

@@ -1,0 +1,230 @@
+//! The agent under test: started in the node namespace, its state file and log read back, killed
+//! when the handle is dropped.
+
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::binaries::agent_exe;
+use crate::clock::wait_for;
+use crate::simnode::{SimNode, CLUSTER_DNS_IP, LOCAL_IP, UPSTREAM_IP};
+
+impl SimNode {
+    /// Starts the agent in the node namespace with the default test settings plus `extra`.
+    pub fn agent(&self, extra: &[&str]) -> Agent {
+        self.agent_for(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra)
+    }
+
+    /// Starts the agent for the given (comma-separated, dual-stack) addresses.
+    pub fn agent_for(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+    ) -> Agent {
+        self.agent_env(local, cluster_dns, upstream, extra, &[])
+    }
+
+    /// [`SimNode::agent_for`] with extra environment variables.
+    pub fn agent_env(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
+        self.spawn_agent(local, cluster_dns, upstream, extra, env, true)
+    }
+
+    fn spawn_agent(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        wait_local: bool,
+    ) -> Agent {
+        let state_dir = self.dir.join("agent-state");
+        let log = self.dir.join("agent.log");
+        let child = self
+            .cmd("node", agent_exe())
+            .args(["run", "--local-ip", local, "--cluster-dns-ip", cluster_dns])
+            .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
+            // nftables unless the test picks a backend.
+            .args(if extra.contains(&"--dataplane") {
+                &[][..]
+            } else {
+                &["--dataplane", "nftables"][..]
+            })
+            .arg("--state-dir")
+            .arg(&state_dir)
+            .args(extra)
+            .env("NODELOCALDNS_HA_LOG", "nodelocaldns_ha=debug")
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("create agent log"))
+            .spawn()
+            .expect("spawn agent");
+        let agent = Agent { child: Some(child), state_dir, log };
+        if wait_local {
+            // Generous: at start, `auto` saves every table (seconds with 50,000 nat rules).
+            agent.wait_route("local", Duration::from_secs(30));
+            // The control socket listens a moment after the state is written: a `flip` sent
+            // before then finds the agent's lock but nobody answering, and fails.
+            let socket = agent.state_dir.join("control.sock");
+            wait_for("the control socket", Duration::from_secs(10), || {
+                socket.exists().then_some(())
+            });
+        } else {
+            wait_for("the agent's state", Duration::from_secs(10), || agent.state());
+        }
+        agent
+    }
+
+    /// Starts the agent (v4, nftables unless `extra` says otherwise) without assuming its first
+    /// route: the state file of an earlier agent is removed first.
+    pub fn agent_starting(&self, extra: &[&str]) -> Agent {
+        self.agent_starting_env(extra, &[])
+    }
+
+    /// [`SimNode::agent_starting`] with extra environment variables.
+    pub fn agent_starting_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Agent {
+        let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
+        self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env, false)
+    }
+
+    /// [`SimNode::agent_starting`] for the given (comma-separated, dual-stack) addresses.
+    pub fn agent_starting_for(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+    ) -> Agent {
+        let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
+        self.spawn_agent(local, cluster_dns, upstream, extra, &[], false)
+    }
+
+    /// Starts the agent again with the same state directory (v4, nftables unless `extra` says
+    /// otherwise), without assuming its first route; returns once it has written its own state
+    /// (a `pid` other than `previous`).
+    pub fn agent_restarting(&self, extra: &[&str], previous: &Value) -> Agent {
+        let agent = self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, &[], false);
+        wait_for("the restarted agent's state", Duration::from_secs(10), || {
+            agent.state().filter(|s| s["pid"] != previous["pid"])
+        });
+        agent
+    }
+}
+
+/// The agent process; killed (SIGKILL) on drop if still running.
+pub struct Agent {
+    child: Option<Child>,
+    pub state_dir: PathBuf,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    /// The handle of an agent the caller started itself (under a privilege wrapper, say).
+    pub fn adopt(child: Child, state_dir: PathBuf, log: PathBuf) -> Agent {
+        Agent { child: Some(child), state_dir, log }
+    }
+
+    /// The agent's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The state file, if it is there and complete.
+    pub fn state(&self) -> Option<Value> {
+        let bytes = std::fs::read(self.state_dir.join("state.json")).ok()?;
+        serde_json::from_slice(&bytes).ok()
+    }
+
+    /// Waits until the state file counts `n` repairs of foreign changes, the last of them
+    /// finished (no apply error outstanding). The state is written after the loop's turn, so a
+    /// tamper made after this returns cannot race the agent's read-back of its own repair.
+    pub fn wait_repairs(&self, n: u64, deadline: Duration) -> Value {
+        wait_for(&format!("{n} repairs to be counted"), deadline, || {
+            self.state().filter(|s| s["repairs"].as_u64() >= Some(n) && s["last_error"].is_null())
+        })
+    }
+
+    /// Waits until the state file says `route`; returns the state.
+    pub fn wait_route(&self, route: &str, deadline: Duration) -> Value {
+        wait_for(&format!("route {route}"), deadline, || {
+            self.state().filter(|s| s["route"] == route)
+        })
+    }
+
+    /// Sends `signal` and waits for the exit status.
+    pub fn stop(&mut self, signal: nix::sys::signal::Signal) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("agent running");
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, signal);
+        child.wait().expect("wait for agent")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// How much the agent has logged so far, for [`Agent::switch_after`].
+    pub fn log_mark(&self) -> usize {
+        self.log_text().len()
+    }
+
+    /// The first route change to `to` the agent logged after `mark` (from [`Agent::log_mark`]),
+    /// by its own counts: the streak of probe stream `stream` (`cache udp`, `cache tcp`,
+    /// `upstream`) it decided on, and the failed probes of `stream` it logged from `mark` until
+    /// then. `None` until that change is logged.
+    pub fn switch_after(&self, mark: usize, to: &str, stream: &str) -> Option<Switch> {
+        let log = self.log_text();
+        let mut failed = 0;
+        for line in log.get(mark..)?.lines() {
+            if line.contains("probe failed") && line.contains(&format!("stream={stream} ")) {
+                failed += 1;
+            }
+            if !(line.contains("route changed") && line.contains(&format!(" to={to} "))) {
+                continue;
+            }
+            // `evidence=cache udp +0/-3, cache tcp +1/-0, upstream +9/-0`
+            let evidence = line.split_once("evidence=")?.1;
+            let streak =
+                evidence.split(", ").find_map(|s| s.strip_prefix(stream)?.strip_prefix(" +"));
+            let (good, bad) = streak?.split_once("/-")?;
+            let (good, bad) = (good.parse().ok()?, bad.trim().parse().ok()?);
+            return Some(Switch { good, bad, failed, line: line.to_owned() });
+        }
+        None
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            eprintln!("agent log:\n{}", self.log_text());
+        }
+    }
+}
+
+/// A route change as the agent logged it: see [`Agent::switch_after`].
+#[derive(Debug)]
+pub struct Switch {
+    /// The stream's streak of good and of failed probes when the agent decided.
+    pub good: u32,
+    pub bad: u32,
+    /// The stream's failed probes logged from the mark until the change.
+    pub failed: u32,
+    /// The log line.
+    pub line: String,
+}

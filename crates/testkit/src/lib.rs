@@ -1,0 +1,35 @@
+//! The test kit: a simulated Kubernetes node for the agent's end-to-end tests and benchmarks —
+//! `testdata/simnode.sh` namespaces, the real agent binary in the node namespace, the `dnsload`
+//! client (crates/dnsload) in a pod or the node — and what the tests and benchmarks read back.
+//!
+//! Everything a test starts is stopped by its own handle's `Drop` (by pid), and the namespaces
+//! are deleted by [`SimNode`]'s `Drop`, so a failing test leaves nothing behind.
+//!
+//! The rooms: [`SimNode`] (the namespaces and the servers), [`Agent`] (the agent process and
+//! what it logs and writes), [`Load`] (a dnsload run and its output), [`Proc`] (any other child),
+//! the binaries' paths ([`agent_exe`], [`dnsload_exe`]), waiting ([`wait_for`], [`poll`]), and
+//! what only the benchmarks use ([`Machine`], [`setting`], [`median`], [`cpu_ticks`]).
+
+#![forbid(unsafe_code)]
+
+mod agent;
+mod bench;
+mod binaries;
+mod clock;
+mod load;
+mod process;
+mod simnode;
+
+pub use agent::{Agent, Switch};
+pub use bench::{clock_ticks_per_s, cpu_ticks, median, percentile, setting, Machine};
+pub use binaries::{agent_exe, dnsload_exe};
+pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
+pub use load::{
+    assert_within, coredns_seen_after, field, print_lost, read_lookups, sent_at, summary_of, Load,
+    Lookup, Outcome, ATTEMPT_TIMEOUT_MS,
+};
+pub use process::Proc;
+pub use simnode::{
+    describe, require_root, strip_counters, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER,
+    LOCAL_IP, UPSTREAM_IP,
+};

@@ -1,0 +1,244 @@
+//! The `dnsload` client on the simulated node, and what it reports: the timeline lines, the
+//! `SUMMARY` JSON, every lookup of `--lookups-out`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::binaries::dnsload_exe;
+use crate::process::Proc;
+use crate::simnode::{SimNode, CACHE_ANSWER, COREDNS_ANSWER};
+
+/// How long `dnsload` waits for each attempt unless a test gives its own `--timeout`. A first
+/// attempt sent longer than this before a fault was lost, if at all, while the server was fine.
+pub const ATTEMPT_TIMEOUT_MS: u64 = 1000;
+
+impl SimNode {
+    /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags (2 attempts
+    /// of 1 s each, unless `extra` gives its own `--timeout`).
+    pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let lookups = self.dir.join(format!("lookups-{role}-{n}.txt"));
+        let mut child = self
+            .cmd(role, dnsload_exe())
+            .args(["--server", server, "--name", "who.test", "--attempts", "2"])
+            // 1 s unless the test sets its own (the VM tests: TCG is 5-20x slower).
+            .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1000ms"][..] })
+            .arg("--lookups-out")
+            .arg(&lookups)
+            .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
+            .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
+            .args(["--origin", "fd00::1:1:1:1=cache", "--origin", "fd00::2:2:2:2=coredns"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn dnsload");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                println!("dnsload: {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Load { child: Proc::adopt(child), lines: rx, seen: Vec::new(), lookups }
+    }
+}
+
+/// A running `dnsload`; its timeline lines are collected as they come.
+pub struct Load {
+    child: Proc,
+    lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+    /// Where dnsload writes every lookup (`--lookups-out`), complete once it exits.
+    lookups: PathBuf,
+}
+
+impl Load {
+    /// Waits for a timeline line satisfying `f`.
+    pub fn wait_line(&mut self, what: &str, deadline: Duration, f: impl Fn(&str) -> bool) {
+        let end = Instant::now() + deadline;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let hit = f(&line);
+                    self.seen.push(line);
+                    if hit {
+                        return;
+                    }
+                }
+                Err(_) => panic!("timed out waiting for dnsload to show {what}"),
+            }
+        }
+    }
+
+    /// Waits (5 s at most) for a timeline line with answers from the cache.
+    pub fn wait_cache_answers(&mut self) {
+        self.wait_line("answers from the cache", Duration::from_secs(5), |l| {
+            field(l, "cache").is_some_and(|n| n > 0)
+        });
+    }
+
+    /// Stops a client started with a long `--duration` (SIGINT: it starts no more lookups and
+    /// waits for those in flight) and returns its summary.
+    pub fn interrupt(self) -> Value {
+        self.sigint();
+        self.finish()
+    }
+
+    /// [`Load::interrupt`], with every lookup, in the order they started.
+    pub fn interrupt_recorded(self) -> (Value, Vec<Lookup>) {
+        self.sigint();
+        self.finish_recorded()
+    }
+
+    fn sigint(&self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.pid() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT);
+    }
+
+    /// Waits for the client to finish and returns its summary.
+    pub fn finish(mut self) -> Value {
+        let status = self.child.wait();
+        assert!(status.success(), "dnsload failed: {status}");
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.seen.push(line);
+        }
+        summary_of(self.seen.iter().map(String::as_str))
+    }
+
+    /// Like [`Load::finish`], with every lookup, in the order they started.
+    pub fn finish_recorded(self) -> (Value, Vec<Lookup>) {
+        let path = self.lookups.clone();
+        let summary = self.finish();
+        let lookups = read_lookups(&path, &summary);
+        (summary, lookups)
+    }
+}
+
+/// Counts of one timeline line, e.g. `cache=250 coredns=0`.
+pub fn field(line: &str, name: &str) -> Option<u64> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+        .and_then(|v| v.parse().ok())
+}
+
+/// The wall-clock send times (ms since the epoch) of the lookups a summary lists under `key`
+/// (`failures_at_ms` or `first_attempt_lost_at_ms`).
+pub fn sent_at(summary: &Value, key: &str) -> Vec<u64> {
+    let start = summary["start_unix_ms"].as_u64().expect("start_unix_ms");
+    summary[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} missing: {summary}"))
+        .iter()
+        .map(|v| start + v.as_u64().expect("ms"))
+        .collect()
+}
+
+/// When a client saw the route switched to CoreDNS after `after` (ms since the epoch): the end of
+/// the first lookup CoreDNS answered. A lookup sent later cannot have met the old route, however
+/// long the agent and the kernel took to switch on a loaded machine.
+pub fn coredns_seen_after(lookups: &[Lookup], after: u64) -> u64 {
+    lookups
+        .iter()
+        .filter(|l| l.outcome == Outcome::CoreDns)
+        .map(|l| l.start + f64::from(l.latency))
+        .filter(|&end| end >= after as f64)
+        .reduce(f64::min)
+        .unwrap_or_else(|| panic!("no lookup answered by CoreDNS after {after}"))
+        .ceil() as u64
+}
+
+/// Asserts every time in `times` lies in `from..=to` (ms since the epoch).
+pub fn assert_within(what: &str, times: &[u64], from: u64, to: u64) {
+    for &t in times {
+        assert!(
+            (from..=to).contains(&t),
+            "{what}: a lookup sent at {t} is outside {from}..={to} ({} ms from the start)",
+            t as i64 - from as i64
+        );
+    }
+}
+
+/// Prints when the lost first attempts in `lost` were sent, against a kill and its end.
+pub fn print_lost(lost: &[u64], killed_at: u64, gone_at: u64) {
+    let offsets: Vec<i64> = lost.iter().map(|&t| t as i64 - killed_at as i64).collect();
+    println!(
+        "first attempts lost: {} (sent at {offsets:?} ms from the SIGKILL; gone {} ms after it)",
+        lost.len(),
+        gone_at - killed_at
+    );
+}
+
+/// dnsload's `SUMMARY {json}` line among `lines` (its standard output).
+pub fn summary_of<'a>(mut lines: impl Iterator<Item = &'a str>) -> Value {
+    let summary =
+        lines.find_map(|l| l.strip_prefix("SUMMARY ")).expect("dnsload printed a SUMMARY line");
+    serde_json::from_str(summary).expect("SUMMARY is JSON")
+}
+
+/// Who answered a lookup of dnsload's `--lookups-file`.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Outcome {
+    Cache,
+    CoreDns,
+    Other,
+    Failed,
+}
+
+/// One line of dnsload's `--lookups-file`.
+pub struct Lookup {
+    /// Start, ms since the Unix epoch.
+    pub start: f64,
+    /// ms (f32: the soak keeps millions of these).
+    pub latency: f32,
+    pub outcome: Outcome,
+    pub failed_attempts: u8,
+}
+
+impl Lookup {
+    pub fn answered(&self) -> bool {
+        matches!(self.outcome, Outcome::Cache | Outcome::CoreDns)
+    }
+
+    pub fn first_attempt_lost(&self) -> bool {
+        self.outcome == Outcome::Failed || self.failed_attempts > 0
+    }
+}
+
+/// The lookups dnsload wrote to `path` (in the order they completed: `START_MS LATENCY_MS
+/// ORIGIN FAILED_ATTEMPTS`, the start relative to the `start_unix_ms` of its `summary`), in the
+/// order they started.
+pub fn read_lookups(path: &Path, summary: &Value) -> Vec<Lookup> {
+    let start_unix_ms = summary["start_unix_ms"].as_f64().expect("start_unix_ms");
+    let file = std::fs::File::open(path).expect("dnsload's lookups file");
+    let mut lookups: Vec<Lookup> = BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| {
+            let mut w = line.split_whitespace();
+            let start: f64 = w.next()?.parse().ok()?;
+            let latency: f32 = w.next()?.parse().ok()?;
+            let outcome = match w.next()? {
+                "cache" => Outcome::Cache,
+                "coredns" => Outcome::CoreDns,
+                "failed" => Outcome::Failed,
+                _ => Outcome::Other,
+            };
+            let failed_attempts = w.next()?.parse().ok()?;
+            Some(Lookup { start: start_unix_ms + start, latency, outcome, failed_attempts })
+        })
+        .collect();
+    lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
+    lookups
+}
