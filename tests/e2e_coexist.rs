@@ -56,23 +56,7 @@ fn filter_drop_failover_and_teardown(dataplane: &str) {
     let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
-    let alone = |who: &'static str| {
-        let other = if who == "cache" { "coredns" } else { "cache" };
-        move |l: &str| field(l, who).is_some_and(|n| n > 0) && field(l, other) == Some(0)
-    };
-    for load in [&mut pod, &mut host] {
-        load.wait_line("the cache answering alone", Duration::from_secs(5), alone("cache"));
-    }
-    let killed_at = node.signal("cache-kill");
-    agent.wait_route("upstream", Duration::from_secs(5));
-    for load in [&mut pod, &mut host] {
-        load.wait_line("CoreDNS answering alone", Duration::from_secs(5), alone("coredns"));
-    }
-    node.script(&["cache-start"]);
-    agent.wait_route("local", Duration::from_secs(10));
-    for load in [&mut pod, &mut host] {
-        load.wait_line("the cache answering again", Duration::from_secs(5), alone("cache"));
-    }
+    let killed_at = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
 
     let status = agent.stop(nix::sys::signal::Signal::SIGTERM);
     assert!(status.success(), "agent exited with {status}");
@@ -82,7 +66,7 @@ fn filter_drop_failover_and_teardown(dataplane: &str) {
     node.assert_nothing_left();
     // Without the agent's rules, everything goes through kube-proxy's DNAT.
     for load in [&mut pod, &mut host] {
-        load.wait_line("CoreDNS after the teardown", Duration::from_secs(5), alone("coredns"));
+        load.wait_alone("coredns");
     }
     for (client, load) in [("pod", pod), ("host", host)] {
         let (summary, lookups) = load.interrupt_recorded();

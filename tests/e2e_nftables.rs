@@ -340,23 +340,7 @@ fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
     let args = ["--tcp", "--rate", "500", "--duration", "60s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", POD_SERVER, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
-    let alone = |who: &'static str| {
-        let other = if who == "cache" { "coredns" } else { "cache" };
-        move |l: &str| field(l, who).is_some_and(|n| n > 0) && field(l, other) == Some(0)
-    };
-    for load in [&mut pod, &mut host] {
-        load.wait_line("the cache answering alone", Duration::from_secs(5), alone("cache"));
-    }
-    let killed_at = node.signal("cache-kill");
-    agent.wait_route("upstream", Duration::from_secs(5));
-    for load in [&mut pod, &mut host] {
-        load.wait_line("CoreDNS answering alone", Duration::from_secs(5), alone("coredns"));
-    }
-    node.script(&["cache-start"]);
-    agent.wait_route("local", Duration::from_secs(10));
-    for load in [&mut pod, &mut host] {
-        load.wait_line("the cache answering again", Duration::from_secs(5), alone("cache"));
-    }
+    let killed_at = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
     for (client, load) in [("pod", pod), ("host", host)] {
         let (summary, lookups) = load.interrupt_recorded();
         println!("{client}: {summary}");

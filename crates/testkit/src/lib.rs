@@ -25,8 +25,8 @@ pub use bench::{clock_ticks_per_s, cpu_ticks, median, percentile, setting, Machi
 pub use binaries::{agent_exe, dnsload_exe};
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
 pub use load::{
-    assert_within, coredns_seen_after, field, print_lost, read_lookups, sent_at, summary_of, Load,
-    Lookup, Outcome, ATTEMPT_TIMEOUT_MS,
+    assert_within, coredns_seen_after, field, kill_and_restart_cache, print_lost, read_lookups,
+    sent_at, summary_of, Load, Lookup, Outcome, ATTEMPT_TIMEOUT_MS,
 };
 pub use process::Proc;
 pub use simnode::{

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::agent::Agent;
 use crate::binaries::dnsload_exe;
 use crate::process::Proc;
 use crate::simnode::{SimNode, CACHE_ANSWER, COREDNS_ANSWER};
@@ -80,6 +81,14 @@ impl Load {
                 Err(_) => panic!("timed out waiting for dnsload to show {what}"),
             }
         }
+    }
+
+    /// Waits (5 s at most) for a timeline line answered by `who` (`cache` or `coredns`) alone.
+    pub fn wait_alone(&mut self, who: &str) {
+        let other = if who == "cache" { "coredns" } else { "cache" };
+        self.wait_line(&format!("{who} answering alone"), Duration::from_secs(5), |l| {
+            field(l, who).is_some_and(|n| n > 0) && field(l, other) == Some(0)
+        });
     }
 
     /// Waits (5 s at most) for a timeline line with answers from the cache.
@@ -241,4 +250,24 @@ pub fn read_lookups(path: &Path, summary: &Value) -> Vec<Lookup> {
         .collect();
     lookups.sort_by(|a, b| a.start.total_cmp(&b.start));
     lookups
+}
+
+/// A cache SIGKILL and its restart as the clients see them: the cache answering alone, then,
+/// the agent on Upstream, CoreDNS alone, then, back on Local, the cache alone again. Returns
+/// when the SIGKILL went out (ms since the epoch).
+pub fn kill_and_restart_cache(node: &SimNode, agent: &Agent, loads: &mut [&mut Load]) -> u64 {
+    for load in loads.iter_mut() {
+        load.wait_alone("cache");
+    }
+    let killed_at = node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    for load in loads.iter_mut() {
+        load.wait_alone("coredns");
+    }
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in loads.iter_mut() {
+        load.wait_alone("cache");
+    }
+    killed_at
 }
