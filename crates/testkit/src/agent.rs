@@ -94,8 +94,7 @@ impl SimNode {
 
     /// [`SimNode::agent_starting`] with extra environment variables.
     pub fn agent_starting_env(&self, extra: &[&str], env: &[(&str, &str)]) -> Agent {
-        let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
-        self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env, false)
+        self.starting(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, env)
     }
 
     /// [`SimNode::agent_starting`] for the given (comma-separated, dual-stack) addresses.
@@ -106,8 +105,20 @@ impl SimNode {
         upstream: &str,
         extra: &[&str],
     ) -> Agent {
+        self.starting(local, cluster_dns, upstream, extra, &[])
+    }
+
+    /// The earlier agent's state file removed, then an agent started without waiting for a route.
+    fn starting(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Agent {
         let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
-        self.spawn_agent(local, cluster_dns, upstream, extra, &[], false)
+        self.spawn_agent(local, cluster_dns, upstream, extra, env, false)
     }
 
     /// Starts the agent again with the same state directory (v4, nftables unless `extra` says
