@@ -331,8 +331,11 @@ fn cache_sigkill_fast_path_alone_fails_pods_over() {
 /// Issue 18, point 7: DNS over TCP through the cluster-DNS IP, from a pod and from the host (a
 /// new connection per attempt): the cache answers on `Local`, CoreDNS after a cache SIGKILL
 /// (connections to the dead cache are refused, and the retry connects through the DNAT), the
-/// cache again once it is back. Pods lose no lookup; the host, as over UDP, only lookups sent
-/// between the kill and the switch.
+/// cache again once it is back. The host, as over UDP, loses only lookups sent between the kill
+/// and the switch. Pods lose only what the dying process's teardown refuses: a SYN that the
+/// fast path saw a listener for, which closed before the SYN reached it, is refused at once, and
+/// so may be the retry sent right after it (glibc retries a refused TCP attempt at once too).
+/// Seen under load, once in hundreds of kills: a failed lookup sent within the kill window.
 #[test]
 fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
     let node = SimNode::up();
@@ -340,7 +343,7 @@ fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
     let args = ["--tcp", "--rate", "500", "--duration", "60s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", POD_SERVER, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
-    let killed_at = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
+    let (killed_at, gone_at) = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
     for (client, load) in [("pod", pod), ("host", host)] {
         let (summary, lookups) = load.interrupt_recorded();
         println!("{client}: {summary}");
@@ -353,9 +356,15 @@ fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
             switched - killed_at
         );
         if client == "pod" {
-            assert_eq!(summary["failed"], 0, "{client}: {summary}");
+            // An attempt that was connected to the cache when it died, or refused by its
+            // teardown: sent within one attempt timeout of the kill, before it was gone.
+            assert_within(client, &failed, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
+            let lost = sent_at(&summary, "first_attempt_lost_at_ms");
+            print_lost(&lost, killed_at, gone_at);
+            assert_within(client, &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
+        } else {
+            assert_within(client, &failed, killed_at - 100, switched);
         }
-        assert_within(client, &failed, killed_at - 100, switched);
     }
 }
 

@@ -254,12 +254,16 @@ pub fn read_lookups(path: &Path, summary: &Value) -> Vec<Lookup> {
 
 /// A cache SIGKILL and its restart as the clients see them: the cache answering alone, then,
 /// the agent on Upstream, CoreDNS alone, then, back on Local, the cache alone again. Returns
-/// when the SIGKILL went out (ms since the epoch).
-pub fn kill_and_restart_cache(node: &SimNode, agent: &Agent, loads: &mut [&mut Load]) -> u64 {
+/// (when the SIGKILL went out, when the process was seen gone), as [`SimNode::kill`].
+pub fn kill_and_restart_cache(
+    node: &SimNode,
+    agent: &Agent,
+    loads: &mut [&mut Load],
+) -> (u64, u64) {
     for load in loads.iter_mut() {
         load.wait_alone("cache");
     }
-    let killed_at = node.signal("cache-kill");
+    let killed = node.kill("cache-kill");
     agent.wait_route("upstream", Duration::from_secs(5));
     for load in loads.iter_mut() {
         load.wait_alone("coredns");
@@ -269,5 +273,5 @@ pub fn kill_and_restart_cache(node: &SimNode, agent: &Agent, loads: &mut [&mut L
     for load in loads.iter_mut() {
         load.wait_alone("cache");
     }
-    killed_at
+    killed
 }
