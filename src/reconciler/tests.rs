@@ -114,6 +114,51 @@ fn apply_retries_back_off_doubling_up_to_a_cap() {
 }
 
 #[test]
+fn start_failed_keeps_its_error_until_an_apply_succeeds() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    let mut reconciler = start(&fake, t0);
+    // The start fell back to a route it could install: nothing to retry, the error stays.
+    reconciler.start_failed("installing the local ruleset failed".into(), false, t0);
+    assert!(!reconciler.is_dirty());
+    assert_eq!(reconciler.resync_due(), None);
+    assert_eq!(reconciler.last_error(), Some("installing the local ruleset failed"));
+    // It could install nothing: retried like any failed apply, two ticks on.
+    reconciler.start_failed("and the upstream one".into(), true, t0);
+    assert!(reconciler.is_dirty());
+    assert_eq!(reconciler.resync_due(), Some(t0 + TICK * 2));
+    assert!(reconciler.resync(t0 + TICK * 2).is_none(), "a retry applies");
+    assert_eq!(reconciler.last_error(), None);
+}
+
+/// Whichever turn of the loop comes when a retry is due applies there, on the loop; none of
+/// them starts a read-back of a ruleset known not to be in.
+#[test]
+fn a_dirty_ruleset_is_re_applied_on_the_loop_instead_of_a_check() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    fake.kernel().announces = true;
+    let mut reconciler = start(&fake, t0);
+    fake.kernel().fail_applies = 3;
+    switch(&mut reconciler, Route::Upstream, t0);
+    let checks = fake.kernel().checks;
+    // A tick's poll, though the announcements are heard and the last read-back is recent.
+    let due = reconciler.resync_due().expect("a retry");
+    assert!(reconciler.poll(due, true).is_none());
+    // An announcement.
+    let due = reconciler.resync_due().expect("a retry");
+    let table = TableRef { family: 1, name: "fake".to_owned() };
+    assert!(reconciler.announced(Some(vec![table]), due).is_none());
+    // A resync; this one succeeds.
+    let due = reconciler.resync_due().expect("a retry");
+    assert!(reconciler.resync(due).is_none());
+    assert!(!reconciler.is_dirty());
+    assert_eq!(fake.kernel().checks, checks, "nothing read back");
+    assert_eq!(fake.kernel().fail_applies, 0, "every turn applied");
+    assert_eq!(installed(&fake), Some(Route::Upstream));
+}
+
+#[test]
 fn ticks_check_an_announced_ruleset_only_as_a_safety_net() {
     let t0 = Instant::now();
     let polled = FakeDataplane::default();
@@ -163,6 +208,33 @@ fn resync_restores_a_removed_table_with_repairs_spaced() {
     assert_eq!(reconciler.resync_due(), None);
 }
 
+/// Repairs are spaced by the shorter of the tick and [`REPAIR_SPACING`]: a tick under 50 ms
+/// spaces them by a tick.
+#[test]
+fn repairs_are_spaced_by_the_tick_when_it_is_shorter() {
+    let t0 = Instant::now();
+    let tick = Duration::from_millis(20);
+    let fake = FakeDataplane::default();
+    let mut reconciler = reconciler(&fake, tick, Arc::new(Metrics::new()), t0);
+    fake.kernel().installed = None;
+    sync(&mut reconciler, t0);
+    assert_eq!(reconciler.repairs(), 1);
+    assert_eq!(reconciler.resync_due(), Some(t0 + tick));
+}
+
+#[test]
+fn a_failed_repair_backs_off_like_any_failed_apply() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    let mut reconciler = start(&fake, t0);
+    fake.kernel().installed = None;
+    fake.kernel().fail_next_apply = true;
+    sync(&mut reconciler, t0);
+    assert_eq!(reconciler.repairs(), 1);
+    assert!(reconciler.is_dirty());
+    assert_eq!(reconciler.resync_due(), Some(t0 + TICK * 2), "the backoff, not the spacing");
+}
+
 #[test]
 fn a_check_of_the_current_generation_repairs_drift() {
     let t0 = Instant::now();
@@ -174,6 +246,43 @@ fn a_check_of_the_current_generation_repairs_drift() {
     assert_eq!(installed(&fake), Some(Route::Local));
     assert_eq!(reconciler.repairs(), 1);
     assert_eq!(reconciler.stale_checks(), 0);
+}
+
+/// What a check read before an apply says nothing about the kernel after it: even drift it
+/// found is not repaired (the apply put in the whole ruleset and read it back itself).
+#[test]
+fn a_check_overtaken_by_an_apply_is_discarded_even_when_it_found_drift() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    let mut reconciler = start(&fake, t0);
+    let job = reconciler.resync(t0).expect("a check is due");
+    // Someone removes the table; the check finds it missing...
+    fake.kernel().installed = None;
+    let done = job.run();
+    // ...and before it is taken, a switch installs the new route's ruleset.
+    switch(&mut reconciler, Route::Upstream, t0);
+    let applies = fake.kernel().applies;
+    assert!(reconciler.checked(done, t0).is_none());
+    assert_eq!(reconciler.stale_checks(), 1);
+    assert_eq!(reconciler.repairs(), 0);
+    assert_eq!(fake.kernel().applies, applies, "no repair");
+    assert_eq!(installed(&fake), Some(Route::Upstream));
+}
+
+#[test]
+fn a_failed_read_back_re_applies() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    let mut reconciler = start(&fake, t0);
+    let applies = fake.kernel().applies;
+    let job = reconciler.resync(t0).expect("a check is due");
+    fake.kernel().fail_next_check = true;
+    assert!(reconciler.checked(job.run(), t0).is_none());
+    assert_eq!(fake.kernel().applies, applies + 1, "re-applied");
+    // No drift was seen: no repair counted, and nothing spaced.
+    assert_eq!(reconciler.repairs(), 0);
+    assert_eq!(reconciler.resync_due(), None);
+    assert!(reconciler.resync(t0).is_some(), "the next check is not held back");
 }
 
 #[test]
@@ -208,4 +317,37 @@ fn settle_retries_a_failed_apply_at_shutdown() {
     assert_eq!(installed(&fake), Some(Route::Local));
     reconciler.settle(t0);
     assert_eq!(installed(&fake), Some(Route::Upstream));
+}
+
+#[test]
+fn settle_leaves_an_installed_ruleset_alone() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    let mut reconciler = start(&fake, t0);
+    let applies = fake.kernel().applies;
+    reconciler.settle(t0);
+    assert_eq!(fake.kernel().applies, applies);
+}
+
+/// Every apply is timed (a failed one counted as an error), every check taken is timed, every
+/// repair counted; the start's own applies are not the reconciler's.
+#[test]
+fn applies_checks_and_repairs_go_into_the_metrics() {
+    let t0 = Instant::now();
+    let metrics = Arc::new(Metrics::new());
+    let fake = FakeDataplane::default();
+    let mut reconciler = reconciler(&fake, TICK, metrics.clone(), t0);
+    fake.kernel().installed = None;
+    sync(&mut reconciler, t0);
+    fake.kernel().fail_next_apply = true;
+    switch(&mut reconciler, Route::Upstream, t0);
+    let scrape = metrics.encode();
+    for sample in [
+        "nodelocaldns_ha_dataplane_apply_duration_seconds_count 2",
+        "nodelocaldns_ha_dataplane_apply_errors_total 1",
+        "nodelocaldns_ha_dataplane_check_duration_seconds_count 1",
+        "nodelocaldns_ha_drift_repairs_total 1",
+    ] {
+        assert!(scrape.lines().any(|l| l == sample), "no {sample:?} in\n{scrape}");
+    }
 }
