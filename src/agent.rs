@@ -1,19 +1,10 @@
 //! The agent: probe streams in, route decisions out, the ruleset kept installed.
 //!
-//! [`Agent`] is the synchronous core — it owns the state machine, the dataplane and the counters
-//! and reacts to one event at a time, so it is tested with the fake dataplane and no runtime.
-//! [`run`] wires it to the world: probe tasks, the kernel's socket-destroy and nftables-change
-//! notifications, a resync tick, the state file, and the shutdown signal.
-//!
-//! The loop is level-triggered: every tick (and every nftables change notification) reads the
-//! table back and restores it if it is not exactly the ruleset of the current route. A failed
-//! apply is retried on the next tick; the batch is atomic, so the node never holds half a ruleset.
-//!
-//! Decisions never wait behind a read-back: a check runs as a [`CheckJob`] on a worker thread
-//! with its own handle on the dataplane ([`Dataplane::reader`]), while the loop goes on taking
-//! probe results and applying. Applies stay on the loop, one at a time. Every apply starts a new
-//! generation; a check that began in an older one is discarded when it returns (what it read
-//! may predate the apply, or mix both), so it can never trigger a spurious repair.
+//! [`Agent`] is the synchronous core — it owns the state machine and the counters, hands the
+//! ruleset of each route to its [`Reconciler`] (which keeps it installed: read-backs, repairs,
+//! retries), and reacts to one event at a time, so it is tested with the fake dataplane and no
+//! runtime. [`run`] wires it to the world: probe tasks, the kernel's socket-destroy and
+//! nftables-change notifications, a resync tick, the state file, and the shutdown signal.
 //!
 //! Exit policy: on SIGTERM or SIGINT the agent leaves the ruleset of its current route installed
 //! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
@@ -33,14 +24,17 @@ use tracing::{debug, error, info, warn};
 
 use crate::config::{AgentConfig, Cadence};
 use crate::dataplane::nftables::TableRef;
-use crate::dataplane::{self, Check, Dataplane};
+use crate::dataplane::{self, Dataplane};
 use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stream, Transition};
 use crate::metrics::{Health, Metrics};
 use crate::probe::{Outcome, Probe, ProbeResult, Transport};
-use crate::ruleset::{ListenAddrs, Route, RuleSet, DNS_PORT};
+use crate::reconciler::{Reconciler, POLL_ANNOUNCED};
+use crate::ruleset::{ListenAddrs, Route, DNS_PORT};
 use crate::state::{self, ProbeStats, Probes, State};
 use crate::{control, maintenance};
+
+pub use crate::reconciler::{CheckDone, CheckJob};
 
 /// What can stop the agent.
 #[derive(Debug, thiserror::Error)]
@@ -84,50 +78,6 @@ const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
 /// How often the node is searched for NOTRACK rules of others on the listen addresses.
 const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 
-/// The least time between two repairs of the ruleset.
-const REPAIR_SPACING: Duration = Duration::from_millis(50);
-
-/// How often a ruleset whose changes the kernel announces is checked all the same. Reading
-/// iptables-nft back runs child processes (`iptables-nft -S <chain>`: 4 per table and family,
-/// a few ms each): too much for every tick, when announcements say when to.
-const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
-
-/// A read-back to run off the control loop ([`CheckJob::run`], e.g. in `spawn_blocking`); its
-/// result goes back to [`Agent::checked`].
-pub struct CheckJob {
-    generation: u64,
-    rules: RuleSet,
-    /// Only what lives in these tables ([`Dataplane::check_changed`]); `None`: everything.
-    changed: Option<Vec<TableRef>>,
-    reader: Box<dyn Dataplane>,
-}
-
-impl CheckJob {
-    /// Reads the ruleset back and compares it with the route's (blocks: child processes or
-    /// netlink dumps).
-    pub fn run(mut self) -> CheckDone {
-        let started = Instant::now();
-        let result = match &self.changed {
-            Some(tables) => self.reader.check_changed(&self.rules, tables),
-            None => self.reader.check(&self.rules),
-        };
-        CheckDone {
-            generation: self.generation,
-            result,
-            took: started.elapsed(),
-            reader: self.reader,
-        }
-    }
-}
-
-/// A finished [`CheckJob`].
-pub struct CheckDone {
-    generation: u64,
-    result: Result<Check, dataplane::Error>,
-    took: Duration,
-    reader: Box<dyn Dataplane>,
-}
-
 /// A probe result, tagged with the stream it belongs to.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -159,36 +109,9 @@ pub struct Agent {
     /// What goes into the ruleset besides the NOTRACK chains.
     shape: dataplane::Shape,
     machine: Machine,
-    dataplane: Box<dyn Dataplane>,
-    /// The ruleset of the current route, as last rendered.
-    desired: RuleSet,
-    /// The last apply failed; the next resync must apply without asking.
-    dirty: bool,
-    /// Failed applies in a row, for the retry backoff.
-    apply_failures: u32,
-    /// No resync before this: backing off after failed applies, or after a repair so that a
-    /// tool fighting over the table (or our own change notification) cannot spin the loop.
-    not_before: Option<Instant>,
-    /// The resync period; the unit of the backoff.
-    tick: Duration,
-    /// Whether the kernel announces every change to what a check reads
-    /// ([`Dataplane::announced_tables`]).
-    announced: bool,
-    /// When the ruleset was last read back (checked or applied).
-    checked_at: Option<Instant>,
-    /// The handle checks read back through, off the loop; `None` while a check is in flight.
-    reader: Option<Box<dyn Dataplane>>,
-    /// Bumped by every apply: a check begun in an older generation is stale.
-    generation: u64,
-    /// A whole check is wanted (a tick, a retry, or unknown announcements).
-    check_all: bool,
-    /// Tables announced changed since the last check began: the next check reads these.
-    changed: Vec<TableRef>,
-    /// Checks discarded because an apply overtook them.
-    stale_checks: u64,
+    /// Keeps the ruleset of the current route installed; the only writer to the dataplane.
+    reconciler: Reconciler,
     transitions: u64,
-    repairs: u64,
-    last_error: Option<String>,
     probes: Probes,
     notes: Notes,
     warnings: Vec<String>,
@@ -295,7 +218,9 @@ impl Agent {
             dataplane = dataplane.name(),
             "started"
         );
-        let announced = dataplane.announced_tables().is_some();
+        let tick = cfg.cache_udp.interval;
+        let reconciler =
+            Reconciler::new(dataplane, reader, route, desired, tick, metrics.clone(), now);
         let stats = |target: std::net::SocketAddr| ProbeStats {
             target: target.to_string(),
             ..ProbeStats::default()
@@ -304,22 +229,8 @@ impl Agent {
             addrs: cfg.addrs.clone(),
             shape: cfg.shape,
             machine,
-            dataplane,
-            desired,
-            dirty: false,
-            apply_failures: 0,
-            not_before: None,
-            tick: cfg.cache_udp.interval,
-            announced,
-            checked_at: Some(now),
-            reader: Some(reader),
-            generation: 0,
-            check_all: false,
-            changed: Vec::new(),
-            stale_checks: 0,
+            reconciler,
             transitions: 0,
-            repairs: 0,
-            last_error: failed,
             probes: Probes {
                 cache_udp: stats(cfg.cache_target()),
                 cache_tcp: cfg.cache_tcp.map(|_| stats(cfg.cache_target())),
@@ -334,8 +245,8 @@ impl Agent {
             firewall: Vec::new(),
         };
         agent.note_firewall(&firewall);
-        if dirty {
-            agent.failed_apply(now);
+        if let Some(failed) = failed {
+            agent.reconciler.start_failed(failed, dirty, now);
         }
         Ok(agent)
     }
@@ -400,8 +311,7 @@ impl Agent {
         info!(from = %t.from, to = %t.to, reason = %t.reason, evidence = %evidence, "route changed");
         self.metrics.transition(t.from, t.to, t.reason.kind());
         self.metrics.set_route(t.to);
-        self.desired = dataplane::plan(&self.addrs, t.to, self.shape);
-        self.apply(now);
+        self.reconciler.install(t.to, dataplane::plan(&self.addrs, t.to, self.shape), now);
         self.changes.push(t);
     }
 
@@ -481,12 +391,12 @@ impl Agent {
     /// What the dataplane's checks read, when the kernel announces its changes
     /// ([`Dataplane::announced_tables`]).
     pub fn announced_tables(&self) -> Option<Vec<TableRef>> {
-        self.dataplane.announced_tables()
+        self.reconciler.dataplane().announced_tables()
     }
 
     /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
     pub fn reply_packets(&mut self) -> Result<Option<u64>, dataplane::Error> {
-        self.dataplane.reply_packets()
+        self.reconciler.reply_packets()
     }
 
     fn stats_mut(&mut self, stream: Stream) -> Option<&mut ProbeStats> {
@@ -497,139 +407,40 @@ impl Agent {
         }
     }
 
-    /// The tick's resync: every tick, unless the kernel announces the changes to the ruleset and
-    /// `hearing` them (the watch is up), then every [`POLL_ANNOUNCED`] as a safety net.
+    /// The tick's resync ([`Reconciler::poll`]): a check to run off the loop, if one is due.
     #[must_use = "a check to run off the loop"]
     pub fn poll(&mut self, now: Instant, hearing: bool) -> Option<CheckJob> {
-        let recent = self.checked_at.is_some_and(|t| now.duration_since(t) < POLL_ANNOUNCED);
-        if self.announced && hearing && recent && !self.dirty {
-            return None;
-        }
-        self.resync(now)
+        self.reconciler.poll(now, hearing)
     }
 
-    /// Resyncs: re-applies after a failed apply (here, on the loop), else returns the read-back
-    /// to run off the loop; its result goes to [`Agent::checked`], which restores the ruleset
-    /// when it is not exactly the current route's. Nothing while a check is in flight (one
-    /// follows when it returns) or a retry or spaced repair is pending.
+    /// A resync ([`Reconciler::resync`]): a retry applies here; a check is returned to run off
+    /// the loop.
     #[must_use = "a check to run off the loop"]
     pub fn resync(&mut self, now: Instant) -> Option<CheckJob> {
-        self.check_all = true;
-        self.next_check(now)
+        self.reconciler.resync(now)
     }
 
-    /// Like [`Agent::resync`], for the kernel's announcement that `tables` changed (`None`:
-    /// unknown ones): the check reads back only what lives there.
+    /// The kernel's announcement that `tables` changed ([`Reconciler::announced`]).
     #[must_use = "a check to run off the loop"]
     pub fn announced(&mut self, tables: Option<Vec<TableRef>>, now: Instant) -> Option<CheckJob> {
-        match tables {
-            Some(tables) => {
-                for t in tables {
-                    if !self.changed.contains(&t) {
-                        self.changed.push(t);
-                    }
-                }
-            }
-            None => self.check_all = true,
-        }
-        self.next_check(now)
+        self.reconciler.announced(tables, now)
     }
 
-    /// The check wanted, unless one is in flight (it follows that one) or a retry or spaced
-    /// repair is pending; after a failed apply, the apply (on the loop) instead.
-    fn next_check(&mut self, now: Instant) -> Option<CheckJob> {
-        if !self.check_all && self.changed.is_empty() {
-            return None;
-        }
-        if self.not_before.is_some_and(|t| now < t) {
-            return None;
-        }
-        self.not_before = None;
-        if self.dirty {
-            self.apply(now);
-            return None;
-        }
-        let reader = self.reader.take()?;
-        let changed = std::mem::take(&mut self.changed);
-        let changed = (!std::mem::take(&mut self.check_all)).then_some(changed);
-        Some(CheckJob { generation: self.generation, rules: self.desired.clone(), changed, reader })
-    }
-
-    /// Takes a finished check: repairs what it found, unless an apply overtook it (then it
-    /// is discarded: the apply read back itself). Returns the next check when one was asked
-    /// for meanwhile.
+    /// Takes a finished check ([`Reconciler::checked`]); returns the next one, if asked for
+    /// meanwhile.
     #[must_use = "a check to run off the loop"]
     pub fn checked(&mut self, done: CheckDone, now: Instant) -> Option<CheckJob> {
-        self.reader = Some(done.reader);
-        self.metrics.check(done.took);
-        if done.generation != self.generation {
-            self.stale_checks += 1;
-            debug!(result = ?done.result.as_ref().ok(), "a check overtaken by an apply, discarded");
-        } else {
-            self.checked_at = Some(now);
-            match done.result {
-                Ok(Check::Matches) => {}
-                Ok(drift) => {
-                    self.repairs += 1;
-                    self.metrics.repair();
-                    warn!(route = %self.route(), drift = ?drift, "ruleset changed by someone else, restoring");
-                    self.apply(now);
-                    // Whoever keeps changing the table (our own change notification included)
-                    // cannot make the agent spin: repairs are spaced.
-                    let spacing = self.tick.min(REPAIR_SPACING);
-                    self.not_before = Some(self.not_before.unwrap_or(now).max(now + spacing));
-                }
-                Err(e) => {
-                    warn!(error = %e, "reading the ruleset back failed, re-applying");
-                    self.apply(now);
-                }
-            }
-        }
-        self.next_check(now)
+        self.reconciler.checked(done, now)
     }
 
     /// Checks discarded because an apply overtook them.
     pub fn stale_checks(&self) -> u64 {
-        self.stale_checks
+        self.reconciler.stale_checks()
     }
 
     /// Whether a check is in flight.
     pub fn checking(&self) -> bool {
-        self.reader.is_none()
-    }
-
-    /// Installs the current route's ruleset; on failure, schedules a retry with exponential
-    /// backoff (two ticks, doubling, at most 5 s). The batch is atomic: a failure changes nothing.
-    fn apply(&mut self, now: Instant) {
-        let started = Instant::now();
-        // Whatever a check in flight reads now may predate this apply, or mix both.
-        self.generation += 1;
-        let result = self.dataplane.apply(&self.desired);
-        self.metrics.apply(started.elapsed(), result.is_ok());
-        match result {
-            Ok(()) => {
-                self.checked_at = Some(now);
-                self.dirty = false;
-                self.apply_failures = 0;
-                self.not_before = None;
-                self.last_error = None;
-            }
-            Err(e) => {
-                self.last_error = Some(e.to_string());
-                self.failed_apply(now);
-            }
-        }
-    }
-
-    /// Schedules the retry of a failed apply: two ticks, doubling, at most 5 s.
-    fn failed_apply(&mut self, now: Instant) {
-        self.apply_failures += 1;
-        let backoff =
-            self.tick.saturating_mul(1 << self.apply_failures.min(16)).min(Duration::from_secs(5));
-        let error = self.last_error.as_deref().unwrap_or("unknown");
-        error!(route = %self.route(), error, retry_in = ?backoff, "applying the ruleset failed");
-        self.dirty = true;
-        self.not_before = Some(now + backoff);
+        self.reconciler.checking()
     }
 
     /// Hands over backends the agent does not use but that hold its rules (left by an agent
@@ -647,7 +458,7 @@ impl Agent {
     /// its own rules (an old socket-guarded NOTRACK pins them to a hung cache). A failure
     /// (the xtables lock held) is retried on the next call.
     pub fn remove_leftovers(&mut self) {
-        if self.dirty || self.leftovers.is_empty() {
+        if self.reconciler.is_dirty() || self.leftovers.is_empty() {
             return;
         }
         let notes = &mut self.leftover_notes;
@@ -709,20 +520,17 @@ impl Agent {
 
     /// When a deferred resync (a retry, a spaced repair) is due.
     pub fn resync_due(&self) -> Option<Instant> {
-        self.not_before
+        self.reconciler.resync_due()
     }
 
     /// Whether the kernel may not hold the current route's ruleset (the last apply failed).
     pub fn is_dirty(&self) -> bool {
-        self.dirty
+        self.reconciler.is_dirty()
     }
 
     /// One last attempt to install the current route's ruleset, for shutdown.
     pub fn settle(&mut self, now: Instant) {
-        if self.dirty {
-            self.not_before = None;
-            self.apply(now);
-        }
+        self.reconciler.settle(now);
     }
 
     /// The state file's content; `now` and `wall` are the same moment on both clocks.
@@ -733,7 +541,7 @@ impl Agent {
             version: state::VERSION,
             pid: std::process::id(),
             updated_unix_ms: state::unix_ms(wall),
-            dataplane: self.dataplane.name().to_owned(),
+            dataplane: self.reconciler.dataplane().name().to_owned(),
             dataplane_why: self.notes.why.clone(),
             accepts_in: self.notes.accepts_in.clone(),
             warnings: self.firewall.iter().chain(&self.warnings).cloned().collect(),
@@ -743,8 +551,8 @@ impl Agent {
             reason: self.machine.reason().to_string(),
             held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,
-            repairs: self.repairs,
-            last_error: self.last_error.clone(),
+            repairs: self.reconciler.repairs(),
+            last_error: self.reconciler.last_error().map(str::to_owned),
             probes: self.probes.clone(),
         }
     }
@@ -1322,6 +1130,7 @@ mod tests {
     use super::*;
     use crate::config::{test_raw, RawRun};
     use crate::dataplane::fake::FakeDataplane;
+    use crate::ruleset::RuleSet;
 
     fn cfg() -> AgentConfig {
         let raw = RawRun { state_dir: "/nonexistent".into(), ..test_raw() };
@@ -1342,13 +1151,6 @@ mod tests {
         let mut job = agent.resync(now);
         while let Some(j) = job {
             job = agent.checked(j.run(), now);
-        }
-    }
-
-    /// A tick's poll, likewise.
-    fn poll(agent: &mut Agent, now: Instant, hearing: bool) {
-        if let Some(job) = agent.poll(now, hearing) {
-            assert!(agent.checked(job.run(), now).is_none());
         }
     }
 
@@ -1499,105 +1301,6 @@ mod tests {
         assert_eq!(agent.state(t0, SystemTime::now()).last_error, None);
     }
 
-    /// The retries of a failing apply come 2, 4, 8 … ticks apart, never more than 5 s, none
-    /// before it is due; a success ends the backoff, and the next failure starts it afresh.
-    #[test]
-    fn apply_retries_back_off_doubling_up_to_a_cap() {
-        let t0 = Instant::now();
-        let tick = cfg().cache_udp.interval;
-        let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
-        let mut agent = start(&fake, t0);
-        let failing = 9;
-        fake.kernel().fail_applies = failing;
-        // Failed applies so far.
-        let attempts = |fake: &FakeDataplane| failing - fake.kernel().fail_applies;
-        let mut at = t0;
-        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), at);
-        let mut spacings = Vec::new();
-        while agent.is_dirty() {
-            let due = agent.resync_due().expect("a retry is scheduled while dirty");
-            // Early, nothing happens: not the retry, nor a read-back.
-            let tried = attempts(&fake);
-            assert!(agent.resync(due - Duration::from_millis(1)).is_none());
-            assert_eq!(attempts(&fake), tried, "retried before it was due");
-            spacings.push((due - at).as_millis());
-            at = due;
-            assert!(agent.resync(at).is_none(), "a retry applies; it reads nothing back");
-        }
-        assert_eq!((attempts(&fake), fake.kernel().applies), (failing, 1), "failed, then applied");
-        let ticks = |n: u32| (tick * n).as_millis();
-        let cap = 5000;
-        assert_eq!(
-            spacings,
-            [ticks(2), ticks(4), ticks(8), ticks(16), ticks(32), cap, cap, cap, cap],
-            "tick {tick:?}"
-        );
-        assert_eq!(installed(&fake), Some(Route::Upstream));
-        assert_eq!(agent.resync_due(), None);
-        // A new failure backs off from the start again.
-        fake.kernel().fail_next_apply = true;
-        let forced = Forced {
-            route: Route::Local,
-            kind: crate::health::ForceKind::Manual,
-            until: None,
-            why: "test".into(),
-            waits_for: None,
-        };
-        agent.force(forced, at);
-        assert!(agent.is_dirty());
-        assert_eq!(agent.resync_due(), Some(at + tick * 2));
-    }
-
-    #[test]
-    fn ticks_check_an_announced_ruleset_only_as_a_safety_net() {
-        let t0 = Instant::now();
-        let polled = FakeDataplane::default();
-        let announced = FakeDataplane::default();
-        announced.kernel().announces = true;
-        let mut agents = [start(&polled, t0), start(&announced, t0)];
-        let checks = |fake: &FakeDataplane| fake.kernel().checks;
-        let before = [checks(&polled), checks(&announced)];
-        let tick = Duration::from_millis(100);
-        for n in 1..=10 {
-            agents.iter_mut().for_each(|a| poll(a, t0 + tick * n, true));
-        }
-        assert_eq!(checks(&polled) - before[0], 10, "a polled ruleset is checked every tick");
-        assert_eq!(checks(&announced), before[1], "an announced one waits for announcements");
-        // Not heard (the watch failed): every tick again.
-        poll(&mut agents[1], t0 + tick * 11, false);
-        assert_eq!(checks(&announced), before[1] + 1);
-        // Heard, but nothing checked for POLL_ANNOUNCED: checked all the same, and repaired.
-        announced.kernel().installed = None;
-        poll(&mut agents[1], t0 + tick * 11 + POLL_ANNOUNCED / 2, true);
-        assert_eq!(installed(&announced), None);
-        poll(&mut agents[1], t0 + tick * 11 + POLL_ANNOUNCED, true);
-        assert_eq!(installed(&announced), Some(Route::Local));
-    }
-
-    #[test]
-    fn resync_restores_a_removed_table_with_repairs_spaced() {
-        let t0 = Instant::now();
-        let fake = FakeDataplane::default();
-        let mut agent = start(&fake, t0);
-        sync(&mut agent, t0);
-        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
-        fake.kernel().installed = None;
-        sync(&mut agent, t0);
-        assert_eq!(installed(&fake), Some(Route::Local));
-        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
-        // Someone removes it again at once: repaired after a pause, not in a loop.
-        fake.kernel().installed = None;
-        sync(&mut agent, t0 + Duration::from_millis(1));
-        assert_eq!(installed(&fake), None);
-        assert_eq!(agent.resync_due(), Some(t0 + REPAIR_SPACING));
-        sync(&mut agent, t0 + REPAIR_SPACING);
-        assert_eq!(installed(&fake), Some(Route::Local));
-        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 2);
-        // Once due and done, nothing stays scheduled (the loop would spin on it).
-        sync(&mut agent, t0 + REPAIR_SPACING * 3);
-        assert_eq!(agent.resync_due(), None);
-    }
-
     #[test]
     fn a_switch_goes_ahead_of_a_check_in_flight_and_the_check_is_discarded() {
         let t0 = Instant::now();
@@ -1630,52 +1333,6 @@ mod tests {
         assert_eq!(agent.state(t0, SystemTime::now()).repairs, 0);
         assert_eq!(agent.stale_checks(), 1);
         assert_eq!(fake.kernel().installed.as_ref(), Some(&upstream));
-    }
-
-    #[test]
-    fn a_check_of_the_current_generation_repairs_drift() {
-        let t0 = Instant::now();
-        let fake = FakeDataplane::default();
-        let mut agent = start(&fake, t0);
-        let job = agent.resync(t0).expect("a check is due");
-        fake.kernel().installed = None;
-        assert!(agent.checked(job.run(), t0).is_none());
-        assert_eq!(installed(&fake), Some(Route::Local));
-        assert_eq!(agent.state(t0, SystemTime::now()).repairs, 1);
-        assert_eq!(agent.stale_checks(), 0);
-    }
-
-    #[test]
-    fn announced_tables_scope_the_next_check_and_add_up_while_one_is_in_flight() {
-        let t0 = Instant::now();
-        let fake = FakeDataplane::default();
-        let mut agent = start(&fake, t0);
-        let table = |name: &str| TableRef { family: 2, name: name.to_owned() };
-        let job = agent.announced(Some(vec![table("filter")]), t0).expect("a check");
-        assert_eq!(job.changed, Some(vec![table("filter")]));
-        // In flight: announcements add up for the check that follows it.
-        assert!(agent.announced(Some(vec![table("raw")]), t0).is_none());
-        assert!(agent.announced(Some(vec![table("filter")]), t0).is_none());
-        let next = agent.checked(job.run(), t0).expect("the announcements meanwhile");
-        assert_eq!(next.changed, Some(vec![table("raw"), table("filter")]));
-        // A tick's resync, or an announcement that could not be read, checks everything.
-        assert!(agent.resync(t0).is_none());
-        let next = agent.checked(next.run(), t0).expect("the resync meanwhile");
-        assert_eq!(next.changed, None);
-        assert!(agent.checked(next.run(), t0).is_none());
-        assert_eq!(agent.announced(None, t0).expect("a check").changed, None);
-    }
-
-    #[test]
-    fn settle_retries_a_failed_apply_at_shutdown() {
-        let t0 = Instant::now();
-        let fake = FakeDataplane::default();
-        let mut agent = start(&fake, t0);
-        fake.kernel().fail_next_apply = true;
-        agent.on_probe(&report(Stream::CacheUdp, Outcome::Refused), t0);
-        assert_eq!(installed(&fake), Some(Route::Local));
-        agent.settle(t0);
-        assert_eq!(installed(&fake), Some(Route::Upstream));
     }
 
     /// Every task of the agent runs forever: the first one to end, by returning or panicking,

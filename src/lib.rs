@@ -3,7 +3,8 @@
 //! The agent probes node-local-dns with real DNS queries ([`probe`]), decides with a pure
 //! hysteresis state machine ([`health`]) which route pod queries for the cluster-DNS IP take, and
 //! installs the matching NOTRACK ruleset ([`ruleset`]) through a [`dataplane`] backend in one
-//! atomic batch. [`agent`] ties them together; [`sockdiag`] hears the cache's sockets die.
+//! atomic batch, which the [`reconciler`] keeps installed. [`agent`] ties them together;
+//! [`sockdiag`] hears the cache's sockets die.
 
 // `unsafe` is denied in the whole crate and forbidden (no `allow` can undo it) in every module
 // but the two on the way to the reviewed places that need it: `dataplane::nftables::ffi`
@@ -38,6 +39,8 @@ pub mod metrics;
 mod netlink;
 #[forbid(unsafe_code)]
 pub mod probe;
+#[forbid(unsafe_code)]
+pub mod reconciler;
 #[forbid(unsafe_code)]
 pub mod ruleset;
 #[forbid(unsafe_code)]

@@ -23,6 +23,8 @@ pub struct FakeKernel {
     pub applies: usize,
     /// How many `check` calls ran (counted when they start).
     pub checks: usize,
+    /// When set, the next `check` fails (a read-back that went wrong) and reads nothing.
+    pub fail_next_check: bool,
     /// Whether the fake's changes are announced, like an nftables table's.
     pub announces: bool,
     /// When set, a `check` waits for the gate to open before it reads the kernel: a slow
@@ -111,6 +113,9 @@ impl Dataplane for FakeDataplane {
         let gate = {
             let mut kernel = self.kernel();
             kernel.checks += 1;
+            if std::mem::take(&mut kernel.fail_next_check) {
+                return Err(Error::Injected("check"));
+            }
             kernel.gate.clone()
         };
         // Held without the kernel's lock: applies go on meanwhile, as on a real node.
