@@ -929,7 +929,8 @@ async fn watch_foreign_rules(
     hearing: Arc<AtomicBool>,
     tx: mpsc::Sender<Vec<String>>,
 ) {
-    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, Flavour, SaveFacts};
+    use crate::dataplane::iptables::Flavour;
+    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, SaveFacts};
     let mut ticker = tokio::time::interval(period);
     let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
     loop {
