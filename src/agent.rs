@@ -32,7 +32,7 @@ use tokio::task::block_in_place;
 use tracing::{debug, error, info, warn};
 
 use crate::config::{AgentConfig, Cadence};
-use crate::dataplane::nftables::TableRef;
+use crate::dataplane::TableRef;
 use crate::dataplane::{self, Check, Dataplane};
 use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stream, Transition};

@@ -40,8 +40,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use super::nftables::TableRef;
-use super::{Check, Dataplane};
+use super::{Check, Dataplane, TableRef};
 use crate::ruleset::RuleSet;
 use command::{Finished, RunError};
 use text::{Family, Hooked, Saved, State, MAX_COMMENT_BYTES};

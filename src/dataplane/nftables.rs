@@ -42,7 +42,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, MsgFlags, NetlinkAddr, SockProtocol};
 use nix::sys::time::TimeVal;
 
-use super::{Check, Dataplane};
+use super::{Check, Dataplane, TableRef};
 use crate::netlink::{
     self, Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
 };
@@ -52,7 +52,7 @@ use expr::rule_expressions;
 use objects::{nft_body, nft_type};
 
 pub use crate::netlink::ParseError;
-pub use changes::{Announced, ChangeWatch, TableRef};
+pub use changes::{Announced, ChangeWatch};
 pub use host_firewall::host_firewall_candidate;
 
 /// [`ruleset::TABLE`] for nftnl.
