@@ -232,15 +232,17 @@ fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
     for binary in flavour.binaries(Tool::Save) {
         match Command::new(binary).output() {
             Ok(out) if out.status.success() => text.push_str(&String::from_utf8_lossy(&out.stdout)),
-            Ok(out) => {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("failed");
-                unreadable.push(format!("{binary}: {}", first.trim()));
-            }
+            Ok(out) => unreadable.push(format!("{binary}: {}", complaint(&out.stderr))),
             Err(_) => {}
         }
     }
     text
+}
+
+/// What a failed command said: the first line of `stderr` that is not blank, or `failed`.
+fn complaint(stderr: &[u8]) -> String {
+    let stderr = String::from_utf8_lossy(stderr);
+    stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("failed").to_owned()
 }
 
 /// Looks at this network namespace's netfilter. `kube_proxy_nftables` comes from the nftables
@@ -277,9 +279,8 @@ pub fn gather_builtin_chains(flavour: Flavour, addrs: &[IpAddr]) -> (SaveFacts, 
                     text.push_str("COMMIT\n");
                 }
                 Ok(out) => {
-                    let stderr = String::from_utf8_lossy(&out.stderr);
-                    let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("failed");
-                    unreadable.push(format!("{binary} -t {table} -S {chain}: {}", first.trim()));
+                    let complaint = complaint(&out.stderr);
+                    unreadable.push(format!("{binary} -t {table} -S {chain}: {complaint}"));
                 }
                 // Not installed: a node without that flavour (or family).
                 Err(_) => break,
