@@ -23,7 +23,7 @@ use tokio::task::block_in_place;
 use tracing::{debug, error, info, warn};
 
 use crate::config::{AgentConfig, Cadence};
-use crate::dataplane::nftables::TableRef;
+use crate::dataplane::TableRef;
 use crate::dataplane::{self, Dataplane};
 use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stream, Transition};
@@ -737,7 +737,8 @@ async fn watch_foreign_rules(
     hearing: Arc<AtomicBool>,
     tx: mpsc::Sender<Vec<String>>,
 ) {
-    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, Flavour, SaveFacts};
+    use crate::dataplane::iptables::Flavour;
+    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, SaveFacts};
     let mut ticker = tokio::time::interval(period);
     let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
     loop {

@@ -28,29 +28,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::process::Command;
 
-/// An iptables flavour.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Flavour {
-    Legacy,
-    Nft,
-}
-
-impl Flavour {
-    /// `legacy` or `nft`, as in the binaries' names.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Flavour::Legacy => "legacy",
-            Flavour::Nft => "nft",
-        }
-    }
-}
-
-impl fmt::Display for Flavour {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "iptables-{}", self.as_str())
-    }
-}
+use crate::dataplane::iptables::{Flavour, Tool};
 
 /// Where the switching rules go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -247,32 +225,24 @@ pub fn kernel_has_ipv6() -> bool {
     }
 }
 
-/// The iptables command prefixes of the families this kernel has: `iptables`, `ip6tables`.
-fn iptables_families() -> &'static [&'static str] {
-    if kernel_has_ipv6() {
-        &["iptables", "ip6tables"]
-    } else {
-        &["iptables"]
-    }
-}
-
 /// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
 /// missing (a node without that flavour). Failures of binaries that exist go to `unreadable`.
 fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
     let mut text = String::new();
-    for family in iptables_families() {
-        let binary = format!("{family}-{}-save", flavour.as_str());
-        match Command::new(&binary).output() {
+    for binary in flavour.binaries(Tool::Save) {
+        match Command::new(binary).output() {
             Ok(out) if out.status.success() => text.push_str(&String::from_utf8_lossy(&out.stdout)),
-            Ok(out) => {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("failed");
-                unreadable.push(format!("{binary}: {}", first.trim()));
-            }
+            Ok(out) => unreadable.push(format!("{binary}: {}", complaint(&out.stderr))),
             Err(_) => {}
         }
     }
     text
+}
+
+/// What a failed command said: the first line of `stderr` that is not blank, or `failed`.
+fn complaint(stderr: &[u8]) -> String {
+    let stderr = String::from_utf8_lossy(stderr);
+    stderr.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("failed").to_owned()
 }
 
 /// Looks at this network namespace's netfilter. `kube_proxy_nftables` comes from the nftables
@@ -294,12 +264,11 @@ pub fn gather(kube_proxy_nftables: bool, addrs: &[IpAddr]) -> Facts {
 pub fn gather_builtin_chains(flavour: Flavour, addrs: &[IpAddr]) -> (SaveFacts, Vec<String>) {
     let mut unreadable = Vec::new();
     let mut text = String::new();
-    for family in iptables_families() {
-        let binary = format!("{family}-{}", flavour.as_str());
+    for binary in flavour.binaries(Tool::List) {
         for (table, chain) in
             [("raw", "PREROUTING"), ("raw", "OUTPUT"), ("filter", "INPUT"), ("filter", "OUTPUT")]
         {
-            match Command::new(&binary).args(["-t", table, "-S", chain]).output() {
+            match Command::new(binary).args(["-t", table, "-S", chain]).output() {
                 Ok(out) if out.status.success() => {
                     text.push_str(&format!("*{table}\n"));
                     let listed = String::from_utf8_lossy(&out.stdout);
@@ -310,9 +279,8 @@ pub fn gather_builtin_chains(flavour: Flavour, addrs: &[IpAddr]) -> (SaveFacts, 
                     text.push_str("COMMIT\n");
                 }
                 Ok(out) => {
-                    let stderr = String::from_utf8_lossy(&out.stderr);
-                    let first = stderr.lines().find(|l| !l.trim().is_empty()).unwrap_or("failed");
-                    unreadable.push(format!("{binary} -t {table} -S {chain}: {}", first.trim()));
+                    let complaint = complaint(&out.stderr);
+                    unreadable.push(format!("{binary} -t {table} -S {chain}: {complaint}"));
                 }
                 // Not installed: a node without that flavour (or family).
                 Err(_) => break,

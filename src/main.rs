@@ -19,9 +19,9 @@ use nodelocaldns_ha::cli::{
 use nodelocaldns_ha::config::{self, AgentConfig};
 use nodelocaldns_ha::control::{self, ControlError, Override, OverrideKind, Request, Response};
 use nodelocaldns_ha::dataplane;
-use nodelocaldns_ha::dataplane::iptables::{Iptables, Table};
+use nodelocaldns_ha::dataplane::iptables::{Flavour, Iptables, Table};
 use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane, Layered};
-use nodelocaldns_ha::detect::{self, Backend, Flavour};
+use nodelocaldns_ha::detect::{self, Backend};
 use nodelocaldns_ha::probe::{Probe, Transport};
 use nodelocaldns_ha::ruleset::Route;
 use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
@@ -370,7 +370,7 @@ fn nftables() -> Result<Nftables, Failure> {
 }
 
 fn iptables(flavour: Flavour, table: Table, wait: Duration) -> Result<Box<dyn Dataplane>, Failure> {
-    let backend = Iptables::new(flavour.into(), table, wait);
+    let backend = Iptables::new(flavour, table, wait);
     Ok(Box::new(backend.map_err(|e| Failure::runtime(with_causes(&e)))?))
 }
 
@@ -441,7 +441,7 @@ fn leftovers(in_use: &Layered, addrs: &ListenAddrs, wait: Duration) -> Vec<Box<d
 /// installed, that needs CAP_NET_RAW: checked before anything is removed, so a teardown never
 /// stops half-way for a missing privilege.
 fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
-    if Iptables::new(Flavour::Legacy.into(), Table::Raw, wait).is_ok() {
+    if Iptables::new(Flavour::Legacy, Table::Raw, wait).is_ok() {
         require_capability(
             13,
             "CAP_NET_RAW",
@@ -456,9 +456,9 @@ fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
 /// flavour is installed: a node without a flavour's binaries has nothing of ours in it.
 fn iptables_parts(wait: Duration) -> Vec<Box<dyn Dataplane>> {
     let mut parts: Vec<Box<dyn Dataplane>> = Vec::new();
-    for flavour in [Flavour::Legacy, Flavour::Nft] {
+    for flavour in Flavour::ALL {
         for table in [Table::Raw, Table::Filter] {
-            if let Ok(backend) = Iptables::new(flavour.into(), table, wait) {
+            if let Ok(backend) = Iptables::new(flavour, table, wait) {
                 parts.push(Box::new(backend));
             }
         }

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
 
-use crate::dataplane::nftables::TableRef;
+use crate::dataplane::TableRef;
 use crate::dataplane::{self, Check, Dataplane};
 use crate::metrics::Metrics;
 use crate::ruleset::{Route, RuleSet};

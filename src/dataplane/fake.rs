@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::{Check, Dataplane, Error};
+use super::{Check, Dataplane, Error, TableRef};
 use crate::ruleset::RuleSet;
 
 /// What the fake kernel holds, and knobs for tests.
@@ -129,10 +129,8 @@ impl Dataplane for FakeDataplane {
         })
     }
 
-    fn announced_tables(&self) -> Option<Vec<super::nftables::TableRef>> {
-        self.kernel()
-            .announces
-            .then(|| vec![super::nftables::TableRef { family: 1, name: "fake".to_owned() }])
+    fn announced_tables(&self) -> Option<Vec<TableRef>> {
+        self.kernel().announces.then(|| vec![TableRef { family: 1, name: "fake".to_owned() }])
     }
 
     fn remove(&mut self) -> Result<(), Error> {

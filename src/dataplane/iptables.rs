@@ -27,21 +27,25 @@
 //! at most the configured time (`-w`, whole seconds, at least 1: `-w 0` would wait forever) and
 //! a timeout there is [`Error::LockBusy`]. iptables-nft takes no lock. Every child process is
 //! killed if it outlives the lock wait by 2 s, so the agent never hangs on iptables.
+//!
+//! `flavour` says which iptables ([`Flavour`], which detection uses too) and names its binaries;
+//! `text` is the pure half (rendering, parsing, comparing, the restore scripts); `command` runs
+//! the child processes.
 
 mod command;
+mod flavour;
 mod text;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use super::nftables::TableRef;
-use super::{Check, Dataplane};
-use crate::detect::Flavour;
+use super::{Check, Dataplane, TableRef};
 use crate::ruleset::RuleSet;
 use command::{Finished, RunError};
 use text::{Family, Hooked, Saved, State, MAX_COMMENT_BYTES};
 
+pub use flavour::{Flavour, Tool};
 pub use text::ParseError;
 
 /// Where the binaries are looked for after `PATH` (a service's `PATH` may lack the sbin dirs).
@@ -52,34 +56,6 @@ const KILL_GRACE: Duration = Duration::from_secs(2);
 const LOCK_BUSY_TEXT: &str = "holding the xtables lock";
 /// `iptables-legacy`'s exit status for resource problems, a held lock among them.
 const RESOURCE_PROBLEM: i32 = 4;
-
-/// Which iptables implementation the rules go to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Variant {
-    /// `iptables-legacy`: the x_tables kernel API, serialised by the xtables lock.
-    Legacy,
-    /// `iptables-nft`: the same rules as nftables tables `ip raw`, `ip6 filter`, etc.
-    Nft,
-}
-
-impl Variant {
-    /// `legacy` or `nft`, as in the binaries' names.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Variant::Legacy => "legacy",
-            Variant::Nft => "nft",
-        }
-    }
-}
-
-impl From<Flavour> for Variant {
-    fn from(flavour: Flavour) -> Variant {
-        match flavour {
-            Flavour::Legacy => Variant::Legacy,
-            Flavour::Nft => Variant::Nft,
-        }
-    }
-}
 
 /// Which table a backend writes, and so which part of the [`RuleSet`] it installs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -266,7 +242,7 @@ struct Binary {
 /// The iptables dataplane: owns the agent's chains of one table, in IPv4 and IPv6.
 #[derive(Clone, Debug)]
 pub struct Iptables {
-    variant: Variant,
+    flavour: Flavour,
     table: Table,
     /// `-w` for `iptables-legacy-restore`: whole seconds, at least 1.
     lock_wait_secs: u64,
@@ -292,37 +268,34 @@ enum Verified {
 }
 
 impl Iptables {
-    /// A backend for `table` through `variant`'s binaries, which must be installed. It waits at
+    /// A backend for `table` through `flavour`'s binaries, which must be installed. It waits at
     /// most `lock_wait` (rounded up to whole seconds, at least 1) for the xtables lock.
-    pub fn new(variant: Variant, table: Table, lock_wait: Duration) -> Result<Self, Error> {
+    pub fn new(flavour: Flavour, table: Table, lock_wait: Duration) -> Result<Self, Error> {
         let dirs = search_dirs();
-        let find = |family, kind| find_binary(binary_name(family, variant, kind), &dirs);
+        let find = |family, tool| find_binary(flavour.binary(family, tool), &dirs);
         let binaries = |family| -> Result<Binaries, Error> {
             Ok(Binaries {
-                restore: find(family, Kind::Restore)?,
-                save: find(family, Kind::Save)?,
-                list: match variant {
-                    Variant::Nft => Some(find(family, Kind::List)?),
-                    Variant::Legacy => None,
+                restore: find(family, Tool::Restore)?,
+                save: find(family, Tool::Save)?,
+                list: match flavour {
+                    Flavour::Nft => Some(find(family, Tool::List)?),
+                    Flavour::Legacy => None,
                 },
             })
         };
         Ok(Iptables {
-            variant,
+            flavour,
             table,
             lock_wait_secs: lock_wait_secs(lock_wait),
             binaries: [binaries(Family::V4)?, binaries(Family::V6)?],
             verified: [Verified::Unknown; 2],
-            families: Family::ALL
-                .into_iter()
-                .filter(|&f| f == Family::V4 || crate::detect::kernel_has_ipv6())
-                .collect(),
+            families: kernel_families(),
         })
     }
 
-    /// The iptables implementation it writes through.
-    pub fn variant(&self) -> Variant {
-        self.variant
+    /// The iptables flavour it writes through.
+    pub fn flavour(&self) -> Flavour {
+        self.flavour
     }
 
     /// The table it writes.
@@ -402,7 +375,7 @@ impl Iptables {
         let mut args = vec!["--noflush"];
         // iptables-nft-restore takes no lock (it accepts -w and ignores it). -W is left out:
         // iptables 1.8.9 ignores it with a warning.
-        if self.variant == Variant::Legacy {
+        if self.flavour == Flavour::Legacy {
             args.extend(["-w", wait.as_str()]);
         }
         let done = self.run(binary, &args, Some(script))?;
@@ -510,12 +483,7 @@ impl Iptables {
 
 impl Dataplane for Iptables {
     fn name(&self) -> &'static str {
-        match (self.variant, self.table) {
-            (Variant::Legacy, Table::Raw) => "iptables-legacy",
-            (Variant::Nft, Table::Raw) => "iptables-nft",
-            (Variant::Legacy, Table::Filter) => "iptables-legacy filter",
-            (Variant::Nft, Table::Filter) => "iptables-nft filter",
-        }
+        self.flavour.backend_name(self.table)
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
@@ -579,7 +547,7 @@ impl Dataplane for Iptables {
         rules: &RuleSet,
         changed: &[TableRef],
     ) -> Result<Check, super::Error> {
-        if self.variant == Variant::Legacy {
+        if self.flavour == Flavour::Legacy {
             return self.check(rules);
         }
         let table = self.table.as_str();
@@ -591,7 +559,7 @@ impl Dataplane for Iptables {
 
     /// iptables-legacy's tables announce nothing.
     fn announced_tables(&self) -> Option<Vec<TableRef>> {
-        (self.variant == Variant::Nft).then(|| self.table.nft_tables())
+        (self.flavour == Flavour::Nft).then(|| self.table.nft_tables())
     }
 
     fn remove(&mut self) -> Result<(), super::Error> {
@@ -626,30 +594,14 @@ impl Dataplane for Iptables {
     }
 }
 
-/// Which of a family's binaries.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
-    Restore,
-    Save,
-    List,
-}
-
-fn binary_name(family: Family, variant: Variant, kind: Kind) -> &'static str {
-    use {Family::*, Kind::*, Variant::*};
-    match (family, variant, kind) {
-        (V4, Legacy, List) => "iptables-legacy",
-        (V4, Nft, List) => "iptables-nft",
-        (V6, Legacy, List) => "ip6tables-legacy",
-        (V6, Nft, List) => "ip6tables-nft",
-        (V4, Legacy, Restore) => "iptables-legacy-restore",
-        (V4, Legacy, Save) => "iptables-legacy-save",
-        (V4, Nft, Restore) => "iptables-nft-restore",
-        (V4, Nft, Save) => "iptables-nft-save",
-        (V6, Legacy, Restore) => "ip6tables-legacy-restore",
-        (V6, Legacy, Save) => "ip6tables-legacy-save",
-        (V6, Nft, Restore) => "ip6tables-nft-restore",
-        (V6, Nft, Save) => "ip6tables-nft-save",
-    }
+/// The address families this kernel has: IPv4, and IPv6 unless it was booted with
+/// `ipv6.disable=1` (then every `ip6tables-*` command fails, and there is nothing of ours to find
+/// there).
+fn kernel_families() -> Vec<Family> {
+    Family::ALL
+        .into_iter()
+        .filter(|&f| f == Family::V4 || crate::detect::kernel_has_ipv6())
+        .collect()
 }
 
 /// `PATH`, then [`FALLBACK_DIRS`].

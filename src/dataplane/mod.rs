@@ -28,6 +28,18 @@ pub enum Error {
     Injected(&'static str),
 }
 
+/// A netfilter table as the kernel's nftables change announcements name it: its family
+/// (`NFPROTO_*`) and name. The nftables backend's `inet nodelocaldns-ha`, iptables-nft's
+/// `ip raw` or `ip6 filter`, kube-proxy's or the node firewall's tables: what
+/// [`Dataplane::announced_tables`] lists and [`Dataplane::check_changed`] hears changed.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct TableRef {
+    /// `NFPROTO_INET`, `NFPROTO_IPV4`, `NFPROTO_IPV6`, …
+    pub family: u8,
+    /// The table's name.
+    pub name: String,
+}
+
 /// How the installed state compares with the wanted one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Check {
@@ -54,11 +66,7 @@ pub trait Dataplane: Send {
     /// [`Dataplane::check`] of what lives in the `changed` tables only (announced changed
     /// since the last check); the rest is taken to be as last read back, since every change to
     /// it is announced. The default reads everything.
-    fn check_changed(
-        &mut self,
-        rules: &RuleSet,
-        changed: &[nftables::TableRef],
-    ) -> Result<Check, Error> {
+    fn check_changed(&mut self, rules: &RuleSet, changed: &[TableRef]) -> Result<Check, Error> {
         let _ = changed;
         self.check(rules)
     }
@@ -79,7 +87,7 @@ pub trait Dataplane: Send {
     /// announces every change to them, so the agent checks when one is announced instead of on
     /// every tick. `None` (the default) when a check must be polled: iptables-legacy's tables
     /// announce nothing.
-    fn announced_tables(&self) -> Option<Vec<nftables::TableRef>> {
+    fn announced_tables(&self) -> Option<Vec<TableRef>> {
         None
     }
 }
@@ -209,7 +217,7 @@ impl Dataplane for Layered {
         result
     }
 
-    fn announced_tables(&self) -> Option<Vec<nftables::TableRef>> {
+    fn announced_tables(&self) -> Option<Vec<TableRef>> {
         let mut all = Vec::new();
         for part in std::iter::once(&self.switch).chain(&self.accepts) {
             all.extend(part.announced_tables()?);
@@ -224,11 +232,7 @@ impl Dataplane for Layered {
 
     /// Reads back only the parts whose tables were announced changed; the others count as
     /// matching (they did at the last read-back, and nothing of theirs changed since).
-    fn check_changed(
-        &mut self,
-        rules: &RuleSet,
-        changed: &[nftables::TableRef],
-    ) -> Result<Check, Error> {
+    fn check_changed(&mut self, rules: &RuleSet, changed: &[TableRef]) -> Result<Check, Error> {
         let checks = self
             .parts()
             .map(|p| match p.announced_tables() {
@@ -347,8 +351,8 @@ mod tests {
         let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
         let rules = plan(&addrs(), Route::Local, Shape { accepts: true, fast_path: true });
         layered.apply(&rules).unwrap();
-        let fake_table = nftables::TableRef { family: 1, name: "fake".to_owned() };
-        let other = nftables::TableRef { family: 2, name: "nat".to_owned() };
+        let fake_table = TableRef { family: 1, name: "fake".to_owned() };
+        let other = TableRef { family: 2, name: "nat".to_owned() };
         accepts.kernel().installed = None;
         // Another table changed: the announced part is not read (its change would have been
         // announced); the part that announces nothing always is.

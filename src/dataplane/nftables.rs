@@ -42,7 +42,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, MsgFlags, NetlinkAddr, SockProtocol};
 use nix::sys::time::TimeVal;
 
-use super::{Check, Dataplane};
+use super::{Check, Dataplane, TableRef};
 use crate::netlink::{
     self, Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
 };
@@ -52,7 +52,7 @@ use expr::rule_expressions;
 use objects::{nft_body, nft_type};
 
 pub use crate::netlink::ParseError;
-pub use changes::{Announced, ChangeWatch, TableRef};
+pub use changes::{Announced, ChangeWatch};
 pub use host_firewall::host_firewall_candidate;
 
 /// [`ruleset::TABLE`] for nftnl.
@@ -379,23 +379,10 @@ impl Nftables {
             Err(source) => return Err(Error::List { what: "tables", source }),
             Ok(()) => {}
         }
-        // Chain dumps cannot be filtered by table: keep ours.
-        let chains = self.request(
-            &mut snapshot,
-            "the chains",
-            objects::NFT_MSG_GETCHAIN,
-            NLM_F_REQUEST | NLM_F_DUMP,
-            &[],
-            |message, attrs| {
-                if message == objects::NFT_MSG_NEWCHAIN {
-                    let chain = objects::parse_chain(attrs)?;
-                    if chain.table == ruleset::TABLE {
-                        installed.chains.push(chain);
-                    }
-                }
-                Ok(())
-            },
-        )?;
+        let chains = self.dump_chains(FAMILY, &mut snapshot, "the chains", |chain| {
+            chain.table == ruleset::TABLE
+        })?;
+        let chains = chains.map(|ours| installed.chains = ours);
         let rules = self.request(
             &mut snapshot,
             "the rules",
@@ -421,6 +408,37 @@ impl Nftables {
             }
         }
         Ok(snapshot.consistent().then_some(installed))
+    }
+
+    /// The chains of `family` that `keep` accepts: chain dumps cannot be filtered by table, so
+    /// this dumps them all. The outer error is a failure to talk to the kernel, the inner one
+    /// the kernel's answer.
+    fn dump_chains(
+        &mut self,
+        family: u8,
+        snapshot: &mut Snapshot,
+        what: &'static str,
+        keep: impl Fn(&objects::Chain) -> bool,
+    ) -> Result<Result<Vec<objects::Chain>, Errno>, Error> {
+        let mut chains = Vec::new();
+        let answer = self.request_in(
+            family,
+            snapshot,
+            what,
+            objects::NFT_MSG_GETCHAIN,
+            NLM_F_REQUEST | NLM_F_DUMP,
+            &[],
+            |message, attrs| {
+                if message == objects::NFT_MSG_NEWCHAIN {
+                    let chain = objects::parse_chain(attrs)?;
+                    if keep(&chain) {
+                        chains.push(chain);
+                    }
+                }
+                Ok(())
+            },
+        )?;
+        Ok(answer.map(|()| chains))
     }
 
     /// Sends one nf_tables request and passes each nf_tables message of the answer (type and

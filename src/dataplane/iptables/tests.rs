@@ -1,5 +1,5 @@
 //! Tests of the iptables backend: rendering, parsing and transactions on plain data, then the
-//! real kernel with both iptables variants, each test in a network namespace of its own.
+//! real kernel with both iptables flavours, each test in a network namespace of its own.
 
 use std::os::unix::process::ExitStatusExt;
 
@@ -541,13 +541,13 @@ fn a_missing_binary_names_the_package() {
 #[test]
 fn names_say_variant_and_table() {
     let names: Vec<&str> = [
-        (Variant::Legacy, Table::Raw),
-        (Variant::Nft, Table::Raw),
-        (Variant::Legacy, Table::Filter),
-        (Variant::Nft, Table::Filter),
+        (Flavour::Legacy, Table::Raw),
+        (Flavour::Nft, Table::Raw),
+        (Flavour::Legacy, Table::Filter),
+        (Flavour::Nft, Table::Filter),
     ]
     .into_iter()
-    .filter_map(|(variant, table)| Iptables::new(variant, table, Duration::from_secs(1)).ok())
+    .filter_map(|(flavour, table)| Iptables::new(flavour, table, Duration::from_secs(1)).ok())
     .map(|iptables| iptables.name())
     .collect();
     // On a machine without iptables the constructor fails, and there is nothing to name.
@@ -557,7 +557,8 @@ fn names_say_variant_and_table() {
             ["iptables-legacy", "iptables-nft", "iptables-legacy filter", "iptables-nft filter"]
         );
     }
-    assert_eq!(Variant::from(Flavour::Nft), Variant::Nft);
+    // The same names, from the flavour alone (detection's reasons, `state.json`'s `accepts_in`).
+    assert_eq!(Flavour::ALL.map(|f| f.to_string()), ["iptables-legacy", "iptables-nft"]);
 }
 
 #[test]
@@ -577,7 +578,7 @@ fn commands_get_their_input_and_are_killed_when_late() {
     assert!(matches!(missing, Err(RunError::Io(_))), "{missing:?}");
 }
 
-/// Real-kernel tests, for both variants. Each runs in a fresh network namespace: the test binary
+/// Real-kernel tests, for both flavours. Each runs in a fresh network namespace: the test binary
 /// runs the one test again under `ip netns exec`, with `XTABLES_LOCKFILE` pointing at a lock
 /// file of its own, so nothing here touches the host's netfilter or its xtables lock.
 mod kernel {
@@ -599,15 +600,15 @@ mod kernel {
         }
     }
 
-    /// `iptables-<variant> -w 1 <args>` in `ns` (the lock file comes from the environment).
-    fn ipt(ns: &str, variant: Variant, family: Family, args: &[&str]) -> String {
-        let binary = format!("{}-{}", family_prefix(family), variant.as_str());
+    /// `iptables-<flavour> -w 1 <args>` in `ns` (the lock file comes from the environment).
+    fn ipt(ns: &str, flavour: Flavour, family: Family, args: &[&str]) -> String {
+        let binary = format!("{}-{}", family_prefix(family), flavour.as_str());
         run("ip", &[&["netns", "exec", ns, &binary, "-w", "1"], args].concat())
     }
 
-    /// `iptables-<variant>-save -t <table>` in `ns`, comments dropped.
-    fn save(ns: &str, variant: Variant, family: Family, table: Table) -> String {
-        let binary = format!("{}-{}-save", family_prefix(family), variant.as_str());
+    /// `iptables-<flavour>-save -t <table>` in `ns`, comments dropped.
+    fn save(ns: &str, flavour: Flavour, family: Family, table: Table) -> String {
+        let binary = format!("{}-{}-save", family_prefix(family), flavour.as_str());
         let text = run("ip", &["netns", "exec", ns, &binary, "-t", table.as_str()]);
         text.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect()
     }
@@ -640,25 +641,25 @@ mod kernel {
         "-A OUTPUT -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-OUTPUT";
 
     /// Each test once with iptables-legacy and once with iptables-nft.
-    macro_rules! both_variants {
+    macro_rules! both_flavours {
         ($($name:ident),* $(,)?) => {$(
             mod $name {
                 use super::*;
 
                 #[test]
                 fn legacy() {
-                    in_netns("ipt", test_path!(), |ns| super::$name(ns, Variant::Legacy));
+                    in_netns("ipt", test_path!(), |ns| super::$name(ns, Flavour::Legacy));
                 }
 
                 #[test]
                 fn nft() {
-                    in_netns("ipt", test_path!(), |ns| super::$name(ns, Variant::Nft));
+                    in_netns("ipt", test_path!(), |ns| super::$name(ns, Flavour::Nft));
                 }
             }
         )*};
     }
 
-    both_variants!(
+    both_flavours!(
         apply_check_tamper_repair_remove,
         filter_accepts,
         the_lock,
@@ -666,16 +667,16 @@ mod kernel {
         socket_guard_follows_the_listening_socket,
     );
 
-    fn apply_check_tamper_repair_remove(ns: &str, variant: Variant) {
+    fn apply_check_tamper_repair_remove(ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
         let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-        let mut ipt_raw = Iptables::new(variant, Table::Raw, WAIT).unwrap();
-        assert_eq!(ipt_raw.variant(), variant);
+        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        assert_eq!(ipt_raw.flavour(), flavour);
 
         // Nothing there: Missing, and remove has nothing to do (and creates no table).
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Missing);
         ipt_raw.remove().unwrap();
-        if variant == Variant::Nft {
+        if flavour == Flavour::Nft {
             assert_eq!(run("ip", &["netns", "exec", ns, "nft", "list", "ruleset"]), "");
         }
 
@@ -683,7 +684,7 @@ mod kernel {
         ipt_raw.apply(&local).unwrap();
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Matches);
         for family in Family::ALL {
-            let text = save(ns, variant, family, Table::Raw);
+            let text = save(ns, flavour, family, Table::Raw);
             let want = render_family(Table::Raw, &wanted(&local, Table::Raw, family).unwrap());
             assert_eq!(ours(&text), want, "{family:?}:\n{text}");
             assert_eq!(chain_rules(&text, "PREROUTING"), [JUMP_PREROUTING]);
@@ -699,18 +700,18 @@ mod kernel {
             differs(ipt_raw.check(&local).unwrap()),
             "IPv4 raw NODELOCALDNS-HA-PREROUTING: 2 rules, want 4"
         );
-        let text = save(ns, variant, Family::V6, Table::Raw);
+        let text = save(ns, flavour, Family::V6, Table::Raw);
         let want = render_family(Table::Raw, &wanted(&upstream, Table::Raw, Family::V6).unwrap());
         assert_eq!(ours(&text), want);
 
         // A foreign rule before our jump.
-        ipt(ns, variant, Family::V4, &["-t", "raw", "-I", "PREROUTING", "1", "-j", "ACCEPT"]);
+        ipt(ns, flavour, Family::V4, &["-t", "raw", "-I", "PREROUTING", "1", "-j", "ACCEPT"]);
         assert_eq!(
             differs(ipt_raw.check(&upstream).unwrap()),
             "IPv4 raw PREROUTING: first rule is `-A PREROUTING -j ACCEPT`, not the agent's jump"
         );
         ipt_raw.apply(&upstream).unwrap();
-        let text = save(ns, variant, Family::V4, Table::Raw);
+        let text = save(ns, flavour, Family::V4, Table::Raw);
         assert_eq!(chain_rules(&text, "PREROUTING"), [JUMP_PREROUTING, "-A PREROUTING -j ACCEPT"]);
 
         // A second copy of our jump.
@@ -718,17 +719,17 @@ mod kernel {
         let duplicate =
             [&["-t", "raw", "-A", "PREROUTING"], &jump_args[..], &["NODELOCALDNS-HA-PREROUTING"]]
                 .concat();
-        ipt(ns, variant, Family::V4, &duplicate);
+        ipt(ns, flavour, Family::V4, &duplicate);
         assert_eq!(
             differs(ipt_raw.check(&upstream).unwrap()),
             "IPv4 raw PREROUTING: 2 jumps to NODELOCALDNS-HA-PREROUTING, want 1"
         );
         ipt_raw.apply(&upstream).unwrap();
-        let text = save(ns, variant, Family::V4, Table::Raw);
+        let text = save(ns, flavour, Family::V4, Table::Raw);
         assert_eq!(chain_rules(&text, "PREROUTING"), [JUMP_PREROUTING, "-A PREROUTING -j ACCEPT"]);
 
         // Our chain flushed by hand.
-        ipt(ns, variant, Family::V4, &["-t", "raw", "-F", "NODELOCALDNS-HA-PREROUTING"]);
+        ipt(ns, flavour, Family::V4, &["-t", "raw", "-F", "NODELOCALDNS-HA-PREROUTING"]);
         assert_eq!(
             differs(ipt_raw.check(&upstream).unwrap()),
             "IPv4 raw NODELOCALDNS-HA-PREROUTING: 0 rules, want 2"
@@ -739,7 +740,7 @@ mod kernel {
         // The IPv6 OUTPUT jump deleted by hand.
         let delete =
             [&["-t", "raw", "-D", "OUTPUT"], &jump_args[..], &["NODELOCALDNS-HA-OUTPUT"]].concat();
-        ipt(ns, variant, Family::V6, &delete);
+        ipt(ns, flavour, Family::V6, &delete);
         assert_eq!(
             differs(ipt_raw.check(&upstream).unwrap()),
             "IPv6 raw OUTPUT: no rules, want the agent's jump `-A OUTPUT -m comment --comment \
@@ -752,40 +753,40 @@ mod kernel {
         let v4_only = RuleSet::desired(&ipv4(), Route::Upstream);
         ipt_raw.apply(&v4_only).unwrap();
         assert_eq!(ipt_raw.check(&v4_only).unwrap(), Check::Matches);
-        assert_eq!(ours(&save(ns, variant, Family::V6, Table::Raw)), "*raw\nCOMMIT\n");
+        assert_eq!(ours(&save(ns, flavour, Family::V6, Table::Raw)), "*raw\nCOMMIT\n");
         ipt_raw.apply(&upstream).unwrap();
 
         // Remove: also a foreign chain's jump to ours goes (else the chain could not go);
         // foreign rules and chains stay.
-        ipt(ns, variant, Family::V4, &["-t", "raw", "-N", "FOREIGN"]);
+        ipt(ns, flavour, Family::V4, &["-t", "raw", "-N", "FOREIGN"]);
         ipt(
             ns,
-            variant,
+            flavour,
             Family::V4,
             &["-t", "raw", "-A", "FOREIGN", "-j", "NODELOCALDNS-HA-OUTPUT"],
         );
-        ipt(ns, variant, Family::V4, &["-t", "raw", "-A", "FOREIGN", "-j", "ACCEPT"]);
+        ipt(ns, flavour, Family::V4, &["-t", "raw", "-A", "FOREIGN", "-j", "ACCEPT"]);
         ipt_raw.remove().unwrap();
         ipt_raw.remove().unwrap();
         for family in Family::ALL {
-            let text = save(ns, variant, family, Table::Raw);
+            let text = save(ns, flavour, family, Table::Raw);
             assert_eq!(ours(&text), "*raw\nCOMMIT\n", "{family:?}:\n{text}");
         }
-        let text = save(ns, variant, Family::V4, Table::Raw);
+        let text = save(ns, flavour, Family::V4, Table::Raw);
         assert_eq!(chain_rules(&text, "PREROUTING"), ["-A PREROUTING -j ACCEPT"]);
         assert_eq!(chain_rules(&text, "FOREIGN"), ["-A FOREIGN -j ACCEPT"]);
         assert_eq!(ipt_raw.check(&upstream).unwrap(), Check::Missing);
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Missing);
     }
 
-    fn filter_accepts(ns: &str, variant: Variant) {
+    fn filter_accepts(ns: &str, flavour: Flavour) {
         let rules = RuleSet::desired(&dual_stack(), Route::Upstream).with_accepts(&dual_stack());
-        let mut filter = Iptables::new(variant, Table::Filter, WAIT).unwrap();
+        let mut filter = Iptables::new(flavour, Table::Filter, WAIT).unwrap();
         assert_eq!(filter.check(&rules).unwrap(), Check::Missing);
         filter.apply(&rules).unwrap();
         assert_eq!(filter.check(&rules).unwrap(), Check::Matches);
         for family in Family::ALL {
-            let text = save(ns, variant, family, Table::Filter);
+            let text = save(ns, flavour, family, Table::Filter);
             let want =
                 render_family(Table::Filter, &wanted(&rules, Table::Filter, family).unwrap());
             assert_eq!(ours(&text), want, "{family:?}:\n{text}");
@@ -794,7 +795,7 @@ mod kernel {
                 ["-A INPUT -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-INPUT"]
             );
             // The raw table is not the filter backend's.
-            assert!(!save(ns, variant, family, Table::Raw).contains("NODELOCALDNS-HA"));
+            assert!(!save(ns, flavour, family, Table::Raw).contains("NODELOCALDNS-HA"));
         }
         // A ruleset without accepts wants nothing here.
         let without = RuleSet::desired(&dual_stack(), Route::Upstream);
@@ -808,16 +809,16 @@ mod kernel {
         filter.remove().unwrap();
         filter.remove().unwrap();
         for family in Family::ALL {
-            assert_eq!(ours(&save(ns, variant, family, Table::Filter)), "*filter\nCOMMIT\n");
+            assert_eq!(ours(&save(ns, flavour, family, Table::Filter)), "*filter\nCOMMIT\n");
         }
     }
 
     /// Another process holds the xtables lock: iptables-legacy gives up after the wait and
     /// nothing changes; iptables-nft takes no lock at all.
-    fn the_lock(_ns: &str, variant: Variant) {
+    fn the_lock(_ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
         let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-        let mut ipt_raw = Iptables::new(variant, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
         ipt_raw.apply(&local).unwrap();
 
         let lockfile = std::env::var(LOCKFILE_ENV).unwrap();
@@ -831,12 +832,12 @@ mod kernel {
         let started = Instant::now();
         let result = ipt_raw.apply(&upstream);
         let took = started.elapsed();
-        // Reading does not take the lock, in either variant.
+        // Reading does not take the lock, in either flavour.
         let still = ipt_raw.check(&local).unwrap();
         drop(held);
 
-        match variant {
-            Variant::Legacy => {
+        match flavour {
+            Flavour::Legacy => {
                 let error = result.unwrap_err();
                 assert!(
                     matches!(
@@ -850,7 +851,7 @@ mod kernel {
                 assert!(took >= WAIT && took < Duration::from_secs(3), "{took:?}");
                 assert_eq!(still, Check::Matches, "the failed apply changed something");
             }
-            Variant::Nft => {
+            Flavour::Nft => {
                 result.unwrap();
                 assert!(took < WAIT, "{took:?}");
                 assert_eq!(ipt_raw.check(&upstream).unwrap(), Check::Matches);
@@ -860,11 +861,11 @@ mod kernel {
         assert_eq!(ipt_raw.check(&upstream).unwrap(), Check::Matches);
     }
 
-    fn a_refused_transaction_changes_nothing(ns: &str, variant: Variant) {
+    fn a_refused_transaction_changes_nothing(ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
-        let mut ipt_raw = Iptables::new(variant, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
         ipt_raw.apply(&local).unwrap();
-        let before = Family::ALL.map(|family| save(ns, variant, family, Table::Raw));
+        let before = Family::ALL.map(|family| save(ns, flavour, family, Table::Raw));
 
         // iptables would cut the comment to 255 bytes: refused before anything runs.
         let mut long = RuleSet::desired(&dual_stack(), Route::Upstream);
@@ -874,7 +875,7 @@ mod kernel {
             matches!(&error, crate::dataplane::Error::Iptables(Error::Comment(c)) if c.len() == 256),
             "{error}"
         );
-        assert_eq!(Family::ALL.map(|family| save(ns, variant, family, Table::Raw)), before);
+        assert_eq!(Family::ALL.map(|family| save(ns, flavour, family, Table::Raw)), before);
 
         // A transaction the kernel refuses at its last line: the flush and the rules before it
         // are not committed either.
@@ -883,23 +884,23 @@ mod kernel {
                       -A NODELOCALDNS-HA-PREROUTING -m nosuchmatch -j ACCEPT\nCOMMIT\n";
         let error = ipt_raw.restore(Family::V4, script).unwrap_err();
         let Error::RestoreFailed { binary, stderr, at, .. } = &error else { panic!("{error}") };
-        assert_eq!(*binary, format!("iptables-{}-restore", variant.as_str()));
+        assert_eq!(*binary, format!("iptables-{}-restore", flavour.as_str()));
         assert!(stderr.contains("nosuchmatch"), "{error}");
         assert_eq!(at, " (at `-A NODELOCALDNS-HA-PREROUTING -m nosuchmatch -j ACCEPT`)");
         assert!(error.to_string().contains("nothing was changed"), "{error}");
-        assert_eq!(Family::ALL.map(|family| save(ns, variant, family, Table::Raw)), before);
+        assert_eq!(Family::ALL.map(|family| save(ns, flavour, family, Table::Raw)), before);
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Matches);
     }
 
     /// The kernel fast path: prerouting NOTRACKs the cluster-DNS IP only while a socket listens
     /// on it (also one bound to the wildcard address, thanks to `--nowildcard`).
-    fn socket_guard_follows_the_listening_socket(ns: &str, variant: Variant) {
+    fn socket_guard_follows_the_listening_socket(ns: &str, flavour: Flavour) {
         run("ip", &["-n", ns, "link", "set", "lo", "up"]);
         run("ip", &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"]);
         let rules = RuleSet::desired(&ipv4(), Route::Local);
-        Iptables::new(variant, Table::Raw, WAIT).unwrap().apply(&rules).unwrap();
+        Iptables::new(flavour, Table::Raw, WAIT).unwrap().apply(&rules).unwrap();
         let packets = || {
-            let binary = format!("iptables-{}-save", variant.as_str());
+            let binary = format!("iptables-{}-save", flavour.as_str());
             let text = run("ip", &["netns", "exec", ns, &binary, "-c", "-t", "raw"]);
             let guarded = "-A NODELOCALDNS-HA-PREROUTING -d 10.96.0.10/32 -p udp";
             let line = text.lines().find(|l| l.contains(guarded)).expect("guarded rule listed");

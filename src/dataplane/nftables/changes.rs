@@ -10,6 +10,7 @@ use nix::sys::socket::SockProtocol;
 
 use super::objects::{self, nft_body, nft_type};
 use super::{Error, RECV_BUFFER};
+use crate::dataplane::TableRef;
 use crate::netlink::socket::{self, AsyncSocket};
 use crate::netlink::{attributes, messages, string};
 
@@ -21,13 +22,6 @@ const NFT_MSG_NEWGEN: u16 = 16;
 /// The table's name in every object's message: `NFTA_TABLE_NAME`, `NFTA_CHAIN_TABLE`,
 /// `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, … are all attribute 1.
 const OBJECT_TABLE: u16 = objects::NFTA_TABLE_NAME;
-
-/// An nftables table as change announcements name it: its family (`NFPROTO_*`) and name.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct TableRef {
-    pub family: u8,
-    pub name: String,
-}
 
 /// What change announcements said, merged over any number of reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

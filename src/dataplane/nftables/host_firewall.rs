@@ -36,30 +36,15 @@ impl Nftables {
 
     fn host_firewall_once(&mut self) -> Result<Option<Vec<crate::firewall::Table>>, Error> {
         use crate::firewall::{self, Chain, Table};
-        let skipped = |family: u8, table: &str| !host_firewall_candidate(family, table);
         let mut snapshot = Snapshot::default();
         let mut tables = Vec::new();
         for family in [libc::NFPROTO_INET as u8, libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8]
         {
-            let mut chains: Vec<objects::Chain> = Vec::new();
-            let answer = self.request_in(
-                family,
-                &mut snapshot,
-                "the node's chains",
-                objects::NFT_MSG_GETCHAIN,
-                NLM_F_REQUEST | NLM_F_DUMP,
-                &[],
-                |message, attrs| {
-                    if message == objects::NFT_MSG_NEWCHAIN {
-                        let chain = objects::parse_chain(attrs)?;
-                        if !skipped(family, &chain.table) {
-                            chains.push(chain);
-                        }
-                    }
-                    Ok(())
-                },
-            )?;
-            answer.map_err(|source| Error::List { what: "chains", source })?;
+            let chains = self
+                .dump_chains(family, &mut snapshot, "the node's chains", |chain| {
+                    host_firewall_candidate(family, &chain.table)
+                })?
+                .map_err(|source| Error::List { what: "chains", source })?;
             let hooked = |c: &objects::Chain| {
                 c.chain_type.as_deref() == Some("filter")
                     && c.hook.is_some_and(|h| {

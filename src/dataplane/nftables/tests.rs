@@ -392,6 +392,36 @@ mod kernel {
     }
 
     #[test]
+    fn host_firewall_reads_the_node_tables_only() {
+        // The agent's, kube-proxy's and iptables-nft's tables are left out, and so is a table
+        // without a filter chain on input or output; a node table comes whole, rules and all.
+        in_netns("nft", test_path!(), |ns| {
+            let mut nftables = Nftables::new().unwrap();
+            nftables.apply(&RuleSet::desired(&dual_stack(), Route::Local)).unwrap();
+            nft_load(
+                ns,
+                "table ip kube-proxy { chain filter-input { type filter hook input priority 0; }; }
+                 table ip filter { chain INPUT { type filter hook input priority 0; }; }
+                 table ip6 unhooked { chain helper { }; }
+                 table inet fw {
+                     chain input { type filter hook input priority 0; policy drop; tcp dport 22 accept; };
+                     chain helper { };
+                 }",
+            );
+            let tables = nftables.host_firewall().unwrap();
+            let spelled: Vec<String> = tables.iter().map(|t| t.spelled()).collect();
+            assert_eq!(spelled, ["inet fw"]);
+            let mut chains: Vec<_> = tables[0].chains.iter().collect();
+            chains.sort_by(|a, b| a.name.cmp(&b.name));
+            assert_eq!(chains[0].name, "helper");
+            assert_eq!((chains[0].hook, chains[0].rules.len()), (None, 0));
+            assert_eq!(chains[1].name, "input");
+            let input = (chains[1].hook, chains[1].policy, chains[1].rules.len());
+            assert_eq!(input, (Some((crate::firewall::HOOK_INPUT, 0)), Some(0), 1));
+        });
+    }
+
+    #[test]
     fn socket_guard_follows_the_listening_socket() {
         // The kernel fast path: prerouting NOTRACKs the cluster-DNS IP only while a socket
         // listens on it; the counter of that rule shows whether it matched.
