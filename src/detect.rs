@@ -22,11 +22,16 @@
 //! run with `-setupiptables=false`) are reported.
 //!
 //! [`decide`], [`ipvs_refusal`] and [`parse_save`] are pure; [`gather`] runs `iptables-*-save`
-//! and looks for the `kube-ipvs0` interface.
+//! and looks for the `kube-ipvs0` interface; `foreign` searches the node for node-cache's rules
+//! while the agent runs.
+
+mod foreign;
 
 use std::fmt;
 use std::net::IpAddr;
 use std::process::Command;
+
+pub(crate) use foreign::{watch_foreign_rules, FOREIGN_RULES_PERIOD};
 
 /// An iptables flavour.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
