@@ -25,15 +25,67 @@ use tracing::{error, info, warn};
 
 use crate::agent::{Agent, AgentError, CheckDone, CheckJob, Notes};
 use crate::config::{AgentConfig, Cadence};
+use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
 use crate::health::Stream;
 use crate::metrics::{Health, Metrics};
-use crate::probe::{self, Probe, Transport};
+use crate::probe::{self, Probe, ProbeError, Prober, Transport};
 use crate::{control, detect, firewall, hooks, maintenance, sockdiag, state};
 use tasks::Tasks;
 
 /// `/healthz` fails when the control loop has not turned for this long.
 const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
+
+/// Makes a probe stream's [`Prober`] from the probe name and the stream's timeout.
+type MakeProber = Box<dyn Fn(&str, Duration) -> Result<Arc<dyn Prober>, ProbeError> + Send>;
+
+/// What the control loop is connected to besides its configuration and its dataplane: the node
+/// ([`World::node`]), or, in the loop's tests, scripted probes, a request channel the test holds,
+/// and nothing of the node.
+struct World {
+    /// Makes each probe stream's prober.
+    probes: MakeProber,
+    /// Whether the node itself is watched: the socket-destroy watch, nftables' change
+    /// announcements, the node's own firewall (at start and after), the search for others'
+    /// NOTRACK rules, and the sockets of a drained cache. Without, none of them runs (they read
+    /// the namespace's netfilter and sockets): the firewall is taken to let DNS through, and
+    /// only failed probes end a drain.
+    watch_node: bool,
+    /// Where operators' requests come from; `None`: the control socket in the state directory.
+    requests: Option<mpsc::Receiver<Incoming>>,
+    /// Tasks supervised beside the agent's own: nothing outside the process can make one of
+    /// those end, so a test hands in one that does.
+    tasks: Tasks,
+}
+
+impl World {
+    /// The node the agent runs on: DNS probes on the wire, every watcher, the control socket.
+    fn node() -> World {
+        World {
+            probes: Box::new(|name, timeout| Ok(Arc::new(Probe::new(name, timeout)?))),
+            watch_node: true,
+            requests: None,
+            tasks: Tasks::default(),
+        }
+    }
+}
+
+/// The control loop's clock: tokio's, so that a test's paused clock drives every decision (on a
+/// clock that is not paused, it is the monotonic clock).
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Runs `f`, which blocks (an apply: milliseconds, seconds at worst), on the loop's thread: in
+/// `block_in_place` on a multi-threaded runtime, so the probes go on meanwhile; as it is on a
+/// current-thread runtime (a paused clock's, in tests), where `block_in_place` panics.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => block_in_place(f),
+        _ => f(),
+    }
+}
 
 /// Runs `job` (if any) on a blocking thread; its result comes back on `done`.
 fn start_check(job: Option<CheckJob>, done: &mpsc::Sender<CheckDone>) {
@@ -64,10 +116,10 @@ async fn with_grace<T, E>(
     mut take: impl FnMut() -> Result<T, E>,
     busy: impl Fn(&E) -> bool,
 ) -> Result<T, E> {
-    let deadline = Instant::now() + STARTUP_GRACE;
+    let deadline = tokio::time::Instant::now() + STARTUP_GRACE;
     loop {
         match take() {
-            Err(e) if busy(&e) && Instant::now() < deadline => {
+            Err(e) if busy(&e) && tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             taken => return taken,
@@ -75,9 +127,9 @@ async fn with_grace<T, E>(
     }
 }
 
-/// Runs the agent until `shutdown` completes. Needs a multi-threaded runtime: applies block
-/// (milliseconds, seconds at worst) and run in `block_in_place` so probes go on meanwhile;
-/// checks run on blocking threads, beside the loop.
+/// Runs the agent on the node until `shutdown` completes. Wants a multi-threaded runtime:
+/// applies block (milliseconds, seconds at worst) and run in `block_in_place` so probes go on
+/// meanwhile; checks run on blocking threads, beside the loop.
 pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
@@ -85,21 +137,21 @@ pub async fn run(
     leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
-    run_with(cfg, dataplane, notes, leftovers, shutdown, Tasks::default()).await
+    run_with(cfg, dataplane, notes, leftovers, shutdown, World::node()).await
 }
 
-/// [`run`], supervising `tasks` beside the agent's own: nothing outside the process can make
-/// one of those end, so a test hands in one that does.
+/// [`run`], in `world`.
 async fn run_with(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
     notes: Notes,
     leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
-    mut tasks: Tasks,
+    world: World,
 ) -> Result<(), AgentError> {
+    let World { probes, watch_node, requests, mut tasks } = world;
     // Everything that can be refused is refused before the host is touched.
-    let probe = |cadence: Cadence| Probe::new(&cfg.probe_name, cadence.timeout).map(Arc::new);
+    let probe = |cadence: Cadence| probes(&cfg.probe_name, cadence.timeout);
     let cache_udp = probe(cfg.cache_udp)?;
     let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
     let upstream = probe(cfg.upstream_probe)?;
@@ -127,7 +179,7 @@ async fn run_with(
     let health = Arc::new(Health::new());
     let forced = match control::read_override(&cfg.state_dir) {
         Ok(Some(o)) => {
-            let forced = maintenance::forced_from(&o, Instant::now(), SystemTime::now());
+            let forced = maintenance::forced_from(&o, now(), SystemTime::now());
             if forced.is_none() {
                 info!("the recorded override has expired");
             }
@@ -141,24 +193,26 @@ async fn run_with(
         }
     };
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
-    let firewall = block_in_place(|| firewall::audit_firewall(&listen)).unwrap_or_else(|e| {
-        warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
+    let firewall = if watch_node {
+        blocking(|| firewall::audit_firewall(&listen)).unwrap_or_else(|e| {
+            warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
+            Vec::new()
+        })
+    } else {
         Vec::new()
-    });
-    let mut agent = block_in_place(|| {
-        Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, Instant::now())
-    })?;
+    };
+    let mut agent =
+        blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))?;
     // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
     if !agent.is_dirty() {
         health.set_ready();
     }
     agent.set_notes(notes);
     agent.set_leftovers(leftovers);
-    block_in_place(|| agent.remove_leftovers());
+    blocking(|| agent.remove_leftovers());
     // Written beside the loop: a synced write must not hold a decision up.
     let state_file = state::Writer::start(cfg.state_dir.clone());
-    let write_state =
-        |agent: &Agent| state_file.submit(agent.state(Instant::now(), SystemTime::now()));
+    let write_state = |agent: &Agent| state_file.submit(agent.state(now(), SystemTime::now()));
     write_state(&agent);
 
     let (tx, mut rx) = mpsc::channel(64);
@@ -199,48 +253,57 @@ async fn run_with(
     let upstream =
         probe::probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx);
     tasks.spawn("upstream probe", upstream);
-    if cfg.socket_events {
-        tasks.spawn(
-            "socket-destroy watch",
-            sockdiag::watch_cache_sockets(listen.clone(), cache_wakes),
-        );
-    }
     let nft_changed = Arc::new(Notify::new());
     let hearing = Arc::new(AtomicBool::new(false));
-    let tables = agent.announced_tables();
-    let raw_changed = Arc::new(AtomicBool::new(false));
-    let firewall_changed = Arc::new(Notify::new());
-    let watched =
-        nftables::Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
     let announced = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
-    tasks.spawn(
-        "nftables change watch",
-        nftables::watch_nftables(
-            tables,
-            nft_changed.clone(),
-            announced.clone(),
-            watched,
-            hearing.clone(),
-        ),
-    );
     let (firewall_tx, mut firewall_found) = mpsc::channel(1);
-    tasks.spawn(
-        "firewall watch",
-        firewall::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
-    );
     let (warn_tx, mut warnings) = mpsc::channel(1);
-    let period = detect::FOREIGN_RULES_PERIOD;
-    let foreign =
-        detect::watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx);
-    tasks.spawn("foreign-rule watch", foreign);
-    let (control_tx, mut requests) = mpsc::channel(8);
-    let dir = cfg.state_dir.clone();
-    tasks.spawn("control socket", async move {
-        // Without the socket the agent still switches; operators lose the manual flip only.
-        let Err(e) = control::serve(&dir, control_tx).await;
-        error!(error = %e, "the control socket is unavailable");
-        std::future::pending().await
-    });
+    if watch_node {
+        if cfg.socket_events {
+            tasks.spawn(
+                "socket-destroy watch",
+                sockdiag::watch_cache_sockets(listen.clone(), cache_wakes),
+            );
+        }
+        let tables = agent.announced_tables();
+        let raw_changed = Arc::new(AtomicBool::new(false));
+        let firewall_changed = Arc::new(Notify::new());
+        let watched =
+            nftables::Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
+        tasks.spawn(
+            "nftables change watch",
+            nftables::watch_nftables(
+                tables,
+                nft_changed.clone(),
+                announced.clone(),
+                watched,
+                hearing.clone(),
+            ),
+        );
+        tasks.spawn(
+            "firewall watch",
+            firewall::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
+        );
+        let period = detect::FOREIGN_RULES_PERIOD;
+        let foreign =
+            detect::watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx);
+        tasks.spawn("foreign-rule watch", foreign);
+    }
+    let mut requests = match requests {
+        Some(requests) => requests,
+        None => {
+            let (control_tx, requests) = mpsc::channel(8);
+            let dir = cfg.state_dir.clone();
+            tasks.spawn("control socket", async move {
+                // Without the socket the agent still switches; operators lose the manual flip
+                // only.
+                let Err(e) = control::serve(&dir, control_tx).await;
+                error!(error = %e, "the control socket is unavailable");
+                std::future::pending().await
+            });
+            requests
+        }
+    };
     if let Some(listener) = http {
         let (metrics, health) = (metrics.clone(), health.clone());
         tasks.spawn("metrics endpoint", async move {
@@ -268,35 +331,37 @@ async fn run_with(
     let (checks_tx, mut checks) = mpsc::channel(1);
     tokio::pin!(shutdown);
     let outcome = loop {
-        health.beat(Instant::now());
+        health.beat(now());
         tokio::select! {
             biased;
             _ = &mut shutdown => break Ok(()),
-            Some(report) = rx.recv() => block_in_place(|| agent.on_probe(&report, Instant::now())),
-            Some(incoming) = requests.recv() => block_in_place(|| {
-                maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, Instant::now())
+            Some(report) = rx.recv() => blocking(|| agent.on_probe(&report, now())),
+            Some(incoming) = requests.recv() => blocking(|| {
+                maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, now())
             }),
             _ = nft_changed.notified() => {
                 let tables = announced
                     .lock()
                     .map(|mut a| a.replace(Vec::new()))
                     .unwrap_or(None);
-                let job = block_in_place(|| agent.announced(tables, Instant::now()));
+                let job = blocking(|| agent.announced(tables, now()));
                 start_check(job, &checks_tx);
             }
             _ = sleep_until(agent.resync_due()) => {
-                let job = block_in_place(|| agent.resync(Instant::now()));
+                let job = blocking(|| agent.resync(now()));
                 start_check(job, &checks_tx);
             }
             Some(done) = checks.recv() => {
-                let job = block_in_place(|| agent.checked(done, Instant::now()));
+                let job = blocking(|| agent.checked(done, now()));
                 start_check(job, &checks_tx);
             }
             _ = resync.tick() => {
-                let job = block_in_place(|| {
-                    let now = Instant::now();
+                let job = blocking(|| {
+                    let now = now();
                     agent.expire(now);
-                    maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
+                    if watch_node {
+                        maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
+                    }
                     let job = agent.poll(now, hearing.load(Ordering::Relaxed));
                     agent.remove_leftovers();
                     drain = drain.take().and_then(|d| d.progress(&mut agent, now));
@@ -306,7 +371,7 @@ async fn run_with(
             }
             _ = state_tick.tick() => write_state(&agent),
             Some(found) = warnings.recv() => agent.set_warnings(found),
-            Some(found) = firewall_found.recv() => block_in_place(|| agent.set_firewall(found, Instant::now())),
+            Some(found) = firewall_found.recv() => blocking(|| agent.set_firewall(found, now())),
             // The agent can no longer see what it should. Exit, leaving the current ruleset;
             // the DaemonSet restarts us.
             died = tasks.died() => break Err(died),
@@ -347,9 +412,9 @@ async fn run_with(
         }
     };
     tasks.shutdown().await;
-    block_in_place(|| agent.settle(Instant::now()));
+    blocking(|| agent.settle(now()));
     write_state(&agent);
-    block_in_place(|| state_file.finish());
+    blocking(|| state_file.finish());
     if agent.is_dirty() {
         error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
     } else {

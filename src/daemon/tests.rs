@@ -34,7 +34,8 @@ fn the_agent_exits_on_a_dead_task_and_leaves_its_ruleset() {
             // Its end waits in the task set until the loop looks.
             tasks.spawn("doomed watch", async { panic!("injected") });
             let shutdown = std::future::pending();
-            let run = run_with(cfg, agent, Notes::default(), Vec::new(), shutdown, tasks);
+            let world = World { tasks, ..World::node() };
+            let run = run_with(cfg, agent, Notes::default(), Vec::new(), shutdown, world);
             tokio::time::timeout(Duration::from_secs(30), run).await
         });
         let _ = std::fs::remove_dir_all(&dir);

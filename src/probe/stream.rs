@@ -1,18 +1,45 @@
 //! A probe stream: one server probed on a cadence, and at once when woken, its results sent to
 //! the control loop as [`Report`]s.
+//!
+//! The stream sends its probes through a [`Prober`]: a real DNS query ([`Probe`]) in the agent,
+//! a script in the control loop's tests, which run on a paused clock with no network.
 
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 
-use super::{Probe, Transport};
+use super::{Probe, ProbeResult, Transport};
 use crate::agent::Report;
 use crate::health::Stream;
 
+/// What a probe stream probes with.
+pub trait Prober: Send + Sync {
+    /// One probe of `target` over `transport`, as [`Probe::run`]: every problem is an
+    /// [`Outcome`](super::Outcome), and it never takes (much) longer than its timeout.
+    fn probe(
+        &self,
+        target: SocketAddr,
+        transport: Transport,
+    ) -> Pin<Box<dyn Future<Output = ProbeResult> + Send + '_>>;
+}
+
+impl Prober for Probe {
+    fn probe(
+        &self,
+        target: SocketAddr,
+        transport: Transport,
+    ) -> Pin<Box<dyn Future<Output = ProbeResult> + Send + '_>> {
+        Box::pin(self.run(target, transport))
+    }
+}
+
 /// Probes `target` every `cadence.interval`, and at once when `wake` is notified.
 pub(crate) async fn probe_stream(
-    probe: Arc<Probe>,
+    probe: Arc<dyn Prober>,
     target: std::net::SocketAddr,
     transport: Transport,
     stream: Stream,
@@ -31,7 +58,7 @@ pub(crate) async fn probe_stream(
         // a socket that is closing too, and would only time out. Ask again.
         let result = loop {
             tokio::select! {
-                result = probe.run(target, transport) => break result,
+                result = probe.probe(target, transport) => break result,
                 _ = wake.notified() => {}
             }
         };
