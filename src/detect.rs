@@ -22,13 +22,18 @@
 //! run with `-setupiptables=false`) are reported.
 //!
 //! [`decide`], [`ipvs_refusal`] and [`parse_save`] are pure; [`gather`] runs `iptables-*-save`
-//! and looks for the `kube-ipvs0` interface.
+//! and looks for the `kube-ipvs0` interface; `foreign` searches the node for node-cache's rules
+//! while the agent runs.
+
+mod foreign;
 
 use std::fmt;
 use std::net::IpAddr;
 use std::process::Command;
 
 use crate::dataplane::iptables::{Flavour, Tool};
+
+pub(crate) use foreign::{watch_foreign_rules, FOREIGN_RULES_PERIOD};
 
 /// Where the switching rules go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

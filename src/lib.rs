@@ -3,8 +3,9 @@
 //! The agent probes node-local-dns with real DNS queries ([`probe`]), decides with a pure
 //! hysteresis state machine ([`health`]) which route pod queries for the cluster-DNS IP take, and
 //! installs the matching NOTRACK ruleset ([`ruleset`]) through a [`dataplane`] backend in one
-//! atomic batch, which the [`reconciler`] keeps installed. [`agent`] ties them together;
-//! [`sockdiag`] hears the cache's sockets die.
+//! atomic batch, which the [`reconciler`] keeps installed. [`agent`] is the synchronous core that
+//! ties them together; [`daemon`] runs it with its probe and watch tasks; [`sockdiag`] hears the
+//! cache's sockets die.
 
 // `unsafe` is denied in the whole crate and forbidden (no `allow` can undo it) in every module
 // but the two on the way to the reviewed places that need it: `dataplane::nftables::ffi`
@@ -22,6 +23,8 @@ pub mod cli;
 pub mod config;
 #[forbid(unsafe_code)]
 pub mod control;
+#[forbid(unsafe_code)]
+pub mod daemon;
 pub mod dataplane;
 #[forbid(unsafe_code)]
 pub mod detect;
@@ -32,6 +35,8 @@ pub mod firewall;
 pub mod fuzzing;
 #[forbid(unsafe_code)]
 pub mod health;
+#[forbid(unsafe_code)]
+pub mod hooks;
 #[forbid(unsafe_code)]
 pub mod maintenance;
 #[forbid(unsafe_code)]

@@ -12,7 +12,6 @@ use std::time::{Duration, SystemTime};
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
-use nodelocaldns_ha::agent;
 use nodelocaldns_ha::cli::{
     self, Cli, Command, DataplaneKind, FlipArgs, ListenArgs, LogFormat, ProbeArgs, StatusArgs,
 };
@@ -26,6 +25,7 @@ use nodelocaldns_ha::probe::{Probe, Transport};
 use nodelocaldns_ha::ruleset::Route;
 use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
 use nodelocaldns_ha::state;
+use nodelocaldns_ha::{agent, daemon};
 
 /// A failure and the exit code it maps to.
 struct Failure {
@@ -129,7 +129,7 @@ fn run(command: Command) -> Result<(), Failure> {
             let leftovers = leftovers(&dataplane, &cfg.addrs, xtables_wait);
             let dataplane = Box::new(dataplane);
             runtime()?.block_on(async {
-                agent::run(cfg, dataplane, notes, leftovers, shutdown_signal())
+                daemon::run(cfg, dataplane, notes, leftovers, shutdown_signal())
                     .await
                     .map_err(|e| Failure::runtime(with_causes(&e)))
             })

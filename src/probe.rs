@@ -17,6 +17,7 @@
 //! [`exchange`] and accepts replies by the same [`match_reply`].
 
 mod exchange;
+mod stream;
 
 use std::fmt;
 use std::io;
@@ -30,6 +31,8 @@ use hickory_proto::ProtoError;
 use serde::Serialize;
 
 pub use exchange::{exchange, new_query, ExchangeError, Exchanged};
+pub(crate) use stream::probe_stream;
+pub use stream::Prober;
 
 /// Errors building a [`Probe`].
 #[derive(Debug, thiserror::Error)]

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, error, warn};
 
 use crate::dataplane::TableRef;
-use crate::dataplane::{self, Check, Dataplane};
+use crate::dataplane::{self, Check, Dataplane, POLL_ANNOUNCED};
 use crate::metrics::Metrics;
 use crate::ruleset::{Route, RuleSet};
 
@@ -34,11 +34,6 @@ mod tests;
 
 /// The least time between two repairs of the ruleset.
 const REPAIR_SPACING: Duration = Duration::from_millis(50);
-
-/// How often a ruleset whose changes the kernel announces is checked all the same. Reading
-/// iptables-nft back runs child processes (`iptables-nft -S <chain>`: 4 per table and family,
-/// a few ms each): too much for every tick, when announcements say when to.
-pub(crate) const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 
 /// A read-back to run off the control loop ([`CheckJob::run`], e.g. in `spawn_blocking`); its
 /// result goes back to [`Reconciler::checked`].

@@ -25,8 +25,10 @@
 //! 6.18). Any local process may also *unicast* to our netlink port id, so messages are accepted
 //! only from the kernel (port id 0); sending to the multicast groups needs `CAP_NET_ADMIN`.
 //!
-//! `inet_diag` reads and writes the messages; `watch` and `listing` talk to the kernel.
+//! `inet_diag` reads and writes the messages; `watch` and `listing` talk to the kernel;
+//! `cache_sockets` wakes the agent's cache probes when the cache's listeners close.
 
+mod cache_sockets;
 mod inet_diag;
 mod listing;
 mod watch;
@@ -37,6 +39,7 @@ use nix::errno::Errno;
 
 use crate::probe::Transport;
 
+pub(crate) use cache_sockets::watch_cache_sockets;
 pub use inet_diag::{parse, parse_dump};
 pub use listing::listeners;
 pub use watch::SocketWatch;

@@ -9,7 +9,7 @@
 //!   the rules consist of. The same function builds the batch, so the two cannot drift.
 //! * [`ChangeWatch`] (`changes`) hears every nftables change in the namespace (the kernel
 //!   announces them on the `NFNLGRP_NFTABLES` group), so the agent can re-check at once when
-//!   another tool touches the table.
+//!   another tool touches the table; `watch` is the agent's task that listens.
 //! * [`Nftables::host_firewall`] (`host_firewall`) reads the node's own firewall tables for
 //!   [`crate::firewall`] to judge.
 //!
@@ -31,6 +31,8 @@ mod ffi;
 mod host_firewall;
 #[forbid(unsafe_code)]
 pub(crate) mod objects;
+#[forbid(unsafe_code)]
+mod watch;
 
 use std::ffi::{CStr, CString};
 use std::fmt;
@@ -54,6 +56,7 @@ use objects::{nft_body, nft_type};
 pub use crate::netlink::ParseError;
 pub use changes::{Announced, ChangeWatch};
 pub use host_firewall::host_firewall_candidate;
+pub(crate) use watch::{watch_nftables, Watched};
 
 /// [`ruleset::TABLE`] for nftnl.
 const TABLE_NAME: &CStr = c"nodelocaldns-ha";

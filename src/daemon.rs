@@ -1,0 +1,427 @@
+//! The daemon: the [`Agent`] run as a process, with its probe and watch tasks around it.
+//!
+//! [`run`] refuses bad settings before the host is touched, takes the state directory's lock,
+//! starts the agent (adopting the installed route, or the recorded override), and then turns
+//! the control loop: probe results, operators' requests ([`maintenance`]), nftables change
+//! announcements, the resync tick, finished read-backs and what the node's watchers found go to
+//! the agent one at a time; the state file and the transition hook ([`hooks`]) hear of every
+//! change. Every task runs forever under a name ([`Tasks`]): one that ends stops the agent, with
+//! the ruleset of its current route left installed (the exit policy of [`crate::agent`]).
+//!
+//! The watchers live beside what they watch: the probe streams in [`crate::probe`], the
+//! cache's sockets in [`crate::sockdiag`], nftables' announcements in
+//! [`crate::dataplane::nftables`], the node's own firewall in [`crate::firewall`], node-cache's
+//! rules in [`crate::detect`].
+
+mod tasks;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::{mpsc, Notify};
+use tokio::task::block_in_place;
+use tracing::{error, info, warn};
+
+use crate::agent::{Agent, AgentError, CheckDone, CheckJob, Notes};
+use crate::config::{AgentConfig, Cadence};
+use crate::control::Incoming;
+use crate::dataplane::{nftables, Dataplane};
+use crate::health::Stream;
+use crate::metrics::{Health, Metrics};
+use crate::probe::{self, Probe, ProbeError, Prober, Transport};
+use crate::{control, detect, firewall, hooks, maintenance, sockdiag, state};
+use tasks::Tasks;
+
+/// `/healthz` fails when the control loop has not turned for this long.
+const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
+
+/// Makes a probe stream's [`Prober`] from the probe name and the stream's timeout.
+type MakeProber = Box<dyn Fn(&str, Duration) -> Result<Arc<dyn Prober>, ProbeError> + Send>;
+
+/// What the control loop is connected to besides its configuration and its dataplane: the node
+/// ([`World::node`]), or, in the loop's tests, scripted probes, a request channel the test holds,
+/// and nothing of the node.
+struct World {
+    /// Makes each probe stream's prober.
+    probes: MakeProber,
+    /// Whether the node itself is watched: the socket-destroy watch, nftables' change
+    /// announcements, the node's own firewall (at start and after), the search for others'
+    /// NOTRACK rules, and the sockets of a drained cache. Without, none of them runs (they read
+    /// the namespace's netfilter and sockets): the firewall is taken to let DNS through, and
+    /// only failed probes end a drain.
+    watch_node: bool,
+    /// Where operators' requests come from; `None`: the control socket in the state directory.
+    requests: Option<mpsc::Receiver<Incoming>>,
+    /// Tasks supervised beside the agent's own: nothing outside the process can make one of
+    /// those end, so a test hands in one that does.
+    tasks: Tasks,
+}
+
+impl World {
+    /// The node the agent runs on: DNS probes on the wire, every watcher, the control socket.
+    fn node() -> World {
+        World {
+            probes: Box::new(|name, timeout| Ok(Arc::new(Probe::new(name, timeout)?))),
+            watch_node: true,
+            requests: None,
+            tasks: Tasks::default(),
+        }
+    }
+}
+
+/// The control loop's clock: tokio's, so that a test's paused clock drives every decision (on a
+/// clock that is not paused, it is the monotonic clock).
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// Runs `f`, which blocks (an apply: milliseconds, seconds at worst), on the loop's thread: in
+/// `block_in_place` on a multi-threaded runtime, so the probes go on meanwhile; as it is on a
+/// current-thread runtime (a paused clock's, in tests), where `block_in_place` panics.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// Runs `job` (if any) on a blocking thread; its result comes back on `done`.
+fn start_check(job: Option<CheckJob>, done: &mpsc::Sender<CheckDone>) {
+    if let Some(job) = job {
+        let done = done.clone();
+        tokio::task::spawn_blocking(move || {
+            // Only at shutdown is nobody listening.
+            let _ = done.blocking_send(job.run());
+        });
+    }
+}
+
+/// Completes at `at`, never when `None`.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// How long a start waits out a predecessor that was killed a moment ago: a child it had just
+/// forked (an `iptables-save`, a hook) holds its listener and its lock until it execs, when
+/// close-on-exec releases them.
+const STARTUP_GRACE: Duration = Duration::from_secs(2);
+
+/// `take()`, retried for up to [`STARTUP_GRACE`] while it fails with what `busy` recognises.
+async fn with_grace<T, E>(
+    mut take: impl FnMut() -> Result<T, E>,
+    busy: impl Fn(&E) -> bool,
+) -> Result<T, E> {
+    let deadline = tokio::time::Instant::now() + STARTUP_GRACE;
+    loop {
+        match take() {
+            Err(e) if busy(&e) && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            taken => return taken,
+        }
+    }
+}
+
+/// Runs the agent on the node until `shutdown` completes. Wants a multi-threaded runtime:
+/// applies block (milliseconds, seconds at worst) and run in `block_in_place` so probes go on
+/// meanwhile; checks run on blocking threads, beside the loop.
+pub async fn run(
+    cfg: AgentConfig,
+    dataplane: Box<dyn Dataplane>,
+    notes: Notes,
+    leftovers: Vec<Box<dyn Dataplane>>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), AgentError> {
+    run_with(cfg, dataplane, notes, leftovers, shutdown, World::node()).await
+}
+
+/// [`run`], in `world`.
+async fn run_with(
+    cfg: AgentConfig,
+    dataplane: Box<dyn Dataplane>,
+    notes: Notes,
+    leftovers: Vec<Box<dyn Dataplane>>,
+    shutdown: impl std::future::Future<Output = ()>,
+    world: World,
+) -> Result<(), AgentError> {
+    let World { probes, watch_node, requests, mut tasks } = world;
+    // Everything that can be refused is refused before the host is touched.
+    let probe = |cadence: Cadence| probes(&cfg.probe_name, cadence.timeout);
+    let cache_udp = probe(cfg.cache_udp)?;
+    let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
+    let upstream = probe(cfg.upstream_probe)?;
+    // The lock first: a second agent on the same state directory is told so, not that the
+    // metrics port is taken.
+    std::fs::create_dir_all(&cfg.state_dir)
+        .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
+    let lock = || state::Lock::acquire(&cfg.state_dir);
+    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(..))).await?;
+    let bind = |addr| {
+        std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+    };
+    let http = match cfg.metrics_addr {
+        Some(addr) => Some(
+            with_grace(|| bind(addr), |e| e.kind() == std::io::ErrorKind::AddrInUse)
+                .await
+                .map_err(|source| AgentError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
+
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new());
+    let forced = match control::read_override(&cfg.state_dir) {
+        Ok(Some(o)) => {
+            let forced = maintenance::forced_from(&o, now(), SystemTime::now());
+            if forced.is_none() {
+                info!("the recorded override has expired");
+            }
+            forced
+        }
+        Ok(None) => None,
+        // A damaged file must not keep the agent from failing over: automatic, and say so.
+        Err(e) => {
+            warn!(error = %e, "ignoring the recorded override");
+            None
+        }
+    };
+    let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
+    let firewall = if watch_node {
+        blocking(|| firewall::audit_firewall(&listen)).unwrap_or_else(|e| {
+            warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
+            Vec::new()
+        })
+    } else {
+        Vec::new()
+    };
+    let mut agent =
+        blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))?;
+    // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
+    if !agent.is_dirty() {
+        health.set_ready();
+    }
+    agent.set_notes(notes);
+    agent.set_leftovers(leftovers);
+    blocking(|| agent.remove_leftovers());
+    // Written beside the loop: a synced write must not hold a decision up.
+    let state_file = state::Writer::start(cfg.state_dir.clone());
+    let write_state = |agent: &Agent| state_file.submit(agent.state(now(), SystemTime::now()));
+    write_state(&agent);
+
+    let (tx, mut rx) = mpsc::channel(64);
+    let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
+    let target = cfg.cache_target();
+    let every = cfg.cache_udp.interval;
+    let wake = cache_wakes[0].clone();
+    tasks.spawn(
+        "cache UDP probe",
+        probe::probe_stream(
+            cache_udp,
+            target,
+            Transport::Udp,
+            Stream::CacheUdp,
+            every,
+            wake,
+            tx.clone(),
+        ),
+    );
+    if let Some((cadence, tcp)) = cache_tcp {
+        let wake = cache_wakes[1].clone();
+        let every = cadence.interval;
+        tasks.spawn(
+            "cache TCP probe",
+            probe::probe_stream(
+                tcp,
+                target,
+                Transport::Tcp,
+                Stream::CacheTcp,
+                every,
+                wake,
+                tx.clone(),
+            ),
+        );
+    }
+    let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
+    let wake = Arc::new(Notify::new());
+    let upstream =
+        probe::probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx);
+    tasks.spawn("upstream probe", upstream);
+    let nft_changed = Arc::new(Notify::new());
+    let hearing = Arc::new(AtomicBool::new(false));
+    let announced = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
+    let (firewall_tx, mut firewall_found) = mpsc::channel(1);
+    let (warn_tx, mut warnings) = mpsc::channel(1);
+    if watch_node {
+        if cfg.socket_events {
+            tasks.spawn(
+                "socket-destroy watch",
+                sockdiag::watch_cache_sockets(listen.clone(), cache_wakes),
+            );
+        }
+        let tables = agent.announced_tables();
+        let raw_changed = Arc::new(AtomicBool::new(false));
+        let firewall_changed = Arc::new(Notify::new());
+        let watched =
+            nftables::Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
+        tasks.spawn(
+            "nftables change watch",
+            nftables::watch_nftables(
+                tables,
+                nft_changed.clone(),
+                announced.clone(),
+                watched,
+                hearing.clone(),
+            ),
+        );
+        tasks.spawn(
+            "firewall watch",
+            firewall::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
+        );
+        let period = detect::FOREIGN_RULES_PERIOD;
+        let foreign =
+            detect::watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx);
+        tasks.spawn("foreign-rule watch", foreign);
+    }
+    let mut requests = match requests {
+        Some(requests) => requests,
+        None => {
+            let (control_tx, requests) = mpsc::channel(8);
+            let dir = cfg.state_dir.clone();
+            tasks.spawn("control socket", async move {
+                // Without the socket the agent still switches; operators lose the manual flip
+                // only.
+                let Err(e) = control::serve(&dir, control_tx).await;
+                error!(error = %e, "the control socket is unavailable");
+                std::future::pending().await
+            });
+            requests
+        }
+    };
+    if let Some(listener) = http {
+        let (metrics, health) = (metrics.clone(), health.clone());
+        tasks.spawn("metrics endpoint", async move {
+            let e = crate::metrics::serve(listener, metrics, health, LIVENESS_SILENCE).await;
+            error!(error = %e, "the metrics endpoint stopped");
+            std::future::pending().await
+        });
+    }
+
+    let mut resync = tokio::time::interval(cfg.cache_udp.interval);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut state_tick = tokio::time::interval(Duration::from_secs(1));
+    state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain: Option<maintenance::Drain> = None;
+    let override_file = control::override_path(&cfg.state_dir);
+    let mut record_stuck = false;
+    // Hooks run one at a time, in order, beside the loop.
+    let hooks = cfg.on_transition.clone().map(|path| {
+        let (tx, rx) = mpsc::channel(16);
+        let hooks = hooks::run_hooks(path, rx, cfg.hook_timeout, metrics.clone());
+        tasks.spawn("transition hook", hooks);
+        tx
+    });
+    // Read-backs run on blocking threads, one at a time; their results come back here.
+    let (checks_tx, mut checks) = mpsc::channel(1);
+    tokio::pin!(shutdown);
+    let outcome = loop {
+        health.beat(now());
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => break Ok(()),
+            Some(report) = rx.recv() => blocking(|| agent.on_probe(&report, now())),
+            Some(incoming) = requests.recv() => blocking(|| {
+                maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, now())
+            }),
+            _ = nft_changed.notified() => {
+                let tables = announced
+                    .lock()
+                    .map(|mut a| a.replace(Vec::new()))
+                    .unwrap_or(None);
+                let job = blocking(|| agent.announced(tables, now()));
+                start_check(job, &checks_tx);
+            }
+            _ = sleep_until(agent.resync_due()) => {
+                let job = blocking(|| agent.resync(now()));
+                start_check(job, &checks_tx);
+            }
+            Some(done) = checks.recv() => {
+                let job = blocking(|| agent.checked(done, now()));
+                start_check(job, &checks_tx);
+            }
+            _ = resync.tick() => {
+                let job = blocking(|| {
+                    let now = now();
+                    agent.expire(now);
+                    if watch_node {
+                        maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
+                    }
+                    let job = agent.poll(now, hearing.load(Ordering::Relaxed));
+                    agent.remove_leftovers();
+                    drain = drain.take().and_then(|d| d.progress(&mut agent, now));
+                    job
+                });
+                start_check(job, &checks_tx);
+            }
+            _ = state_tick.tick() => write_state(&agent),
+            Some(found) = warnings.recv() => agent.set_warnings(found),
+            Some(found) = firewall_found.recv() => blocking(|| agent.set_firewall(found, now())),
+            // The agent can no longer see what it should. Exit, leaving the current ruleset;
+            // the DaemonSet restarts us.
+            died = tasks.died() => break Err(died),
+        }
+        // A drain that ended by itself, or an expiry, leaves nothing forced: the record goes
+        // too (with or without a route change), so a restart cannot bring it back.
+        // If it cannot be removed (a directory in its place), that is said once, not on every
+        // turn of the loop.
+        if agent.forced().is_none() && override_file.exists() {
+            match control::clear_override(&cfg.state_dir) {
+                Ok(()) => record_stuck = false,
+                Err(e) if !record_stuck => {
+                    record_stuck = true;
+                    warn!(
+                        file = %override_file.display(),
+                        error = %e,
+                        "removing the record of an override not in force failed; remove it by hand"
+                    );
+                }
+                Err(_) => {}
+            }
+        }
+        if !health.ready() && !agent.is_dirty() {
+            health.set_ready();
+        }
+        let changes = agent.take_changes();
+        if !changes.is_empty() {
+            write_state(&agent);
+        }
+        for t in changes {
+            // Never blocks: a full queue means the hook is far behind, and the change is
+            // dropped for it (counted), not for the dataplane.
+            if let Some(hooks) = &hooks {
+                if hooks.try_send((t, state::unix_ms(SystemTime::now()))).is_err() {
+                    metrics.hook("dropped");
+                }
+            }
+        }
+    };
+    tasks.shutdown().await;
+    blocking(|| agent.settle(now()));
+    write_state(&agent);
+    blocking(|| state_file.finish());
+    if agent.is_dirty() {
+        error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
+    } else {
+        info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
+    }
+    outcome
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,81 @@
+//! The search for NOTRACK rules of others on the listen addresses, every
+//! [`FOREIGN_RULES_PERIOD`]: [`watch_foreign_rules`] sends the control loop what it found, as
+//! warnings for `status`.
+
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use crate::dataplane::POLL_ANNOUNCED;
+
+/// How often the node is searched for NOTRACK rules of others on the listen addresses.
+pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
+
+/// Every `period`, looks for NOTRACK rules on the listen addresses that are not the agent's
+/// (node-cache run without `-setupiptables=false` re-inserts its own every 60 s): while they
+/// exist, the `Upstream` route cannot take effect, and only an operator can fix that.
+///
+/// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
+/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and then
+/// only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
+/// ([`gather_builtin_chains`]): `iptables-nft-save` fetches the whole ruleset, 4 s of CPU
+/// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing and reads only the
+/// tables it lists; it is read every period.
+pub(crate) async fn watch_foreign_rules(
+    addrs: Vec<IpAddr>,
+    period: Duration,
+    raw_changed: Arc<AtomicBool>,
+    hearing: Arc<AtomicBool>,
+    tx: mpsc::Sender<Vec<String>>,
+) {
+    use crate::dataplane::iptables::Flavour;
+    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, SaveFacts};
+    let mut ticker = tokio::time::interval(period);
+    let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
+    loop {
+        ticker.tick().await;
+        let changed = raw_changed.swap(false, Ordering::Relaxed);
+        let fresh = nft.as_ref().is_some_and(|(_, _, at)| at.elapsed() < POLL_ANNOUNCED);
+        let reread = changed || !(fresh && hearing.load(Ordering::Relaxed));
+        let addrs = addrs.clone();
+        let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
+            let legacy = gather_flavour(Flavour::Legacy, &addrs);
+            (legacy, reread.then(|| gather_builtin_chains(Flavour::Nft, &addrs)))
+        })
+        .await
+        else {
+            continue;
+        };
+        if let Some((facts, unreadable)) = nft_now {
+            nft = Some((facts, unreadable, Instant::now()));
+        }
+        let Some((nft_facts, nft_unreadable, _)) = &nft else { continue };
+        let (legacy, mut unreadable) = legacy;
+        unreadable.extend(nft_unreadable.iter().cloned());
+        // Only the foreign rules and what was unreadable are used here.
+        let facts = Facts {
+            kube_proxy_nftables: false,
+            kube_ipvs0: false,
+            legacy,
+            nft: nft_facts.clone(),
+            unreadable,
+        };
+        let found = crate::detect::decide(&facts);
+        let foreign = found.foreign_notrack.into_iter().map(|rule| {
+            format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
+        });
+        let unreadable = found.unreadable.into_iter().map(|problem| {
+            format!(
+                "cannot read the node's iptables rules (CAP_NET_RAW missing? iptables-legacy also \
+                 needs uid 0 to list its tables): {problem}"
+            )
+        });
+        let warnings = foreign.chain(unreadable).collect();
+        if tx.send(warnings).await.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! A probe stream: one server probed on a cadence, and at once when woken, its results sent to
+//! the control loop as [`Report`]s.
+//!
+//! The stream sends its probes through a [`Prober`]: a real DNS query ([`Probe`]) in the agent,
+//! a script in the control loop's tests, which run on a paused clock with no network.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, Notify};
+
+use super::{Probe, ProbeResult, Transport};
+use crate::agent::Report;
+use crate::health::Stream;
+
+/// What a probe stream probes with.
+pub trait Prober: Send + Sync {
+    /// One probe of `target` over `transport`, as [`Probe::run`]: every problem is an
+    /// [`Outcome`](super::Outcome), and it never takes (much) longer than its timeout.
+    fn probe(
+        &self,
+        target: SocketAddr,
+        transport: Transport,
+    ) -> Pin<Box<dyn Future<Output = ProbeResult> + Send + '_>>;
+}
+
+impl Prober for Probe {
+    fn probe(
+        &self,
+        target: SocketAddr,
+        transport: Transport,
+    ) -> Pin<Box<dyn Future<Output = ProbeResult> + Send + '_>> {
+        Box::pin(self.run(target, transport))
+    }
+}
+
+/// Probes `target` every `cadence.interval`, and at once when `wake` is notified.
+pub(crate) async fn probe_stream(
+    probe: Arc<dyn Prober>,
+    target: std::net::SocketAddr,
+    transport: Transport,
+    stream: Stream,
+    interval: Duration,
+    wake: Arc<Notify>,
+    tx: mpsc::Sender<Report>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = wake.notified() => {}
+        }
+        // A wake-up during a probe means a cache socket just closed: the query may have gone to
+        // a socket that is closing too, and would only time out. Ask again.
+        let result = loop {
+            tokio::select! {
+                result = probe.probe(target, transport) => break result,
+                _ = wake.notified() => {}
+            }
+        };
+        if tx.send(Report { stream, result }).await.is_err() {
+            return;
+        }
+    }
+}
