@@ -727,8 +727,7 @@ impl Agent {
 
     /// The state file's content; `now` and `wall` are the same moment on both clocks.
     pub fn state(&self, now: Instant, wall: SystemTime) -> State {
-        let since =
-            wall.checked_sub(now.saturating_duration_since(self.machine.since())).unwrap_or(wall);
+        let since = crate::overrides::Moment { now, wall }.unix_ms_at(self.machine.since());
         State {
             version: state::VERSION,
             pid: std::process::id(),
@@ -739,7 +738,7 @@ impl Agent {
             warnings: self.firewall.iter().chain(&self.warnings).cloned().collect(),
             leftovers: self.leftover_notes.clone(),
             route: self.route(),
-            since_unix_ms: state::unix_ms(since),
+            since_unix_ms: since,
             reason: self.machine.reason().to_string(),
             held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,
@@ -1114,9 +1113,9 @@ async fn run_with(
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
-    let forced = match control::read_override(&cfg.state_dir) {
+    let forced = match crate::overrides::read(&cfg.state_dir) {
         Ok(Some(o)) => {
-            let forced = maintenance::forced_from(&o, Instant::now(), SystemTime::now());
+            let forced = o.forced(crate::overrides::Moment::now());
             if forced.is_none() {
                 info!("the recorded override has expired");
             }
@@ -1214,7 +1213,7 @@ async fn run_with(
     let mut state_tick = tokio::time::interval(Duration::from_secs(1));
     state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drain: Option<maintenance::Drain> = None;
-    let override_file = control::override_path(&cfg.state_dir);
+    let override_file = crate::overrides::path(&cfg.state_dir);
     let mut record_stuck = false;
     // Hooks run one at a time, in order, beside the loop.
     let hooks = cfg.on_transition.clone().map(|path| {
@@ -1275,7 +1274,7 @@ async fn run_with(
         // If it cannot be removed (a directory in its place), that is said once, not on every
         // turn of the loop.
         if agent.forced().is_none() && override_file.exists() {
-            match control::clear_override(&cfg.state_dir) {
+            match crate::overrides::clear(&cfg.state_dir) {
                 Ok(()) => record_stuck = false,
                 Err(e) if !record_stuck => {
                     record_stuck = true;

@@ -10,10 +10,8 @@
 //! costs neither the file descriptors the probes need nor an operator's `flip`. [`call`] is the
 //! blocking client side, for the command line.
 //!
-//! A manual route is an [`Override`], kept in `<state-dir>/override.json` (written atomically,
-//! mode 0600) so that it survives an agent restart; it ends when released or when its time runs
-//! out ([`Override::expired`]). This module only moves requests and files: what a request does
-//! to the route is the loop's business.
+//! This module only moves requests: what a request does to the route is the loop's business
+//! ([`crate::maintenance`]), and the override it records is [`crate::overrides`]'.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -33,16 +31,11 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
-use crate::atomic_file;
 use crate::ruleset::Route;
 use crate::waiting::{Reading, Waiting};
 
 /// The control socket's file name inside the state directory.
 pub const SOCKET: &str = "control.sock";
-/// The override file's name inside the state directory.
-pub const OVERRIDE_FILE: &str = "override.json";
-/// Format version of the override file.
-pub const OVERRIDE_VERSION: u32 = 1;
 
 /// The longest request line the agent reads, newline included.
 pub const MAX_REQUEST_BYTES: usize = 4096;
@@ -112,7 +105,7 @@ pub struct Peer {
 }
 
 impl fmt::Display for Peer {
-    /// `uid 0 pid 1234`, as recorded in [`Override::set_by`].
+    /// `uid 0 pid 1234`, as recorded in [`crate::overrides::Override::set_by`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "uid {}", self.uid)?;
         match self.pid {
@@ -131,149 +124,9 @@ pub struct Incoming {
     pub reply: oneshot::Sender<Response>,
 }
 
-/// Who set an override: the state machine's own notion, persisted as is.
-pub use crate::health::ForceKind as OverrideKind;
-
-/// The manual override, as persisted.
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct Override {
-    /// [`OVERRIDE_VERSION`].
-    pub version: u32,
-    pub route: Route,
-    /// When it ends by itself, if ever (milliseconds since the Unix epoch).
-    pub until_unix_ms: Option<u64>,
-    /// What the operator said.
-    pub reason: String,
-    /// Who set it, e.g. `uid 0 pid 1234`.
-    pub set_by: String,
-    pub set_unix_ms: u64,
-    pub kind: OverrideKind,
-    /// For a drain: the cookies of the sockets the drained cache served on when it began (see
-    /// [`crate::health::Forced::waits_for`]); absent when unknown, and for a manual override.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub drained_sockets: Option<Vec<u64>>,
-}
-
-impl Override {
-    /// `route` forced by `peer` at `now_unix_ms`, for `for_ms` milliseconds if given.
-    pub fn manual(
-        route: Route,
-        for_ms: Option<u64>,
-        reason: String,
-        peer: &Peer,
-        now_unix_ms: u64,
-    ) -> Override {
-        Override {
-            version: OVERRIDE_VERSION,
-            route,
-            until_unix_ms: for_ms.map(|ms| now_unix_ms.saturating_add(ms)),
-            reason,
-            set_by: peer.to_string(),
-            set_unix_ms: now_unix_ms,
-            kind: OverrideKind::Manual,
-            drained_sockets: None,
-        }
-    }
-
-    /// A drain requested by `peer` at `now_unix_ms`: `Upstream`, with no time limit of its own.
-    pub fn drain(reason: String, peer: &Peer, now_unix_ms: u64) -> Override {
-        Override {
-            version: OVERRIDE_VERSION,
-            route: Route::Upstream,
-            until_unix_ms: None,
-            reason,
-            set_by: peer.to_string(),
-            set_unix_ms: now_unix_ms,
-            kind: OverrideKind::Drain,
-            drained_sockets: None,
-        }
-    }
-
-    /// Whether its time has run out at `now_unix_ms` (never, without `until_unix_ms`).
-    pub fn expired(&self, now_unix_ms: u64) -> bool {
-        self.until_unix_ms.is_some_and(|until| now_unix_ms >= until)
-    }
-}
-
-/// Path of the override file in `dir`.
-pub fn override_path(dir: &Path) -> PathBuf {
-    dir.join(OVERRIDE_FILE)
-}
-
 /// Path of the control socket in `dir`.
 pub fn socket_path(dir: &Path) -> PathBuf {
     dir.join(SOCKET)
-}
-
-/// Why the override file could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum OverrideError {
-    /// The file exists but cannot be read (or is not a file).
-    #[error("cannot read the route override {}: {source} (remove it, or run `nodelocaldns-ha release`)", .path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    /// The file is truncated or not an override file at all.
-    #[error("{} is not a valid route override file: {detail} (remove it, or run `nodelocaldns-ha release`)", .path.display())]
-    Invalid { path: PathBuf, detail: String },
-    /// The file was written by another version of the agent.
-    #[error("{} is a route override of format version {found}, this agent reads version {OVERRIDE_VERSION} (remove it, or run `nodelocaldns-ha release`)", .path.display())]
-    Version { path: PathBuf, found: String },
-}
-
-/// The largest override file [`read_override`] reads; a real one is a few hundred bytes.
-pub const MAX_OVERRIDE_BYTES: u64 = 64 * 1024;
-
-/// Reads the override in `dir`: `None` when there is none.
-///
-/// Whatever sits at the path, this returns at once with bounded memory
-/// ([`atomic_file::read`]): a FIFO there would otherwise hold the agent's start up until someone
-/// writes to it, and a device such as `/dev/zero` linked there never ends.
-pub fn read_override(dir: &Path) -> Result<Option<Override>, OverrideError> {
-    let path = override_path(dir);
-    match atomic_file::read(&path, MAX_OVERRIDE_BYTES) {
-        Ok(Some(bytes)) => parse_override(&path, &bytes).map(Some),
-        Ok(None) => Ok(None),
-        Err(atomic_file::ReadError::Io(source)) => Err(OverrideError::Io { path, source }),
-        Err(e @ atomic_file::ReadError::TooLarge { .. }) => {
-            Err(OverrideError::Invalid { path, detail: e.to_string() })
-        }
-    }
-}
-
-/// Parses the bytes of the override file at `path` (named in errors).
-pub fn parse_override(path: &Path, bytes: &[u8]) -> Result<Override, OverrideError> {
-    let path = path.to_owned();
-    // The version first: a file of another version may not have this version's fields.
-    let value: serde_json::Value = serde_json::from_slice(bytes)
-        .map_err(|e| OverrideError::Invalid { path: path.clone(), detail: e.to_string() })?;
-    match value.get("version") {
-        Some(v) if v.as_u64() == Some(u64::from(OVERRIDE_VERSION)) => {}
-        Some(v) => return Err(OverrideError::Version { path, found: v.to_string() }),
-        None => {
-            let detail = "no \"version\" field".to_owned();
-            return Err(OverrideError::Invalid { path, detail });
-        }
-    }
-    serde_json::from_value(value)
-        .map_err(|e| OverrideError::Invalid { path, detail: e.to_string() })
-}
-
-/// Writes `o` to `dir` atomically ([`atomic_file::replace`]), mode 0600: an override is root's
-/// to set and to read, like the control socket beside it.
-pub fn write_override(dir: &Path, o: &Override) -> io::Result<()> {
-    let json = serde_json::to_vec_pretty(o).map_err(io::Error::other)?;
-    atomic_file::replace(&override_path(dir), &json, 0o600)
-}
-
-/// Removes the override in `dir`; `Ok` when there is none.
-pub fn clear_override(dir: &Path) -> io::Result<()> {
-    match std::fs::remove_file(override_path(dir)) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
 }
 
 /// What went wrong on the control socket, serving or calling.
@@ -663,112 +516,6 @@ mod tests {
         fn drop(&mut self) {
             let _ = std::fs::remove_dir_all(&self.0);
         }
-    }
-
-    fn root() -> Peer {
-        Peer { uid: 0, gid: 0, pid: Some(1234) }
-    }
-
-    fn sample() -> Override {
-        Override::manual(Route::Upstream, Some(30 * 60_000), "cache upgrade".into(), &root(), 1_000)
-    }
-
-    #[test]
-    fn override_round_trips_privately_and_clears() {
-        let dir = TempDir::new();
-        assert_eq!(read_override(&dir.0).unwrap(), None);
-        write_override(&dir.0, &sample()).unwrap();
-        assert_eq!(read_override(&dir.0).unwrap(), Some(sample()));
-        let mode = std::fs::metadata(override_path(&dir.0)).unwrap().permissions().mode();
-        assert_eq!(mode & 0o777, 0o600);
-        let drain = Override::drain("node maintenance".into(), &root(), 5_000);
-        write_override(&dir.0, &drain).unwrap();
-        assert_eq!(read_override(&dir.0).unwrap(), Some(drain));
-        clear_override(&dir.0).unwrap();
-        assert_eq!(read_override(&dir.0).unwrap(), None);
-        clear_override(&dir.0).unwrap();
-        let names: Vec<_> = std::fs::read_dir(&dir.0).unwrap().collect();
-        assert!(names.is_empty(), "left behind: {names:?}");
-    }
-
-    #[test]
-    fn override_file_format_is_stable() {
-        let json = serde_json::to_value(sample()).unwrap();
-        let expected = serde_json::json!({
-            "version": 1, "route": "upstream", "until_unix_ms": 1_801_000,
-            "reason": "cache upgrade", "set_by": "uid 0 pid 1234", "set_unix_ms": 1_000,
-            "kind": "manual",
-        });
-        assert_eq!(json, expected);
-    }
-
-    #[test]
-    fn an_override_expires_at_its_time_and_never_without_one() {
-        let timed = sample();
-        assert!(!timed.expired(1_000));
-        assert!(!timed.expired(1_800_999));
-        assert!(timed.expired(1_801_000));
-        assert!(timed.expired(u64::MAX));
-        let forever = Override { until_unix_ms: None, ..sample() };
-        assert!(!forever.expired(u64::MAX));
-    }
-
-    #[test]
-    fn a_broken_override_file_is_named_with_what_to_do() {
-        let dir = TempDir::new();
-        let file = override_path(&dir.0);
-        let full = serde_json::to_string(&sample()).unwrap();
-        let cases: [(&str, &[u8], &str); 5] = [
-            ("truncated", &full.as_bytes()[..full.len() / 2], "not a valid route override"),
-            ("garbage", b"\x00\xffnot json", "not a valid route override"),
-            ("empty", b"", "not a valid route override"),
-            ("no version", br#"{"route":"local"}"#, "no \"version\" field"),
-            ("future", br#"{"version":2,"route":"local","new":true}"#, "format version 2"),
-        ];
-        for (case, content, says) in cases {
-            std::fs::write(&file, content).unwrap();
-            let err = read_override(&dir.0).unwrap_err();
-            let text = err.to_string();
-            assert!(text.contains(says), "{case}: {text}");
-            assert!(text.contains(&file.display().to_string()), "{case}: {text}");
-            assert!(text.contains("nodelocaldns-ha release"), "{case}: {text}");
-        }
-        // Huge: refused without reading it all.
-        let mut huge = full.clone().into_bytes();
-        huge.resize(MAX_OVERRIDE_BYTES as usize + 1, b' ');
-        std::fs::write(&file, &huge).unwrap();
-        let text = read_override(&dir.0).unwrap_err().to_string();
-        assert!(text.contains("larger than 65536 bytes"), "{text}");
-        // Just under the limit (padded with white space) is still an override.
-        huge.truncate(MAX_OVERRIDE_BYTES as usize);
-        std::fs::write(&file, &huge).unwrap();
-        assert_eq!(read_override(&dir.0).unwrap(), Some(sample()));
-        std::fs::remove_file(&file).unwrap();
-
-        // Unreadable: chmod 000 does not stop root, a directory in its place does.
-        std::fs::create_dir(&file).unwrap();
-        let err = read_override(&dir.0).unwrap_err();
-        assert!(matches!(err, OverrideError::Io { .. }), "{err:?}");
-        let text = err.to_string();
-        assert!(text.contains(&file.display().to_string()) && text.contains("directory"), "{text}");
-        // And `clear_override` does not pretend it removed it.
-        assert!(clear_override(&dir.0).is_err());
-        std::fs::remove_dir(&file).unwrap();
-
-        // A FIFO with no writer, and an endless device: refused at once, not read.
-        nix::unistd::mkfifo(&file, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-        let started = Instant::now();
-        let text = read_override(&dir.0).unwrap_err().to_string();
-        assert!(text.contains("not a regular file"), "{text}");
-        assert!(started.elapsed() < Duration::from_secs(1), "{:?}", started.elapsed());
-        clear_override(&dir.0).unwrap();
-        std::os::unix::fs::symlink("/dev/zero", &file).unwrap();
-        let text = read_override(&dir.0).unwrap_err().to_string();
-        assert!(text.contains("not a regular file"), "{text}");
-        // A link to nowhere is no override.
-        clear_override(&dir.0).unwrap();
-        std::os::unix::fs::symlink(dir.0.join("gone"), &file).unwrap();
-        assert_eq!(read_override(&dir.0).unwrap(), None);
     }
 
     #[test]
