@@ -2,10 +2,10 @@
 //!
 //! An operator's `flip` or `drain` forces a route. Whoever forces it (the agent answering its
 //! control socket, or `flip` when no agent runs) builds the record with [`Override::manual`] or
-//! [`Override::drain`] and keeps it in `<state-dir>/override.json` ([`write`]: atomically, mode
-//! 0600), so that it survives an agent restart; a starting agent [`read`]s it back as the
-//! [`Forced`] route its state machine holds ([`Override::forced`]). It ends when released
-//! ([`clear`]) or when its time runs out ([`Override::expired`]).
+//! [`Override::drain`] and keeps it in `<state-dir>/override.json` ([`write`](fn@write):
+//! atomically, mode 0600), so that it survives an agent restart; a starting agent [`read`]s it
+//! back as the [`Forced`] route its state machine holds ([`Override::forced`]). It ends when
+//! released ([`clear`]) or when its time runs out ([`Override::expired`]).
 //!
 //! The record keeps wall-clock times (milliseconds since the Unix epoch: they must mean the same
 //! after a restart), while the agent decides on the monotonic clock. A [`Moment`] is one moment
