@@ -523,8 +523,7 @@ impl Agent {
 
     /// The state file's content; `now` and `wall` are the same moment on both clocks.
     pub fn state(&self, now: Instant, wall: SystemTime) -> State {
-        let since =
-            wall.checked_sub(now.saturating_duration_since(self.machine.since())).unwrap_or(wall);
+        let since = crate::overrides::Moment { now, wall }.unix_ms_at(self.machine.since());
         State {
             version: state::VERSION,
             pid: std::process::id(),
@@ -535,7 +534,7 @@ impl Agent {
             warnings: self.firewall.iter().chain(&self.warnings).cloned().collect(),
             leftovers: self.leftover_notes.clone(),
             route: self.route(),
-            since_unix_ms: state::unix_ms(since),
+            since_unix_ms: since,
             reason: self.machine.reason().to_string(),
             held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,

@@ -29,6 +29,7 @@ use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
 use crate::health::Stream;
 use crate::metrics::{Health, Metrics};
+use crate::overrides::{self, Moment};
 use crate::probe::{self, Probe, ProbeError, Prober, Transport};
 use crate::{control, detect, firewall, hooks, maintenance, sockdiag, state};
 use tasks::Tasks;
@@ -177,9 +178,9 @@ async fn run_with(
 
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
-    let forced = match control::read_override(&cfg.state_dir) {
+    let forced = match overrides::read(&cfg.state_dir) {
         Ok(Some(o)) => {
-            let forced = maintenance::forced_from(&o, now(), SystemTime::now());
+            let forced = o.forced(Moment { now: now(), wall: SystemTime::now() });
             if forced.is_none() {
                 info!("the recorded override has expired");
             }
@@ -318,7 +319,7 @@ async fn run_with(
     let mut state_tick = tokio::time::interval(Duration::from_secs(1));
     state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut drain: Option<maintenance::Drain> = None;
-    let override_file = control::override_path(&cfg.state_dir);
+    let override_file = overrides::path(&cfg.state_dir);
     let mut record_stuck = false;
     // Hooks run one at a time, in order, beside the loop.
     let hooks = cfg.on_transition.clone().map(|path| {
@@ -381,7 +382,7 @@ async fn run_with(
         // If it cannot be removed (a directory in its place), that is said once, not on every
         // turn of the loop.
         if agent.forced().is_none() && override_file.exists() {
-            match control::clear_override(&cfg.state_dir) {
+            match overrides::clear(&cfg.state_dir) {
                 Ok(()) => record_stuck = false,
                 Err(e) if !record_stuck => {
                     record_stuck = true;

@@ -104,7 +104,7 @@ pub fn control_request(data: &[u8]) {
 
 /// The override file in the state directory, read as the agent reads it at start.
 pub fn override_file(data: &[u8]) {
-    let _ = crate::control::parse_override(std::path::Path::new("override.json"), data);
+    let _ = crate::overrides::parse(std::path::Path::new("override.json"), data);
 }
 
 /// A duration as flags and environment variables give it (`100ms`, `2s`, `1m30s`).

@@ -43,6 +43,8 @@ pub mod maintenance;
 pub mod metrics;
 mod netlink;
 #[forbid(unsafe_code)]
+pub mod overrides;
+#[forbid(unsafe_code)]
 pub mod probe;
 #[forbid(unsafe_code)]
 pub mod reconciler;

@@ -16,11 +16,12 @@ use nodelocaldns_ha::cli::{
     self, Cli, Command, DataplaneKind, FlipArgs, ListenArgs, LogFormat, ProbeArgs, StatusArgs,
 };
 use nodelocaldns_ha::config::{self, AgentConfig};
-use nodelocaldns_ha::control::{self, ControlError, Override, OverrideKind, Request, Response};
+use nodelocaldns_ha::control::{self, ControlError, Request, Response};
 use nodelocaldns_ha::dataplane;
 use nodelocaldns_ha::dataplane::iptables::{Flavour, Iptables, Table};
 use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane, Layered};
 use nodelocaldns_ha::detect::{self, Backend};
+use nodelocaldns_ha::overrides::{self, Override};
 use nodelocaldns_ha::probe::{Probe, Transport};
 use nodelocaldns_ha::ruleset::Route;
 use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
@@ -140,7 +141,7 @@ fn run(command: Command) -> Result<(), Failure> {
             let answer = control::call(&args.state_dir, &Request::Release, CALL_TIMEOUT);
             match answer {
                 Err(ControlError::NoAgent { .. }) if !agent_running(&args.state_dir)? => {
-                    control::clear_override(&args.state_dir).map_err(Failure::runtime)?;
+                    overrides::clear(&args.state_dir).map_err(Failure::runtime)?;
                     println!("no agent is running; removed the recorded override, if any");
                     Ok(())
                 }
@@ -296,18 +297,14 @@ fn flip(args: &FlipArgs) -> Result<(), Failure> {
     let shape = dataplane::Shape { accepts: dataplane.has_accepts(), fast_path: true };
     let rules = dataplane::plan(&addrs, route, shape);
     dataplane.apply(&rules).map_err(|e| Failure::runtime(with_causes(&e)))?;
-    let wall = SystemTime::now();
-    let record = Override {
-        version: control::OVERRIDE_VERSION,
+    let record = Override::manual(
         route,
         until_unix_ms,
-        reason: args.reason.clone(),
-        set_by: "nodelocaldns-ha flip (no agent running)".to_owned(),
-        set_unix_ms: state::unix_ms(wall),
-        kind: OverrideKind::Manual,
-        drained_sockets: None,
-    };
-    control::write_override(dir, &record).map_err(|e| {
+        args.reason.clone(),
+        "nodelocaldns-ha flip (no agent running)".to_owned(),
+        state::unix_ms(SystemTime::now()),
+    );
+    overrides::write(dir, &record).map_err(|e| {
         Failure::runtime(format!(
             "the {route} ruleset is installed, but recording the override in {} failed: {e}; a \
              starting agent will decide the route by itself",
@@ -581,7 +578,7 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
             Ok(alive) => serde_json::Value::Bool(*alive && !stale),
             Err(_) => serde_json::Value::Null,
         };
-        value["override"] = match control::read_override(&args.state_dir) {
+        value["override"] = match overrides::read(&args.state_dir) {
             Ok(o) => serde_json::to_value(o).map_err(Failure::runtime)?,
             Err(e) => serde_json::Value::String(e.to_string()),
         };
@@ -598,7 +595,7 @@ fn status(args: &StatusArgs) -> Result<(), Failure> {
     };
     println!("agent:       {running}");
     println!("route:       {} since {} ({})", st.route, ago(st.since_unix_ms, now), st.reason);
-    match control::read_override(&args.state_dir) {
+    match overrides::read(&args.state_dir) {
         Ok(Some(o)) => {
             let until = o.until_unix_ms.map_or("until released".to_owned(), |ms| {
                 format!("for {:.0}s more", ms.saturating_sub(state::unix_ms(now)) as f64 / 1e3)

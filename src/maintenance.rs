@@ -11,14 +11,12 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use crate::agent::Agent;
-use crate::control::{self, Incoming, Override, OverrideKind, Request, Response};
+use crate::control::{Incoming, Request, Response};
 use crate::health::{ForceKind, Forced};
+use crate::overrides::{self, Moment, Override, DRAIN_HOLD_MAX};
 use crate::ruleset::{Route, DNS_PORT};
 use crate::sockdiag;
-use crate::state;
 
-/// How long a drain holds `Upstream` at most if the drained cache never goes away.
-pub const DRAIN_HOLD_MAX: Duration = Duration::from_secs(600);
 /// Reply counters unchanged for this many checks in a row: the cache has gone quiet.
 const QUIET_CHECKS: u32 = 3;
 
@@ -80,23 +78,6 @@ impl Drain {
     }
 }
 
-/// Instant `at` on the wall clock, given that `now` and `wall` are the same moment.
-fn unix_ms_at(at: Instant, now: Instant, wall: SystemTime) -> u64 {
-    let wall_at = if at >= now { wall + (at - now) } else { wall - (now - at) };
-    state::unix_ms(wall_at)
-}
-
-/// The forced route an override file describes, or `None` when it has expired.
-pub fn forced_from(o: &Override, now: Instant, wall: SystemTime) -> Option<Forced> {
-    let now_ms = state::unix_ms(wall);
-    if o.expired(now_ms) {
-        return None;
-    }
-    let until = o.until_unix_ms.map(|ms| now + Duration::from_millis(ms.saturating_sub(now_ms)));
-    let waits_for = o.drained_sockets.clone();
-    Some(Forced { route: o.route, kind: o.kind, until, why: o.reason.clone(), waits_for })
-}
-
 /// The cookies of the sockets the cache serves on now (its listen addresses, port 53), for a
 /// drain to wait for; `None`, said in the log, when they cannot be listed.
 fn cache_sockets(agent: &Agent) -> Option<Vec<u64>> {
@@ -145,20 +126,10 @@ pub fn handle(
     now: Instant,
 ) {
     let Incoming { request, peer, reply } = incoming;
-    let wall = SystemTime::now();
+    let moment = Moment { now, wall: SystemTime::now() };
     let who = peer.to_string();
-    let record = |route, kind, until: Option<Instant>, reason: &str, sockets: Option<Vec<u64>>| {
-        let o = Override {
-            version: control::OVERRIDE_VERSION,
-            route,
-            until_unix_ms: until.map(|u| unix_ms_at(u, now, wall)),
-            reason: reason.to_owned(),
-            set_by: who.clone(),
-            set_unix_ms: state::unix_ms(wall),
-            kind,
-            drained_sockets: sockets,
-        };
-        control::write_override(dir, &o).map_err(|e| {
+    let record = |o: Override| {
+        overrides::write(dir, &o).map_err(|e| {
             format!("the route is forced, but recording it in {} failed: {e}", dir.display())
         })
     };
@@ -175,7 +146,8 @@ pub fn handle(
             let forced =
                 Forced { route, kind: ForceKind::Manual, until, why: why.clone(), waits_for: None };
             agent.force(forced, now);
-            match record(route, OverrideKind::Manual, until, &why, None) {
+            let until_unix_ms = until.map(|u| moment.unix_ms_at(u));
+            match record(Override::manual(route, until_unix_ms, why, who, moment.unix_ms())) {
                 Ok(()) => {
                     let until = for_ms.map_or(" until released".to_owned(), |ms| {
                         format!(" for {:?}", Duration::from_millis(ms))
@@ -192,7 +164,7 @@ pub fn handle(
         }
         Request::Release => {
             agent.release(now);
-            match control::clear_override(dir) {
+            match overrides::clear(dir) {
                 Ok(()) => {
                     Response::Ok { message: format!("automatic again; route is {}", agent.route()) }
                 }
@@ -222,9 +194,8 @@ pub fn handle(
                         why,
                         waits_for,
                     };
-                    if let Err(message) =
-                        record(Route::Upstream, OverrideKind::Drain, until, &forced.why, sockets)
-                    {
+                    let o = Override::drain(forced.why.clone(), who, sockets, moment.unix_ms());
+                    if let Err(message) = record(o) {
                         warn!(error = %message, "drain not persisted");
                     }
                     agent.force(forced, now);
@@ -234,7 +205,7 @@ pub fn handle(
                 return;
             }
         }
-        Request::Status => match serde_json::to_string(&agent.state(now, wall)) {
+        Request::Status => match serde_json::to_string(&agent.state(now, moment.wall)) {
             Ok(message) => Response::Ok { message },
             Err(e) => Response::Error { message: e.to_string() },
         },
@@ -383,44 +354,6 @@ mod tests {
         assert!(message(&response).contains("drain interrupted"), "{response:?}");
     }
 
-    #[test]
-    fn wall_clock_times_either_side_of_now() {
-        let t0 = Instant::now();
-        let now = t0 + Duration::from_secs(10);
-        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
-        assert_eq!(unix_ms_at(now + Duration::from_millis(1500), now, wall), 101_500);
-        assert_eq!(unix_ms_at(t0, now, wall), 90_000);
-        assert_eq!(unix_ms_at(now, now, wall), 100_000);
-    }
-
-    #[test]
-    fn a_recorded_override_is_forced_until_its_time_or_not_at_all() {
-        let now = Instant::now();
-        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(100);
-        let o = Override {
-            version: control::OVERRIDE_VERSION,
-            route: Route::Upstream,
-            until_unix_ms: Some(102_500),
-            reason: "drain requested".into(),
-            set_by: "uid 0".into(),
-            set_unix_ms: 99_000,
-            kind: ForceKind::Drain,
-            drained_sockets: Some(vec![7, 9]),
-        };
-        let forced = forced_from(&o, now, wall).expect("in force");
-        assert_eq!(forced.route, Route::Upstream);
-        assert_eq!(forced.kind, ForceKind::Drain);
-        assert_eq!(forced.until, Some(now + Duration::from_millis(2500)));
-        assert_eq!(forced.why, "drain requested");
-        assert_eq!(forced.waits_for, Some(vec![7, 9]));
-        let forever = Override { until_unix_ms: None, ..o.clone() };
-        assert_eq!(forced_from(&forever, now, wall).expect("in force").until, None);
-        for past in [100_000, 90_000] {
-            let expired = Override { until_unix_ms: Some(past), ..o.clone() };
-            assert!(forced_from(&expired, now, wall).is_none(), "{past}");
-        }
-    }
-
     /// One request through [`handle`], from `uid 0 pid 7`; where its answer arrives (a drain's
     /// later, from the [`Drain`] left in `drain`).
     fn send(
@@ -466,7 +399,7 @@ mod tests {
         let response = request(&mut agent, &dir, flip, &mut drain, t0).expect("an answer");
         assert_eq!(response, Response::ok("route forced to upstream for 2s"));
         assert_eq!(agent.route(), Route::Upstream);
-        let recorded = control::read_override(&dir).unwrap().expect("recorded");
+        let recorded = overrides::read(&dir).unwrap().expect("recorded");
         assert_eq!((recorded.route, recorded.kind), (Route::Upstream, ForceKind::Manual));
         assert_eq!(recorded.set_by, "uid 0 pid 7");
         assert_eq!(recorded.reason, "by uid 0 pid 7");
@@ -478,8 +411,44 @@ mod tests {
         let response = request(&mut agent, &dir, Request::Release, &mut drain, t0).unwrap();
         assert_eq!(response, Response::ok("automatic again; route is upstream"));
         assert!(agent.forced().is_none());
-        assert_eq!(control::read_override(&dir).unwrap(), None);
+        assert_eq!(overrides::read(&dir).unwrap(), None);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn what_handle_records_is_what_the_constructors_build() {
+        let t0 = Instant::now();
+        let fake = FakeDataplane::default();
+        let mut agent = agent(&fake, t0);
+        let dir = dir("constructors");
+        let flip = Request::Flip { route: Route::Local, for_ms: Some(1500), reason: "ops".into() };
+        request(&mut agent, &dir, flip, &mut None, t0).expect("an answer");
+        let recorded = overrides::read(&dir).unwrap().expect("recorded");
+        let set = recorded.set_unix_ms;
+        let who = "uid 0 pid 7".to_owned();
+        let built =
+            Override::manual(Route::Local, Some(set + 1500), "ops".into(), who.clone(), set);
+        assert_eq!(recorded, built);
+        // Read back at once, it forces what was forced.
+        let forced = agent.forced().cloned();
+        assert_eq!(recorded.forced(Moment { now: t0, wall: wall_at(set) }), forced);
+
+        request(&mut agent, &dir, Request::Release, &mut None, t0).expect("an answer");
+        let mut drain = None;
+        let _answer = send(&mut agent, &dir, Request::Drain { timeout_ms: 5000 }, &mut drain, t0);
+        let recorded = overrides::read(&dir).unwrap().expect("recorded");
+        let set = recorded.set_unix_ms;
+        let sockets = recorded.drained_sockets.clone();
+        let why = "drain requested by uid 0 pid 7".to_owned();
+        assert_eq!(recorded, Override::drain(why, who, sockets, set));
+        let forced = agent.forced().cloned();
+        assert_eq!(recorded.forced(Moment { now: t0, wall: wall_at(set) }), forced);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The wall-clock time `unix_ms` milliseconds after the epoch.
+    fn wall_at(unix_ms: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_millis(unix_ms)
     }
 
     #[test]
@@ -543,7 +512,7 @@ mod tests {
         assert_eq!((forced.kind, forced.until), (ForceKind::Drain, Some(t0 + DRAIN_HOLD_MAX)));
         assert_eq!(forced.why, "drain requested by uid 0 pid 7");
         // Recorded as forced, for an agent that restarts meanwhile.
-        let recorded = control::read_override(&dir).unwrap().expect("recorded");
+        let recorded = overrides::read(&dir).unwrap().expect("recorded");
         assert_eq!((recorded.route, recorded.kind), (Route::Upstream, ForceKind::Drain));
         assert_eq!(
             (recorded.reason.as_str(), recorded.set_by.as_str()),
@@ -571,12 +540,12 @@ mod tests {
         let flip = Request::Flip { route: Route::Upstream, for_ms: None, reason: "ops".into() };
         request(&mut agent, &dir, flip, &mut None, t0).expect("an answer");
         let manual = agent.forced().cloned();
-        let recorded = control::read_override(&dir).unwrap();
+        let recorded = overrides::read(&dir).unwrap();
         let mut drain = None;
         let answer = send(&mut agent, &dir, Request::Drain { timeout_ms: 5000 }, &mut drain, t0);
         // The operator's override stands, in the agent and on disk; the drain only waits.
         assert_eq!(agent.forced().cloned(), manual);
-        assert_eq!(control::read_override(&dir).unwrap(), recorded);
+        assert_eq!(overrides::read(&dir).unwrap(), recorded);
         let d = drain.take().expect("the drain waits");
         let (response, _) = tick_until_done(d, &mut agent, t0, answer, |_| {});
         assert!(message(&response).contains("gone quiet"), "{response:?}");

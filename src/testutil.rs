@@ -1,5 +1,5 @@
-//! Helpers shared by the unit tests: commands, golden files, and the real-kernel harness that
-//! runs one test again inside a fresh network namespace.
+//! Helpers shared by the unit tests: commands, golden files, temporary directories, and the
+//! real-kernel harness that runs one test again inside a fresh network namespace.
 //!
 //! The harness: [`in_netns`] creates a namespace ([`Netns`]) and re-runs the calling test (its
 //! path from [`test_path!`]) under `ip netns exec`, with [`NETNS_ENV`] naming the namespace and
@@ -38,6 +38,26 @@ pub(crate) fn golden(name: &str, actual: &str) {
     let expected = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("{}: {e} (UPDATE_GOLDEN=1 creates it)", path.display()));
     assert_eq!(actual, expected, "{name} differs from the golden file");
+}
+
+/// A fresh, empty directory under the system's temporary directory, removed on drop.
+pub(crate) struct TempDir(pub(crate) PathBuf);
+
+impl TempDir {
+    pub(crate) fn new() -> TempDir {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("nlha-test-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The path of the test function this is written in, as the test harness names it (without the

@@ -248,7 +248,7 @@ impl Node {
 
     /// Whether the override record is on disk.
     fn recorded(&self) -> bool {
-        control::read_override(&self.cfg.state_dir).unwrap().is_some()
+        crate::overrides::read(&self.cfg.state_dir).unwrap().is_some()
     }
 }
 
