@@ -45,7 +45,7 @@ const CLIENT_BUNDLE: &str = "/opt/nodelocaldns-ha";
 /// even read an iptables-legacy node (`iptables-legacy-save`: "Permission denied").
 const CAPABILITIES: [&str; 2] = ["NET_ADMIN", "NET_RAW"];
 /// How much longer than its `--timeout` the `drain` client waits for the agent's answer
-/// (`CALL_TIMEOUT` in src/main.rs).
+/// (`CALL_TIMEOUT` in src/bin/nodelocaldns-ha/main.rs).
 const DRAIN_CALL_SLACK: Duration = Duration::from_secs(5);
 /// What node-cache keeps of the grace period, at least, after the longest drain.
 const NODE_CACHE_SHUTDOWN: Duration = Duration::from_secs(5);

@@ -103,7 +103,7 @@ fn the_crate_denies_and_every_binary_forbids_unsafe() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let lib = std::fs::read_to_string(root.join("src/lib.rs")).unwrap();
     assert!(lib.contains("#![deny(unsafe_code)]"), "src/lib.rs denies unsafe_code");
-    let mut entry_points = vec![root.join("src/main.rs")];
+    let mut entry_points = vec![root.join("src/bin/nodelocaldns-ha/main.rs")];
     // The workspace's other crates: each root (library and binary) forbids it.
     for krate in std::fs::read_dir(root.join("crates")).unwrap() {
         let src = krate.unwrap().path().join("src");
