@@ -12,7 +12,6 @@
 //! stops, crashes or is upgraded leaves the node exactly as it last decided, and a restarted agent
 //! adopts the installed route instead of flipping. `teardown` removes everything.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -23,55 +22,12 @@ use crate::dataplane::{self, Dataplane, TableRef};
 use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stream, Transition};
 use crate::metrics::Metrics;
-use crate::probe::{Outcome, ProbeResult};
+use crate::probe::{Outcome, Report};
 use crate::reconciler::Reconciler;
 use crate::ruleset::{ListenAddrs, Route};
 use crate::state::{self, ProbeStats, Probes, State};
 
 pub use crate::reconciler::{CheckDone, CheckJob};
-
-/// What can stop the agent.
-#[derive(Debug, thiserror::Error)]
-pub enum AgentError {
-    /// The dataplane's second handle, for read-backs beside the loop, cannot be opened.
-    #[error("opening the dataplane for read-backs failed: {0}")]
-    Reader(#[source] dataplane::Error),
-    /// The state directory cannot be created.
-    #[error("cannot create the state directory {}: {source} (set --state-dir to a writable directory)", .path.display())]
-    StateDir {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    /// A probe setting was rejected.
-    #[error(transparent)]
-    Probe(#[from] crate::probe::ProbeError),
-    /// Another agent runs with the same state directory, or its lock cannot be taken.
-    #[error(transparent)]
-    Lock(#[from] state::LockError),
-    /// The metrics endpoint cannot listen.
-    #[error("cannot listen on --metrics-addr {addr}: {source} (pick a free address, or \"off\")")]
-    Metrics {
-        addr: std::net::SocketAddr,
-        #[source]
-        source: std::io::Error,
-    },
-    /// A probe or watch task ended: the agent is blind and exits.
-    #[error("the {task} task {how}; exiting with the current ruleset left in place")]
-    TaskDied {
-        /// Which task ([`crate::daemon`] names each one).
-        task: &'static str,
-        /// `ended`, or `panicked: <its message>`.
-        how: String,
-    },
-}
-
-/// A probe result, tagged with the stream it belongs to.
-#[derive(Clone, Debug)]
-pub struct Report {
-    pub stream: Stream,
-    pub result: ProbeResult,
-}
 
 /// How the decision sees a probe outcome.
 pub fn sample(outcome: &Outcome) -> Sample {
@@ -152,9 +108,9 @@ impl Agent {
         forced: Option<Forced>,
         firewall: Vec<Blocking>,
         now: Instant,
-    ) -> Result<Agent, AgentError> {
+    ) -> Result<Agent, dataplane::Error> {
         // The second handle the read-backs use, before anything on the node changes.
-        let reader = dataplane.reader().map_err(AgentError::Reader)?;
+        let reader = dataplane.reader()?;
         let blocked = blocked_path(&cfg.addrs, &firewall);
         let installed = dataplane::installed_route(dataplane.as_mut(), &cfg.addrs, cfg.shape)
             .unwrap_or_else(|e| {

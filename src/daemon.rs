@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::block_in_place;
 use tracing::{error, info, warn};
 
-use crate::agent::{Agent, AgentError, CheckDone, CheckJob, Notes};
+use crate::agent::{Agent, CheckDone, CheckJob, Notes};
 use crate::config::{AgentConfig, Cadence};
 use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
@@ -31,8 +31,44 @@ use crate::health::Stream;
 use crate::metrics::{Health, Metrics};
 use crate::overrides::{self, Moment};
 use crate::probe::{self, Probe, ProbeError, Prober, Transport};
-use crate::{control, detect, firewall, hooks, maintenance, sockdiag, state};
+use crate::{control, detect, hooks, maintenance, sockdiag, state};
 use tasks::Tasks;
+
+/// What can stop the agent (the `run` command exits 1 with it).
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// The dataplane's second handle, for read-backs beside the loop, cannot be opened.
+    #[error("opening the dataplane for read-backs failed: {0}")]
+    Reader(#[source] crate::dataplane::Error),
+    /// The state directory cannot be created.
+    #[error("cannot create the state directory {}: {source} (set --state-dir to a writable directory)", .path.display())]
+    StateDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A probe setting was rejected.
+    #[error(transparent)]
+    Probe(#[from] crate::probe::ProbeError),
+    /// Another agent runs with the same state directory, or its lock cannot be taken.
+    #[error(transparent)]
+    Lock(#[from] state::LockError),
+    /// The metrics endpoint cannot listen.
+    #[error("cannot listen on --metrics-addr {addr}: {source} (pick a free address, or \"off\")")]
+    Metrics {
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A probe or watch task ended: the agent is blind and exits.
+    #[error("the {task} task {how}; exiting with the current ruleset left in place")]
+    TaskDied {
+        /// Which task ([`crate::daemon`] names each one).
+        task: &'static str,
+        /// `ended`, or `panicked: <its message>`.
+        how: String,
+    },
+}
 
 /// `/healthz` fails when the control loop has not turned for this long.
 const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
@@ -195,7 +231,7 @@ async fn run_with(
     };
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     let firewall = if watch_node {
-        blocking(|| firewall::audit_firewall(&listen)).unwrap_or_else(|e| {
+        blocking(|| nftables::audit_firewall(&listen)).unwrap_or_else(|e| {
             warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
             Vec::new()
         })
@@ -203,7 +239,8 @@ async fn run_with(
         Vec::new()
     };
     let mut agent =
-        blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))?;
+        blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))
+            .map_err(AgentError::Reader)?;
     // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
     if !agent.is_dirty() {
         health.set_ready();
@@ -283,7 +320,7 @@ async fn run_with(
         );
         tasks.spawn(
             "firewall watch",
-            firewall::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
+            nftables::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
         );
         let period = detect::FOREIGN_RULES_PERIOD;
         let foreign =

@@ -220,16 +220,6 @@ pub fn ipvs_refusal(found: &Detection, cluster_dns: &[IpAddr]) -> Option<String>
     ))
 }
 
-/// Whether this kernel has IPv6 at all: not on one booted with `ipv6.disable=1`, where every
-/// `ip6tables-*` command fails. A family the kernel lacks is absent, not an error.
-pub fn kernel_has_ipv6() -> bool {
-    use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
-    match socket(AddressFamily::Inet6, SockType::Datagram, SockFlag::SOCK_CLOEXEC, None) {
-        Ok(_) => true,
-        Err(errno) => errno != nix::errno::Errno::EAFNOSUPPORT,
-    }
-}
-
 /// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
 /// missing (a node without that flavour). Failures of binaries that exist go to `unreadable`.
 fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {

@@ -14,15 +14,11 @@
 //! expression this module does not model) is unknown, and an unknown match is taken both ways:
 //! a chain that *may* drop the packet counts as dropping it, and only an `accept` that surely
 //! matches counts as letting it through. No I/O: the tables come from
-//! `dataplane::nftables::Nftables::host_firewall`; `watch` reads them again whenever they may
-//! have changed, for the control loop.
-
-mod watch;
+//! `dataplane::nftables::Nftables::host_firewall`, and `dataplane::nftables::watch_firewall`
+//! reads them again whenever they may have changed, for the control loop.
 
 use std::fmt;
 use std::net::IpAddr;
-
-pub(crate) use watch::{audit_firewall, watch_firewall};
 
 /// `NF_INET_LOCAL_IN`.
 pub const HOOK_INPUT: u32 = 1;

@@ -456,7 +456,7 @@ mod tests {
         let t0 = Instant::now();
         let fake = FakeDataplane::default();
         let mut agent = agent(&fake, t0);
-        let refused = crate::agent::Report {
+        let refused = crate::probe::Report {
             stream: crate::health::Stream::CacheUdp,
             result: crate::probe::ProbeResult {
                 outcome: crate::probe::Outcome::Refused,

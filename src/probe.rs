@@ -32,7 +32,7 @@ use serde::Serialize;
 
 pub use exchange::{exchange, new_query, ExchangeError, Exchanged};
 pub(crate) use stream::probe_stream;
-pub use stream::Prober;
+pub use stream::{Prober, Report};
 
 /// Errors building a [`Probe`].
 #[derive(Debug, thiserror::Error)]

@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::*;
 use crate::config::{test_raw, RawRun};
 use crate::dataplane::fake::FakeDataplane;
+use crate::probe::ProbeResult;
 use crate::ruleset::RuleSet;
 
 fn cfg() -> AgentConfig {

@@ -56,6 +56,7 @@ use objects::{nft_body, nft_type};
 pub use crate::netlink::ParseError;
 pub use changes::{Announced, ChangeWatch};
 pub use host_firewall::host_firewall_candidate;
+pub(crate) use host_firewall::{audit_firewall, watch_firewall};
 pub(crate) use watch::{watch_nftables, Watched};
 
 /// [`ruleset::TABLE`] for nftnl.

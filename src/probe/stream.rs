@@ -13,8 +13,14 @@ use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
 
 use super::{Probe, ProbeResult, Transport};
-use crate::agent::Report;
 use crate::health::Stream;
+
+/// A probe result, tagged with the stream it belongs to.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub stream: Stream,
+    pub result: ProbeResult,
+}
 
 /// What a probe stream probes with.
 pub trait Prober: Send + Sync {

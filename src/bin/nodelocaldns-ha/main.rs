@@ -23,8 +23,8 @@ use nodelocaldns_ha::cli::{self, Cli, Command, DataplaneKind, LogFormat};
 use nodelocaldns_ha::config::{self, AgentConfig};
 use nodelocaldns_ha::control::{self, ControlError, Request};
 use nodelocaldns_ha::daemon;
+use nodelocaldns_ha::dataplane::iptables::kernel_has_ipv6;
 use nodelocaldns_ha::dataplane::Dataplane;
-use nodelocaldns_ha::detect;
 use nodelocaldns_ha::overrides;
 use nodelocaldns_ha::ruleset::RuleSet;
 use nodelocaldns_ha::state;
@@ -124,7 +124,7 @@ fn run(command: Command) -> Result<(), Failure> {
                 .map_err(Failure::usage)?;
             require_net_admin()?;
             let v6 = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).find(|ip| ip.is_ipv6());
-            if let (Some(ip), false) = (v6, detect::kernel_has_ipv6()) {
+            if let (Some(ip), false) = (v6, kernel_has_ipv6()) {
                 return Err(Failure::usage(format!(
                     "{ip} is an IPv6 address, but this kernel has no IPv6 (booted with \
                      ipv6.disable=1?): give --local-ip and --cluster-dns-ip IPv4 addresses only"

@@ -1,8 +1,13 @@
 //! Tests of the iptables backend: rendering, parsing and transactions on plain data, then the
 //! real kernel with both iptables flavours, each test in a network namespace of its own.
+//!
+//! One job, in one file past 600 lines: its fixtures (addresses, rulesets, saved tables, scripts)
+//! serve both halves, and each half reads best next to the other.
 
 use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
 
+use super::error::failed_line;
 use super::text::{
     apply_script, compare, parse_save, remove_script, render_family, save_string, wanted,
 };

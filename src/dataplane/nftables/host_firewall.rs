@@ -1,9 +1,17 @@
 //! Reading the node's own nftables firewall for [`crate::firewall`], which judges whether it
-//! would stop pods' DNS to the cache.
+//! would stop pods' DNS to the cache; and [`watch_firewall`], which reads it again whenever it
+//! may have changed and sends the control loop what it would stop.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use nix::errno::Errno;
+use tokio::sync::{mpsc, Notify};
+use tracing::warn;
 
 use super::{objects, Error, Nftables, Snapshot, READ_ATTEMPTS};
+use crate::firewall::{self, Blocking};
 use crate::netlink::{NLM_F_DUMP, NLM_F_REQUEST};
 use crate::ruleset;
 
@@ -96,5 +104,48 @@ impl Nftables {
             }
         }
         Ok(snapshot.consistent().then_some(tables))
+    }
+}
+
+/// How often the node's own nftables firewall is read again without being told it changed.
+const FIREWALL_PERIOD: Duration = Duration::from_secs(30);
+
+/// The node's own nftables firewall, judged for the listen addresses `addrs`.
+pub(crate) fn audit_firewall(addrs: &[IpAddr]) -> Result<Vec<Blocking>, Error> {
+    let tables = Nftables::new()?.host_firewall()?;
+    Ok(firewall::blocking(&tables, addrs))
+}
+
+/// Reads the node's own nftables firewall again whenever one of its tables changes (`changed`)
+/// and every [`FIREWALL_PERIOD`], and sends what it would stop. A failed read is said once and
+/// changes nothing.
+pub(crate) async fn watch_firewall(
+    addrs: Vec<IpAddr>,
+    changed: Arc<Notify>,
+    tx: mpsc::Sender<Vec<Blocking>>,
+) {
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = changed.notified() => {}
+            _ = tokio::time::sleep(FIREWALL_PERIOD) => {}
+        }
+        let addrs = addrs.clone();
+        let Ok(found) = tokio::task::spawn_blocking(move || audit_firewall(&addrs)).await else {
+            continue;
+        };
+        match found {
+            Ok(found) => {
+                failing = false;
+                if tx.send(found).await.is_err() {
+                    return;
+                }
+            }
+            Err(e) if !failing => {
+                failing = true;
+                warn!(error = %e, "cannot read the node's nftables firewall; keeping the last look");
+            }
+            Err(_) => {}
+        }
     }
 }
