@@ -11,10 +11,9 @@
 //!   announces them on the `NFNLGRP_NFTABLES` group), so the agent can re-check at once when
 //!   another tool touches the table; `watch` is the agent's task that listens.
 //! * [`Nftables::host_firewall`] (`host_firewall`) reads the node's own firewall tables for
-//!   [`crate::firewall`] to judge.
+//!   [`crate::firewall`] to judge; [`watch_firewall`] reads them again as they change.
 //!
 //! This file holds the exchange itself: the socket, the batch, the requests and their answers.
-//!
 //! Everything runs in the network namespace that is current when the sockets are opened (the
 //! agent runs with hostNetwork). `unsafe` is confined to `ffi`, which hands expressions to
 //! libnftnl.
@@ -55,8 +54,7 @@ use objects::{nft_body, nft_type};
 
 pub use crate::netlink::ParseError;
 pub use changes::{Announced, ChangeWatch};
-pub use host_firewall::host_firewall_candidate;
-pub(crate) use host_firewall::{audit_firewall, watch_firewall};
+pub use host_firewall::{audit_firewall, host_firewall_candidate, watch_firewall};
 pub(crate) use watch::{watch_nftables, Watched};
 
 /// [`ruleset::TABLE`] for nftnl.

@@ -111,7 +111,7 @@ impl Nftables {
 const FIREWALL_PERIOD: Duration = Duration::from_secs(30);
 
 /// The node's own nftables firewall, judged for the listen addresses `addrs`.
-pub(crate) fn audit_firewall(addrs: &[IpAddr]) -> Result<Vec<Blocking>, Error> {
+pub fn audit_firewall(addrs: &[IpAddr]) -> Result<Vec<Blocking>, Error> {
     let tables = Nftables::new()?.host_firewall()?;
     Ok(firewall::blocking(&tables, addrs))
 }
@@ -119,7 +119,7 @@ pub(crate) fn audit_firewall(addrs: &[IpAddr]) -> Result<Vec<Blocking>, Error> {
 /// Reads the node's own nftables firewall again whenever one of its tables changes (`changed`)
 /// and every [`FIREWALL_PERIOD`], and sends what it would stop. A failed read is said once and
 /// changes nothing.
-pub(crate) async fn watch_firewall(
+pub async fn watch_firewall(
     addrs: Vec<IpAddr>,
     changed: Arc<Notify>,
     tx: mpsc::Sender<Vec<Blocking>>,
