@@ -9,8 +9,8 @@
 //! the ruleset of its current route left installed (the exit policy of [`crate::agent`]).
 //!
 //! The watchers live beside what they watch: the probe streams in [`crate::probe`], the
-//! cache's sockets in [`crate::sockdiag`], nftables' announcements in
-//! [`crate::dataplane::nftables`], the node's own firewall in [`crate::firewall`], node-cache's
+//! cache's sockets in [`crate::sockdiag`], nftables' announcements and the node's own
+//! firewall (judged by [`crate::firewall`]) in [`crate::dataplane::nftables`], node-cache's
 //! rules in [`crate::detect`].
 
 mod tasks;
