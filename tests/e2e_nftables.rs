@@ -336,11 +336,19 @@ fn cache_sigkill_fast_path_alone_fails_pods_over() {
 /// fast path saw a listener for, which closed before the SYN reached it, is refused at once, and
 /// so may be the retry sent right after it (glibc retries a refused TCP attempt at once too).
 /// Seen under load, once in hundreds of kills: a failed lookup sent within the kill window.
+///
+/// 100 lookups/s per client: on `Upstream` both clients' connections go to the simulated
+/// CoreDNS, dnsmasq, which forks a process per TCP connection, serves 20 at a time and queues
+/// 32 more; on this 2-core machine it stalls now and then from about 500 connections/s (SYNs
+/// dropped, retransmitted after 1 s: first attempts lost long after the kill, answered by
+/// CoreDNS late), and at 200/s it never did (measured 2026-11-26: 500/s, 1141 of 2500 first
+/// attempts lost in 1 of 4 runs of 5 s; 200/s, 0 of 1000 in each of 5). CoreDNS itself
+/// has no such limit; the assertions are about where losses fall, not how many lookups run.
 #[test]
 fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
     let node = SimNode::up();
     let agent = node.agent(&[]);
-    let args = ["--tcp", "--rate", "500", "--duration", "60s", "--report-interval", "100ms"];
+    let args = ["--tcp", "--rate", "100", "--duration", "60s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", POD_SERVER, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
     let (killed_at, gone_at) = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
