@@ -10,9 +10,10 @@
 //!
 //! * always: NOTRACK for the link-local listen IP, both directions, as node-cache does;
 //! * [`Route::Local`]: NOTRACK for the cluster-DNS IP too. In prerouting it is guarded by
-//!   `fib daddr type local` and `socket transparent 0`: when the cache's socket is gone the rule
-//!   stops matching and the very next packet is DNATed by kube-proxy to CoreDNS, with no agent
-//!   involved. In output the socket guard cannot work (it sees the sending socket), so host
+//!   `fib daddr type local` and `socket transparent 0 socket wildcard 0` (a socket bound to the
+//!   address itself, not a TPROXY target, not another server's on 0.0.0.0): when the cache's
+//!   socket is gone the rule stops matching and the very next packet is DNATed by kube-proxy to
+//!   CoreDNS, with no agent involved. In output the socket guard cannot work (it sees the sending socket), so host
 //!   clients rely on the agent's switch; the address guard still prevents a blackhole when the
 //!   cache's teardown removes its addresses.
 //! * [`Route::Upstream`]: no NOTRACK for queries to the cluster-DNS IP, so kube-proxy's DNAT
@@ -126,7 +127,8 @@ pub enum Guard {
     None,
     /// `fib daddr type local`: the address is still on the node.
     LocalAddress,
-    /// `fib daddr type local socket transparent 0`: and a socket is there to take the packet.
+    /// `fib daddr type local socket transparent 0 socket wildcard 0`: and a socket bound to the
+    /// address itself is there to take the packet.
     LocalSocket,
 }
 
@@ -326,7 +328,9 @@ impl fmt::Display for Rule {
         match self.guard {
             Guard::None => {}
             Guard::LocalAddress => f.write_str(" fib daddr type local")?,
-            Guard::LocalSocket => f.write_str(" fib daddr type local socket transparent 0")?,
+            Guard::LocalSocket => {
+                f.write_str(" fib daddr type local socket transparent 0 socket wildcard 0")?
+            }
         }
         write!(f, " counter notrack comment \"{}\"", self.comment)
     }

@@ -17,9 +17,9 @@ use serde_json::Value;
 use testkit::*;
 
 /// The local-only rule of the ruleset, as `nft` reads it back: pods to the cache while it listens.
-const NFT_FAST_PATH_RULE: &str = "ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 counter notrack comment \"pods to cache while it listens\"";
+const NFT_FAST_PATH_RULE: &str = "ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 socket wildcard 0 counter notrack comment \"pods to cache while it listens\"";
 /// The same rule as iptables-save prints it (raw, the agent's PREROUTING chain).
-const IPT_FAST_PATH_RULE: &str = "-A NODELOCALDNS-HA-PREROUTING -d 10.96.0.10/32 -p udp -m udp --dport 53 -m addrtype --dst-type LOCAL -m socket --nowildcard -m comment --comment \"pods to cache while it listens\" -j NOTRACK";
+const IPT_FAST_PATH_RULE: &str = "-A NODELOCALDNS-HA-PREROUTING -d 10.96.0.10/32 -p udp -m udp --dport 53 -m addrtype --dst-type LOCAL -m socket -m comment --comment \"pods to cache while it listens\" -j NOTRACK";
 /// Host-network clients' rule of the Local ruleset: only the address guard (no socket guard in
 /// the output hook).
 const IPT_HOST_RULE: &str = "-A NODELOCALDNS-HA-OUTPUT -d 10.96.0.10/32 -p udp -m udp --dport 53 -m addrtype --dst-type LOCAL -m comment --comment \"host to cache\" -j NOTRACK";
@@ -165,7 +165,7 @@ impl Plane {
             ),
             Plane::Iptables(variant) => {
                 let rule = "-t raw -A NODELOCALDNS-HA-PREROUTING -d 10.96.0.10/32 -p udp -m udp \
-                            --dport 53 -m addrtype --dst-type LOCAL -m socket --nowildcard";
+                            --dport 53 -m addrtype --dst-type LOCAL -m socket";
                 let mut args: Vec<&str> = rule.split_whitespace().collect();
                 args.extend(["-m", "comment", "--comment", "pods to cache while it listens"]);
                 args.extend(["-j", "NOTRACK"]);

@@ -3,7 +3,7 @@
 //! transactions that install or remove them. No I/O.
 //!
 //! Rules are rendered exactly as `iptables-save` 1.8 prints them back (legacy and nft alike):
-//! `-d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m socket --nowildcard]]
+//! `-d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m socket]]
 //! -m comment --comment "…" -j NOTRACK`, so read-back compares text lines, and the same lines
 //! are fed to `iptables-restore`.
 
@@ -173,12 +173,13 @@ fn rule_spec(rule: &Rule) -> String {
     let bits = Family::of(rule.addr).host_bits();
     let mut spec =
         format!("{addr} {}/{bits} -p {proto} -m {proto} {port} {}", rule.addr, rule.port);
-    // `--nowildcard` makes xt_socket count sockets bound to 0.0.0.0 / ::, as nftables' socket
-    // expression does: a cache bound to the wildcard address still gets the fast path.
+    // xt_socket ignores sockets bound to 0.0.0.0 / :: (unless `--nowildcard`), as the nftables
+    // rule's `socket wildcard 0` does: another DNS server of the node's on the wildcard address
+    // must not take pods' queries for the cluster-DNS IP when the cache is gone.
     spec.push_str(match rule.guard {
         Guard::None => "",
         Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
-        Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket --nowildcard",
+        Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket",
     });
     spec.push_str(" -m comment --comment ");
     spec.push_str(&save_string(&rule.comment));

@@ -31,6 +31,8 @@ pub const NFTA_FIB_F_DADDR: u32 = 1 << 1;
 pub const NFT_FIB_RESULT_ADDRTYPE: u32 = 3;
 /// `socket transparent` (`enum nft_socket_keys`).
 pub const NFT_SOCKET_TRANSPARENT: u32 = 0;
+/// `socket wildcard`: the socket is bound to 0.0.0.0 or `::` (`enum nft_socket_keys`).
+pub const NFT_SOCKET_WILDCARD: u32 = 2;
 /// The route type of an address of this host (`RTN_LOCAL`).
 const RTN_LOCAL: u32 = 2;
 /// `meta nfproto` of IPv4 packets.
@@ -126,6 +128,7 @@ impl fmt::Display for Expr {
             }
             Expr::Fib { flags, result } => write!(f, "fib flags {flags:#x} result {result}"),
             Expr::Socket { key: NFT_SOCKET_TRANSPARENT } => f.write_str("socket load transparent"),
+            Expr::Socket { key: NFT_SOCKET_WILDCARD } => f.write_str("socket load wildcard"),
             Expr::Socket { key } => write!(f, "socket load key {key}"),
             Expr::Counter => f.write_str("counter"),
             Expr::Notrack => f.write_str("notrack"),
@@ -153,7 +156,8 @@ impl fmt::Display for Found {
 
 /// The expressions `nft` generates for `rule`'s text, in order.
 ///
-/// `ip daddr A udp dport 53 [fib daddr type local [socket transparent 0]] counter notrack`:
+/// `ip daddr A udp dport 53 [fib daddr type local [socket transparent 0 socket wildcard 0]]
+/// counter notrack`:
 /// in an `inet` table the address match needs `meta nfproto` first, the port match
 /// `meta l4proto` first.
 pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
@@ -184,9 +188,14 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
         // The route type is a host-endian u32.
         Expr::cmp_eq(RTN_LOCAL.to_ne_bytes()),
     ];
-    let socket_transparent_0 = [
+    // A socket bound to the address itself: not a transparent one (a TPROXY target), and not
+    // one bound to 0.0.0.0 or `::` (another DNS server of the node's, which must not take pods'
+    // queries for the cache's address when the cache is gone).
+    let socket_of_the_cache = [
         Expr::Socket { key: NFT_SOCKET_TRANSPARENT },
-        // `transparent` is one bit, stored in one byte.
+        // Each key is one bit, stored in one byte.
+        Expr::cmp_eq([0]),
+        Expr::Socket { key: NFT_SOCKET_WILDCARD },
         Expr::cmp_eq([0]),
     ];
     match rule.guard {
@@ -194,7 +203,7 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
         Guard::LocalAddress => exprs.extend(fib_daddr_type_local),
         Guard::LocalSocket => {
             exprs.extend(fib_daddr_type_local);
-            exprs.extend(socket_transparent_0);
+            exprs.extend(socket_of_the_cache);
         }
     }
     exprs.extend([Expr::Counter, Expr::Notrack]);
@@ -233,14 +242,15 @@ mod tests {
         assert_eq!(names(&address), want);
 
         let socket = rule("fd00:96::10", Side::Destination, Guard::LocalSocket);
-        let want = [&MATCH[..], &["fib", "cmp", "socket", "cmp", "counter", "notrack"]].concat();
+        let guard = ["fib", "cmp", "socket", "cmp", "socket", "cmp"];
+        let want = [&MATCH[..], &guard, &["counter", "notrack"]].concat();
         assert_eq!(names(&socket), want);
     }
 
     #[test]
     fn values_match_nft_debug_output() {
         // nft --debug=netlink add rule inet t p ip daddr 10.96.0.10 udp dport 53 \
-        //     fib daddr type local socket transparent 0 counter notrack
+        //     fib daddr type local socket transparent 0 socket wildcard 0 counter notrack
         let text: Vec<String> =
             rule_expressions(&rule("10.96.0.10", Side::Destination, Guard::LocalSocket))
                 .iter()
@@ -263,6 +273,8 @@ mod tests {
                     if cfg!(target_endian = "little") { "02000000" } else { "00000002" }
                 ),
                 "socket load transparent",
+                "cmp eq 00",
+                "socket load wildcard",
                 "cmp eq 00",
                 "counter",
                 "notrack",

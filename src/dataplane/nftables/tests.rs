@@ -96,8 +96,8 @@ fn compare_says_what_differs_first() {
                     Found::Known(expr::Expr::Cmp { op: 0, data: vec![10, 96, 0, 11] })
             },
             "chain prerouting: rule 3 expression 4 is `cmp eq 0a60000b`, want `cmp eq 0a60000a` \
-             (ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 counter \
-             notrack comment \"pods to cache while it listens\")",
+             (ip daddr 10.96.0.10 udp dport 53 fib daddr type local socket transparent 0 socket \
+             wildcard 0 counter notrack comment \"pods to cache while it listens\")",
         ),
         (
             |i| i.rules[0].exprs[9] = Found::Other("immediate".to_owned()),
@@ -423,8 +423,8 @@ mod kernel {
 
     #[test]
     fn socket_guard_follows_the_listening_socket() {
-        // The kernel fast path: prerouting NOTRACKs the cluster-DNS IP only while a socket
-        // listens on it; the counter of that rule shows whether it matched.
+        // The kernel fast path: prerouting NOTRACKs the cluster-DNS IP only while a socket is
+        // bound to it; the counter of that rule shows whether it matched.
         in_netns("nft", test_path!(), |ns| {
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
             run("ip", &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"]);
@@ -450,6 +450,14 @@ mod kernel {
             let refused = client.recv(&mut buf).unwrap_err();
             assert_eq!(refused.kind(), ErrorKind::ConnectionRefused);
             assert_eq!(packets(ns, guarded), 1, "no NOTRACK once the socket is gone");
+
+            // Another DNS server of the node's, on the wildcard address, is not the cache: with
+            // kube-proxy there the query would be DNATed to CoreDNS, not NOTRACKed to it.
+            let other = std::net::UdpSocket::bind("0.0.0.0:53").unwrap();
+            other.set_read_timeout(timeout).unwrap();
+            client.send(b"query").unwrap();
+            other.recv(&mut buf).unwrap();
+            assert_eq!(packets(ns, guarded), 1, "no NOTRACK for a wildcard listener");
         });
     }
 }
