@@ -22,7 +22,7 @@
 //!   later query from the same client port back to the cache, around the DNAT.
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +32,26 @@ pub const TABLE: &str = "nodelocaldns-ha";
 pub const PRIORITY: i32 = -310;
 /// DNS.
 pub const DNS_PORT: u16 = 53;
+/// `mangle`: the link-local fallback chain's, after conntrack (-200), where TPROXY belongs.
+pub const FALLBACK_PRIORITY: i32 = -150;
+/// Where the agent's forwarder listens for the link-local IPv4 queries TPROXY hands it: an
+/// address no other socket binds (`127.0.0.53` is systemd-resolved's).
+pub const FORWARDER_V4: SocketAddr =
+    SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 53, 0, 53)), DNS_PORT);
+/// The same for IPv6: not an address of the node; the forwarder's transparent socket binds it
+/// all the same, and TPROXY delivers to the socket, not to an address.
+pub const FORWARDER_V6: SocketAddr = SocketAddr::new(
+    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x169, 0x254, 0, 0, 0, 0, 0x53)),
+    DNS_PORT,
+);
+
+/// The forwarder's address for queries to `ip`'s family.
+pub fn forwarder_for(ip: IpAddr) -> SocketAddr {
+    match ip {
+        IpAddr::V4(_) => FORWARDER_V4,
+        IpAddr::V6(_) => FORWARDER_V6,
+    }
+}
 
 /// Where queries for the cluster-DNS IP go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -130,9 +150,24 @@ pub enum Guard {
     /// `fib daddr type local socket transparent 0 socket wildcard 0`: and a socket bound to the
     /// address itself is there to take the packet.
     LocalSocket,
+    /// `ip saddr 127.0.0.1` (`ip6 saddr ::1`): sent from the loopback address, as the agent's
+    /// own probes of the cache are, so they reach the cache itself and never the fallback.
+    FromLoopback,
 }
 
-/// One `… counter notrack` rule.
+/// What a rule does with the packets it matches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// `notrack`: conntrack ignores the packet, so kube-proxy's DNAT never sees it.
+    Notrack,
+    /// `accept`: the packet leaves the fallback chain and goes to the socket it is addressed to.
+    Accept,
+    /// `tproxy ip to A:P`: the packet goes to the agent's forwarder socket at A:P, whatever its
+    /// destination address says.
+    Tproxy(SocketAddr),
+}
+
+/// One `… counter <action>` rule.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
     pub addr: IpAddr,
@@ -140,29 +175,47 @@ pub struct Rule {
     pub proto: Proto,
     pub port: u16,
     pub guard: Guard,
+    pub action: Action,
     /// Why the rule exists; stored with the rule and compared on read-back.
     pub comment: String,
 }
 
 impl Rule {
-    /// A rule for DNS (port 53) to or from `addr`.
+    /// A NOTRACK rule for DNS (port 53) to or from `addr`.
     pub fn dns(addr: IpAddr, side: Side, proto: Proto, guard: Guard, comment: &str) -> Rule {
-        Rule { addr, side, proto, port: DNS_PORT, guard, comment: comment.to_owned() }
+        Rule::queries(addr, proto, guard, Action::Notrack, comment).from_side(side)
+    }
+
+    /// A rule for DNS queries (port 53) to `addr`.
+    pub fn queries(addr: IpAddr, proto: Proto, guard: Guard, action: Action, comment: &str) -> Rule {
+        let (side, port, comment) = (Side::Destination, DNS_PORT, comment.to_owned());
+        Rule { addr, side, proto, port, guard, action, comment }
+    }
+
+    fn from_side(self, side: Side) -> Rule {
+        Rule { side, ..self }
     }
 }
 
 /// A base chain of the agent's table.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chain {
+    /// `prerouting` and `output` (the NOTRACK chains) or `fallback`.
+    pub name: &'static str,
     pub hook: Hook,
     pub priority: i32,
     pub rules: Vec<Rule>,
 }
 
 impl Chain {
-    /// The chain's name: its hook's.
+    /// The chain's name.
     pub fn name(&self) -> &'static str {
-        self.hook.as_str()
+        self.name
+    }
+
+    /// Whether this is the link-local fallback chain (TPROXY), not a NOTRACK one.
+    pub fn is_fallback(&self) -> bool {
+        self.priority == FALLBACK_PRIORITY
     }
 }
 
@@ -232,13 +285,14 @@ impl RuleSet {
                 output.push(rule(Side::Source, Guard::None, "cache replies"));
             }
         }
-        RuleSet {
-            accepts: Vec::new(),
-            chains: vec![
-                Chain { hook: Hook::Prerouting, priority: PRIORITY, rules: prerouting },
-                Chain { hook: Hook::Output, priority: PRIORITY, rules: output },
-            ],
+        let mut chains = vec![
+            Chain { name: "prerouting", hook: Hook::Prerouting, priority: PRIORITY, rules: prerouting },
+            Chain { name: "output", hook: Hook::Output, priority: PRIORITY, rules: output },
+        ];
+        if !addrs.local.is_empty() {
+            chains.push(fallback(&addrs.local, route));
         }
+        RuleSet { accepts: Vec::new(), chains }
     }
 
     /// This ruleset with filter ACCEPTs for DNS to and from every listen address (both routes:
@@ -283,15 +337,16 @@ impl RuleSet {
     /// it has not accepted, NOTRACKed queries would meet the REJECT instead of kube-proxy's
     /// DNAT.
     pub fn steers_to_cache(&self) -> bool {
-        self.rules()
-            .any(|(chain, rule)| chain.hook == Hook::Prerouting && rule.guard != Guard::None)
+        self.rules().any(|(chain, rule)| {
+            chain.hook == Hook::Prerouting && !chain.is_fallback() && rule.guard != Guard::None
+        })
     }
 
-    /// This ruleset less what steers queries for the cluster-DNS IP to the cache: the
-    /// `Upstream` route's ruleset, when this is the `Local` one.
+    /// This ruleset less what steers queries for the cluster-DNS IP (and the link-local IP) to
+    /// the cache: the `Upstream` route's ruleset, when this is the `Local` one.
     pub fn without_cache_steering(mut self) -> RuleSet {
         for chain in &mut self.chains {
-            chain.rules.retain(|rule| rule.guard == Guard::None);
+            chain.rules.retain(|rule| matches!(rule.guard, Guard::None | Guard::FromLoopback));
         }
         self
     }
@@ -302,9 +357,39 @@ impl RuleSet {
     }
 }
 
+/// The link-local fallback chain, at priority mangle on prerouting, where pods' packets and host
+/// clients' (which come back in on `lo`, the link-local IP being local) both pass:
+///
+/// * the agent's own probes (from the loopback address) always go to the cache itself;
+/// * [`Route::Local`]: a query goes to the cache while a socket of its own is bound to the
+///   address (the same kernel fast path as the cluster-DNS IP's; a transparent socket is the
+///   forwarder's, a wildcard one another server's);
+/// * otherwise, and always in [`Route::Upstream`] (a hung cache still has its socket), TPROXY
+///   hands it to the agent's forwarder, which sends it on to CoreDNS and answers from the
+///   link-local IP. No NAT and no conntrack entry anywhere: the NOTRACK of the link-local IP in
+///   raw stays as it is.
+fn fallback(local: &[IpAddr], route: Route) -> Chain {
+    let mut rules = Vec::new();
+    for &ip in local {
+        for proto in [Proto::Udp, Proto::Tcp] {
+            let rule = |guard, action, comment| Rule::queries(ip, proto, guard, action, comment);
+            rules.push(rule(Guard::FromLoopback, Action::Accept, "the agent's probes to the cache"));
+            if route == Route::Local {
+                rules.push(rule(Guard::LocalSocket, Action::Accept, "to cache while it listens"));
+            }
+            let to_forwarder = Action::Tproxy(forwarder_for(ip));
+            rules.push(rule(Guard::None, to_forwarder, "to the agent's forwarder"));
+        }
+    }
+    Chain { name: "fallback", hook: Hook::Prerouting, priority: FALLBACK_PRIORITY, rules }
+}
+
 /// nft's spelling of a priority: named relative to `raw` (-300) when close to it.
 fn priority_text(priority: i32) -> String {
     const RAW: i32 = -300;
+    if priority == FALLBACK_PRIORITY {
+        return "mangle".to_owned();
+    }
     match priority - RAW {
         0 => "raw".to_owned(),
         d if (1..=10).contains(&d) => format!("raw + {d}"),
@@ -331,8 +416,19 @@ impl fmt::Display for Rule {
             Guard::LocalSocket => {
                 f.write_str(" fib daddr type local socket transparent 0 socket wildcard 0")?
             }
+            Guard::FromLoopback => match self.addr {
+                IpAddr::V4(_) => f.write_str(" ip saddr 127.0.0.1")?,
+                IpAddr::V6(_) => f.write_str(" ip6 saddr ::1")?,
+            },
         }
-        write!(f, " counter notrack comment \"{}\"", self.comment)
+        f.write_str(" counter ")?;
+        match self.action {
+            Action::Notrack => f.write_str("notrack")?,
+            Action::Accept => f.write_str("accept")?,
+            Action::Tproxy(to @ SocketAddr::V4(_)) => write!(f, "tproxy ip to {to}")?,
+            Action::Tproxy(to @ SocketAddr::V6(_)) => write!(f, "tproxy ip6 to {to}")?,
+        }
+        write!(f, " comment \"{}\"", self.comment)
     }
 }
 
@@ -403,7 +499,7 @@ mod tests {
     #[test]
     fn local_guards_every_cluster_dns_query_rule() {
         let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Local);
-        for (chain, rule) in set.rules() {
+        for (chain, rule) in set.rules().filter(|(chain, _)| !chain.is_fallback()) {
             let cluster = rule.addr.to_string() == "10.96.0.10";
             let expected = match (cluster, chain.hook, rule.side) {
                 (false, _, _) | (true, _, Side::Source) => Guard::None,
@@ -412,6 +508,40 @@ mod tests {
             };
             assert_eq!(rule.guard, expected, "{rule}");
         }
+    }
+
+    #[test]
+    fn the_fallback_leaves_the_cache_only_for_its_socket_and_the_probes() {
+        // In both routes the agent's probes reach the cache itself and everything else ends at
+        // the forwarder; in Local, a query first goes to the cache while its socket is there.
+        let a = addrs(&["169.254.20.10", "fd00::10"], &[]);
+        for route in [Route::Local, Route::Upstream] {
+            let set = RuleSet::desired(&a, route);
+            let fallback = set.chains.iter().find(|c| c.is_fallback()).expect("a fallback chain");
+            let shape: Vec<_> = fallback.rules.iter().map(|r| (r.guard, r.action)).collect();
+            let to = |ip: &str| Action::Tproxy(forwarder_for(ip.parse().unwrap()));
+            let per_proto = |ip| match route {
+                Route::Local => vec![
+                    (Guard::FromLoopback, Action::Accept),
+                    (Guard::LocalSocket, Action::Accept),
+                    (Guard::None, to(ip)),
+                ],
+                Route::Upstream => {
+                    vec![(Guard::FromLoopback, Action::Accept), (Guard::None, to(ip))]
+                }
+            };
+            let v4 = per_proto("169.254.20.10");
+            let v6 = per_proto("fd00::10");
+            assert_eq!(shape, [v4.clone(), v4, v6.clone(), v6].concat(), "{route}");
+            assert!(!set.steers_to_cache(), "no cluster-DNS IP, nothing for the ACCEPTs to cover");
+        }
+        assert_eq!(
+            RuleSet::desired(&a, Route::Local).without_cache_steering(),
+            RuleSet::desired(&a, Route::Upstream)
+        );
+        // No link-local IP, no fallback chain.
+        let clusterip_only = RuleSet::desired(&addrs(&[], &["10.96.0.10"]), Route::Local);
+        assert!(!clusterip_only.chains.iter().any(Chain::is_fallback));
     }
 
     #[test]
@@ -469,6 +599,7 @@ mod tests {
         assert_eq!(priority_text(-310), "raw - 10");
         assert_eq!(priority_text(-300), "raw");
         assert_eq!(priority_text(-295), "raw + 5");
-        assert_eq!(priority_text(-150), "-150");
+        assert_eq!(priority_text(-150), "mangle");
+        assert_eq!(priority_text(-100), "-100");
     }
 }

@@ -584,11 +584,13 @@ impl Dataplane for Nftables {
 
 /// `type filter hook <hook> priority <priority>; policy accept;`
 fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
-    let (name, hook) = match chain.hook {
-        Hook::Prerouting => (c"prerouting", nftnl::Hook::PreRouting),
-        Hook::Output => (c"output", nftnl::Hook::Out),
+    let hook = match chain.hook {
+        Hook::Prerouting => nftnl::Hook::PreRouting,
+        Hook::Output => nftnl::Hook::Out,
     };
-    let mut nft_chain = nftnl::Chain::new(name, table);
+    // The names are the ruleset's constants: no NUL in them.
+    let name = std::ffi::CString::new(chain.name()).unwrap_or_default();
+    let mut nft_chain = nftnl::Chain::new(&name, table);
     nft_chain.set_hook(hook, chain.priority);
     nft_chain.set_type(nftnl::ChainType::Filter);
     nft_chain.set_policy(nftnl::Policy::Accept);

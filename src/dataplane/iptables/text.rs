@@ -115,8 +115,10 @@ pub(super) fn wanted(rules: &RuleSet, table: Table, family: Family) -> Option<Wa
         hooks.iter().map(|&hooked| WantedChain { hooked, rules: Vec::new() }).collect();
     // (index into hooks, rule, target)
     let entries: Vec<(usize, &Rule, &str)> = match table {
+        // The NOTRACK chains; the link-local fallback (TPROXY) is the nftables backend's only.
         Table::Raw => rules
             .rules()
+            .filter(|(chain, _)| !chain.is_fallback())
             .map(|(chain, rule)| {
                 let index = match chain.hook {
                     Hook::Prerouting => 0,
@@ -155,7 +157,11 @@ pub(super) const MAX_COMMENT_BYTES: usize = 255;
 /// long, or with a control character (a newline would end the restore line).
 pub(super) fn unstorable_comment(rules: &RuleSet, table: Table) -> Option<&str> {
     let comments: Vec<&str> = match table {
-        Table::Raw => rules.rules().map(|(_, rule)| rule.comment.as_str()).collect(),
+        Table::Raw => rules
+            .rules()
+            .filter(|(chain, _)| !chain.is_fallback())
+            .map(|(_, rule)| rule.comment.as_str())
+            .collect(),
         Table::Filter => rules.accepts.iter().map(|accept| accept.rule.comment.as_str()).collect(),
     };
     comments
@@ -170,14 +176,20 @@ fn rule_spec(rule: &Rule) -> String {
         Side::Source => ("-s", "--sport"),
     };
     let proto = rule.proto.as_str();
-    let bits = Family::of(rule.addr).host_bits();
-    let mut spec =
-        format!("{addr} {}/{bits} -p {proto} -m {proto} {port} {}", rule.addr, rule.port);
+    let family = Family::of(rule.addr);
+    let bits = family.host_bits();
+    // iptables-save prints the source before the destination.
+    let mut spec = match (rule.guard, family) {
+        (Guard::FromLoopback, Family::V4) => "-s 127.0.0.1/32 ".to_owned(),
+        (Guard::FromLoopback, Family::V6) => "-s ::1/128 ".to_owned(),
+        _ => String::new(),
+    };
+    spec.push_str(&format!("{addr} {}/{bits} -p {proto} -m {proto} {port} {}", rule.addr, rule.port));
     // xt_socket ignores sockets bound to 0.0.0.0 / :: (unless `--nowildcard`), as the nftables
     // rule's `socket wildcard 0` does: another DNS server of the node's on the wildcard address
     // must not take pods' queries for the cluster-DNS IP when the cache is gone.
     spec.push_str(match rule.guard {
-        Guard::None => "",
+        Guard::None | Guard::FromLoopback => "",
         Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
         Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket",
     });

@@ -9,12 +9,18 @@
 //! uses them, and counter values are not part of an expression.
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
-use crate::ruleset::{Guard, Rule, Side};
+use crate::ruleset::{Action, Guard, Rule, Side};
 
 /// The register every expression loads into or compares from (`NFT_REG_1`).
 pub const NFT_REG_1: u32 = 1;
+/// The second register, for TPROXY's port (`NFT_REG_2`).
+pub const NFT_REG_2: u32 = 2;
+/// The verdict register (`NFT_REG_VERDICT`).
+pub const NFT_REG_VERDICT: u32 = 0;
+/// `accept` (`NF_ACCEPT`).
+pub const NF_ACCEPT: u32 = 1;
 /// `meta nfproto`: the packet's family, in an `inet` table (`enum nft_meta_keys`).
 pub const NFT_META_NFPROTO: u32 = 15;
 /// `meta l4proto`: the transport protocol.
@@ -80,6 +86,19 @@ pub enum Expr {
     Counter,
     /// `notrack`.
     Notrack,
+    /// `immediate reg <dreg> <data>`: a value into a data register.
+    Immediate {
+        /// `NFT_REG_*`, not the verdict register.
+        dreg: u32,
+        data: Vec<u8>,
+    },
+    /// `immediate reg 0 accept`.
+    Accept,
+    /// `tproxy <family> addr reg 1 port reg 2`.
+    Tproxy {
+        /// `NFPROTO_IPV4` or `NFPROTO_IPV6`.
+        family: u32,
+    },
 }
 
 impl Expr {
@@ -93,6 +112,8 @@ impl Expr {
             Expr::Socket { .. } => "socket",
             Expr::Counter => "counter",
             Expr::Notrack => "notrack",
+            Expr::Immediate { .. } | Expr::Accept => "immediate",
+            Expr::Tproxy { .. } => "tproxy",
         }
     }
 
@@ -132,6 +153,15 @@ impl fmt::Display for Expr {
             Expr::Socket { key } => write!(f, "socket load key {key}"),
             Expr::Counter => f.write_str("counter"),
             Expr::Notrack => f.write_str("notrack"),
+            Expr::Immediate { dreg, data } => {
+                write!(f, "immediate reg {dreg} ")?;
+                data.iter().try_for_each(|byte| write!(f, "{byte:02x}"))
+            }
+            Expr::Accept => f.write_str("immediate accept"),
+            Expr::Tproxy { family } => {
+                let family = if *family == u32::from(NFPROTO_IPV6) { "ip6" } else { "ip" };
+                write!(f, "tproxy {family} addr reg 1 port reg 2")
+            }
         }
     }
 }
@@ -161,9 +191,11 @@ impl fmt::Display for Found {
 /// in an `inet` table the address match needs `meta nfproto` first, the port match
 /// `meta l4proto` first.
 pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
-    let (nfproto, (saddr, daddr), addr) = match rule.addr {
-        IpAddr::V4(ip) => (NFPROTO_IPV4, (12, 16), ip.octets().to_vec()),
-        IpAddr::V6(ip) => (NFPROTO_IPV6, (8, 24), ip.octets().to_vec()),
+    let (nfproto, (saddr, daddr), addr, loopback) = match rule.addr {
+        IpAddr::V4(ip) => (NFPROTO_IPV4, (12, 16), ip.octets().to_vec(), vec![127, 0, 0, 1]),
+        IpAddr::V6(ip) => {
+            (NFPROTO_IPV6, (8, 24), ip.octets().to_vec(), std::net::Ipv6Addr::LOCALHOST.octets().to_vec())
+        }
     };
     let (addr_offset, port_offset) = match rule.side {
         Side::Destination => (daddr, 2),
@@ -205,8 +237,31 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
             exprs.extend(fib_daddr_type_local);
             exprs.extend(socket_of_the_cache);
         }
+        Guard::FromLoopback => exprs.extend([
+            Expr::Payload {
+                base: NFT_PAYLOAD_NETWORK_HEADER,
+                offset: saddr,
+                len: loopback.len() as u32,
+            },
+            Expr::cmp_eq(loopback),
+        ]),
     }
-    exprs.extend([Expr::Counter, Expr::Notrack]);
+    exprs.push(Expr::Counter);
+    match rule.action {
+        Action::Notrack => exprs.push(Expr::Notrack),
+        Action::Accept => exprs.push(Expr::Accept),
+        Action::Tproxy(to) => {
+            let (family, addr) = match to {
+                SocketAddr::V4(to) => (NFPROTO_IPV4, to.ip().octets().to_vec()),
+                SocketAddr::V6(to) => (NFPROTO_IPV6, to.ip().octets().to_vec()),
+            };
+            exprs.extend([
+                Expr::Immediate { dreg: NFT_REG_1, data: addr },
+                Expr::Immediate { dreg: NFT_REG_2, data: to.port().to_be_bytes().to_vec() },
+                Expr::Tproxy { family: u32::from(family) },
+            ]);
+        }
+    }
     exprs
 }
 
@@ -222,6 +277,7 @@ mod tests {
             proto: Proto::Udp,
             port: 53,
             guard,
+            action: crate::ruleset::Action::Notrack,
             comment: "c".to_owned(),
         }
     }

@@ -1,8 +1,8 @@
 //! The reviewed unsafe module of the nftables backend: it turns an [`Expr`] into a libnftnl
 //! expression so `nftnl::Rule::add_expr` can serialise it.
 //!
-//! nftnl has no `fib` or `notrack` expression and its `socket` one sends an attribute `nft` does
-//! not, so every expression goes through this one generic implementation instead: a pure table
+//! nftnl has no `fib`, `notrack` or `tproxy` expression and its `socket` one sends an attribute
+//! `nft` does not, so every expression goes through this one generic implementation instead: a pure table
 //! ([`nftnl_form`]) says which libnftnl attributes to set, and one small function makes the calls.
 //! libnftnl then encodes the attributes exactly as it does for `nft`, which uses the same calls.
 //! Nothing else in the backend uses `unsafe`.
@@ -12,7 +12,7 @@ use std::ptr::NonNull;
 
 use nftnl::nftnl_sys as sys;
 
-use super::expr::{Expr, NFT_REG_1};
+use super::expr::{Expr, NFT_REG_1, NFT_REG_2, NFT_REG_VERDICT, NF_ACCEPT};
 
 /// One libnftnl attribute value.
 enum Value<'a> {
@@ -70,6 +70,25 @@ fn nftnl_form(expr: &Expr) -> (&'static CStr, Vec<(u32, Value<'_>)>) {
             vec![(sys::NFTNL_EXPR_CTR_PACKETS, U64(0)), (sys::NFTNL_EXPR_CTR_BYTES, U64(0))],
         ),
         Expr::Notrack => (c"notrack", Vec::new()),
+        Expr::Immediate { dreg, data } => (
+            c"immediate",
+            vec![(sys::NFTNL_EXPR_IMM_DREG, U32(*dreg)), (sys::NFTNL_EXPR_IMM_DATA, Bytes(data))],
+        ),
+        Expr::Accept => (
+            c"immediate",
+            vec![
+                (sys::NFTNL_EXPR_IMM_DREG, U32(NFT_REG_VERDICT)),
+                (sys::NFTNL_EXPR_IMM_VERDICT, U32(NF_ACCEPT)),
+            ],
+        ),
+        Expr::Tproxy { family } => (
+            c"tproxy",
+            vec![
+                (sys::NFTNL_EXPR_TPROXY_FAMILY, U32(*family)),
+                (sys::NFTNL_EXPR_TPROXY_REG_ADDR, U32(NFT_REG_1)),
+                (sys::NFTNL_EXPR_TPROXY_REG_PORT, U32(NFT_REG_2)),
+            ],
+        ),
     }
 }
 

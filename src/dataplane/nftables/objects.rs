@@ -8,7 +8,7 @@
 //! `linux/netfilter/nf_tables.h` and `linux/netfilter/nfnetlink.h`: nf_tables attribute values
 //! are big-endian.
 
-use super::expr::{Expr, Found, NFT_REG_1};
+use super::expr::{Expr, Found, NFT_REG_1, NFT_REG_2, NFT_REG_VERDICT, NF_ACCEPT};
 use crate::firewall;
 use crate::netlink::{
     attribute_table, attributes, be_u32, be_u64, put_attr, required, string, Message, ParseError,
@@ -315,7 +315,8 @@ fn decode_expr(name: &str, data: &[u8], out: &mut Vec<firewall::Expr>) -> Result
 
 /// Reads an expression's `NFTA_EXPR_DATA`. Attribute numbers are those of `enum nft_meta_attributes`,
 /// `nft_payload_attributes`, `nft_cmp_attributes` (+ `nft_data_attributes`), `nft_fib_attributes`
-/// and `nft_socket_attributes`; the first of each is 1.
+/// `nft_socket_attributes`, `nft_immediate_attributes` and `nft_tproxy_attributes`; the first of
+/// each is 1.
 pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
     let a = attribute_table::<9>(data)?;
     let u32_at = |kind: usize, what| required(a[kind], what).and_then(|v| be_u32(v, what));
@@ -366,6 +367,31 @@ pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
         }
         "counter" => Expr::Counter,
         "notrack" => Expr::Notrack,
+        // DREG 1, DATA 2 = nested NFTA_DATA_VALUE 1, or NFTA_DATA_VERDICT 2 = nested CODE 1.
+        "immediate" if a[1].is_none() => return other(),
+        "immediate" if u32_at(1, "immediate register")? == NFT_REG_VERDICT => {
+            let data = attribute_table::<3>(required(a[2], "immediate data")?)?;
+            let verdict = attribute_table::<3>(required(data[2], "immediate verdict")?)?;
+            match be_u32(required(verdict[1], "verdict code")?, "verdict code")? {
+                NF_ACCEPT if verdict[2].is_none() => Expr::Accept,
+                _ => return other(),
+            }
+        }
+        "immediate" => {
+            let data = attribute_table::<3>(required(a[2], "immediate data")?)?;
+            Expr::Immediate {
+                dreg: u32_at(1, "immediate register")?,
+                data: required(data[1], "immediate value")?.to_vec(),
+            }
+        }
+        // FAMILY 1, REG_ADDR 2, REG_PORT 3.
+        "tproxy" => {
+            let registers = (u32_at(2, "tproxy address register")?, u32_at(3, "tproxy port register")?);
+            if registers != (NFT_REG_1, NFT_REG_2) {
+                return other();
+            }
+            Expr::Tproxy { family: u32_at(1, "tproxy family")? }
+        }
         _ => return other(),
     };
     Ok(Found::Known(expr))
