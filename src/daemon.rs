@@ -74,7 +74,17 @@ pub enum AgentError {
 const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
 
 /// Makes a probe stream's [`Prober`] from the probe name and the stream's timeout.
-type MakeProber = Box<dyn Fn(&str, Duration) -> Result<Arc<dyn Prober>, ProbeError> + Send>;
+/// Makes the prober of one stream: its query name, its timeout, and whether it probes the cache
+/// (from the loopback address, see [`Probe::from_loopback`]) or the upstream.
+type MakeProber =
+    Box<dyn Fn(&str, Duration, Target) -> Result<Arc<dyn Prober>, ProbeError> + Send>;
+
+/// What a probe stream probes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Target {
+    Cache,
+    Upstream,
+}
 
 /// What the control loop is connected to besides its configuration and its dataplane: the node
 /// ([`World::node`]), or, in the loop's tests, scripted probes, a request channel the test holds,
@@ -99,7 +109,13 @@ impl World {
     /// The node the agent runs on: DNS probes on the wire, every watcher, the control socket.
     fn node() -> World {
         World {
-            probes: Box::new(|name, timeout| Ok(Arc::new(Probe::new(name, timeout)?))),
+            probes: Box::new(|name, timeout, target| {
+                let probe = Probe::new(name, timeout)?;
+                Ok(Arc::new(match target {
+                    Target::Cache => probe.from_loopback(),
+                    Target::Upstream => probe,
+                }))
+            }),
             watch_node: true,
             requests: None,
             tasks: Tasks::default(),
@@ -188,10 +204,10 @@ async fn run_with(
 ) -> Result<(), AgentError> {
     let World { probes, watch_node, requests, mut tasks } = world;
     // Everything that can be refused is refused before the host is touched.
-    let probe = |cadence: Cadence| probes(&cfg.probe_name, cadence.timeout);
-    let cache_udp = probe(cfg.cache_udp)?;
-    let cache_tcp = cfg.cache_tcp.map(|c| probe(c).map(|p| (c, p))).transpose()?;
-    let upstream = probe(cfg.upstream_probe)?;
+    let probe = |cadence: Cadence, target| probes(&cfg.probe_name, cadence.timeout, target);
+    let cache_udp = probe(cfg.cache_udp, Target::Cache)?;
+    let cache_tcp = cfg.cache_tcp.map(|c| probe(c, Target::Cache).map(|p| (c, p))).transpose()?;
+    let upstream = probe(cfg.upstream_probe, Target::Upstream)?;
     // The lock first: a second agent on the same state directory is told so, not that the
     // metrics port is taken.
     std::fs::create_dir_all(&cfg.state_dir)

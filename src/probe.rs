@@ -183,6 +183,7 @@ pub struct ProbeResult {
 pub struct Probe {
     name: Name,
     timeout: Duration,
+    from_loopback: bool,
 }
 
 impl Probe {
@@ -195,7 +196,7 @@ impl Probe {
         let mut parsed = Name::from_ascii(name)
             .map_err(|source| ProbeError::InvalidName { name: name.to_owned(), source })?;
         parsed.set_fqdn(true);
-        let probe = Probe { name: parsed, timeout };
+        let probe = Probe { name: parsed, timeout, from_loopback: false };
         // Encode once so that a name hickory accepts but cannot put on the wire fails here,
         // at configuration time, instead of in every probe.
         probe
@@ -203,6 +204,14 @@ impl Probe {
             .to_vec()
             .map_err(|source| ProbeError::Encode { name: name.to_owned(), source })?;
         Ok(probe)
+    }
+
+    /// This probe, sending from the loopback address (127.0.0.1 or ::1) rather than the one the
+    /// route picks: the link-local fallback chain lets such queries through to the cache itself
+    /// ([`crate::ruleset::Guard::FromLoopback`]), so a probe of the cache never measures the
+    /// agent's own forwarder instead.
+    pub fn from_loopback(self) -> Probe {
+        Probe { from_loopback: true, ..self }
     }
 
     /// The name this probe asks for (fully qualified).
@@ -231,7 +240,7 @@ impl Probe {
         let id = query.metadata.id;
         let mut ignored = Ignored::default();
         let check = |reply: &[u8]| ignored.check(id, question, reply);
-        let exchanged = exchange(server, transport, &wire, self.timeout, check).await;
+        let exchanged = exchange(server, transport, &wire, self.timeout, self.from_loopback, check).await;
         let outcome = match exchanged.result {
             Ok(outcome) => outcome,
             Err(ExchangeError::Io { doing, source }) => io_error(doing, server, &source),

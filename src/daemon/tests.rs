@@ -151,7 +151,7 @@ impl Node {
         let (requests, incoming) = mpsc::channel(8);
         let (played, cache) = (script.clone(), cfg.cache_target());
         let world = World {
-            probes: Box::new(move |_, timeout| {
+            probes: Box::new(move |_, timeout, _| {
                 Ok(Arc::new(Scripted { script: played.clone(), cache, timeout }))
             }),
             watch_node: false,

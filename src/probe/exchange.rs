@@ -14,12 +14,12 @@
 //! [`exchange`] hands it each one and keeps waiting until one is accepted or the time is up.
 
 use std::io;
-use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::time::Duration;
 
 use hickory_proto::op::{Message, Query};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpStream, UdpSocket};
+use tokio::net::{TcpSocket, UdpSocket};
 use tokio::time::Instant;
 
 use super::Transport;
@@ -64,20 +64,29 @@ pub enum ExchangeError {
 
 /// Sends the encoded query `wire` to `server` over `transport` and hands every message that
 /// comes back to `reply`, until it returns `Some` (the result) or `timeout` passes. The timeout
-/// bounds it all, socket set-up and connect included.
+/// bounds it all, socket set-up and connect included. `from_loopback`: sent from 127.0.0.1 or
+/// ::1 instead of the address the route picks.
 pub async fn exchange<T>(
     server: SocketAddr,
     transport: Transport,
     wire: &[u8],
     timeout: Duration,
+    from_loopback: bool,
     mut reply: impl FnMut(&[u8]) -> Option<T>,
 ) -> Exchanged<T> {
+    let unspecified = |ip: IpAddr| match (ip, from_loopback) {
+        (IpAddr::V4(_), false) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        (IpAddr::V6(_), false) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+        (IpAddr::V4(_), true) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        (IpAddr::V6(_), true) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+    };
+    let local = SocketAddr::new(unspecified(server.ip()), 0);
     let begin = Instant::now();
     let mut started = None;
     let unbounded = async {
         match transport {
-            Transport::Udp => udp(server, wire, &mut started, &mut reply).await,
-            Transport::Tcp => tcp(server, wire, &mut started, &mut reply).await,
+            Transport::Udp => udp(local, server, wire, &mut started, &mut reply).await,
+            Transport::Tcp => tcp(local, server, wire, &mut started, &mut reply).await,
         }
     };
     let result =
@@ -92,15 +101,12 @@ fn failed(doing: &'static str) -> impl FnOnce(io::Error) -> ExchangeError {
 
 /// One query over a fresh connected UDP socket; `started` is set when it is sent.
 async fn udp<T>(
+    local: SocketAddr,
     server: SocketAddr,
     wire: &[u8],
     started: &mut Option<Instant>,
     reply: &mut impl FnMut(&[u8]) -> Option<T>,
 ) -> Result<T, ExchangeError> {
-    let local: SocketAddr = match server {
-        SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-        SocketAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-    };
     let socket = UdpSocket::bind(local).await.map_err(failed("binding a UDP socket"))?;
     socket.connect(server).await.map_err(failed("connecting a UDP socket"))?;
     *started = Some(Instant::now());
@@ -120,13 +126,24 @@ async fn udp<T>(
 /// One query over a new TCP connection; reads framed messages until one is accepted. `started`
 /// is set when the connect begins.
 async fn tcp<T>(
+    local: SocketAddr,
     server: SocketAddr,
     wire: &[u8],
     started: &mut Option<Instant>,
     reply: &mut impl FnMut(&[u8]) -> Option<T>,
 ) -> Result<T, ExchangeError> {
     *started = Some(Instant::now());
-    let mut stream = TcpStream::connect(server).await.map_err(failed("connecting"))?;
+    let socket = match local {
+        SocketAddr::V4(_) => TcpSocket::new_v4(),
+        SocketAddr::V6(_) => TcpSocket::new_v6(),
+    }
+    .map_err(failed("opening a TCP socket"))?;
+    // Bound only to a source of its own: bind-before-connect picks the port without regard to
+    // the destination, which uses up ephemeral ports faster under load.
+    if !local.ip().is_unspecified() {
+        socket.bind(local).map_err(failed("binding a TCP socket"))?;
+    }
+    let mut stream = socket.connect(server).await.map_err(failed("connecting"))?;
     // Latency matters more than batching; a failure here only costs a little speed.
     let _ = stream.set_nodelay(true);
     let len = u16::try_from(wire.len()).map_err(|_| {

@@ -129,7 +129,7 @@ async fn attempt(
     let wire = message.to_vec().map_err(|_| AttemptError::Io)?;
     let id = message.metadata.id;
     let answer = |reply: &[u8]| answer_of(reply, id, query);
-    match probe::exchange(server, transport, &wire, timeout, answer).await.result {
+    match probe::exchange(server, transport, &wire, timeout, false, answer).await.result {
         Ok(result) => result,
         Err(ExchangeError::Timeout) => Err(AttemptError::Timeout),
         Err(ExchangeError::Io { source, .. }) => Err(source.into()),
