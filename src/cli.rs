@@ -115,8 +115,10 @@ pub struct ListenArgs {
     /// node-local-dns's link-local IP; an IPv4 and an IPv6 address, comma-separated, for dual stack.
     #[arg(long, env = "NODELOCALDNS_HA_LOCAL_IP", value_delimiter = ',', required = true)]
     pub local_ip: Vec<IpAddr>,
-    /// The kube-dns ClusterIP that pods query (one per family).
-    #[arg(long, env = "NODELOCALDNS_HA_CLUSTER_DNS_IP", value_delimiter = ',', required = true)]
+    /// The kube-dns ClusterIP that pods query (one per family), when node-local-dns intercepts
+    /// it (kube-proxy in iptables or nftables mode). Without: the link-local shape, where pods
+    /// query --local-ip itself (kubelet's --cluster-dns), e.g. kube-proxy in IPVS mode.
+    #[arg(long, env = "NODELOCALDNS_HA_CLUSTER_DNS_IP", value_delimiter = ',')]
     pub cluster_dns_ip: Vec<IpAddr>,
 }
 

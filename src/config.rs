@@ -178,10 +178,14 @@ pub fn address_slot(flag: &str, list: &[IpAddr]) -> Result<Vec<IpAddr>, ConfigEr
     Ok(out)
 }
 
-/// The addresses node-local-dns listens on, checked: `--local-ip` and `--cluster-dns-ip` each
-/// one or two unicast addresses, covering the same families.
+/// The addresses node-local-dns listens on, checked: `--local-ip` one or two unicast addresses;
+/// `--cluster-dns-ip` none (the link-local shape: pods query the link-local IP itself) or one or
+/// two, covering the same families.
 pub fn listen_addrs(local: &[IpAddr], cluster_dns: &[IpAddr]) -> Result<ListenAddrs, ConfigError> {
     let local = address_slot("--local-ip", local)?;
+    if cluster_dns.is_empty() {
+        return Ok(ListenAddrs { local, cluster_dns: Vec::new() });
+    }
     let cluster_dns = address_slot("--cluster-dns-ip", cluster_dns)?;
     if families(&local) != families(&cluster_dns) {
         let describe = |list: &[IpAddr]| {

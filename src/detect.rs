@@ -208,6 +208,9 @@ pub fn decide(facts: &Facts) -> Detection {
 /// CoreDNS pod, NOTRACK or not (KEP-1024's "will not work in IPVS mode"; counted by
 /// `ipvs_clusterip_interception_never_reaches_the_cache` in `tests/e2e_vm.rs`).
 pub fn ipvs_refusal(found: &Detection, cluster_dns: &[IpAddr]) -> Option<String> {
+    if cluster_dns.is_empty() {
+        return None; // the link-local shape: nothing of IPVS's is intercepted
+    }
     let signs = found.ipvs.as_deref()?;
     let ips: Vec<String> = cluster_dns.iter().map(ToString::to_string).collect();
     Some(format!(
