@@ -37,7 +37,7 @@
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
 #   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs] [--family 4|6|dual]
 #             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
-#             [--listen-dev lo|dummy]
+#             [--listen-dev lo|dummy|veth]
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail] [--no-wait]
 #                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
@@ -157,10 +157,11 @@ cmd_up() {
     [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables|ipvs)$ ]] ||
         die "--kube-proxy must be iptables-nft, iptables-legacy, nftables or ipvs"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
-    [[ "$LISTEN_DEV" =~ ^(lo|dummy)$ ]] || die "--listen-dev must be lo or dummy"
+    [[ "$LISTEN_DEV" =~ ^(lo|dummy|veth)$ ]] || die "--listen-dev must be lo, dummy or veth"
     if [[ $LISTEN_DEV == dummy || $kube_proxy == ipvs ]] && [[ $FAMILY != 4 ]]; then
         die "--listen-dev dummy and --kube-proxy ipvs are modelled for --family 4 only"
     fi
+    LISTEN_DEV_KIND=$LISTEN_DEV
     [[ $LISTEN_DEV == lo ]] || LISTEN_DEV=nodelocaldns
     [[ $filter_lo == loopback ]] || ((filter_drop)) || die "--filter-accept-lo needs --filter-drop"
     ! ((filter_drop && filter_reject)) || die "--filter-drop and --filter-reject are two firewalls: pick one"

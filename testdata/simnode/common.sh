@@ -46,6 +46,7 @@ save_state() {
     echo "$KUBE_PROXY" >"$RUN_DIR/kube-proxy"
     if [[ -n "$FILTER_LO" ]]; then echo "$FILTER_LO" >"$RUN_DIR/filter-drop"; fi
     echo "$LISTEN_DEV" >"$RUN_DIR/listen-dev"
+    echo "$LISTEN_DEV_KIND" >"$RUN_DIR/listen-dev-kind"
 }
 load_state() {
     [[ -f "$RUN_DIR/family" ]] || die "$PREFIX is not up (no $RUN_DIR/family)"
@@ -54,8 +55,9 @@ load_state() {
     if [[ -f "$RUN_DIR/kube-proxy" ]]; then KUBE_PROXY=$(<"$RUN_DIR/kube-proxy"); fi
     FILTER_LO="" # --filter-drop: loopback | accept-lo
     if [[ -f "$RUN_DIR/filter-drop" ]]; then FILTER_LO=$(<"$RUN_DIR/filter-drop"); fi
-    LISTEN_DEV=lo
+    LISTEN_DEV=lo LISTEN_DEV_KIND=lo
     if [[ -f "$RUN_DIR/listen-dev" ]]; then LISTEN_DEV=$(<"$RUN_DIR/listen-dev"); fi
+    if [[ -f "$RUN_DIR/listen-dev-kind" ]]; then LISTEN_DEV_KIND=$(<"$RUN_DIR/listen-dev-kind"); fi
     set_flavour
 }
 

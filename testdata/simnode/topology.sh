@@ -72,12 +72,23 @@ add_dns() {
 # Where the node-local IPs live (--listen-dev): lo (the default) works on every kernel; dummy is
 # node-cache's own layout (cmd/node-cache/app: netif.EnsureDummyDevice): a dummy interface
 # `nodelocaldns`, left down, holding the IPs as /32. IPv4 only here; needs the dummy module (the
-# ci/vm guest has it, the build machine's kernel has no CONFIG_DUMMY).
+# ci/vm guest has it, the build machine's kernel has no CONFIG_DUMMY). veth stands in for that
+# dummy where there is none: an interface of node-cache's own, not lo, so that deleting it
+# (node-cache's teardown) leaves whatever else holds the IPs (the agent's copies on lo); both
+# ends up, in the node, so IPv6 addresses on it are usable.
 add_listen_dev() {
-    if [[ $LISTEN_DEV != lo ]]; then
-        # node-cache's interface: created, never set up (netif.AddDummyDevice).
-        ip -n "$(ns_name node)" link add "$LISTEN_DEV" type dummy
-    fi
+    local node
+    node=$(ns_name node)
+    case $LISTEN_DEV_KIND in
+    lo) ;;
+    # node-cache's interface: created, never set up (netif.AddDummyDevice).
+    dummy) ip -n "$node" link add "$LISTEN_DEV" type dummy ;;
+    veth)
+        ip -n "$node" link add "$LISTEN_DEV" type veth peer name "$LISTEN_DEV-p"
+        ip -n "$node" link set "$LISTEN_DEV-p" up
+        ip -n "$node" link set "$LISTEN_DEV" up
+        ;;
+    esac
 }
 
 # listen_ips add|del 4|6: the node-local IP and the cluster-DNS IP of one family on the listen

@@ -17,7 +17,8 @@ impl SimNode {
         self.agent_for(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra)
     }
 
-    /// Starts the agent for the given (comma-separated, dual-stack) addresses.
+    /// Starts the agent for the given (comma-separated, dual-stack) addresses; `cluster_dns`
+    /// empty: the link-local shape (no `--cluster-dns-ip`).
     pub fn agent_for(
         &self,
         local: &str,
@@ -53,7 +54,9 @@ impl SimNode {
         let log = self.dir.join("agent.log");
         let child = self
             .cmd("node", agent_exe())
-            .args(["run", "--local-ip", local, "--cluster-dns-ip", cluster_dns])
+            .args(["run", "--local-ip", local])
+            // None: the link-local shape.
+            .args(if cluster_dns.is_empty() { vec![] } else { vec!["--cluster-dns-ip", cluster_dns] })
             .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
             // nftables unless the test picks a backend.
             .args(if extra.contains(&"--dataplane") {

@@ -139,11 +139,12 @@ impl SimNode {
         self.expected_table_for(route, LOCAL_IP, CLUSTER_DNS_IP)
     }
 
-    /// [`SimNode::expected_table`] for the given (comma-separated, dual-stack) addresses.
+    /// [`SimNode::expected_table`] for the given (comma-separated, dual-stack) addresses;
+    /// `cluster_dns` empty: the link-local shape.
     pub fn expected_table_for(&self, route: &str, local: &str, cluster_dns: &str) -> String {
         let out = Command::new(agent_exe())
             .args(["rules", "--route", route, "--local-ip", local])
-            .args(["--cluster-dns-ip", cluster_dns])
+            .args(if cluster_dns.is_empty() { vec![] } else { vec!["--cluster-dns-ip", cluster_dns] })
             .output()
             .expect("run nodelocaldns-ha rules");
         assert!(out.status.success(), "{}", describe(&out));
