@@ -485,6 +485,7 @@ impl Agent {
             pid: std::process::id(),
             updated_unix_ms: state::unix_ms(wall),
             dataplane: self.reconciler.dataplane().name().to_owned(),
+            shape: describe_shape(&self.addrs, self.shape.link_local),
             dataplane_why: self.notes.why.clone(),
             accepts_in: self.notes.accepts_in.clone(),
             warnings: self.firewall.iter().chain(&self.warnings).cloned().collect(),
@@ -497,6 +498,32 @@ impl Agent {
             repairs: self.reconciler.repairs(),
             last_error: self.reconciler.last_error().map(str::to_owned),
             probes: self.probes.clone(),
+        }
+    }
+}
+
+/// What `status` says of the shape: which IPs fail over, and how.
+pub fn describe_shape(addrs: &ListenAddrs, failover: bool) -> String {
+    let list = |ips: &[std::net::IpAddr]| {
+        ips.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    };
+    let clusterip = format!(
+        "ClusterIP: pods query {}, NOTRACKed to the cache or DNATed by kube-proxy to CoreDNS",
+        list(&addrs.cluster_dns)
+    );
+    let forwarders: Vec<String> =
+        addrs.local.iter().map(|&ip| crate::ruleset::forwarder_for(ip).to_string()).collect();
+    let fallback = format!(
+        "link-local: queries to {} go to the cache, or TPROXYed to the agent's forwarder ({}) \
+         and on to the upstream",
+        list(&addrs.local),
+        forwarders.join(", ")
+    );
+    match (addrs.cluster_dns.is_empty(), failover) {
+        (true, _) => fallback,
+        (false, true) => format!("{clusterip}; {fallback}"),
+        (false, false) => {
+            format!("{clusterip}; link-local {} not failed over", list(&addrs.local))
         }
     }
 }

@@ -227,6 +227,11 @@ pub struct RunArgs {
     /// `false` leaves only the probe-driven switch: for comparisons.
     #[arg(long, env = "NODELOCALDNS_HA_FAST_PATH", default_value_t = true, action = clap::ArgAction::Set)]
     pub fast_path: bool,
+    /// Fail the link-local IP over too: queries to it that the cache cannot take go to the
+    /// agent's forwarder (TPROXY), which asks the upstream. Needs nft_tproxy and nft_socket (or
+    /// xt_TPROXY and xt_socket). `false`: only the cluster-DNS IP fails over.
+    #[arg(long, env = "NODELOCALDNS_HA_LINK_LOCAL_FAILOVER", default_value_t = true, action = clap::ArgAction::Set)]
+    pub link_local_failover: bool,
     /// Listen to the kernel's socket-destroy events to probe at once when the cache's sockets
     /// close. `false` leaves only the probe cadence: for comparisons.
     #[arg(long, env = "NODELOCALDNS_HA_SOCKET_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
@@ -255,6 +260,7 @@ impl RunArgs {
             on_transition: self.on_transition.clone(),
             hook_timeout: self.hook_timeout.clone(),
             fast_path: self.fast_path,
+            link_local_failover: self.link_local_failover,
             socket_events: self.socket_events,
         }
     }

@@ -34,6 +34,13 @@ pub enum ConfigError {
          {svc:?}, as Kubernetes sets it for a Service in the pod's namespace)"
     )]
     NoUpstream { env_var: String, svc: String },
+    /// Neither shape is left to fail over.
+    #[error(
+        "nothing to fail over: without --cluster-dns-ip only the link-local IP fails over, \
+         and --link-local-failover=false turns that off (give the kube-dns ClusterIP, or drop \
+         --link-local-failover=false)"
+    )]
+    NothingToFailOver,
     /// The upstream fallback variable holds no IP.
     #[error("{env_var}={value:?} is not an IP address")]
     BadUpstreamEnv { env_var: String, value: String },
@@ -301,6 +308,7 @@ pub struct RawRun {
     pub on_transition: Option<PathBuf>,
     pub hook_timeout: String,
     pub fast_path: bool,
+    pub link_local_failover: bool,
     pub socket_events: bool,
 }
 
@@ -337,6 +345,9 @@ impl AgentConfig {
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<AgentConfig, ConfigError> {
         let addrs = listen_addrs(&raw.local_ip, &raw.cluster_dns_ip)?;
+        if addrs.cluster_dns.is_empty() && !raw.link_local_failover {
+            return Err(ConfigError::NothingToFailOver);
+        }
         let upstream = if raw.upstream_ip.is_empty() {
             if raw.upstream_svc.trim().is_empty() {
                 return Err(ConfigError::EmptyUpstreamSvc);
@@ -429,7 +440,11 @@ impl AgentConfig {
             upstream_probe,
             thresholds: Thresholds { fall: raw.fall, rise: raw.rise, min_hold },
             state_dir: raw.state_dir.clone(),
-            shape: crate::dataplane::Shape { accepts: false, fast_path: raw.fast_path },
+            shape: crate::dataplane::Shape {
+                accepts: false,
+                fast_path: raw.fast_path,
+                link_local: raw.link_local_failover,
+            },
             metrics_addr,
             on_transition: raw.on_transition.clone(),
             hook_timeout,
@@ -475,6 +490,7 @@ pub(crate) fn test_raw() -> RawRun {
         on_transition: None,
         hook_timeout: "5s".into(),
         fast_path: true,
+        link_local_failover: true,
         socket_events: true,
     }
 }

@@ -240,7 +240,8 @@ impl Probe {
         let id = query.metadata.id;
         let mut ignored = Ignored::default();
         let check = |reply: &[u8]| ignored.check(id, question, reply);
-        let exchanged = exchange(server, transport, &wire, self.timeout, self.from_loopback, check).await;
+        let exchanged =
+            exchange(server, transport, &wire, self.timeout, self.from_loopback, check).await;
         let outcome = match exchanged.result {
             Ok(outcome) => outcome,
             Err(ExchangeError::Io { doing, source }) => io_error(doing, server, &source),

@@ -40,10 +40,8 @@ pub const FORWARDER_V4: SocketAddr =
     SocketAddr::new(IpAddr::V4(Ipv4Addr::new(127, 53, 0, 53)), DNS_PORT);
 /// The same for IPv6: not an address of the node; the forwarder's transparent socket binds it
 /// all the same, and TPROXY delivers to the socket, not to an address.
-pub const FORWARDER_V6: SocketAddr = SocketAddr::new(
-    IpAddr::V6(Ipv6Addr::new(0xfd00, 0x169, 0x254, 0, 0, 0, 0, 0x53)),
-    DNS_PORT,
-);
+pub const FORWARDER_V6: SocketAddr =
+    SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0x169, 0x254, 0, 0, 0, 0, 0x53)), DNS_PORT);
 
 /// The forwarder's address for queries to `ip`'s family.
 pub fn forwarder_for(ip: IpAddr) -> SocketAddr {
@@ -187,7 +185,13 @@ impl Rule {
     }
 
     /// A rule for DNS queries (port 53) to `addr`.
-    pub fn queries(addr: IpAddr, proto: Proto, guard: Guard, action: Action, comment: &str) -> Rule {
+    pub fn queries(
+        addr: IpAddr,
+        proto: Proto,
+        guard: Guard,
+        action: Action,
+        comment: &str,
+    ) -> Rule {
         let (side, port, comment) = (Side::Destination, DNS_PORT, comment.to_owned());
         Rule { addr, side, proto, port, guard, action, comment }
     }
@@ -286,7 +290,12 @@ impl RuleSet {
             }
         }
         let mut chains = vec![
-            Chain { name: "prerouting", hook: Hook::Prerouting, priority: PRIORITY, rules: prerouting },
+            Chain {
+                name: "prerouting",
+                hook: Hook::Prerouting,
+                priority: PRIORITY,
+                rules: prerouting,
+            },
             Chain { name: "output", hook: Hook::Output, priority: PRIORITY, rules: output },
         ];
         if !addrs.local.is_empty() {
@@ -373,7 +382,11 @@ fn fallback(local: &[IpAddr], route: Route) -> Chain {
     for &ip in local {
         for proto in [Proto::Udp, Proto::Tcp] {
             let rule = |guard, action, comment| Rule::queries(ip, proto, guard, action, comment);
-            rules.push(rule(Guard::FromLoopback, Action::Accept, "the agent's probes to the cache"));
+            rules.push(rule(
+                Guard::FromLoopback,
+                Action::Accept,
+                "the agent's probes to the cache",
+            ));
             if route == Route::Local {
                 rules.push(rule(Guard::LocalSocket, Action::Accept, "to cache while it listens"));
             }

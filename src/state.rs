@@ -58,6 +58,10 @@ pub struct State {
     pub pid: u32,
     pub updated_unix_ms: u64,
     pub dataplane: String,
+    /// Which queries the agent fails over: those for the cluster-DNS IP (the ClusterIP shape),
+    /// those for the link-local IP (the link-local shape), or both.
+    #[serde(default)]
+    pub shape: String,
     /// Why `--dataplane auto` chose it, when it did.
     #[serde(default)]
     pub dataplane_why: Option<String>,
@@ -375,6 +379,7 @@ mod tests {
             pid: 42,
             updated_unix_ms: 1_000,
             dataplane: "nftables".into(),
+            shape: String::new(),
             dataplane_why: None,
             accepts_in: Vec::new(),
             leftovers: Vec::new(),

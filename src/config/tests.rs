@@ -96,6 +96,13 @@ fn bad_input_is_refused_with_the_value_named() {
         (Box::new(|r| r.upstream_ip = ips(&["255.255.255.255"])), "not a unicast"),
         (Box::new(|r| r.local_ip = ips(&["::"])), "--local-ip :: is not a unicast"),
         (Box::new(|r| r.upstream_ip = ips(&["10.96.0.10"])), "is also --cluster-dns-ip"),
+        (
+            Box::new(|r| {
+                r.cluster_dns_ip.clear();
+                r.link_local_failover = false;
+            }),
+            "nothing to fail over",
+        ),
         (Box::new(|r| r.upstream_ip = ips(&["169.254.20.10"])), "is also --local-ip"),
         (Box::new(|r| r.upstream_ip = ips(&["fd00::b"])), "has no IPv4 address"),
         (Box::new(|r| r.local_ip = ips(&["fd00::10"])), "same IP families"),
@@ -174,4 +181,17 @@ fn tcp_probes_can_be_disabled() {
     let mut r = test_raw();
     r.tcp_interval = "0s".into();
     assert_eq!(AgentConfig::from_args(&r, no_env).unwrap().cache_tcp, None);
+}
+
+#[test]
+fn without_a_cluster_dns_ip_the_link_local_shape_is_taken() {
+    let mut r = test_raw();
+    r.cluster_dns_ip.clear();
+    let cfg = AgentConfig::from_args(&r, no_env).unwrap();
+    assert!(cfg.addrs.cluster_dns.is_empty());
+    assert!(cfg.shape.link_local, "the link-local IP fails over");
+    // The upstream is still checked against what is intercepted.
+    r.upstream_ip = ips(&["169.254.20.10"]);
+    let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
+    assert!(err.contains("is also --local-ip"), "{err}");
 }

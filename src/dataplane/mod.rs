@@ -109,11 +109,14 @@ pub struct Shape {
     pub accepts: bool,
     /// The kernel fast path (`socket` guard); off only for comparisons.
     pub fast_path: bool,
+    /// The link-local IPs' fallback chain (TPROXY to the agent's forwarder): only where the
+    /// agent runs its forwarder.
+    pub link_local: bool,
 }
 
 impl Default for Shape {
     fn default() -> Shape {
-        Shape { accepts: false, fast_path: true }
+        Shape { accepts: false, fast_path: true, link_local: true }
     }
 }
 
@@ -125,6 +128,9 @@ pub fn plan(addrs: &ListenAddrs, route: Route, shape: Shape) -> RuleSet {
     }
     if shape.accepts {
         rules = rules.with_accepts(addrs);
+    }
+    if !shape.link_local {
+        rules.chains.retain(|chain| !chain.is_fallback());
     }
     rules
 }
@@ -311,7 +317,7 @@ mod tests {
     fn layered_never_installs_local_notrack_without_its_accepts() {
         let (switch, accepts) = (FakeDataplane::default(), FakeDataplane::default());
         let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
-        let shape = Shape { accepts: true, fast_path: true };
+        let shape = Shape { accepts: true, ..Shape::default() };
         let local = plan(&addrs(), Route::Local, shape);
         assert!(local.steers_to_cache());
         assert_eq!(layered.check(&local).unwrap(), Check::Missing);
@@ -356,7 +362,7 @@ mod tests {
         let (switch, accepts) = (FakeDataplane::default(), FakeDataplane::default());
         accepts.kernel().announces = true;
         let mut layered = Layered::new(Box::new(switch.clone()), vec![Box::new(accepts.clone())]);
-        let rules = plan(&addrs(), Route::Local, Shape { accepts: true, fast_path: true });
+        let rules = plan(&addrs(), Route::Local, Shape { accepts: true, ..Shape::default() });
         layered.apply(&rules).unwrap();
         let fake_table = TableRef { family: 1, name: "fake".to_owned() };
         let other = TableRef { family: 2, name: "nat".to_owned() };

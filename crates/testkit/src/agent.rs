@@ -56,7 +56,11 @@ impl SimNode {
             .cmd("node", agent_exe())
             .args(["run", "--local-ip", local])
             // None: the link-local shape.
-            .args(if cluster_dns.is_empty() { vec![] } else { vec!["--cluster-dns-ip", cluster_dns] })
+            .args(if cluster_dns.is_empty() {
+                vec![]
+            } else {
+                vec!["--cluster-dns-ip", cluster_dns]
+            })
             .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
             // nftables unless the test picks a backend.
             .args(if extra.contains(&"--dataplane") {

@@ -144,7 +144,11 @@ impl SimNode {
     pub fn expected_table_for(&self, route: &str, local: &str, cluster_dns: &str) -> String {
         let out = Command::new(agent_exe())
             .args(["rules", "--route", route, "--local-ip", local])
-            .args(if cluster_dns.is_empty() { vec![] } else { vec!["--cluster-dns-ip", cluster_dns] })
+            .args(if cluster_dns.is_empty() {
+                vec![]
+            } else {
+                vec!["--cluster-dns-ip", cluster_dns]
+            })
             .output()
             .expect("run nodelocaldns-ha rules");
         assert!(out.status.success(), "{}", describe(&out));

@@ -84,8 +84,11 @@ pub(crate) fn leftovers(
         candidates.insert(0, Box::new(nft));
     }
     // Compared with the fullest ruleset: anything of the agent's there is not `Missing`.
-    let rules =
-        dataplane::plan(addrs, Route::Local, dataplane::Shape { accepts: true, fast_path: true });
+    let rules = dataplane::plan(
+        addrs,
+        Route::Local,
+        dataplane::Shape { accepts: true, ..dataplane::Shape::default() },
+    );
     candidates
         .into_iter()
         .filter(|part| !used.contains(&part.name()))

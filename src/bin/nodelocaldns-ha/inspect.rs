@@ -98,6 +98,9 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
     if let Some(held) = &st.held {
         println!("held:        {held}");
     }
+    if !st.shape.is_empty() {
+        println!("shape:       {}", st.shape);
+    }
     println!(
         "dataplane:   {} ({} route changes, {} repairs of foreign changes)",
         st.dataplane, st.transitions, st.repairs

@@ -79,7 +79,9 @@ pub(crate) fn flip(args: &FlipArgs) -> Result<(), Failure> {
     // No agent: install the route's rules here, and record the override for the next agent.
     if args.local_ip.is_empty() || args.cluster_dns_ip.is_empty() {
         return Err(Failure::runtime(
-            "no agent is running: give --local-ip and --cluster-dns-ip to install the rules directly",
+            "no agent is running: give --local-ip and --cluster-dns-ip to install the rules directly \
+             (in the link-local shape, without --cluster-dns-ip, only the agent can fail over: \
+             start it)",
         ));
     }
     let addrs = listen_addrs(&ListenArgs {
@@ -104,7 +106,9 @@ pub(crate) fn flip(args: &FlipArgs) -> Result<(), Failure> {
         require_net_raw_for_legacy()?;
     }
     let (mut dataplane, _) = open_dataplane(kind, &addrs, Duration::from_secs(5))?;
-    let shape = dataplane::Shape { accepts: dataplane.has_accepts(), fast_path: true };
+    // No forwarder without the agent: no fallback chain either (the agent puts it back).
+    let shape =
+        dataplane::Shape { accepts: dataplane.has_accepts(), fast_path: true, link_local: false };
     let rules = dataplane::plan(&addrs, route, shape);
     dataplane.apply(&rules).map_err(|e| Failure::runtime(with_causes(&e)))?;
     let record = Override::manual(

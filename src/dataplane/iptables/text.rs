@@ -184,7 +184,10 @@ fn rule_spec(rule: &Rule) -> String {
         (Guard::FromLoopback, Family::V6) => "-s ::1/128 ".to_owned(),
         _ => String::new(),
     };
-    spec.push_str(&format!("{addr} {}/{bits} -p {proto} -m {proto} {port} {}", rule.addr, rule.port));
+    spec.push_str(&format!(
+        "{addr} {}/{bits} -p {proto} -m {proto} {port} {}",
+        rule.addr, rule.port
+    ));
     // xt_socket ignores sockets bound to 0.0.0.0 / :: (unless `--nowildcard`), as the nftables
     // rule's `socket wildcard 0` does: another DNS server of the node's on the wildcard address
     // must not take pods' queries for the cluster-DNS IP when the cache is gone.

@@ -193,9 +193,12 @@ impl fmt::Display for Found {
 pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
     let (nfproto, (saddr, daddr), addr, loopback) = match rule.addr {
         IpAddr::V4(ip) => (NFPROTO_IPV4, (12, 16), ip.octets().to_vec(), vec![127, 0, 0, 1]),
-        IpAddr::V6(ip) => {
-            (NFPROTO_IPV6, (8, 24), ip.octets().to_vec(), std::net::Ipv6Addr::LOCALHOST.octets().to_vec())
-        }
+        IpAddr::V6(ip) => (
+            NFPROTO_IPV6,
+            (8, 24),
+            ip.octets().to_vec(),
+            std::net::Ipv6Addr::LOCALHOST.octets().to_vec(),
+        ),
     };
     let (addr_offset, port_offset) = match rule.side {
         Side::Destination => (daddr, 2),

@@ -386,7 +386,8 @@ pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
         }
         // FAMILY 1, REG_ADDR 2, REG_PORT 3.
         "tproxy" => {
-            let registers = (u32_at(2, "tproxy address register")?, u32_at(3, "tproxy port register")?);
+            let registers =
+                (u32_at(2, "tproxy address register")?, u32_at(3, "tproxy port register")?);
             if registers != (NFT_REG_1, NFT_REG_2) {
                 return other();
             }
