@@ -56,6 +56,8 @@ pub(crate) const IFA_F_DEPRECATED: u32 = 0x20;
 pub(crate) const IFA_F_NOPREFIXROUTE: u32 = 0x200;
 /// `RT_SCOPE_HOST`: valid only inside this host.
 pub(crate) const RT_SCOPE_HOST: u8 = 254;
+/// `IFNAMSIZ`: an interface name's or a label's room, NUL included.
+const IFNAMSIZ: usize = 16;
 /// `INFINITY_LIFE_TIME`: the valid lifetime `forever`.
 const FOREVER: u32 = u32::MAX;
 
@@ -118,7 +120,10 @@ pub(crate) fn delete_request(address: &Address, seq: u32) -> Vec<u8> {
     let family = if address.local.is_ipv4() { AF_INET } else { AF_INET6 };
     let mut payload = ifaddrmsg(family, address.prefix_len, 0, address.index);
     put_attr(&mut payload, IFA_LOCAL, &octets(address.local));
-    if let Some(label) = address.label.as_deref().filter(|_| address.local.is_ipv4()) {
+    // A label the kernel could not hold (it keeps IFNAMSIZ bytes, NUL included) is left out:
+    // it only narrows the match.
+    let label = address.label.as_deref().filter(|l| address.local.is_ipv4() && l.len() < IFNAMSIZ);
+    if let Some(label) = label {
         put_attr(&mut payload, IFA_LABEL, &nul_terminated(label));
     }
     put_attr(&mut payload, IFA_ADDRESS, &octets(address.address));

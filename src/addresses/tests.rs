@@ -108,6 +108,10 @@ fn delete_requests_are_what_ip_sends() {
         assert_eq!((message.kind, message.flags), (RTM_DELADDR, 0x5), "{copy:?}");
         assert_eq!(message.payload, sent, "{copy:?}");
     }
+    // A label longer than the kernel keeps is left out of the match, not cut.
+    let long = Address { label: Some("x".repeat(16)), ..address(1, V4, None, None) };
+    let request = delete_request(&long, 3);
+    assert_eq!(parse_address(&request[NLMSG_HDRLEN..]).unwrap().unwrap().label, None);
 }
 
 #[test]
@@ -170,6 +174,41 @@ fn a_dump_is_read_across_datagrams_until_done() {
         ]
     );
     assert_eq!(answer.addresses[0].flags, 0x80, "IFA_FLAGS");
+}
+
+/// A dump 6.18 sent (fuzz/seeds): 127.0.0.1, the agent's IPv4 copy, 10.0.0.1 added by `ip`,
+/// the IPv6 copy, `::1`; then an `EEXIST` for a copy added twice.
+#[cfg(target_endian = "little")]
+#[test]
+fn a_real_dump_and_refusal_read_as_the_kernel_meant_them() {
+    let dump = include_bytes!("../../fuzz/seeds/rtnetlink_addresses/dump-lo-copies.bin");
+    let mut answer = Answer::default();
+    read_answer(dump, 4, &mut answer).unwrap();
+    assert_eq!(answer.outcome, Some(Ok(())));
+    let read: Vec<_> =
+        answer.addresses.iter().map(|a| (a.local, a.scope, a.label.as_deref(), a.proto)).collect();
+    assert_eq!(
+        read,
+        [
+            (ip("127.0.0.1"), RT_SCOPE_HOST, Some("lo"), None),
+            (ip(V4), RT_SCOPE_HOST, Some(LABEL), Some(PROTO)),
+            (ip("10.0.0.1"), 0, Some("lo"), None),
+            (ip(V6), 0, None, Some(PROTO)),
+            (ip("::1"), RT_SCOPE_HOST, None, Some(1)),
+        ]
+    );
+    // IFA_F_PERMANENT | IFA_F_DEPRECATED | IFA_F_NODAD | IFA_F_NOPREFIXROUTE.
+    assert_eq!(
+        answer.addresses[3].flags,
+        0x80 | IFA_F_DEPRECATED | IFA_F_NODAD | IFA_F_NOPREFIXROUTE
+    );
+    let mine: Vec<IpAddr> = ours(&answer.addresses, &[]).iter().map(|a| a.local).collect();
+    assert_eq!(mine, [ip(V4), ip(V6)]);
+
+    let eexist = include_bytes!("../../fuzz/seeds/rtnetlink_addresses/eexist.bin");
+    let mut answer = Answer::default();
+    read_answer(eexist, 3, &mut answer).unwrap();
+    assert_eq!(answer.outcome, Some(Err(17)));
 }
 
 #[test]
