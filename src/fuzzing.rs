@@ -85,7 +85,9 @@ pub fn rtnetlink_addresses(data: &[u8]) {
     assert!(answer.addresses.len() <= data.len() / 32, "{} addresses", answer.addresses.len());
     let listen = [IpAddr::V4(Ipv4Addr::new(169, 254, 20, 10))];
     for address in &answer.addresses {
-        let _ = crate::addresses::is_ours(address, answer.interrupted, &listen);
+        for protos_kept in [false, true] {
+            let _ = crate::addresses::is_ours(address, protos_kept, &listen);
+        }
         let request = ifaddr::delete_request(address, 1);
         let back = ifaddr::parse_address(&request[netlink::NLMSG_HDRLEN..])
             .expect("a delete request reads back")
