@@ -7,8 +7,8 @@
 //! fallback, a TPROXY to its forwarder, needs the IP local. So the agent keeps a copy of each IP
 //! on `lo` (docs/design/link-local.md §1, §3): the same IPv4 /32 or IPv6 /128 on two interfaces
 //! stays local when one of them is deleted, as long as the one left is up, and `lo` always is.
-//! Why `lo` and not an interface of the agent's: `dummy` is a module some kernels lack (this one
-//! included), and `lo` is one code path on every node.
+//! Why `lo` and not an interface of the agent's: `dummy` is a module some kernels lack (the one
+//! this was built on does), and `lo` is one code path on every node.
 //!
 //! A copy changes nothing but that the IP stays local (each checked on 6.18, `tests.rs`):
 //!
@@ -23,8 +23,8 @@
 //!   rules 1 and 3), and it stays local, bindable and able to answer. `nodad`: usable at once.
 //!
 //! **Ownership**, so that teardown removes only the agent's copies: each is added with the
-//! address protocol (`IFA_PROTO`, kernel ≥ 6.1) [`PROTO`]. A kernel older than 6.1 ignores the
-//! attribute and lists no address with one; there (see [`is_ours`]) a listen IP on `lo`, or an
+//! address protocol (`IFA_PROTO`, kernel ≥ 5.18) [`PROTO`]. A kernel older than 5.18 ignores
+//! the attribute and lists no address with one; there (see [`is_ours`]) a listen IP on `lo`, or an
 //! IPv4 address labelled [`LABEL`], counts as the agent's: node-cache never puts an address on
 //! `lo`. An address already on `lo`, ours or not, counts as present and is never taken over.
 //!
@@ -49,9 +49,10 @@ use ifaddr::{Address, Answer};
 
 /// The address protocol (`IFA_PROTO`) of the agent's copies: `n`, for nodelocaldns-ha. The
 /// kernel uses 0 to 3 (`IFAPROT_UNSPEC`, `_KERNEL_LO`, `_KERNEL_RA`, `_KERNEL_LL`; iproute2's
-/// `rt_addrprotos` names those only); userspace has no registry of the rest, and no tool of a
-/// node is known to set one. Another that chose 0x6e would still not reach past [`LABEL`] in
-/// `ip addr`, but [`remove_ours`] would take its addresses on `lo` for the agent's.
+/// `rt_addrprotos` names only those). The rest is free for userspace, without a registry; the
+/// users known here take other values: keepalived 18 (its `RTPROT_KEEPALIVED`), OVN-Kubernetes
+/// 85. A tool that also chose 0x6e would have its addresses on `lo` taken for the agent's by
+/// [`remove_ours`].
 pub const PROTO: u8 = 0x6e;
 /// The label of the agent's IPv4 copies, so that `ip addr` says whose they are (IPv6 addresses
 /// have no label).
@@ -165,7 +166,7 @@ pub fn missing(ips: &[IpAddr]) -> Result<Vec<IpAddr>, Error> {
 }
 
 /// Deletes every address on `lo` that is the agent's (see [`is_ours`]; `listen_ips` matter only
-/// on a kernel older than 6.1). Returns the IPs it removed; `Ok` and none when there was none.
+/// on a kernel older than 5.18). Returns the IPs it removed; `Ok` and none when there was none.
 pub fn remove_ours(listen_ips: &[IpAddr]) -> Result<Vec<IpAddr>, Error> {
     let mut rtnl = Rtnl::open()?;
     let listed = rtnl.addresses()?;
@@ -199,14 +200,14 @@ fn ours<'a>(listed: &'a [Address], listen_ips: &[IpAddr]) -> Vec<&'a Address> {
 /// Whether `address` is one of the agent's copies: on `lo`, and
 ///
 /// * where the kernel keeps address protocols (`protos_kept`: some address of the dump carries
-///   one; from 6.1 on, `::1` and every IPv6 link-local address do), with protocol [`PROTO`];
-/// * where it does not (before 6.1), one of `listen_ips`, or an IPv4 address labelled
+///   one; from 5.18 on, `::1` and every IPv6 link-local address do), with protocol [`PROTO`];
+/// * where it does not (before 5.18), one of `listen_ips`, or an IPv4 address labelled
 ///   [`LABEL`]. node-cache never puts its IPs on `lo`, so such an address is the agent's unless
 ///   someone else put a listen IP on `lo` by hand: that one would be removed too.
 ///
-/// A kernel ≥ 6.1 with IPv6 off and none of the agent's copies lists no protocol either, and is
+/// A kernel ≥ 5.18 with IPv6 off and none of the agent's copies lists no protocol either, and is
 /// judged by the second rule, with the same limit.
-pub fn is_ours(address: &Address, protos_kept: bool, listen_ips: &[IpAddr]) -> bool {
+pub(crate) fn is_ours(address: &Address, protos_kept: bool, listen_ips: &[IpAddr]) -> bool {
     let mine = match address.proto {
         Some(proto) => proto == PROTO,
         None if protos_kept => false,

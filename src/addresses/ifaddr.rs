@@ -38,7 +38,7 @@ pub(super) const IFA_LABEL: u16 = 3;
 pub(super) const IFA_CACHEINFO: u16 = 6;
 /// `IFA_FLAGS`: all the `IFA_F_*` flags as a `u32` (`ifa_flags` holds only the low 8).
 pub(super) const IFA_FLAGS: u16 = 8;
-/// `IFA_PROTO` (kernel ≥ 6.1): a `u8` saying who added the address.
+/// `IFA_PROTO` (kernel ≥ 5.18): a `u8` saying who added the address.
 pub(super) const IFA_PROTO: u16 = 11;
 /// Attribute types read: up to `IFA_PROTO`.
 const IFA_TABLE: usize = IFA_PROTO as usize + 1;

@@ -272,7 +272,7 @@ fn ownership_is_the_protocol_where_the_kernel_keeps_it() {
         (plain.clone(), true, false),
         (address(1, V4, Some(LABEL), None), true, false),
         (address(1, V6, None, None), true, false),
-        // A kernel before 6.1: a listen IP on lo, or the agent's label.
+        // A kernel before 5.18: a listen IP on lo, or the agent's label.
         (plain.clone(), false, true),
         (address(1, V6, None, None), false, true),
         (address(1, "169.254.20.11", Some(LABEL), None), false, true),
@@ -285,7 +285,7 @@ fn ownership_is_the_protocol_where_the_kernel_keeps_it() {
     }
     // A listen IP given as IPv4-mapped IPv6 is the IPv4 address.
     assert!(is_ours(&plain, false, &[ip("::ffff:169.254.20.10")]));
-    // Whether protocols are kept is read from the whole dump: `::1` has one from 6.1 on.
+    // Whether protocols are kept is read from the whole dump: `::1` has one from 5.18 on.
     let loopback6 = address(1, "::1", None, Some(1));
     assert_eq!(ours(&[plain.clone(), loopback6.clone()], &listen), Vec::<&Address>::new());
     assert_eq!(ours(&[plain.clone(), address(1, "::1", None, None)], &listen), [&plain]);
@@ -337,12 +337,13 @@ mod kernel {
         on_lo().0.into_iter().find(|a| a.local == ip(ip_text))
     }
 
-    /// Whether this kernel should keep address protocols (`IFA_PROTO` came with 6.1).
+    /// Whether this kernel should keep address protocols (`IFA_PROTO` came with 5.18, commit
+    /// 47f0bd503210).
     fn kernel_keeps_protocols() -> bool {
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
         let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(|n| n.parse::<u32>());
         let version = (numbers.next().unwrap().unwrap(), numbers.next().unwrap().unwrap());
-        version >= (6, 1)
+        version >= (5, 18)
     }
 
     /// `ip route get IP`: what the kernel would do with a packet to it, or why it cannot.
@@ -515,7 +516,7 @@ mod kernel {
             let mut removed = remove_ours(&listen).unwrap();
             removed.sort();
             let kept = kernel_keeps_protocols();
-            // Before 6.1 a listen IP on lo is the agent's, whoever put it there.
+            // Before 5.18 a listen IP on lo is the agent's, whoever put it there.
             let want: Vec<IpAddr> = if kept { vec![ip(V4), ip(V6)] } else { listen.to_vec() };
             assert_eq!(removed, want);
             let left: Vec<IpAddr> = on_lo().0.iter().map(|a| a.local).collect();
