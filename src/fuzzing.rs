@@ -1,7 +1,8 @@
 //! Entry points for the fuzz targets in `fuzz/`: every parser that reads bytes from outside the
-//! agent — the kernel (netlink, sock_diag), other programs (iptables-save), the network (DNS
-//! replies), root on the node (control requests, the override file, flags). Each must turn any
-//! input into a value or an error, never a panic; where a parser promises more, it is asserted.
+//! agent — the kernel (netlink, sock_diag, rtnetlink), other programs (iptables-save), the
+//! network (DNS replies), root on the node (control requests, the override file, flags). Each
+//! must turn any input into a value or an error, never a panic; where a parser promises more, it
+//! is asserted.
 //!
 //! Compiled only with `--cfg fuzzing`, which `cargo fuzz` passes.
 
@@ -11,6 +12,7 @@ use std::str::FromStr;
 use hickory_proto::op::Query;
 use hickory_proto::rr::{Name, RecordType};
 
+use crate::addresses::ifaddr;
 use crate::dataplane::nftables::{changes::announced, objects};
 use crate::netlink;
 use crate::ruleset::{ListenAddrs, Route, RuleSet};
@@ -68,6 +70,32 @@ pub fn sock_diag(data: &[u8]) {
         if let Ok((listeners, _done)) = crate::sockdiag::parse_dump(data, protocol) {
             assert!(listeners.len() <= data.len() / 16, "{} listeners", listeners.len());
         }
+    }
+}
+
+/// An rtnetlink buffer as the address socket receives it: a part of a dump of addresses, an
+/// acknowledgement or a refusal (as the answer to the sequence number of its first message, so
+/// that the fuzzer reaches past the filter). Every address read can be deleted: the request
+/// built for it reads back as the same address.
+pub fn rtnetlink_addresses(data: &[u8]) {
+    let seq = netlink::ne_u32(data, 8).unwrap_or_default();
+    let mut answer = ifaddr::Answer::default();
+    let _ = ifaddr::read_answer(data, seq, &mut answer);
+    // A message is at least a header, an ifaddrmsg and an address attribute.
+    assert!(answer.addresses.len() <= data.len() / 32, "{} addresses", answer.addresses.len());
+    let listen = [IpAddr::V4(Ipv4Addr::new(169, 254, 20, 10))];
+    for address in &answer.addresses {
+        for protos_kept in [false, true] {
+            let _ = crate::addresses::is_ours(address, protos_kept, &listen);
+        }
+        let request = ifaddr::delete_request(address, 1);
+        let back = ifaddr::parse_address(&request[netlink::NLMSG_HDRLEN..])
+            .expect("a delete request reads back")
+            .expect("of a known family");
+        assert_eq!(
+            (back.index, back.local, back.address, back.prefix_len),
+            (address.index, address.local, address.address, address.prefix_len)
+        );
     }
 }
 

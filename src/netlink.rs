@@ -1,5 +1,6 @@
 //! The netlink wire format, shared by every conversation the agent has with the kernel: the
-//! nftables backend ([`crate::dataplane::nftables`]) and the socket watch ([`crate::sockdiag`]).
+//! nftables backend ([`crate::dataplane::nftables`]), the socket watch ([`crate::sockdiag`]) and
+//! the copies of the link-local IPs ([`crate::addresses`]).
 //!
 //! A buffer received from a netlink socket holds messages, each a 16-byte `nlmsghdr` (length,
 //! type, flags, sequence number, sender's port id) and a payload, padded to 4 bytes. A multipart
@@ -22,11 +23,17 @@ pub const NLMSG_ERROR: u16 = 2;
 pub const NLMSG_DONE: u16 = 3;
 /// `NLM_F_REQUEST`: the message is a request.
 pub const NLM_F_REQUEST: u16 = 0x1;
+/// `NLM_F_ACK`: answer with an acknowledgement (an [`NLMSG_ERROR`] with code 0) on success.
+pub const NLM_F_ACK: u16 = 0x4;
 /// `NLM_F_DUMP_INTR`: the kernel's objects changed while this dump was being built: it may be
 /// inconsistent.
 pub const NLM_F_DUMP_INTR: u16 = 0x10;
 /// `NLM_F_DUMP` (`NLM_F_ROOT | NLM_F_MATCH`): list every object.
 pub const NLM_F_DUMP: u16 = 0x300;
+/// `NLM_F_EXCL` (on a new object): refuse with `EEXIST` if it exists already.
+pub const NLM_F_EXCL: u16 = 0x200;
+/// `NLM_F_CREATE` (on a new object): create it if it does not exist.
+pub const NLM_F_CREATE: u16 = 0x400;
 /// `sizeof(struct nlmsghdr)`.
 pub const NLMSG_HDRLEN: usize = 16;
 /// `sizeof(struct nlattr)`.
