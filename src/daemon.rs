@@ -73,7 +73,6 @@ pub enum AgentError {
 /// `/healthz` fails when the control loop has not turned for this long.
 const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
 
-/// Makes a probe stream's [`Prober`] from the probe name and the stream's timeout.
 /// Makes the prober of one stream: its query name, its timeout, and whether it probes the cache
 /// (from the loopback address, see [`Probe::from_loopback`]) or the upstream.
 type MakeProber = Box<dyn Fn(&str, Duration, Target) -> Result<Arc<dyn Prober>, ProbeError> + Send>;

@@ -19,6 +19,7 @@ use std::time::Duration;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 
+use nodelocaldns_ha::addresses;
 use nodelocaldns_ha::cli::{self, Cli, Command, DataplaneKind, LogFormat};
 use nodelocaldns_ha::config::{self, AgentConfig};
 use nodelocaldns_ha::control::{self, ControlError, Request};
@@ -195,6 +196,12 @@ fn run(command: Command) -> Result<(), Failure> {
             // Whatever backend an agent used, with whatever flags: everything goes.
             let mut dataplane = every_dataplane(xtables_wait)?;
             dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
+            // The agent's copies of the link-local IPs on lo (known by their address protocol;
+            // on a kernel before 5.18, by their label, IPv4 only: see `addresses`).
+            let removed = addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
+            for ip in removed {
+                println!("removed the agent's copy of {ip} on lo");
+            }
             state::remove(&args.state_dir).map_err(|e| {
                 Failure::runtime(format!(
                     "removing the state file in {}: {e}",
