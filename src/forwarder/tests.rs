@@ -1,0 +1,159 @@
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::time::Duration;
+
+use nix::sys::socket::ControlMessageOwned;
+use tokio::io::{duplex, AsyncReadExt, AsyncWriteExt};
+use tokio::time::Instant;
+
+use super::tcp::{relay, Ended};
+use super::udp::{answer_source_v4, answer_source_v6, answers, destination};
+use super::*;
+
+#[test]
+fn an_answer_is_the_one_with_the_query_id() {
+    let query = [0xab, 0xcd, 1, 0];
+    for (answer, expected) in [
+        (&[0xab, 0xcd, 0x81, 0x80][..], true),
+        (&[0xab, 0xcd][..], true),
+        (&[0xab, 0xce, 0x81, 0x80][..], false),
+        (&[0xab][..], false),
+        (&[][..], false),
+    ] {
+        assert_eq!(answers(&query, answer), expected, "{answer:?}");
+    }
+    assert!(!answers(&[], &[]), "no id, no answer");
+}
+
+#[test]
+fn the_destination_is_the_packet_header_s_not_the_routing_one() {
+    // What IP_PKTINFO reports for a TPROXYed packet: the header's destination in `ipi_addr`,
+    // and in `ipi_spec_dst` the local address routing would pick.
+    let received = libc::in_pktinfo {
+        ipi_ifindex: 1,
+        ipi_spec_dst: libc::in_addr { s_addr: u32::from_ne_bytes([127, 53, 0, 53]) },
+        ipi_addr: libc::in_addr { s_addr: u32::from_ne_bytes([169, 254, 20, 10]) },
+    };
+    let link_local = Ipv4Addr::new(169, 254, 20, 10);
+    assert_eq!(
+        destination(&ControlMessageOwned::Ipv4PacketInfo(received)),
+        Some(IpAddr::V4(link_local))
+    );
+    let v6: Ipv6Addr = "fd00:169:254::10".parse().unwrap();
+    let received =
+        libc::in6_pktinfo { ipi6_addr: libc::in6_addr { s6_addr: v6.octets() }, ipi6_ifindex: 1 };
+    assert_eq!(destination(&ControlMessageOwned::Ipv6PacketInfo(received)), Some(IpAddr::V6(v6)));
+    assert_eq!(destination(&ControlMessageOwned::Ipv4Ttl(64)), None);
+}
+
+#[test]
+fn the_answer_s_source_goes_where_the_kernel_reads_it() {
+    // IPv4 takes an outgoing source from `ipi_spec_dst`; `ipi_addr` is ignored on the way out.
+    let info = answer_source_v4(Ipv4Addr::new(169, 254, 20, 10));
+    assert_eq!(info.ipi_spec_dst.s_addr.to_ne_bytes(), [169, 254, 20, 10]);
+    assert_eq!((info.ipi_ifindex, info.ipi_addr.s_addr), (0, 0));
+    let v6: Ipv6Addr = "fd00:169:254::10".parse().unwrap();
+    let info = answer_source_v6(v6);
+    assert_eq!((info.ipi6_addr.s6_addr, info.ipi6_ifindex), (v6.octets(), 0));
+}
+
+#[test]
+fn errors_say_what_failed_on_what_and_what_to_do() {
+    // The kernel's words come from the C library (glibc and musl differ).
+    let listen: SocketAddr = "127.53.0.53:53".parse().unwrap();
+    let refused = io::Error::from_raw_os_error(libc::EPERM);
+    let why = refused.to_string();
+    let error = Error::Transparent {
+        listen,
+        transport: Transport::Udp,
+        option: "IP_TRANSPARENT",
+        source: refused,
+    };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "setting IP_TRANSPARENT on the forwarder's udp socket for 127.53.0.53:53 failed: \
+             {why} (the agent needs CAP_NET_ADMIN)"
+        )
+    );
+    let taken = io::Error::from_raw_os_error(libc::EADDRINUSE);
+    let why = taken.to_string();
+    let error =
+        Error::Bind { listen, transport: Transport::Tcp, option: "IP_TRANSPARENT", source: taken };
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "binding 127.53.0.53:53 (tcp, IP_TRANSPARENT) failed: {why} (is another process, \
+             or another agent, bound there? The forwarder's address must be its own)"
+        )
+    );
+    assert!(std::error::Error::source(&error).is_some(), "the kernel's error is kept");
+}
+
+/// The relay's idle timeout in its tests (on a paused clock).
+const IDLE: Duration = Duration::from_secs(10);
+
+#[tokio::test(start_paused = true)]
+async fn a_relay_passes_bytes_both_ways_and_closes_the_client_when_the_upstream_closes() {
+    let (mut client, client_far) = duplex(1024);
+    let (upstream_near, mut upstream) = duplex(1024);
+    let relayed = tokio::spawn(relay(client_far, upstream_near, IDLE));
+    let mut buf = [0; 16];
+
+    client.write_all(b"\x00\x05query").await.unwrap();
+    upstream.read_exact(&mut buf[..7]).await.unwrap();
+    assert_eq!(&buf[..7], b"\x00\x05query");
+    upstream.write_all(b"\x00\x06answer").await.unwrap();
+    client.read_exact(&mut buf[..8]).await.unwrap();
+    assert_eq!(&buf[..8], b"\x00\x06answer");
+
+    drop(upstream);
+    assert!(matches!(relayed.await.unwrap(), Ended::UpstreamClosed));
+    assert_eq!(client.read(&mut buf).await.unwrap(), 0, "the client sees the end");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_closes_its_side_still_gets_the_answer() {
+    let (mut client, client_far) = duplex(1024);
+    let (upstream_near, mut upstream) = duplex(1024);
+    let relayed = tokio::spawn(relay(client_far, upstream_near, IDLE));
+
+    client.write_all(b"query").await.unwrap();
+    client.shutdown().await.unwrap();
+    let mut query = Vec::new();
+    upstream.read_to_end(&mut query).await.unwrap();
+    assert_eq!(query, b"query", "the query, then the client's end passed on");
+    upstream.write_all(b"answer").await.unwrap();
+    drop(upstream);
+    let mut answer = Vec::new();
+    client.read_to_end(&mut answer).await.unwrap();
+    assert_eq!(answer, b"answer");
+    assert!(matches!(relayed.await.unwrap(), Ended::UpstreamClosed));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_relay_ends_after_the_idle_timeout_counted_from_the_last_bytes() {
+    let (mut client, client_far) = duplex(1024);
+    let (upstream_near, mut upstream) = duplex(1024);
+    let start = Instant::now();
+    let relayed = tokio::spawn(relay(client_far, upstream_near, IDLE));
+    tokio::time::sleep(IDLE / 2).await;
+    client.write_all(b"query").await.unwrap();
+    let mut buf = [0; 5];
+    upstream.read_exact(&mut buf).await.unwrap();
+    assert!(matches!(relayed.await.unwrap(), Ended::Idle));
+    assert_eq!(start.elapsed(), IDLE / 2 + IDLE);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_reads_nothing_is_closed_after_the_idle_timeout() {
+    // The client's direction holds 16 bytes; the upstream sends more, which the relay cannot
+    // write while the client does not read.
+    let (_client, client_far) = duplex(16);
+    let (upstream_near, mut upstream) = duplex(1024);
+    let start = Instant::now();
+    let relayed = tokio::spawn(relay(client_far, upstream_near, IDLE));
+    upstream.write_all(&[7; 64]).await.unwrap();
+    assert!(matches!(relayed.await.unwrap(), Ended::Idle));
+    assert_eq!(start.elapsed(), IDLE);
+}
+
