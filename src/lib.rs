@@ -33,6 +33,8 @@ pub mod dataplane;
 pub mod detect;
 #[forbid(unsafe_code)]
 pub mod firewall;
+#[forbid(unsafe_code)]
+pub mod forwarder;
 #[cfg(fuzzing)]
 #[forbid(unsafe_code)]
 pub mod fuzzing;

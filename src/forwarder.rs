@@ -1,0 +1,348 @@
+//! The agent's fallback DNS forwarder: who answers pods' queries for the link-local IP while the
+//! node-local cache is dead or hung (issue 12; docs/design/link-local.md §6.2).
+//!
+//! The forwarder never takes the link-local IP (169.254.20.10) itself: that address stays the
+//! cache's. It listens on an address of its own (`127.53.0.53:53` and `[fd00:169:254::53]:53`
+//! by default), and the agent's TPROXY rules hand it the packets for 169.254.20.10:53 that no
+//! socket of the cache takes. The kernel's socket lookup is the guard, so while the cache
+//! listens the forwarder sees nothing. Each UDP query goes on to the upstream (the
+//! kube-dns-upstream ClusterIP, reached through kube-proxy from the node) on a fresh connected
+//! socket, and its answer goes back byte for byte, TC bit and all (the client then retries over
+//! TCP, which is relayed too), **from the address the client sent to**: the pod sees the answer
+//! come from the IP it queried, as a connected resolver socket demands. Each TCP connection is
+//! relayed to a connection of its own to the upstream. Nothing is cached, and nothing of a
+//! message is read but its id.
+//!
+//! The socket options, and why:
+//!
+//! * `IP_TRANSPARENT` / `IPV6_TRANSPARENT` on both sockets: TPROXY delivers only to transparent
+//!   sockets (`nf_tproxy` drops a socket it finds that is not), and they may bind an address
+//!   that is not the node's, as fd00:169:254::53 is not. Setting them needs `CAP_NET_ADMIN`.
+//!   socket2 sets them: nix 0.31 lacks `IPV6_TRANSPARENT`, and the crate has no `unsafe` here.
+//! * `IP_PKTINFO` / `IPV6_RECVPKTINFO` on the UDP socket, to learn where a query was sent.
+//!   TPROXY leaves the packet's header alone, so its destination is still 169.254.20.10, and
+//!   pktinfo reports it; the same control message, given to `sendmsg`, sets the answer's
+//!   source. `IP_RECVORIGDSTADDR` would add the port, but that is the socket's own by
+//!   construction (the rules send port 53 to port 53, and an answer could come from no other),
+//!   and it cannot be sent back: pktinfo is needed for the answer anyway. Note that IPv4 reads
+//!   an outgoing pktinfo's source from `ipi_spec_dst`, not from `ipi_addr`, where the incoming
+//!   destination is (`udp::answer_source_v4`).
+//! * `SO_REUSEADDR` on the TCP listener only, the usual for a server that restarts while its
+//!   old connections linger. Not on UDP: there it would let a second forwarder (an old agent
+//!   still running) bind the same address beside this one and take half the queries. A failed
+//!   bind is how the agent learns that someone else is there.
+//!
+//! Bounds: at most [`Options::max_in_flight`] UDP queries wait for the upstream at once and at
+//! most [`Options::max_connections`] TCP connections are relayed; beyond them a query is
+//! dropped and a connection closed, both counted. A UDP query the upstream has not answered
+//! within [`Options::upstream_timeout`] is dropped without a word (the client retries, as it
+//! would after a lost datagram); a TCP connection with nothing to relay for
+//! [`Options::tcp_idle_timeout`] is closed. Dropping [`Forwarder::run`]'s future aborts every
+//! query and connection in flight and closes the sockets.
+
+mod tcp;
+mod udp;
+
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::socket::{setsockopt, sockopt};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::net::{TcpListener, UdpSocket};
+
+use crate::probe::Transport;
+
+/// The pending-connection queue of the TCP listener (the kernel caps it at `somaxconn`).
+const LISTEN_BACKLOG: i32 = 1024;
+
+/// Limits and timeouts of a [`Forwarder`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Options {
+    /// How long a UDP query waits for the upstream's answer, and a TCP connection for the
+    /// upstream to accept it, before it is given up.
+    pub upstream_timeout: Duration,
+    /// UDP queries waiting for the upstream at once; a query beyond it is dropped.
+    pub max_in_flight: usize,
+    /// TCP connections relayed at once; a connection beyond it is closed.
+    pub max_connections: usize,
+    /// A TCP connection with nothing to relay either way for this long is closed.
+    pub tcp_idle_timeout: Duration,
+}
+
+impl Default for Options {
+    /// 2 s for the upstream (a stub resolver waits 5 s before it retries), 4096 queries in
+    /// flight, 1024 connections, 10 s idle.
+    fn default() -> Options {
+        Options {
+            upstream_timeout: Duration::from_secs(2),
+            max_in_flight: 4096,
+            max_connections: 1024,
+            tcp_idle_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What the forwarder did, counted since it was bound; shared with whoever exports them.
+///
+/// Every UDP query counted in `udp_queries` ends, once it is no longer in flight, in exactly
+/// one of `udp_answers`, `upstream_failures` and `answer_failures`.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// UDP queries sent on to the upstream.
+    pub udp_queries: AtomicU64,
+    /// Upstream answers sent back to UDP clients.
+    pub udp_answers: AtomicU64,
+    /// TCP connections taken to be relayed to the upstream.
+    pub tcp_connections: AtomicU64,
+    /// UDP queries the upstream did not answer in time (or refused), and TCP connections it did
+    /// not accept in time.
+    pub upstream_failures: AtomicU64,
+    /// Answers that could not be sent back from the address their query was sent to.
+    pub answer_failures: AtomicU64,
+    /// Queries dropped and connections closed because the forwarder was at its bound.
+    pub dropped_busy: AtomicU64,
+    /// Datagrams too short to be a DNS message, dropped.
+    pub dropped_malformed: AtomicU64,
+}
+
+/// The values of [`Counters`] at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// See [`Counters::udp_queries`].
+    pub udp_queries: u64,
+    /// See [`Counters::udp_answers`].
+    pub udp_answers: u64,
+    /// See [`Counters::tcp_connections`].
+    pub tcp_connections: u64,
+    /// See [`Counters::upstream_failures`].
+    pub upstream_failures: u64,
+    /// See [`Counters::answer_failures`].
+    pub answer_failures: u64,
+    /// See [`Counters::dropped_busy`].
+    pub dropped_busy: u64,
+    /// See [`Counters::dropped_malformed`].
+    pub dropped_malformed: u64,
+}
+
+impl Counters {
+    /// The current values (each read on its own: a snapshot, not a transaction).
+    pub fn totals(&self) -> Totals {
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        Totals {
+            udp_queries: read(&self.udp_queries),
+            udp_answers: read(&self.udp_answers),
+            tcp_connections: read(&self.tcp_connections),
+            upstream_failures: read(&self.upstream_failures),
+            answer_failures: read(&self.answer_failures),
+            dropped_busy: read(&self.dropped_busy),
+            dropped_malformed: read(&self.dropped_malformed),
+        }
+    }
+}
+
+/// Adds one to `counter`.
+fn count(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Logs a query's or a connection's task that panicked (a bug: the forwarder keeps serving).
+fn report_task_end(ended: Result<(), tokio::task::JoinError>) {
+    if let Err(error) = ended {
+        tracing::error!(%error, "a forwarder task failed");
+    }
+}
+
+/// What the forwarder failed to do.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The socket could not be made transparent: the process lacks `CAP_NET_ADMIN`.
+    #[error(
+        "setting {option} on the forwarder's {transport} socket for {listen} failed: {source} \
+         (the agent needs CAP_NET_ADMIN)"
+    )]
+    Transparent {
+        /// The address the socket was for.
+        listen: SocketAddr,
+        /// Its transport.
+        transport: Transport,
+        /// `IP_TRANSPARENT` or `IPV6_TRANSPARENT`.
+        option: &'static str,
+        /// The kernel's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The listen address is taken, or the kernel refused it.
+    #[error(
+        "binding {listen} ({transport}, {option}) failed: {source} (is another process, or \
+         another agent, bound there? The forwarder's address must be its own)"
+    )]
+    Bind {
+        /// The address.
+        listen: SocketAddr,
+        /// The transport.
+        transport: Transport,
+        /// `IP_TRANSPARENT` or `IPV6_TRANSPARENT`, set before the bind.
+        option: &'static str,
+        /// The kernel's error.
+        #[source]
+        source: io::Error,
+    },
+    /// Another step of a socket's set-up failed: creating it, an option, listening, or handing
+    /// it to tokio (which needs the call to run inside a tokio runtime).
+    #[error(
+        "setting up the forwarder's {transport} socket on {listen} failed at {step}: {source}"
+    )]
+    Setup {
+        /// The address.
+        listen: SocketAddr,
+        /// The transport.
+        transport: Transport,
+        /// The step, e.g. `"setting IP_PKTINFO"`.
+        step: &'static str,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// Receiving queries failed in a way a retry would not mend; the forwarder stopped.
+    #[error("receiving UDP queries on {listen} failed: {source} (the forwarder has stopped)")]
+    Receive {
+        /// The listen address.
+        listen: SocketAddr,
+        /// The socket's error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// A forwarder bound to its listen address, UDP and TCP; [`Forwarder::run`] serves.
+#[derive(Debug)]
+pub struct Forwarder {
+    listen: SocketAddr,
+    upstream: SocketAddr,
+    options: Options,
+    udp: UdpSocket,
+    tcp: TcpListener,
+    counters: Arc<Counters>,
+}
+
+impl Forwarder {
+    /// Binds UDP and TCP on `listen` with transparent sockets, to forward to `upstream`. Must be
+    /// called inside a tokio runtime (the sockets are registered with its reactor); nothing is
+    /// received until [`Forwarder::run`].
+    pub fn bind(
+        listen: SocketAddr,
+        upstream: SocketAddr,
+        options: Options,
+    ) -> Result<Forwarder, Error> {
+        let udp = transparent_socket(listen, Transport::Udp)?;
+        let udp = UdpSocket::from_std(udp.into()).map_err(setup(
+            listen,
+            Transport::Udp,
+            "registering with the tokio runtime",
+        ))?;
+        let tcp = transparent_socket(listen, Transport::Tcp)?;
+        let tcp = TcpListener::from_std(tcp.into()).map_err(setup(
+            listen,
+            Transport::Tcp,
+            "registering with the tokio runtime",
+        ))?;
+        Ok(Forwarder { listen, upstream, options, udp, tcp, counters: Arc::default() })
+    }
+
+    /// The address the forwarder listens on.
+    pub fn listen(&self) -> SocketAddr {
+        self.listen
+    }
+
+    /// Its counters, live: they keep counting while [`Forwarder::run`] serves.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    /// Serves UDP and TCP until the future is dropped (which aborts what is in flight), or
+    /// until receiving UDP queries fails for good.
+    pub async fn run(self) -> Result<Infallible, Error> {
+        tracing::info!(listen = %self.listen, upstream = %self.upstream, "forwarder serving");
+        let udp = udp::serve(
+            Arc::new(self.udp),
+            self.listen,
+            self.upstream,
+            self.options,
+            self.counters.clone(),
+        );
+        let tcp = tcp::serve(self.tcp, self.upstream, self.options, self.counters);
+        tokio::select! {
+            stopped = udp => stopped,
+            never = tcp => match never {},
+        }
+    }
+}
+
+/// A [`Error::Setup`] for a step of `listen`'s `transport` socket.
+fn setup(
+    listen: SocketAddr,
+    transport: Transport,
+    step: &'static str,
+) -> impl FnOnce(io::Error) -> Error {
+    move |source| Error::Setup { listen, transport, step, source }
+}
+
+/// A non-blocking transparent socket bound to `listen` (listening, for TCP).
+fn transparent_socket(listen: SocketAddr, transport: Transport) -> Result<Socket, Error> {
+    let (kind, protocol) = match transport {
+        Transport::Udp => (Type::DGRAM, Protocol::UDP),
+        Transport::Tcp => (Type::STREAM, Protocol::TCP),
+    };
+    let socket = Socket::new(Domain::for_address(listen), kind, Some(protocol)).map_err(setup(
+        listen,
+        transport,
+        "creating the socket",
+    ))?;
+    let transparent = |option, result: io::Result<()>| {
+        result.map_err(|source| Error::Transparent { listen, transport, option, source })
+    };
+    let option = match listen {
+        SocketAddr::V4(_) => {
+            transparent("IP_TRANSPARENT", socket.set_ip_transparent_v4(true))?;
+            "IP_TRANSPARENT"
+        }
+        SocketAddr::V6(_) => {
+            // The IPv6 forwarder takes IPv6 only; IPv4 has a forwarder of its own.
+            socket.set_only_v6(true).map_err(setup(listen, transport, "setting IPV6_V6ONLY"))?;
+            transparent("IPV6_TRANSPARENT", socket.set_ip_transparent_v6(true))?;
+            "IPV6_TRANSPARENT"
+        }
+    };
+    match (transport, listen) {
+        (Transport::Tcp, _) => socket.set_reuse_address(true).map_err(setup(
+            listen,
+            transport,
+            "setting SO_REUSEADDR",
+        ))?,
+        (Transport::Udp, SocketAddr::V4(_)) => setsockopt(&socket, sockopt::Ipv4PacketInfo, &true)
+            .map_err(|errno| setup(listen, transport, "setting IP_PKTINFO")(errno.into()))?,
+        (Transport::Udp, SocketAddr::V6(_)) => {
+            setsockopt(&socket, sockopt::Ipv6RecvPacketInfo, &true).map_err(|errno| {
+                setup(listen, transport, "setting IPV6_RECVPKTINFO")(errno.into())
+            })?
+        }
+    }
+    socket.bind(&listen.into()).map_err(|source| Error::Bind {
+        listen,
+        transport,
+        option,
+        source,
+    })?;
+    if transport == Transport::Tcp {
+        socket.listen(LISTEN_BACKLOG).map_err(setup(listen, transport, "listening"))?;
+    }
+    socket.set_nonblocking(true).map_err(setup(listen, transport, "setting O_NONBLOCK"))?;
+    Ok(socket)
+}
+
+#[cfg(test)]
+mod tests;
