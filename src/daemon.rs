@@ -13,6 +13,7 @@
 //! firewall (judged by [`crate::firewall`]) in [`crate::dataplane::nftables`], node-cache's
 //! rules in [`crate::detect`].
 
+mod link_local;
 mod tasks;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,6 +61,9 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// The link-local forwarder cannot listen.
+    #[error(transparent)]
+    Forwarder(#[from] crate::forwarder::Error),
     /// A probe or watch task ended: the agent is blind and exits.
     #[error("the {task} task {how}; exiting with the current ruleset left in place")]
     TaskDied {
@@ -252,6 +256,10 @@ async fn run_with(
     } else {
         Vec::new()
     };
+    // The forwarder and the copies of the link-local IPs before the rules that need them.
+    if watch_node && cfg.shape.link_local {
+        link_local::start(&cfg.addrs.local, &cfg.upstream, &mut tasks)?;
+    }
     let mut agent =
         blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))
             .map_err(AgentError::Reader)?;

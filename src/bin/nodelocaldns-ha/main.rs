@@ -198,7 +198,8 @@ fn run(command: Command) -> Result<(), Failure> {
             dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
             // The agent's copies of the link-local IPs on lo (known by their address protocol;
             // on a kernel before 5.18, by their label, IPv4 only: see `addresses`).
-            let removed = addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
+            let removed =
+                addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
             for ip in removed {
                 println!("removed the agent's copy of {ip} on lo");
             }

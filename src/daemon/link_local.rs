@@ -1,0 +1,85 @@
+//! What the link-local fallback needs on the node besides its rules: the agent's forwarder, one
+//! per family of the link-local IPs, and the agent's copies of those IPs on lo, kept there.
+//!
+//! The fallback chain TPROXYs to the forwarder whatever the cache's socket cannot take; without
+//! the forwarder those queries would meet nobody. The copies keep the IPs local when
+//! node-cache's teardown deletes its interface (every rolling update), so that both the cache,
+//! while it runs, and the forwarder, once it is gone, still get the queries.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::tasks::Tasks;
+use super::AgentError;
+use crate::addresses;
+use crate::forwarder::{self, Forwarder};
+use crate::ruleset::{forwarder_for, DNS_PORT};
+
+/// How often the copies on lo are checked (one netlink dump of the namespace's addresses).
+const COPIES_PERIOD: Duration = Duration::from_secs(1);
+
+/// Binds a forwarder for each family of `local` (to the upstream of that family, else the
+/// first) and spawns it, then puts the copies of `local` on lo and spawns their keeper. A
+/// forwarder that cannot bind is an error: the agent would TPROXY queries to nobody. One whose
+/// socket fails for good ends its task, and so the agent, to be restarted with a fresh one.
+/// Copies that cannot be added now are said and retried by the keeper.
+pub(super) fn start(
+    local: &[IpAddr],
+    upstream: &[IpAddr],
+    tasks: &mut Tasks,
+) -> Result<(), AgentError> {
+    let mut forwarders = Vec::new();
+    for &ip in local {
+        let to = upstream.iter().find(|u| u.is_ipv4() == ip.is_ipv4()).or(upstream.first());
+        let Some(&to) = to else { continue };
+        let to = SocketAddr::new(to, DNS_PORT);
+        let forwarder = Forwarder::bind(forwarder_for(ip), to, forwarder::Options::default())?;
+        info!(listen = %forwarder.listen(), upstream = %to, "link-local forwarder bound");
+        forwarders.push(forwarder);
+    }
+    for forwarder in forwarders {
+        tasks.spawn("link-local forwarder", async move {
+            let listen = forwarder.listen();
+            let Err(e) = forwarder.run().await;
+            tracing::error!(%listen, error = %e, "the link-local forwarder stopped");
+        });
+    }
+    match addresses::ensure(local) {
+        Ok(added) if !added.is_empty() => {
+            info!(added = ?added, "copies of the link-local IPs on lo")
+        }
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cannot put the copies of the link-local IPs on lo; retrying"),
+    }
+    tasks.spawn("link-local address copies", keep_copies(local.to_vec()));
+    Ok(())
+}
+
+/// Puts back any copy someone removed, every [`COPIES_PERIOD`]; level-triggered, so a failure
+/// is only said and tried again.
+async fn keep_copies(local: Vec<IpAddr>) {
+    let mut tick = tokio::time::interval(COPIES_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let ips = local.clone();
+        let checked = tokio::task::spawn_blocking(move || {
+            let missing = addresses::missing(&ips)?;
+            if missing.is_empty() {
+                return Ok(missing);
+            }
+            addresses::ensure(&missing).map(|_| missing)
+        })
+        .await;
+        match checked {
+            Ok(Ok(missing)) if !missing.is_empty() => {
+                warn!(restored = ?missing, "a copy of a link-local IP was gone from lo; put back")
+            }
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => warn!(error = %e, "cannot check the copies of the link-local IPs on lo"),
+            Err(e) => warn!(error = %e, "the check of the copies on lo did not finish"),
+        }
+    }
+}
