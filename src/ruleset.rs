@@ -183,7 +183,7 @@ pub struct Rule {
 impl Rule {
     /// A NOTRACK rule for DNS (port 53) to or from `addr`.
     pub fn dns(addr: IpAddr, side: Side, proto: Proto, guard: Guard, comment: &str) -> Rule {
-        Rule::queries(addr, proto, guard, Action::Notrack, comment).from_side(side)
+        Rule::queries(addr, proto, guard, Action::Notrack, comment).on_side(side)
     }
 
     /// A rule for DNS queries (port 53) to `addr`.
@@ -192,7 +192,7 @@ impl Rule {
         Rule { addr, side, proto, port, guard, action, comment }
     }
 
-    fn from_side(self, side: Side) -> Rule {
+    fn on_side(self, side: Side) -> Rule {
         Rule { side, ..self }
     }
 }
