@@ -32,34 +32,34 @@ fn dual_stack() -> ListenAddrs {
 fn golden_ipv4_local() {
     golden(
         "iptables-ipv4-local.rules",
-        &render(&RuleSet::desired(&ipv4(), Route::Local), Table::Raw),
+        &render(&RuleSet::desired(&ipv4(), Route::Local), Role::Switch),
     );
 }
 
 #[test]
 fn golden_ipv4_upstream() {
     let rules = RuleSet::desired(&ipv4(), Route::Upstream);
-    golden("iptables-ipv4-upstream.rules", &render(&rules, Table::Raw));
+    golden("iptables-ipv4-upstream.rules", &render(&rules, Role::Switch));
 }
 
 #[test]
 fn golden_dual_stack_local() {
     let rules = RuleSet::desired(&dual_stack(), Route::Local);
-    golden("iptables-dual-local.rules", &render(&rules, Table::Raw));
+    golden("iptables-dual-local.rules", &render(&rules, Role::Switch));
 }
 
 #[test]
 fn golden_accepts() {
     let rules = RuleSet::desired(&dual_stack(), Route::Upstream).with_accepts(&dual_stack());
-    golden("iptables-accepts.rules", &render(&rules, Table::Filter));
+    golden("iptables-accepts.rules", &render(&rules, Role::Accepts));
 }
 
 #[test]
 fn each_table_renders_only_its_share() {
     let plain = RuleSet::desired(&dual_stack(), Route::Local);
     let with_accepts = plain.clone().with_accepts(&dual_stack());
-    assert_eq!(render(&plain, Table::Raw), render(&with_accepts, Table::Raw));
-    assert_eq!(render(&plain, Table::Filter), "");
+    assert_eq!(render(&plain, Role::Switch), render(&with_accepts, Role::Switch));
+    assert_eq!(render(&plain, Role::Accepts), "");
     assert_eq!(wanted(&plain, Table::Filter, Family::V4), None);
     let v4_only = RuleSet::desired(&ipv4(), Route::Local);
     assert!(wanted(&v4_only, Table::Raw, Family::V4).is_some());
@@ -165,6 +165,13 @@ fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) ->
     };
     let builtins: &[&str] = match table {
         Table::Raw => &[":PREROUTING ACCEPT [0:0]", ":OUTPUT ACCEPT [0:0]"],
+        Table::Mangle => &[
+            ":PREROUTING ACCEPT [0:0]",
+            ":INPUT ACCEPT [0:0]",
+            ":FORWARD ACCEPT [0:0]",
+            ":OUTPUT ACCEPT [0:0]",
+            ":POSTROUTING ACCEPT [0:0]",
+        ],
         Table::Filter => &[":INPUT ACCEPT [0:0]", ":FORWARD ACCEPT [0:0]", ":OUTPUT ACCEPT [0:0]"],
     };
     let header = format!("*{}\n", table.as_str());
@@ -317,26 +324,26 @@ fn a_family_without_rules_must_hold_nothing_of_the_agents() {
 #[test]
 fn families_combine_into_one_check() {
     use text::combine;
-    let (v4, v6) = (Family::V4, Family::V6);
+    let (v4, v6, raw) = (Family::V4, Family::V6, Table::Raw);
     let differs = |s: &str| State::Differs(s.to_owned());
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Nothing), (v6, false, State::Nothing)]),
+        combine(vec![(v4, raw, true, State::Nothing), (v6, raw, false, State::Nothing)]),
         Check::Missing
     );
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Matches), (v6, false, State::Nothing)]),
+        combine(vec![(v4, raw, true, State::Matches), (v6, raw, false, State::Nothing)]),
         Check::Matches
     );
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Matches), (v6, true, State::Nothing)]),
+        combine(vec![(v4, raw, true, State::Matches), (v6, raw, true, State::Nothing)]),
         Check::Differs("IPv6 raw: nothing of the agent's is installed".to_owned())
     );
     assert_eq!(
-        combine(Table::Filter, vec![(v4, true, differs("a")), (v6, true, differs("b"))]),
+        combine(vec![(v4, Table::Filter, true, differs("a")), (v6, raw, true, differs("b"))]),
         Check::Differs("a".to_owned())
     );
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Nothing), (v6, false, differs("b"))]),
+        combine(vec![(v4, raw, true, State::Nothing), (v6, raw, false, differs("b"))]),
         Check::Differs("b".to_owned())
     );
 }
@@ -486,8 +493,9 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
         "Can't lock /tmp/x.lock: Resource temporarily unavailable\n\
          Another app is currently holding the xtables lock. Stopped waiting after 1s.\n",
     );
-    let error = classify("iptables-legacy-restore", "raw", &busy, Duration::from_secs(1), SCRIPT)
-        .unwrap_err();
+    let error =
+        classify("iptables-legacy-restore", "the raw table", &busy, Duration::from_secs(1), SCRIPT)
+            .unwrap_err();
     assert!(
         matches!(error, Error::LockBusy { waited, .. } if waited == Duration::from_secs(1)),
         "{error}"
@@ -499,15 +507,20 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
         4,
         "iptables-nft-restore v1.8.9 (nf_tables): \nline 2: CHAIN_DEL failed (Device or resource busy): chain NOSUCH\n",
     );
-    let error =
-        classify("iptables-nft-restore", "raw", &busy_chain, Duration::from_secs(1), SCRIPT)
-            .unwrap_err();
+    let error = classify(
+        "iptables-nft-restore",
+        "the raw table",
+        &busy_chain,
+        Duration::from_secs(1),
+        SCRIPT,
+    )
+    .unwrap_err();
     assert!(matches!(error, Error::RestoreFailed { .. }), "{error}");
     assert!(
         error.to_string().starts_with(
             "iptables-nft-restore failed on the raw table (exit status: 4): iptables-nft-restore \
              v1.8.9 (nf_tables): line 2: CHAIN_DEL failed (Device or resource busy): chain \
-             NOSUCH (at `-X NOSUCH`); nothing was changed"
+             NOSUCH (at `-X NOSUCH`); the table it failed in was left as it was"
         ),
         "{error}"
     );
@@ -517,8 +530,14 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
         "iptables-restore v1.8.9 (legacy): Couldn't load match `foo':No such file or directory\n\n\
          Error occurred at line: 2\nTry `iptables-restore -h' or 'iptables-restore --help' for more information.\n",
     );
-    let error = classify("iptables-legacy-restore", "raw", &usage, Duration::from_secs(1), SCRIPT)
-        .unwrap_err();
+    let error = classify(
+        "iptables-legacy-restore",
+        "the raw table",
+        &usage,
+        Duration::from_secs(1),
+        SCRIPT,
+    )
+    .unwrap_err();
     let Error::RestoreFailed { stderr, at, .. } = &error else { panic!("{error}") };
     assert_eq!(
         stderr,
@@ -529,7 +548,7 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
     assert_eq!(failed_line("iptables-restore: line 3 failed", SCRIPT), Some("COMMIT"));
     assert_eq!(failed_line("iptables-restore: line 9 failed", SCRIPT), None);
     assert_eq!(failed_line("no number here", SCRIPT), None);
-    assert!(classify("x", "raw", &finished(0, "warning"), Duration::ZERO, SCRIPT).is_ok());
+    assert!(classify("x", "the raw table", &finished(0, "warning"), Duration::ZERO, SCRIPT).is_ok());
 }
 
 #[test]
@@ -546,13 +565,13 @@ fn a_missing_binary_names_the_package() {
 #[test]
 fn names_say_variant_and_table() {
     let names: Vec<&str> = [
-        (Flavour::Legacy, Table::Raw),
-        (Flavour::Nft, Table::Raw),
-        (Flavour::Legacy, Table::Filter),
-        (Flavour::Nft, Table::Filter),
+        (Flavour::Legacy, Role::Switch),
+        (Flavour::Nft, Role::Switch),
+        (Flavour::Legacy, Role::Accepts),
+        (Flavour::Nft, Role::Accepts),
     ]
     .into_iter()
-    .filter_map(|(flavour, table)| Iptables::new(flavour, table, Duration::from_secs(1)).ok())
+    .filter_map(|(flavour, role)| Iptables::new(flavour, role, Duration::from_secs(1)).ok())
     .map(|iptables| iptables.name())
     .collect();
     // On a machine without iptables the constructor fails, and there is nothing to name.
@@ -675,7 +694,7 @@ mod kernel {
     fn apply_check_tamper_repair_remove(ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
         let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         assert_eq!(ipt_raw.flavour(), flavour);
 
         // Nothing there: Missing, and remove has nothing to do (and creates no table).
@@ -786,7 +805,7 @@ mod kernel {
 
     fn filter_accepts(ns: &str, flavour: Flavour) {
         let rules = RuleSet::desired(&dual_stack(), Route::Upstream).with_accepts(&dual_stack());
-        let mut filter = Iptables::new(flavour, Table::Filter, WAIT).unwrap();
+        let mut filter = Iptables::new(flavour, Role::Accepts, WAIT).unwrap();
         assert_eq!(filter.check(&rules).unwrap(), Check::Missing);
         filter.apply(&rules).unwrap();
         assert_eq!(filter.check(&rules).unwrap(), Check::Matches);
@@ -823,7 +842,7 @@ mod kernel {
     fn the_lock(_ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
         let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         ipt_raw.apply(&local).unwrap();
 
         let lockfile = std::env::var(LOCKFILE_ENV).unwrap();
@@ -868,7 +887,7 @@ mod kernel {
 
     fn a_refused_transaction_changes_nothing(ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
-        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         ipt_raw.apply(&local).unwrap();
         let before = Family::ALL.map(|family| save(ns, flavour, family, Table::Raw));
 
@@ -887,12 +906,12 @@ mod kernel {
         let script = "*raw\n:NODELOCALDNS-HA-PREROUTING - [0:0]\n\
                       -A NODELOCALDNS-HA-PREROUTING -j ACCEPT\n\
                       -A NODELOCALDNS-HA-PREROUTING -m nosuchmatch -j ACCEPT\nCOMMIT\n";
-        let error = ipt_raw.restore(Family::V4, script).unwrap_err();
+        let error = ipt_raw.restore(Family::V4, script, &[Table::Raw]).unwrap_err();
         let Error::RestoreFailed { binary, stderr, at, .. } = &error else { panic!("{error}") };
         assert_eq!(*binary, format!("iptables-{}-restore", flavour.as_str()));
         assert!(stderr.contains("nosuchmatch"), "{error}");
         assert_eq!(at, " (at `-A NODELOCALDNS-HA-PREROUTING -m nosuchmatch -j ACCEPT`)");
-        assert!(error.to_string().contains("nothing was changed"), "{error}");
+        assert!(error.to_string().contains("the table it failed in was left as it was"), "{error}");
         assert_eq!(Family::ALL.map(|family| save(ns, flavour, family, Table::Raw)), before);
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Matches);
     }
@@ -903,7 +922,7 @@ mod kernel {
         run("ip", &["-n", ns, "link", "set", "lo", "up"]);
         run("ip", &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"]);
         let rules = RuleSet::desired(&ipv4(), Route::Local);
-        Iptables::new(flavour, Table::Raw, WAIT).unwrap().apply(&rules).unwrap();
+        Iptables::new(flavour, Role::Switch, WAIT).unwrap().apply(&rules).unwrap();
         let packets = || {
             let binary = format!("iptables-{}-save", flavour.as_str());
             let text = run("ip", &["netns", "exec", ns, &binary, "-c", "-t", "raw"]);
