@@ -565,3 +565,6 @@ pub(crate) fn fuzz_saved(text: &str, rules: &RuleSet) {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod fallback_tests;

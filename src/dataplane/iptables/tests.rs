@@ -2,7 +2,9 @@
 //! real kernel with both iptables flavours, each test in a network namespace of its own.
 //!
 //! One job, in one file past 600 lines: its fixtures (addresses, rulesets, saved tables, scripts)
-//! serve both halves, and each half reads best next to the other.
+//! serve both halves, and each half reads best next to the other. The link-local fallback chain
+//! in mangle has its own file, `fallback_tests.rs`, which shares these fixtures and the kernel
+//! harness.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
@@ -15,16 +17,16 @@ use super::*;
 use crate::ruleset::{ListenAddrs, Route};
 use crate::testutil::golden;
 
-fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
+pub(crate) fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
     let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
     ListenAddrs { local: parse(local), cluster_dns: parse(cluster_dns) }
 }
 
-fn ipv4() -> ListenAddrs {
+pub(crate) fn ipv4() -> ListenAddrs {
     addrs(&["169.254.20.10"], &["10.96.0.10"])
 }
 
-fn dual_stack() -> ListenAddrs {
+pub(crate) fn dual_stack() -> ListenAddrs {
     addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"])
 }
 
@@ -158,7 +160,7 @@ fn parser_refuses_what_it_does_not_know() {
 /// What iptables-save prints on a node that holds exactly `rules` (the rendering, which the
 /// kernel tests show is what iptables-save prints, with the built-in chains declared), plus
 /// `foreign` lines inserted before `COMMIT`.
-fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> String {
+pub(crate) fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> String {
     let mut text = match wanted(rules, table, family) {
         Some(wanted) => render_family(table, &wanted),
         None => format!("*{}\nCOMMIT\n", table.as_str()),
@@ -181,7 +183,7 @@ fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) ->
 }
 
 /// [`save_text`], parsed.
-fn saved_of(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> Saved {
+pub(crate) fn saved_of(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> Saved {
     parse_save(&save_text(rules, table, family, foreign), table.as_str()).unwrap()
 }
 
@@ -605,7 +607,7 @@ fn commands_get_their_input_and_are_killed_when_late() {
 /// Real-kernel tests, for both flavours. Each runs in a fresh network namespace: the test binary
 /// runs the one test again under `ip netns exec`, with `XTABLES_LOCKFILE` pointing at a lock
 /// file of its own, so nothing here touches the host's netfilter or its xtables lock.
-mod kernel {
+pub(crate) mod kernel {
     use std::io::ErrorKind;
     use std::time::Instant;
 
@@ -614,7 +616,7 @@ mod kernel {
     use super::*;
     use crate::testutil::{in_netns, run, test_path, LOCKFILE_ENV};
 
-    const WAIT: Duration = Duration::from_secs(1);
+    pub(crate) const WAIT: Duration = Duration::from_secs(1);
 
     /// `ip6tables` for IPv6.
     fn family_prefix(family: Family) -> &'static str {
@@ -625,13 +627,13 @@ mod kernel {
     }
 
     /// `iptables-<flavour> -w 1 <args>` in `ns` (the lock file comes from the environment).
-    fn ipt(ns: &str, flavour: Flavour, family: Family, args: &[&str]) -> String {
+    pub(crate) fn ipt(ns: &str, flavour: Flavour, family: Family, args: &[&str]) -> String {
         let binary = format!("{}-{}", family_prefix(family), flavour.as_str());
         run("ip", &[&["netns", "exec", ns, &binary, "-w", "1"], args].concat())
     }
 
     /// `iptables-<flavour>-save -t <table>` in `ns`, comments dropped.
-    fn save(ns: &str, flavour: Flavour, family: Family, table: Table) -> String {
+    pub(crate) fn save(ns: &str, flavour: Flavour, family: Family, table: Table) -> String {
         let binary = format!("{}-{}-save", family_prefix(family), flavour.as_str());
         let text = run("ip", &["netns", "exec", ns, &binary, "-t", table.as_str()]);
         text.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect()
@@ -639,7 +641,7 @@ mod kernel {
 
     /// The agent's part of a save: its chains' declarations and rules and every line that
     /// names them, between the table's header and COMMIT.
-    fn ours(save: &str) -> String {
+    pub(crate) fn ours(save: &str) -> String {
         save.lines()
             .filter(|l| l.starts_with('*') || *l == "COMMIT" || l.contains("NODELOCALDNS-HA"))
             .map(|l| format!("{l}\n"))
@@ -647,19 +649,19 @@ mod kernel {
     }
 
     /// The rules of a built-in chain, in order.
-    fn chain_rules(save: &str, chain: &str) -> Vec<String> {
+    pub(crate) fn chain_rules(save: &str, chain: &str) -> Vec<String> {
         let prefix = format!("-A {chain} ");
         save.lines().filter(|l| l.starts_with(&prefix)).map(str::to_owned).collect()
     }
 
-    fn differs(check: Check) -> String {
+    pub(crate) fn differs(check: Check) -> String {
         match check {
             Check::Differs(text) => text,
             other => panic!("expected Differs, got {other:?}"),
         }
     }
 
-    const JUMP_PREROUTING: &str =
+    pub(crate) const JUMP_PREROUTING: &str =
         "-A PREROUTING -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-PREROUTING";
     const JUMP_OUTPUT: &str =
         "-A OUTPUT -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-OUTPUT";
@@ -682,6 +684,7 @@ mod kernel {
             }
         )*};
     }
+    pub(crate) use both_flavours;
 
     both_flavours!(
         apply_check_tamper_repair_remove,
