@@ -109,20 +109,23 @@ impl Plane {
 
     /// The agent's rules as installed (counters left out), `None` when there are none.
     fn installed(self, node: &SimNode) -> Option<String> {
-        let view: String = self.by_family(node).into_iter().flatten().collect();
+        let view: String = self.by_transaction(node).into_iter().flatten().collect();
         (!view.is_empty()).then_some(view)
     }
 
-    /// The agent's rules per transaction: nftables' one inet table; for iptables, every line of
-    /// `iptables-*-save`, then of `ip6tables-*-save`, that names the agent's chains, with its
-    /// table and its position in its chain, so a jump that is no longer first shows too.
-    fn by_family(self, node: &SimNode) -> Vec<Option<String>> {
+    /// The agent's rules per transaction: nftables' one inet table; for iptables, each table of
+    /// each family (a switch is one `iptables-restore` per family, which commits table by table:
+    /// raw, then mangle), as every line of `iptables-*-save`, then of `ip6tables-*-save`, that
+    /// names the agent's chains, with its table and its position in its chain, so a jump that
+    /// is no longer first shows too.
+    fn by_transaction(self, node: &SimNode) -> Vec<Option<String>> {
+        const TABLES: [&str; 3] = ["raw", "mangle", "filter"];
         let Plane::Iptables(variant) = self else {
             return vec![node.agent_table()];
         };
         let mut views = Vec::new();
         for save in [format!("iptables-{variant}-save"), format!("ip6tables-{variant}-save")] {
-            let mut view = String::new();
+            let mut by_table: [String; 3] = Default::default();
             let out = node.run("node", &save, &[]);
             assert!(out.status.success(), "{save}: {}", describe(&out));
             let mut table = String::new();
@@ -148,9 +151,12 @@ impl Plane {
                     None => line,
                 };
                 let at = position.map_or(String::new(), |p| format!(" #{p}"));
-                view.push_str(&format!("{save} {table}{at} {line}\n"));
+                let Some(i) = TABLES.iter().position(|t| *t == table) else {
+                    panic!("{save}: the agent's rule in table {table}: {line}")
+                };
+                by_table[i].push_str(&format!("{save} {table}{at} {line}\n"));
             }
-            views.push((!view.is_empty()).then_some(view));
+            views.extend(by_table.map(|view| (!view.is_empty()).then_some(view)));
         }
         views
     }
@@ -240,7 +246,7 @@ fn kill_agent_tree(agent: &mut Agent) -> usize {
     tree.len()
 }
 
-/// Which route each transaction's rules in `seen` are (see [`Plane::by_family`]); an error
+/// Which route each transaction's rules in `seen` are (see [`Plane::by_transaction`]); an error
 /// for any that is neither. A transaction whose rules are the same in both routes (the IPv6
 /// family of a v4-only node: none) must be as it is in both and is left out.
 fn classify(
@@ -261,7 +267,7 @@ fn classify(
     Ok(routes)
 }
 
-/// The views of [`Plane::by_family`] as one text.
+/// The views of [`Plane::by_transaction`] as one text.
 fn join(views: &[Option<String>]) -> String {
     views.iter().flatten().map(String::as_str).collect()
 }
@@ -324,10 +330,11 @@ fn ms(d: Duration) -> f64 {
 /// to the other route), each cut short by SIGKILL (of the agent and any iptables process it runs)
 /// after a random delay spread around the moment the change reaches the kernel, so kills land
 /// before, during and after it. After each kill the installed rules of each transaction (the
-/// nftables table; each address family of iptables) must be exactly the Local or the Upstream
-/// ruleset's: the new one if the agent answered, or if it recorded the override (it records only
-/// after the rules are in). On a dual-stack node the iptables backends change IPv4, then IPv6: a
-/// kill between the two leaves each family whole, on different routes, and is counted. A
+/// nftables table; each table of each address family of iptables) must be exactly the Local or
+/// the Upstream ruleset's: the new one if the agent answered, or if it recorded the override (it
+/// records only after the rules are in). The iptables backends change IPv4, then IPv6, in each
+/// raw, then mangle: a kill between two of these leaves each whole, on different routes, and is
+/// counted. A
 /// restarted agent starts in the recorded override with its whole ruleset in place by the time it
 /// writes its state (it installs before it reports). A pod (IPv4 and, on a dual-stack node,
 /// IPv6) resolves throughout, with both DNS servers healthy: nothing may fail. Last, the checker
@@ -348,14 +355,14 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     }
 
     // The references, read back from the agent itself after calm flips.
-    let local = plane.by_family(&node);
+    let local = plane.by_transaction(&node);
     let mut rtts = vec![calm_flip(&agent, "upstream")];
-    let upstream = plane.by_family(&node);
+    let upstream = plane.by_transaction(&node);
     plane.check_references(&node, stack, &join(&local), &join(&upstream));
     for route in ["local", "upstream", "local", "upstream", "local"] {
         rtts.push(calm_flip(&agent, route));
         let want = if route == "local" { &local } else { &upstream };
-        assert_eq!(&plane.by_family(&node), want, "after a calm flip to {route}");
+        assert_eq!(&plane.by_transaction(&node), want, "after a calm flip to {route}");
     }
     // When the change lands after the request is learnt as the trials go: each kill falls
     // uniformly in 0..=2×edge, and edge moves 10% towards the outcome that came less often, so it
@@ -381,7 +388,7 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
         let answer = reply(&stream, Duration::from_millis(200));
         let what = format!("trial {trial}: flip to {target}, SIGKILL after {delay:?}");
 
-        let seen = plane.by_family(&node);
+        let seen = plane.by_transaction(&node);
         let routes = classify(&seen, &local, &upstream)
             .unwrap_or_else(|e| panic!("{what}: the kill left a broken ruleset: {e}"));
         let all = |route: &str| routes.iter().all(|r| *r == route);
@@ -401,7 +408,8 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
             old += 1;
             edge_us *= 1.1;
         } else {
-            // Between the two families' transactions: both whole, the change half done.
+            // Between two transactions (families, or raw and mangle): each whole, the change
+            // half done.
             split += 1;
         }
         edge_us = edge_us.clamp(20.0, 100_000.0);
@@ -415,7 +423,7 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
         assert_eq!(st["route"], recorded.as_str(), "{what}: restarted agent: {st}");
         let want = if recorded == "local" { &local } else { &upstream };
         assert_eq!(
-            &plane.by_family(&node),
+            &plane.by_transaction(&node),
             want,
             "{what}: the restarted agent wrote its state before its ruleset was in: {st}"
         );
@@ -424,7 +432,7 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     let took = started.elapsed();
     let worst = |v: &[Duration]| ms(*v.iter().max().unwrap());
     println!(
-        "{trials} trials in {:.1} s: SIGKILL {:.2}..{:.2} ms after the request (median {:.2}; the change lands about {:.2} ms after it); the old ruleset left {old} times, the new {new} times, the families on different routes {split} times ({answered} answered before the kill; {children} processes of the agent's killed with it)",
+        "{trials} trials in {:.1} s: SIGKILL {:.2}..{:.2} ms after the request (median {:.2}; the change lands about {:.2} ms after it); the old ruleset left {old} times, the new {new} times, the transactions on different routes {split} times ({answered} answered before the kill; {children} processes of the agent's killed with it)",
         took.as_secs_f64(),
         ms(*delays.iter().min().unwrap()),
         worst(&delays),
@@ -438,10 +446,10 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     );
     // The kills fell on both sides of the change, so the ones in between were tried too.
     assert!(old > 0 && new > 0, "the kills all fell on one side: old {old}, new {new}");
-    if by_family_transactions(plane, stack) {
-        assert!(split > 0, "no kill fell between the two families' transactions");
+    if several_transactions(plane) {
+        assert!(split > 0, "no kill fell between two transactions");
     } else {
-        assert_eq!(split, 0, "one transaction, yet the families were left on different routes");
+        assert_eq!(split, 0, "one transaction, yet parts of it were left on different routes");
     }
 
     // The checker sees a half-applied change: Upstream plus one of Local's rules.
@@ -450,12 +458,16 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     }
     kill_agent_tree(&mut agent);
     plane.mix(&node);
-    let mixed = plane.by_family(&node);
+    let mixed = plane.by_transaction(&node);
     let verdict = classify(&mixed, &local, &upstream);
     assert!(verdict.is_err(), "the checker took a mixed ruleset for {verdict:?}: {mixed:?}");
     drop(agent);
     let _agent = node.agent_starting_for(local_ip, cluster_dns_ip, upstream_ip, &flags);
-    assert_eq!(plane.by_family(&node), upstream, "the mixed ruleset was not replaced at start");
+    assert_eq!(
+        plane.by_transaction(&node),
+        upstream,
+        "the mixed ruleset was not replaced at start"
+    );
 
     for (family, load) in loads {
         let summary = load.interrupt();
@@ -467,9 +479,9 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     }
 }
 
-/// Whether a route change is more than one transaction: iptables' per family on a dual-stack node.
-fn by_family_transactions(plane: Plane, stack: Stack) -> bool {
-    matches!(plane, Plane::Iptables(_)) && stack == Stack::Dual
+/// Whether a route change is more than one transaction: iptables' raw and mangle, in each family.
+fn several_transactions(plane: Plane) -> bool {
+    matches!(plane, Plane::Iptables(_))
 }
 
 /// Issue 6, item 1: 200 SIGKILLs in the middle of flips on nftables.
@@ -479,7 +491,7 @@ fn agent_sigkill_mid_change_leaves_old_or_new_ruleset() {
 }
 
 /// Issue 6, item 1 on iptables-nft (kube-proxy iptables-nft), dual-stack: one transaction per
-/// family.
+/// table and family.
 #[test]
 fn agent_sigkill_mid_change_leaves_old_or_new_ruleset_iptables_nft() {
     sigkill_mid_change(Plane::Iptables("nft"), Stack::Dual, 60);

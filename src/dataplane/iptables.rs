@@ -1,26 +1,47 @@
-//! iptables backend: installs a [`RuleSet`] in the raw table (its NOTRACK chains) or the filter
-//! table (its ACCEPTs) with `iptables-restore`, for nodes whose kube-proxy uses iptables.
+//! iptables backend: installs a [`RuleSet`] with `iptables-restore`, for nodes whose kube-proxy
+//! uses iptables. The switching backend ([`Role::Switch`]) writes the raw table (its NOTRACK
+//! chains) and the mangle table (the link-local fallback); an ACCEPT backend ([`Role::Accepts`])
+//! writes the filter table.
 //!
-//! The agent owns two chains per table, each reached by one jump at the top of a built-in
+//! The agent owns its chains in each table, each reached by one jump at the top of a built-in
 //! chain: raw `PREROUTING` → `NODELOCALDNS-HA-PREROUTING` and `OUTPUT` →
-//! `NODELOCALDNS-HA-OUTPUT`; filter `INPUT` → `NODELOCALDNS-HA-INPUT` and `OUTPUT` →
-//! `NODELOCALDNS-HA-OUTPUT`. The jumps carry the comment `nodelocaldns-ha`.
+//! `NODELOCALDNS-HA-OUTPUT`; mangle `PREROUTING` → `NODELOCALDNS-HA-FALLBACK`; filter `INPUT` →
+//! `NODELOCALDNS-HA-INPUT` and `OUTPUT` → `NODELOCALDNS-HA-OUTPUT`. The jumps carry the comment
+//! `nodelocaldns-ha`. (Chain names are per table in both flavours, iptables-nft's tables being
+//! nftables tables of their own; the fallback's is named for what it is, not for its hook.)
 //!
-//! * [`Iptables::apply`] reads the table with `iptables-save -t <table>`, then runs **one**
-//!   `iptables-restore --noflush` transaction per address family: it declares the agent's
-//!   chains (which creates or flushes them), appends their rules, and, unless the jump is
-//!   already the first rule and the only one, deletes every copy of the jump and inserts it at
-//!   position 1, in the same transaction. So the jump is exactly once and first, atomically with
-//!   the chain contents; there is no per-rule `-C`/`-I` loop (node-cache's duplicate rules,
-//!   kubernetes/dns #568). A family the ruleset has no rules for is cleaned of the agent's
-//!   objects. Then the table is read back.
+//! * [`Iptables::apply`] reads each of its tables with `iptables-save -t <table>`, then runs
+//!   **one** `iptables-restore --noflush` per address family holding a `*<table> … COMMIT`
+//!   section per table: it declares the agent's chains (which creates or flushes them), appends
+//!   their rules, and, unless the jump is already the first rule and the only one, deletes every
+//!   copy of the jump and inserts it at position 1, in the same section. So the jump is exactly
+//!   once and first, atomically with the chain contents; there is no per-rule `-C`/`-I` loop
+//!   (node-cache's duplicate rules, kubernetes/dns #568). A family (or table) the ruleset has no
+//!   rules for is cleaned of the agent's objects. Then the tables are read back.
 //! * [`Iptables::check`] parses `iptables-save -t <table>` and compares text lines: the rules are
 //!   written exactly in the form `iptables-save` prints them ([`render`] shows them).
 //! * [`Iptables::remove`] deletes every jump to the agent's chains, then flushes and deletes the
-//!   chains, in one transaction per family; nothing runs when nothing is there.
+//!   chains, in one `iptables-restore` per family; nothing runs when nothing is there.
 //!
-//! Transactions are atomic per address family (IPv4 and IPv6 are separate tables to iptables):
-//! after a failure between the two, the next apply finishes the job.
+//! A section is atomic; a script of several is not. Both iptables-legacy-restore and
+//! iptables-nft-restore (1.8.9) commit at each `COMMIT`, in order, and stop at the first section
+//! that fails, leaving the ones before it committed (measured: a raw section and then a mangle
+//! section with an unknown match leave the raw one in, in both flavours). IPv4 and IPv6 are
+//! separate programs. So the switching backend orders its sections so that every prefix of a
+//! script is a state the node can live on:
+//!
+//! * apply: raw, then mangle. A route switch changes both (the cluster-DNS NOTRACK in raw, the
+//!   fallback's socket guard in mangle); raw first means a mangle section the kernel refuses
+//!   (no xt_TPROXY) never holds back the cluster-DNS failover, and either half alone is safe:
+//!   the link-local IP reaches the cache or the forwarder in both of its routes.
+//! * remove: mangle, then raw. The fallback TPROXYs to the agent's forwarder, which goes with
+//!   the agent; raw's NOTRACK without it is node-cache's own setup.
+//!
+//! One program for both tables is one child process, not two, in the way of a switch; it does
+//! not make them one transaction: iptables-legacy-restore takes the xtables lock at each
+//! `*<table>` and releases it at its `COMMIT` (iptables 1.8), so another writer may get in
+//! between, and a lock wait that runs out at mangle leaves raw changed. Whatever stopped a
+//! script, the read-back says what is in, and the next apply finishes the job.
 //!
 //! iptables-legacy serialises writers with the xtables lock (`/run/xtables.lock`, or the file
 //! named by `XTABLES_LOCKFILE`, which is passed through). `iptables-legacy-restore` waits for it
@@ -35,6 +56,7 @@
 mod command;
 mod error;
 mod flavour;
+mod table;
 mod text;
 
 use std::path::{Path, PathBuf};
@@ -44,58 +66,19 @@ use std::time::Duration;
 use super::{Check, Dataplane, TableRef};
 use crate::ruleset::RuleSet;
 use command::{Finished, RunError};
-use text::{Family, Hooked, Saved, State};
+use table::{describe, Family};
+use text::{Saved, State};
 
 pub use error::Error;
 use error::{classify, summary};
 pub use flavour::{Flavour, Tool};
+pub use table::{Role, Table};
 pub use text::ParseError;
 
 /// Where the binaries are looked for after `PATH` (a service's `PATH` may lack the sbin dirs).
 const FALLBACK_DIRS: [&str; 3] = ["/usr/sbin", "/sbin", "/usr/local/sbin"];
 /// How much longer than the lock wait a child process may run before it is killed.
 const KILL_GRACE: Duration = Duration::from_secs(2);
-
-/// Which table a backend writes, and so which part of the [`RuleSet`] it installs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Table {
-    /// The NOTRACK chains ([`RuleSet::chains`]).
-    Raw,
-    /// The ACCEPTs ([`RuleSet::accepts`]).
-    Filter,
-}
-
-impl Table {
-    /// The table's name, as after `-t`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Table::Raw => "raw",
-            Table::Filter => "filter",
-        }
-    }
-
-    /// The nftables tables iptables-nft keeps this table in: one per family, of the same name
-    /// (`ip raw` and `ip6 raw`, …).
-    pub fn nft_tables(self) -> Vec<TableRef> {
-        let name = self.as_str();
-        Family::ALL.map(|f| TableRef { family: f.nfproto(), name: name.to_owned() }).into()
-    }
-
-    /// The built-in chains the agent jumps from, and its chains: the first for
-    /// prerouting/input, the second for output.
-    fn hooks(self) -> [Hooked; 2] {
-        match self {
-            Table::Raw => [
-                Hooked { builtin: "PREROUTING", own: "NODELOCALDNS-HA-PREROUTING" },
-                Hooked { builtin: "OUTPUT", own: "NODELOCALDNS-HA-OUTPUT" },
-            ],
-            Table::Filter => [
-                Hooked { builtin: "INPUT", own: "NODELOCALDNS-HA-INPUT" },
-                Hooked { builtin: "OUTPUT", own: "NODELOCALDNS-HA-OUTPUT" },
-            ],
-        }
-    }
-}
 
 /// The binaries for one address family.
 #[derive(Clone, Debug)]
@@ -113,24 +96,25 @@ struct Binary {
     path: PathBuf,
 }
 
-/// The iptables dataplane: owns the agent's chains of one table, in IPv4 and IPv6.
+/// The iptables dataplane: owns the agent's chains of its [`Role`]'s tables, in IPv4 and IPv6.
 #[derive(Clone, Debug)]
 pub struct Iptables {
     flavour: Flavour,
-    table: Table,
+    role: Role,
     /// `-w` for `iptables-legacy-restore`: whole seconds, at least 1.
     lock_wait_secs: u64,
     /// Indexed like [`Family::ALL`].
     binaries: [Binaries; 2],
-    /// What this backend's last apply found in each family when it read back (indexed like
-    /// [`Family::ALL`]): lets the next apply go straight to its transaction.
-    verified: [Verified; 2],
+    /// What this backend's last apply found in each family and table when it read back
+    /// (indexed like [`Family::ALL`], then [`Table::ALL`]): lets the next apply go straight to
+    /// its transaction.
+    verified: [[Verified; 3]; 2],
     /// The families the kernel has: IPv4, and IPv6 unless it was booted with
     /// `ipv6.disable=1` (then `ip6tables-*` fail, and there is nothing of ours to find there).
     families: Vec<Family>,
 }
 
-/// What an apply's read-back found in one family.
+/// What an apply's read-back found in one family's table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Verified {
     /// Not read back yet, or not as wanted.
@@ -141,10 +125,14 @@ enum Verified {
     Empty,
 }
 
+/// One family's table as read back: `(family, table, wanted, state)`, `wanted` saying whether
+/// the ruleset has rules there.
+type TableState = (Family, Table, bool, State);
+
 impl Iptables {
-    /// A backend for `table` through `flavour`'s binaries, which must be installed. It waits at
+    /// A backend for `role` through `flavour`'s binaries, which must be installed. It waits at
     /// most `lock_wait` (rounded up to whole seconds, at least 1) for the xtables lock.
-    pub fn new(flavour: Flavour, table: Table, lock_wait: Duration) -> Result<Self, Error> {
+    pub fn new(flavour: Flavour, role: Role, lock_wait: Duration) -> Result<Self, Error> {
         let dirs = search_dirs();
         let find = |family, tool| find_binary(flavour.binary(family, tool), &dirs);
         let binaries = |family| -> Result<Binaries, Error> {
@@ -159,10 +147,10 @@ impl Iptables {
         };
         Ok(Iptables {
             flavour,
-            table,
+            role,
             lock_wait_secs: lock_wait_secs(lock_wait),
             binaries: [binaries(Family::V4)?, binaries(Family::V6)?],
-            verified: [Verified::Unknown; 2],
+            verified: [[Verified::Unknown; 3]; 2],
             families: kernel_families(),
         })
     }
@@ -172,13 +160,17 @@ impl Iptables {
         self.flavour
     }
 
-    /// The table it writes.
-    pub fn table(&self) -> Table {
-        self.table
+    /// The share of the ruleset it installs.
+    pub fn role(&self) -> Role {
+        self.role
     }
 
     fn binaries(&self, family: Family) -> &Binaries {
         &self.binaries[family.index()]
+    }
+
+    fn verified(&self, family: Family, table: Table) -> Verified {
+        self.verified[family.index()][table.index()]
     }
 
     /// How long a child process may run.
@@ -186,64 +178,65 @@ impl Iptables {
         Duration::from_secs(self.lock_wait_secs) + KILL_GRACE
     }
 
-    /// What the agent's objects of `family` are compared with: its chains and the built-in
-    /// chains that jump to them. iptables-legacy: `iptables-legacy-save -t <table>` (the kernel
-    /// hands out that table alone). iptables-nft: `iptables-nft -t <table> -S <chain>` for each
-    /// of the four chains, which fetches only that chain's rules; `iptables-nft-save -t <table>`
-    /// (and `-S` without a chain) fetch every table's chains of the family, about 0.3 s with
-    /// kube-proxy's 50,000 nat rules instead of a few ms. So a read-back costs the same on
-    /// every node; a jump to the agent's chains from another user chain goes unseen (only
-    /// [`Iptables::remove`] looks for those, with a whole save).
-    fn read(&self, family: Family) -> Result<Saved, Error> {
+    /// What the agent's objects of `family` in `table` are compared with: its chains and the
+    /// built-in chains that jump to them. iptables-legacy: `iptables-legacy-save -t <table>`
+    /// (the kernel hands out that table alone). iptables-nft: `iptables-nft -t <table> -S
+    /// <chain>` for each of those chains, which fetches only that chain's rules;
+    /// `iptables-nft-save -t <table>` (and `-S` without a chain) fetch every table's chains of
+    /// the family, about 0.3 s with kube-proxy's 50,000 nat rules instead of a few ms. So a
+    /// read-back costs the same on every node; a jump to the agent's chains from another user
+    /// chain goes unseen (only [`Iptables::remove`] looks for those, with a whole save).
+    fn read(&self, family: Family, table: Table) -> Result<Saved, Error> {
         let Some(list) = &self.binaries(family).list else {
-            return self.save(family);
+            return self.save(family, table);
         };
-        let table = self.table.as_str();
+        let name = table.as_str();
         let mut listed = String::new();
-        for hooked in self.table.hooks() {
+        for hooked in table.hooks() {
             for chain in [hooked.builtin, hooked.own] {
-                let done = self.run(list, &["-t", table, "-S", chain], None)?;
+                let done = self.run(list, &["-t", name, "-S", chain], None, describe(&[table]))?;
                 if done.status.success() {
                     listed.push_str(&done.stdout);
                 } else if !(chain == hooked.own && text::no_such_chain(&done.stderr, chain)) {
                     return Err(Error::SaveFailed {
                         binary: list.name,
-                        table,
+                        table: name,
                         status: done.status,
                         stderr: summary(&done.stderr),
                     });
                 }
             }
         }
-        text::parse_listing(&listed, table).map_err(|source| Error::Unparsable {
+        text::parse_listing(&listed, name).map_err(|source| Error::Unparsable {
             binary: list.name,
-            table,
+            table: name,
             source,
         })
     }
 
     /// `iptables-save -t <table>` for `family`, parsed.
-    fn save(&self, family: Family) -> Result<Saved, Error> {
+    fn save(&self, family: Family, table: Table) -> Result<Saved, Error> {
         let binary = &self.binaries(family).save;
-        let table = self.table.as_str();
-        let done = self.run(binary, &["-t", table], None)?;
+        let name = table.as_str();
+        let done = self.run(binary, &["-t", name], None, describe(&[table]))?;
         if !done.status.success() {
             return Err(Error::SaveFailed {
                 binary: binary.name,
-                table,
+                table: name,
                 status: done.status,
                 stderr: summary(&done.stderr),
             });
         }
-        text::parse_save(&done.stdout, table).map_err(|source| Error::Unparsable {
+        text::parse_save(&done.stdout, name).map_err(|source| Error::Unparsable {
             binary: binary.name,
-            table,
+            table: name,
             source,
         })
     }
 
-    /// Runs `script` as one `iptables-restore --noflush` transaction for `family`.
-    fn restore(&self, family: Family, script: &str) -> Result<(), Error> {
+    /// Runs `script`, whose sections change `tables`, as one `iptables-restore --noflush` for
+    /// `family`.
+    fn restore(&self, family: Family, script: &str, tables: &[Table]) -> Result<(), Error> {
         let binary = &self.binaries(family).restore;
         let wait = self.lock_wait_secs.to_string();
         let mut args = vec!["--noflush"];
@@ -252,103 +245,130 @@ impl Iptables {
         if self.flavour == Flavour::Legacy {
             args.extend(["-w", wait.as_str()]);
         }
-        let done = self.run(binary, &args, Some(script))?;
-        classify(
-            binary.name,
-            self.table.as_str(),
-            &done,
-            Duration::from_secs(self.lock_wait_secs),
-            script,
-        )
+        let tables = describe(tables);
+        let done = self.run(binary, &args, Some(script), tables)?;
+        classify(binary.name, tables, &done, Duration::from_secs(self.lock_wait_secs), script)
     }
 
-    fn run(&self, binary: &Binary, args: &[&str], input: Option<&str>) -> Result<Finished, Error> {
+    /// Runs `binary`, which works on `tables` (in words, for a timeout's message).
+    fn run(
+        &self,
+        binary: &Binary,
+        args: &[&str],
+        input: Option<&str>,
+        tables: &'static str,
+    ) -> Result<Finished, Error> {
         let limit = self.limit();
         command::run(&binary.path, args, input, limit).map_err(|error| match error {
             RunError::Io(source) => Error::Spawn { binary: binary.name, source },
-            RunError::TimedOut => {
-                Error::Timeout { binary: binary.name, table: self.table.as_str(), limit }
-            }
+            RunError::TimedOut => Error::Timeout { binary: binary.name, tables, limit },
         })
     }
 
-    /// Brings `family` to `rules`: its share installed, or nothing of the agent's when the
-    /// ruleset has no rules of that family. Runs no transaction when it already is.
+    /// Brings `family` to `rules`: each table its share installed, or nothing of the agent's
+    /// where the ruleset has no rules. One `iptables-restore` for all of the family's tables,
+    /// none when they already are.
     ///
-    /// With `trusting`, when the last read-back found the family as wanted (the jumps in place,
-    /// or nothing there) it reads nothing first: it only refills the agent's chains (or does
-    /// nothing), so a switch is one `iptables-restore` whatever the node holds. The read-back
-    /// after it tells whether that was enough. Returns whether it trusted.
+    /// With `trusting`, a table whose last read-back found it as wanted (the jumps in place, or
+    /// nothing there) is not read first: its chains are only refilled (or it is left alone),
+    /// so a switch is one `iptables-restore` whatever the node holds. The read-back after it
+    /// tells whether that was enough. Returns whether it trusted any table.
     fn apply_family(&self, family: Family, rules: &RuleSet, trusting: bool) -> Result<bool, Error> {
-        let wanted = text::wanted(rules, self.table, family);
-        if trusting {
-            match (&wanted, self.verified[family.index()]) {
-                (Some(wanted), Verified::Placed) => {
-                    self.restore(family, &text::fill_script(self.table, wanted))?;
-                    return Ok(true);
+        let mut script = String::new();
+        let mut changed = Vec::new();
+        let mut trusted = false;
+        for &table in self.role.tables() {
+            let wanted = text::wanted(rules, table, family);
+            let section = match (trusting, &wanted, self.verified(family, table)) {
+                (true, Some(wanted), Verified::Placed) => {
+                    trusted = true;
+                    Some(text::fill_script(table, wanted))
                 }
-                (None, Verified::Empty) => return Ok(true),
-                _ => {}
+                (true, None, Verified::Empty) => {
+                    trusted = true;
+                    None
+                }
+                _ => self.section(family, table, wanted.as_ref())?,
+            };
+            if let Some(section) = section {
+                script.push_str(&section);
+                changed.push(table);
             }
         }
-        self.apply_family_read(family, rules)?;
-        Ok(false)
+        if !script.is_empty() {
+            self.restore(family, &script, &changed)?;
+        }
+        Ok(trusted)
     }
 
-    /// [`Iptables::apply_family`], reading the family first.
-    fn apply_family_read(&self, family: Family, rules: &RuleSet) -> Result<(), Error> {
-        let saved = self.read(family)?;
-        let script = match text::wanted(rules, self.table, family) {
-            None => text::remove_script(self.table, &saved),
-            Some(wanted) => match text::compare(self.table, family, &saved, Some(&wanted)) {
+    /// The restore section that brings `family`'s `table` to `wanted`, having read it; `None`
+    /// when it already is.
+    fn section(
+        &self,
+        family: Family,
+        table: Table,
+        wanted: Option<&text::Wanted>,
+    ) -> Result<Option<String>, Error> {
+        let saved = self.read(family, table)?;
+        Ok(match wanted {
+            None => text::remove_script(table, &saved),
+            Some(wanted) => match text::compare(table, family, &saved, Some(wanted)) {
                 State::Matches => None,
                 State::Nothing | State::Differs(_) => {
-                    Some(text::apply_script(self.table, &saved, &wanted))
+                    Some(text::apply_script(table, &saved, wanted))
                 }
             },
-        };
-        match script {
-            Some(script) => self.restore(family, &script),
-            None => Ok(()),
-        }
+        })
     }
 
-    fn check_families(&self, rules: &RuleSet) -> Result<Check, Error> {
-        self.check_some(rules, |_| true)
+    /// Reads back the family's tables `read` picks; the others count as holding their share
+    /// (or nothing, when they have none), as at the last read-back.
+    fn check_some(
+        &self,
+        rules: &RuleSet,
+        read: impl Fn(Family, Table) -> bool,
+    ) -> Result<Check, Error> {
+        Ok(text::combine(self.states(rules, read)?))
     }
 
-    /// Reads back the families `read` picks; the others count as holding their share (or
-    /// nothing, when they have none), as at the last read-back.
-    fn check_some(&self, rules: &RuleSet, read: impl Fn(Family) -> bool) -> Result<Check, Error> {
-        Ok(text::combine(self.table, self.states(rules, read)?))
-    }
-
-    /// Each family's state (`(family, wanted, state)`), read back where `read` says.
+    /// Each family's tables' states, read back where `read` says.
     fn states(
         &self,
         rules: &RuleSet,
-        read: impl Fn(Family) -> bool,
-    ) -> Result<Vec<(Family, bool, State)>, Error> {
+        read: impl Fn(Family, Table) -> bool,
+    ) -> Result<Vec<TableState>, Error> {
         let mut states = Vec::new();
         for &family in &self.families {
-            let wanted = text::wanted(rules, self.table, family);
-            let state = if read(family) {
-                let saved = self.read(family)?;
-                text::compare(self.table, family, &saved, wanted.as_ref())
-            } else if wanted.is_some() {
-                State::Matches
-            } else {
-                State::Nothing
-            };
-            states.push((family, wanted.is_some(), state));
+            for &table in self.role.tables() {
+                let wanted = text::wanted(rules, table, family);
+                let state = if read(family, table) {
+                    let saved = self.read(family, table)?;
+                    text::compare(table, family, &saved, wanted.as_ref())
+                } else if wanted.is_some() {
+                    State::Matches
+                } else {
+                    State::Nothing
+                };
+                states.push((family, table, wanted.is_some(), state));
+            }
         }
         Ok(states)
     }
 
+    /// Every family's tables emptied of the agent's objects, the tables in reverse order of
+    /// [`Role::tables`], one `iptables-restore` per family.
     fn remove_families(&self) -> Result<(), Error> {
         for &family in &self.families {
-            if let Some(script) = text::remove_script(self.table, &self.save(family)?) {
-                self.restore(family, &script)?;
+            let mut script = String::new();
+            let mut changed = Vec::new();
+            for &table in self.role.tables().iter().rev() {
+                if let Some(section) = text::remove_script(table, &self.save(family, table)?) {
+                    script.push_str(&section);
+                    changed.push(table);
+                }
+            }
+            if !script.is_empty() {
+                self.restore(family, &script, &changed)?;
             }
         }
         Ok(())
@@ -357,16 +377,18 @@ impl Iptables {
 
 impl Dataplane for Iptables {
     fn name(&self) -> &'static str {
-        self.flavour.backend_name(self.table)
+        self.flavour.backend_name(self.role)
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
-        if let Some(comment) = text::unstorable_comment(rules, self.table) {
+        let tables = self.role.tables();
+        if let Some(comment) = tables.iter().find_map(|&t| text::unstorable_comment(rules, t)) {
             return Err(Error::Comment(comment.to_owned()).into());
         }
-        if let Some(&missing) = Family::ALL
-            .iter()
-            .find(|f| !self.families.contains(f) && text::wanted(rules, self.table, **f).is_some())
+        let wants =
+            |family: Family| tables.iter().any(|&t| text::wanted(rules, t, family).is_some());
+        if let Some(&missing) =
+            Family::ALL.iter().find(|f| !self.families.contains(f) && wants(**f))
         {
             return Err(Error::FamilyMissing { family: missing.label() }.into());
         }
@@ -375,9 +397,9 @@ impl Dataplane for Iptables {
         for &family in &families {
             trusted |= self.apply_family(family, rules, true)?;
         }
-        let mut states = self.states(rules, |_| true)?;
-        let as_wanted = |states: &[(Family, bool, State)]| {
-            states.iter().all(|(_, wanted, state)| {
+        let mut states = self.states(rules, |_, _| true)?;
+        let as_wanted = |states: &[TableState]| {
+            states.iter().all(|(_, _, wanted, state)| {
                 *state == if *wanted { State::Matches } else { State::Nothing }
             })
         };
@@ -386,36 +408,33 @@ impl Dataplane for Iptables {
             for &family in &families {
                 self.apply_family(family, rules, false)?;
             }
-            states = self.states(rules, |_| true)?;
+            states = self.states(rules, |_, _| true)?;
         }
-        for (family, wanted, state) in &states {
-            self.verified[family.index()] = match (wanted, state) {
+        for (family, table, wanted, state) in &states {
+            self.verified[family.index()][table.index()] = match (wanted, state) {
                 (true, State::Matches) => Verified::Placed,
                 (false, State::Nothing) => Verified::Empty,
                 _ => Verified::Unknown,
             };
         }
-        let wants_any = Family::ALL.iter().any(|&f| text::wanted(rules, self.table, f).is_some());
-        match text::combine(self.table, states) {
+        let wants_any = Family::ALL.iter().any(|&f| wants(f));
+        match text::combine(states) {
             Check::Matches => Ok(()),
             Check::Missing if !wants_any => Ok(()),
-            Check::Missing => Err(Error::NotApplied {
-                table: self.table.as_str(),
-                difference: "nothing of the agent's is there".to_owned(),
+            Check::Missing => {
+                Err(Error::NotApplied { difference: "nothing of the agent's is there".to_owned() }
+                    .into())
             }
-            .into()),
-            Check::Differs(difference) => {
-                Err(Error::NotApplied { table: self.table.as_str(), difference }.into())
-            }
+            Check::Differs(difference) => Err(Error::NotApplied { difference }.into()),
         }
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, super::Error> {
-        Ok(self.check_families(rules)?)
+        Ok(self.check_some(rules, |_, _| true)?)
     }
 
-    /// iptables-nft: the families whose table was announced changed (kube-proxy's filter
-    /// churn in IPv4 costs no IPv6 read-back). iptables-legacy announces nothing: all.
+    /// iptables-nft: the families' tables announced changed (kube-proxy's filter churn in IPv4
+    /// costs no IPv6 read-back, and no mangle one). iptables-legacy announces nothing: all.
     fn check_changed(
         &mut self,
         rules: &RuleSet,
@@ -424,16 +443,15 @@ impl Dataplane for Iptables {
         if self.flavour == Flavour::Legacy {
             return self.check(rules);
         }
-        let table = self.table.as_str();
-        let announced = |family: Family| {
-            changed.iter().any(|t| t.family == family.nfproto() && t.name == table)
+        let announced = |family: Family, table: Table| {
+            changed.iter().any(|t| t.family == family.nfproto() && t.name == table.as_str())
         };
         Ok(self.check_some(rules, announced)?)
     }
 
     /// iptables-legacy's tables announce nothing.
     fn announced_tables(&self) -> Option<Vec<TableRef>> {
-        (self.flavour == Flavour::Nft).then(|| self.table.nft_tables())
+        (self.flavour == Flavour::Nft).then(|| self.role.nft_tables())
     }
 
     fn remove(&mut self) -> Result<(), super::Error> {
@@ -446,13 +464,13 @@ impl Dataplane for Iptables {
     }
 
     fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {
-        if self.table != Table::Raw {
+        if self.role != Role::Switch {
             return Ok(None);
         }
         let mut total = 0;
         for &family in &self.families {
             let binary = &self.binaries(family).save;
-            let done = self.run(binary, &["-c", "-t", "raw"], None)?;
+            let done = self.run(binary, &["-c", "-t", "raw"], None, describe(&[Table::Raw]))?;
             if !done.status.success() {
                 return Err(Error::SaveFailed {
                     binary: binary.name,
@@ -467,7 +485,6 @@ impl Dataplane for Iptables {
         Ok(Some(total))
     }
 }
-
 /// Whether this kernel has IPv6 at all: not on one booted with `ipv6.disable=1`, where every
 /// `ip6tables-*` command fails. A family the kernel lacks is absent, not an error.
 pub fn kernel_has_ipv6() -> bool {
@@ -511,18 +528,23 @@ fn lock_wait_secs(wait: Duration) -> u64 {
     secs.max(1)
 }
 
-/// The agent's share of `rules` for `table`, as `iptables-save -t <table>` prints it on a node
-/// with nothing else in the table: the agent's chains, the jumps, the rules; one section per
-/// address family with rules. This is what `apply` installs and `check` compares with.
-pub fn render(rules: &RuleSet, table: Table) -> String {
-    let mut text = String::new();
+/// The agent's share of `rules` for `role`, as `iptables-save -t <table>` prints each of its
+/// tables on a node with nothing else in them: the agent's chains, the jumps, the rules; one
+/// section per address family with rules. This is what `apply` installs and `check` compares
+/// with.
+pub fn render(rules: &RuleSet, role: Role) -> String {
+    let mut out = String::new();
     for family in Family::ALL {
-        if let Some(wanted) = text::wanted(rules, table, family) {
-            text.push_str(&format!("# {} ({}tables)\n", family.label(), family.prefix()));
-            text.push_str(&text::render_family(table, &wanted));
+        let shares =
+            role.tables().iter().filter_map(|&t| Some((t, text::wanted(rules, t, family)?)));
+        for (i, (table, wanted)) in shares.enumerate() {
+            if i == 0 {
+                out.push_str(&format!("# {} ({}tables)\n", family.label(), family.prefix()));
+            }
+            out.push_str(&text::render_family(table, &wanted));
         }
     }
-    text
+    out
 }
 
 /// For the fuzz targets: `text` read as `iptables-save -t <table>` output and compared with both
@@ -530,7 +552,7 @@ pub fn render(rules: &RuleSet, table: Table) -> String {
 /// keep every declared chain.
 #[cfg(fuzzing)]
 pub(crate) fn fuzz_saved(text: &str, rules: &RuleSet) {
-    for table in [Table::Raw, Table::Filter] {
+    for table in Table::ALL {
         let Ok(saved) = text::parse_save(text, table.as_str()) else { continue };
         let declared = text.lines().filter(|l| l.starts_with(':')).count();
         assert!(saved.chains.len() <= declared, "more chains than declarations");
@@ -543,3 +565,6 @@ pub(crate) fn fuzz_saved(text: &str, rules: &RuleSet) {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod fallback_tests;

@@ -16,8 +16,9 @@ use std::time::Duration;
 use crate::ruleset::{ListenAddrs, Route, RuleSet};
 
 /// How often a ruleset whose changes the kernel announces is checked all the same. Reading
-/// iptables-nft back runs child processes (`iptables-nft -S <chain>`: 4 per table and family,
-/// a few ms each): too much for every tick, when announcements say when to.
+/// iptables-nft back runs child processes (`iptables-nft -S <chain>`: two per chain of the
+/// agent's, in each table and family, a few ms each): too much for every tick, when
+/// announcements say when to.
 pub const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 
 /// What a dataplane failed to do.

@@ -8,7 +8,7 @@ use nodelocaldns_ha::agent;
 use nodelocaldns_ha::cli::{DataplaneKind, ListenArgs};
 use nodelocaldns_ha::config;
 use nodelocaldns_ha::dataplane;
-use nodelocaldns_ha::dataplane::iptables::{Flavour, Iptables, Table};
+use nodelocaldns_ha::dataplane::iptables::{Flavour, Iptables, Role};
 use nodelocaldns_ha::dataplane::{nftables::Nftables, Dataplane, Layered};
 use nodelocaldns_ha::detect::{self, Backend};
 use nodelocaldns_ha::ruleset::ListenAddrs;
@@ -26,10 +26,10 @@ pub(crate) fn nftables() -> Result<Nftables, Failure> {
 
 pub(crate) fn iptables(
     flavour: Flavour,
-    table: Table,
+    role: Role,
     wait: Duration,
 ) -> Result<Box<dyn Dataplane>, Failure> {
-    let backend = Iptables::new(flavour, table, wait);
+    let backend = Iptables::new(flavour, role, wait);
     Ok(Box::new(backend.map_err(|e| Failure::runtime(with_causes(&e)))?))
 }
 
@@ -57,12 +57,12 @@ pub(crate) fn open_dataplane(
     };
     let switch: Box<dyn Dataplane> = match backend {
         Backend::Nftables => Box::new(nft),
-        Backend::Iptables(flavour) => iptables(flavour, Table::Raw, wait)?,
+        Backend::Iptables(flavour) => iptables(flavour, Role::Switch, wait)?,
     };
     let accepts = found
         .accepts_in
         .iter()
-        .map(|&flavour| iptables(flavour, Table::Filter, wait))
+        .map(|&flavour| iptables(flavour, Role::Accepts, wait))
         .collect::<Result<Vec<_>, _>>()?;
     let accepts_in = found.accepts_in.iter().map(ToString::to_string).collect();
     Ok((Layered::new(switch, accepts), agent::Notes { why, accepts_in }))
@@ -107,7 +107,7 @@ pub(crate) fn leftovers(
 /// installed, that needs CAP_NET_RAW: checked before anything is removed, so a teardown never
 /// stops half-way for a missing privilege.
 pub(crate) fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
-    if Iptables::new(Flavour::Legacy, Table::Raw, wait).is_ok() {
+    if Iptables::new(Flavour::Legacy, Role::Switch, wait).is_ok() {
         require_capability(
             13,
             "CAP_NET_RAW",
@@ -118,13 +118,14 @@ pub(crate) fn every_dataplane(wait: Duration) -> Result<Layered, Failure> {
     Ok(Layered::new(Box::new(nftables()?), iptables_parts(wait)))
 }
 
-/// Every iptables table the agent may have written (raw and filter of both flavours) whose
-/// flavour is installed: a node without a flavour's binaries has nothing of ours in it.
+/// Every iptables table the agent may have written (raw and mangle, which the switching backend
+/// owns, and filter, of both flavours) whose flavour is installed: a node without a flavour's
+/// binaries has nothing of ours in it.
 pub(crate) fn iptables_parts(wait: Duration) -> Vec<Box<dyn Dataplane>> {
     let mut parts: Vec<Box<dyn Dataplane>> = Vec::new();
     for flavour in Flavour::ALL {
-        for table in [Table::Raw, Table::Filter] {
-            if let Ok(backend) = Iptables::new(flavour, table, wait) {
+        for role in [Role::Switch, Role::Accepts] {
+            if let Ok(backend) = Iptables::new(flavour, role, wait) {
                 parts.push(Box::new(backend));
             }
         }

@@ -37,43 +37,49 @@ pub enum Error {
     },
     /// A binary ran past its time bound and was killed.
     #[error(
-        "{binary} on the {table} table did not finish within {limit:?} and was killed \
-         (iptables-restore commits all of a transaction or nothing; the next check shows \
-         which); is another process stuck holding the xtables lock or the kernel's netfilter?"
+        "{binary} on {tables} did not finish within {limit:?} and was killed \
+         (iptables-restore commits each table's section whole or not at all; the next check \
+         shows which); is another process stuck holding the xtables lock or the kernel's \
+         netfilter?"
     )]
     Timeout {
         /// Its name.
         binary: &'static str,
-        /// The table it worked on.
-        table: &'static str,
+        /// The tables it worked on, e.g. `the raw and mangle tables`.
+        tables: &'static str,
         /// How long it was allowed to run.
         limit: Duration,
     },
-    /// Another process held the xtables lock for the whole wait; nothing was changed.
+    /// Another process held the xtables lock for the whole wait; the table it was waiting to
+    /// change and any after it were left as they were (iptables-legacy-restore takes the lock
+    /// table by table).
     #[error(
-        "xtables lock held by another process: {binary} gave up on the {table} table after \
-         waiting {waited:?}; nothing was changed (kube-proxy or a CNI plugin rewriting its rules; \
-         the agent retries, raise the lock wait if this persists)"
+        "xtables lock held by another process: {binary} gave up on {tables} after waiting \
+         {waited:?}; the table it waited for was left as it was, and any after it (kube-proxy or \
+         a CNI plugin rewriting its rules; the agent retries, raise the lock wait if this \
+         persists)"
     )]
     LockBusy {
         /// The binary that waited.
         binary: &'static str,
-        /// The table it was to change.
-        table: &'static str,
+        /// The tables it was to change, e.g. `the raw table`.
+        tables: &'static str,
         /// How long it waited.
         waited: Duration,
     },
-    /// `iptables-restore` refused the transaction; nothing of it was applied.
+    /// `iptables-restore` refused the transaction at a table's section; that section and the
+    /// ones after it were not applied (the ones before it were: it commits table by table).
     #[error(
-        "{binary} failed on the {table} table ({status}): {stderr}{at}; nothing was changed \
-         (needs CAP_NET_ADMIN in the node's network namespace, with iptables-legacy CAP_NET_RAW \
-         too, and the kernel modules the rules use: xt_comment, xt_addrtype, xt_socket, xt_CT)"
+        "{binary} failed on {tables} ({status}): {stderr}{at}; the table it failed in was left \
+         as it was, and any after it (needs CAP_NET_ADMIN in the node's network namespace, with \
+         iptables-legacy CAP_NET_RAW too, and the kernel modules the rules use: xt_comment, \
+         xt_addrtype, xt_socket, xt_CT, xt_TPROXY, with iptables-nft nft_compat too)"
     )]
     RestoreFailed {
         /// Its name.
         binary: &'static str,
-        /// The table.
-        table: &'static str,
+        /// The tables of the transaction, e.g. `the raw and mangle tables`.
+        tables: &'static str,
         /// How it exited.
         status: ExitStatus,
         /// What it said, in one line.
@@ -125,15 +131,13 @@ pub enum Error {
          {MAX_COMMENT_BYTES} bytes (longer ones are cut short), without control characters"
     )]
     Comment(String),
-    /// The transaction went in but the table read back is not what was applied.
+    /// The transaction went in but the tables read back are not what was applied.
     #[error(
-        "the {table} table read back after iptables-restore differs from the one applied: \
-         {difference} (did another process change it at the same moment?)"
+        "the tables read back after iptables-restore differ from what was applied: \
+         {difference} (did another process change them at the same moment?)"
     )]
     NotApplied {
-        /// The table.
-        table: &'static str,
-        /// What differs first.
+        /// What differs first, naming the family, table and chain.
         difference: String,
     },
 }
@@ -175,7 +179,7 @@ pub(super) fn failed_line<'a>(stderr: &str, script: &'a str) -> Option<&'a str> 
 /// The outcome of one `iptables-restore` run.
 pub(super) fn classify(
     binary: &'static str,
-    table: &'static str,
+    tables: &'static str,
     done: &Finished,
     waited: Duration,
     script: &str,
@@ -184,12 +188,12 @@ pub(super) fn classify(
         return Ok(());
     }
     if done.status.code() == Some(RESOURCE_PROBLEM) && done.stderr.contains(LOCK_BUSY_TEXT) {
-        return Err(Error::LockBusy { binary, table, waited });
+        return Err(Error::LockBusy { binary, tables, waited });
     }
     let at = failed_line(&done.stderr, script).map(|line| format!(" (at `{line}`)"));
     Err(Error::RestoreFailed {
         binary,
-        table,
+        tables,
         status: done.status,
         stderr: summary(&done.stderr),
         at: at.unwrap_or_default(),

@@ -4,8 +4,8 @@
 
 use std::fmt;
 
-use super::text::Family;
-use super::Table;
+use super::table::Family;
+use super::Role;
 
 /// An iptables flavour: which implementation of iptables the rules go to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,15 +48,15 @@ impl Flavour {
         }
     }
 
-    /// The name of its backend for `table`, in logs, status and metrics
-    /// ([`Dataplane::name`](crate::dataplane::Dataplane::name)): `iptables-nft` for the NOTRACK
-    /// chains, `iptables-nft filter` for the ACCEPTs.
-    pub fn backend_name(self, table: Table) -> &'static str {
-        match (self, table) {
-            (Flavour::Legacy, Table::Raw) => "iptables-legacy",
-            (Flavour::Nft, Table::Raw) => "iptables-nft",
-            (Flavour::Legacy, Table::Filter) => "iptables-legacy filter",
-            (Flavour::Nft, Table::Filter) => "iptables-nft filter",
+    /// The name of its backend for `role`, in logs, status and metrics
+    /// ([`Dataplane::name`](crate::dataplane::Dataplane::name)): `iptables-nft` for the route
+    /// switch (raw and mangle), `iptables-nft filter` for the ACCEPTs.
+    pub fn backend_name(self, role: Role) -> &'static str {
+        match (self, role) {
+            (Flavour::Legacy, Role::Switch) => "iptables-legacy",
+            (Flavour::Nft, Role::Switch) => "iptables-nft",
+            (Flavour::Legacy, Role::Accepts) => "iptables-legacy filter",
+            (Flavour::Nft, Role::Accepts) => "iptables-nft filter",
         }
     }
 

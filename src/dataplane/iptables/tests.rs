@@ -2,7 +2,9 @@
 //! real kernel with both iptables flavours, each test in a network namespace of its own.
 //!
 //! One job, in one file past 600 lines: its fixtures (addresses, rulesets, saved tables, scripts)
-//! serve both halves, and each half reads best next to the other.
+//! serve both halves, and each half reads best next to the other. The link-local fallback chain
+//! in mangle has its own file, `fallback_tests.rs`, which shares these fixtures and the kernel
+//! harness.
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
@@ -15,16 +17,16 @@ use super::*;
 use crate::ruleset::{ListenAddrs, Route};
 use crate::testutil::golden;
 
-fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
+pub(crate) fn addrs(local: &[&str], cluster_dns: &[&str]) -> ListenAddrs {
     let parse = |list: &[&str]| list.iter().map(|s| s.parse().unwrap()).collect();
     ListenAddrs { local: parse(local), cluster_dns: parse(cluster_dns) }
 }
 
-fn ipv4() -> ListenAddrs {
+pub(crate) fn ipv4() -> ListenAddrs {
     addrs(&["169.254.20.10"], &["10.96.0.10"])
 }
 
-fn dual_stack() -> ListenAddrs {
+pub(crate) fn dual_stack() -> ListenAddrs {
     addrs(&["169.254.20.10", "fd00:169:254::10"], &["10.96.0.10", "fd00:96::10"])
 }
 
@@ -32,34 +34,34 @@ fn dual_stack() -> ListenAddrs {
 fn golden_ipv4_local() {
     golden(
         "iptables-ipv4-local.rules",
-        &render(&RuleSet::desired(&ipv4(), Route::Local), Table::Raw),
+        &render(&RuleSet::desired(&ipv4(), Route::Local), Role::Switch),
     );
 }
 
 #[test]
 fn golden_ipv4_upstream() {
     let rules = RuleSet::desired(&ipv4(), Route::Upstream);
-    golden("iptables-ipv4-upstream.rules", &render(&rules, Table::Raw));
+    golden("iptables-ipv4-upstream.rules", &render(&rules, Role::Switch));
 }
 
 #[test]
 fn golden_dual_stack_local() {
     let rules = RuleSet::desired(&dual_stack(), Route::Local);
-    golden("iptables-dual-local.rules", &render(&rules, Table::Raw));
+    golden("iptables-dual-local.rules", &render(&rules, Role::Switch));
 }
 
 #[test]
 fn golden_accepts() {
     let rules = RuleSet::desired(&dual_stack(), Route::Upstream).with_accepts(&dual_stack());
-    golden("iptables-accepts.rules", &render(&rules, Table::Filter));
+    golden("iptables-accepts.rules", &render(&rules, Role::Accepts));
 }
 
 #[test]
 fn each_table_renders_only_its_share() {
     let plain = RuleSet::desired(&dual_stack(), Route::Local);
     let with_accepts = plain.clone().with_accepts(&dual_stack());
-    assert_eq!(render(&plain, Table::Raw), render(&with_accepts, Table::Raw));
-    assert_eq!(render(&plain, Table::Filter), "");
+    assert_eq!(render(&plain, Role::Switch), render(&with_accepts, Role::Switch));
+    assert_eq!(render(&plain, Role::Accepts), "");
     assert_eq!(wanted(&plain, Table::Filter, Family::V4), None);
     let v4_only = RuleSet::desired(&ipv4(), Route::Local);
     assert!(wanted(&v4_only, Table::Raw, Family::V4).is_some());
@@ -158,13 +160,20 @@ fn parser_refuses_what_it_does_not_know() {
 /// What iptables-save prints on a node that holds exactly `rules` (the rendering, which the
 /// kernel tests show is what iptables-save prints, with the built-in chains declared), plus
 /// `foreign` lines inserted before `COMMIT`.
-fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> String {
+pub(crate) fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> String {
     let mut text = match wanted(rules, table, family) {
         Some(wanted) => render_family(table, &wanted),
         None => format!("*{}\nCOMMIT\n", table.as_str()),
     };
     let builtins: &[&str] = match table {
         Table::Raw => &[":PREROUTING ACCEPT [0:0]", ":OUTPUT ACCEPT [0:0]"],
+        Table::Mangle => &[
+            ":PREROUTING ACCEPT [0:0]",
+            ":INPUT ACCEPT [0:0]",
+            ":FORWARD ACCEPT [0:0]",
+            ":OUTPUT ACCEPT [0:0]",
+            ":POSTROUTING ACCEPT [0:0]",
+        ],
         Table::Filter => &[":INPUT ACCEPT [0:0]", ":FORWARD ACCEPT [0:0]", ":OUTPUT ACCEPT [0:0]"],
     };
     let header = format!("*{}\n", table.as_str());
@@ -174,7 +183,7 @@ fn save_text(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) ->
 }
 
 /// [`save_text`], parsed.
-fn saved_of(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> Saved {
+pub(crate) fn saved_of(rules: &RuleSet, table: Table, family: Family, foreign: &[&str]) -> Saved {
     parse_save(&save_text(rules, table, family, foreign), table.as_str()).unwrap()
 }
 
@@ -317,26 +326,26 @@ fn a_family_without_rules_must_hold_nothing_of_the_agents() {
 #[test]
 fn families_combine_into_one_check() {
     use text::combine;
-    let (v4, v6) = (Family::V4, Family::V6);
+    let (v4, v6, raw) = (Family::V4, Family::V6, Table::Raw);
     let differs = |s: &str| State::Differs(s.to_owned());
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Nothing), (v6, false, State::Nothing)]),
+        combine(vec![(v4, raw, true, State::Nothing), (v6, raw, false, State::Nothing)]),
         Check::Missing
     );
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Matches), (v6, false, State::Nothing)]),
+        combine(vec![(v4, raw, true, State::Matches), (v6, raw, false, State::Nothing)]),
         Check::Matches
     );
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Matches), (v6, true, State::Nothing)]),
+        combine(vec![(v4, raw, true, State::Matches), (v6, raw, true, State::Nothing)]),
         Check::Differs("IPv6 raw: nothing of the agent's is installed".to_owned())
     );
     assert_eq!(
-        combine(Table::Filter, vec![(v4, true, differs("a")), (v6, true, differs("b"))]),
+        combine(vec![(v4, Table::Filter, true, differs("a")), (v6, raw, true, differs("b"))]),
         Check::Differs("a".to_owned())
     );
     assert_eq!(
-        combine(Table::Raw, vec![(v4, true, State::Nothing), (v6, false, differs("b"))]),
+        combine(vec![(v4, raw, true, State::Nothing), (v6, raw, false, differs("b"))]),
         Check::Differs("b".to_owned())
     );
 }
@@ -486,8 +495,9 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
         "Can't lock /tmp/x.lock: Resource temporarily unavailable\n\
          Another app is currently holding the xtables lock. Stopped waiting after 1s.\n",
     );
-    let error = classify("iptables-legacy-restore", "raw", &busy, Duration::from_secs(1), SCRIPT)
-        .unwrap_err();
+    let error =
+        classify("iptables-legacy-restore", "the raw table", &busy, Duration::from_secs(1), SCRIPT)
+            .unwrap_err();
     assert!(
         matches!(error, Error::LockBusy { waited, .. } if waited == Duration::from_secs(1)),
         "{error}"
@@ -499,15 +509,20 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
         4,
         "iptables-nft-restore v1.8.9 (nf_tables): \nline 2: CHAIN_DEL failed (Device or resource busy): chain NOSUCH\n",
     );
-    let error =
-        classify("iptables-nft-restore", "raw", &busy_chain, Duration::from_secs(1), SCRIPT)
-            .unwrap_err();
+    let error = classify(
+        "iptables-nft-restore",
+        "the raw table",
+        &busy_chain,
+        Duration::from_secs(1),
+        SCRIPT,
+    )
+    .unwrap_err();
     assert!(matches!(error, Error::RestoreFailed { .. }), "{error}");
     assert!(
         error.to_string().starts_with(
             "iptables-nft-restore failed on the raw table (exit status: 4): iptables-nft-restore \
              v1.8.9 (nf_tables): line 2: CHAIN_DEL failed (Device or resource busy): chain \
-             NOSUCH (at `-X NOSUCH`); nothing was changed"
+             NOSUCH (at `-X NOSUCH`); the table it failed in was left as it was"
         ),
         "{error}"
     );
@@ -517,8 +532,14 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
         "iptables-restore v1.8.9 (legacy): Couldn't load match `foo':No such file or directory\n\n\
          Error occurred at line: 2\nTry `iptables-restore -h' or 'iptables-restore --help' for more information.\n",
     );
-    let error = classify("iptables-legacy-restore", "raw", &usage, Duration::from_secs(1), SCRIPT)
-        .unwrap_err();
+    let error = classify(
+        "iptables-legacy-restore",
+        "the raw table",
+        &usage,
+        Duration::from_secs(1),
+        SCRIPT,
+    )
+    .unwrap_err();
     let Error::RestoreFailed { stderr, at, .. } = &error else { panic!("{error}") };
     assert_eq!(
         stderr,
@@ -529,7 +550,7 @@ fn a_lock_timeout_is_told_apart_from_other_failures() {
     assert_eq!(failed_line("iptables-restore: line 3 failed", SCRIPT), Some("COMMIT"));
     assert_eq!(failed_line("iptables-restore: line 9 failed", SCRIPT), None);
     assert_eq!(failed_line("no number here", SCRIPT), None);
-    assert!(classify("x", "raw", &finished(0, "warning"), Duration::ZERO, SCRIPT).is_ok());
+    assert!(classify("x", "the raw table", &finished(0, "warning"), Duration::ZERO, SCRIPT).is_ok());
 }
 
 #[test]
@@ -546,13 +567,13 @@ fn a_missing_binary_names_the_package() {
 #[test]
 fn names_say_variant_and_table() {
     let names: Vec<&str> = [
-        (Flavour::Legacy, Table::Raw),
-        (Flavour::Nft, Table::Raw),
-        (Flavour::Legacy, Table::Filter),
-        (Flavour::Nft, Table::Filter),
+        (Flavour::Legacy, Role::Switch),
+        (Flavour::Nft, Role::Switch),
+        (Flavour::Legacy, Role::Accepts),
+        (Flavour::Nft, Role::Accepts),
     ]
     .into_iter()
-    .filter_map(|(flavour, table)| Iptables::new(flavour, table, Duration::from_secs(1)).ok())
+    .filter_map(|(flavour, role)| Iptables::new(flavour, role, Duration::from_secs(1)).ok())
     .map(|iptables| iptables.name())
     .collect();
     // On a machine without iptables the constructor fails, and there is nothing to name.
@@ -586,7 +607,7 @@ fn commands_get_their_input_and_are_killed_when_late() {
 /// Real-kernel tests, for both flavours. Each runs in a fresh network namespace: the test binary
 /// runs the one test again under `ip netns exec`, with `XTABLES_LOCKFILE` pointing at a lock
 /// file of its own, so nothing here touches the host's netfilter or its xtables lock.
-mod kernel {
+pub(crate) mod kernel {
     use std::io::ErrorKind;
     use std::time::Instant;
 
@@ -595,7 +616,7 @@ mod kernel {
     use super::*;
     use crate::testutil::{in_netns, run, test_path, LOCKFILE_ENV};
 
-    const WAIT: Duration = Duration::from_secs(1);
+    pub(crate) const WAIT: Duration = Duration::from_secs(1);
 
     /// `ip6tables` for IPv6.
     fn family_prefix(family: Family) -> &'static str {
@@ -606,13 +627,13 @@ mod kernel {
     }
 
     /// `iptables-<flavour> -w 1 <args>` in `ns` (the lock file comes from the environment).
-    fn ipt(ns: &str, flavour: Flavour, family: Family, args: &[&str]) -> String {
+    pub(crate) fn ipt(ns: &str, flavour: Flavour, family: Family, args: &[&str]) -> String {
         let binary = format!("{}-{}", family_prefix(family), flavour.as_str());
         run("ip", &[&["netns", "exec", ns, &binary, "-w", "1"], args].concat())
     }
 
     /// `iptables-<flavour>-save -t <table>` in `ns`, comments dropped.
-    fn save(ns: &str, flavour: Flavour, family: Family, table: Table) -> String {
+    pub(crate) fn save(ns: &str, flavour: Flavour, family: Family, table: Table) -> String {
         let binary = format!("{}-{}-save", family_prefix(family), flavour.as_str());
         let text = run("ip", &["netns", "exec", ns, &binary, "-t", table.as_str()]);
         text.lines().filter(|l| !l.starts_with('#')).map(|l| format!("{l}\n")).collect()
@@ -620,7 +641,7 @@ mod kernel {
 
     /// The agent's part of a save: its chains' declarations and rules and every line that
     /// names them, between the table's header and COMMIT.
-    fn ours(save: &str) -> String {
+    pub(crate) fn ours(save: &str) -> String {
         save.lines()
             .filter(|l| l.starts_with('*') || *l == "COMMIT" || l.contains("NODELOCALDNS-HA"))
             .map(|l| format!("{l}\n"))
@@ -628,19 +649,19 @@ mod kernel {
     }
 
     /// The rules of a built-in chain, in order.
-    fn chain_rules(save: &str, chain: &str) -> Vec<String> {
+    pub(crate) fn chain_rules(save: &str, chain: &str) -> Vec<String> {
         let prefix = format!("-A {chain} ");
         save.lines().filter(|l| l.starts_with(&prefix)).map(str::to_owned).collect()
     }
 
-    fn differs(check: Check) -> String {
+    pub(crate) fn differs(check: Check) -> String {
         match check {
             Check::Differs(text) => text,
             other => panic!("expected Differs, got {other:?}"),
         }
     }
 
-    const JUMP_PREROUTING: &str =
+    pub(crate) const JUMP_PREROUTING: &str =
         "-A PREROUTING -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-PREROUTING";
     const JUMP_OUTPUT: &str =
         "-A OUTPUT -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-OUTPUT";
@@ -663,6 +684,7 @@ mod kernel {
             }
         )*};
     }
+    pub(crate) use both_flavours;
 
     both_flavours!(
         apply_check_tamper_repair_remove,
@@ -675,7 +697,7 @@ mod kernel {
     fn apply_check_tamper_repair_remove(ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
         let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         assert_eq!(ipt_raw.flavour(), flavour);
 
         // Nothing there: Missing, and remove has nothing to do (and creates no table).
@@ -786,7 +808,7 @@ mod kernel {
 
     fn filter_accepts(ns: &str, flavour: Flavour) {
         let rules = RuleSet::desired(&dual_stack(), Route::Upstream).with_accepts(&dual_stack());
-        let mut filter = Iptables::new(flavour, Table::Filter, WAIT).unwrap();
+        let mut filter = Iptables::new(flavour, Role::Accepts, WAIT).unwrap();
         assert_eq!(filter.check(&rules).unwrap(), Check::Missing);
         filter.apply(&rules).unwrap();
         assert_eq!(filter.check(&rules).unwrap(), Check::Matches);
@@ -823,7 +845,7 @@ mod kernel {
     fn the_lock(_ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
         let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
-        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         ipt_raw.apply(&local).unwrap();
 
         let lockfile = std::env::var(LOCKFILE_ENV).unwrap();
@@ -868,7 +890,7 @@ mod kernel {
 
     fn a_refused_transaction_changes_nothing(ns: &str, flavour: Flavour) {
         let local = RuleSet::desired(&dual_stack(), Route::Local);
-        let mut ipt_raw = Iptables::new(flavour, Table::Raw, WAIT).unwrap();
+        let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         ipt_raw.apply(&local).unwrap();
         let before = Family::ALL.map(|family| save(ns, flavour, family, Table::Raw));
 
@@ -887,12 +909,12 @@ mod kernel {
         let script = "*raw\n:NODELOCALDNS-HA-PREROUTING - [0:0]\n\
                       -A NODELOCALDNS-HA-PREROUTING -j ACCEPT\n\
                       -A NODELOCALDNS-HA-PREROUTING -m nosuchmatch -j ACCEPT\nCOMMIT\n";
-        let error = ipt_raw.restore(Family::V4, script).unwrap_err();
+        let error = ipt_raw.restore(Family::V4, script, &[Table::Raw]).unwrap_err();
         let Error::RestoreFailed { binary, stderr, at, .. } = &error else { panic!("{error}") };
         assert_eq!(*binary, format!("iptables-{}-restore", flavour.as_str()));
         assert!(stderr.contains("nosuchmatch"), "{error}");
         assert_eq!(at, " (at `-A NODELOCALDNS-HA-PREROUTING -m nosuchmatch -j ACCEPT`)");
-        assert!(error.to_string().contains("nothing was changed"), "{error}");
+        assert!(error.to_string().contains("the table it failed in was left as it was"), "{error}");
         assert_eq!(Family::ALL.map(|family| save(ns, flavour, family, Table::Raw)), before);
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Matches);
     }
@@ -903,7 +925,7 @@ mod kernel {
         run("ip", &["-n", ns, "link", "set", "lo", "up"]);
         run("ip", &["-n", ns, "addr", "add", "10.96.0.10/32", "dev", "lo"]);
         let rules = RuleSet::desired(&ipv4(), Route::Local);
-        Iptables::new(flavour, Table::Raw, WAIT).unwrap().apply(&rules).unwrap();
+        Iptables::new(flavour, Role::Switch, WAIT).unwrap().apply(&rules).unwrap();
         let packets = || {
             let binary = format!("iptables-{}-save", flavour.as_str());
             let text = run("ip", &["netns", "exec", ns, &binary, "-c", "-t", "raw"]);

@@ -3,76 +3,16 @@
 //! transactions that install or remove them. No I/O.
 //!
 //! Rules are rendered exactly as `iptables-save` 1.8 prints them back (legacy and nft alike):
-//! `-d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m socket]]
-//! -m comment --comment "…" -j NOTRACK`, so read-back compares text lines, and the same lines
-//! are fed to `iptables-restore`.
+//! `[-s 127.0.0.1/32] -d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m
+//! socket]] -m comment --comment "…" -j <target>`, the target `NOTRACK`, `ACCEPT` or `TPROXY
+//! --on-port 53 --on-ip 127.53.0.53 --tproxy-mark 0x0/0x0`, so read-back compares text lines,
+//! and the same lines are fed to `iptables-restore`.
 
-use std::net::IpAddr;
-
-use super::Table;
-use crate::ruleset::{FilterHook, Guard, Hook, Rule, RuleSet, Side};
+use super::table::{Family, Table};
+use crate::ruleset::{Action, FilterHook, Guard, Hook, Rule, RuleSet, Side};
 
 /// The comment on the agent's jumps.
 pub(super) const JUMP_COMMENT: &str = "nodelocaldns-ha";
-
-/// An address family, and so a pair of binaries (`iptables-*` or `ip6tables-*`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Family {
-    V4,
-    V6,
-}
-
-impl Family {
-    /// IPv4 first.
-    pub(super) const ALL: [Family; 2] = [Family::V4, Family::V6];
-
-    fn of(addr: IpAddr) -> Family {
-        match addr {
-            IpAddr::V4(_) => Family::V4,
-            IpAddr::V6(_) => Family::V6,
-        }
-    }
-
-    /// `NFPROTO_IPV4` or `NFPROTO_IPV6`: the family of iptables-nft's nftables tables.
-    pub(super) fn nfproto(self) -> u8 {
-        match self {
-            Family::V4 => libc::NFPROTO_IPV4 as u8,
-            Family::V6 => libc::NFPROTO_IPV6 as u8,
-        }
-    }
-
-    /// `IPv4` or `IPv6`, for messages.
-    pub(super) fn label(self) -> &'static str {
-        match self {
-            Family::V4 => "IPv4",
-            Family::V6 => "IPv6",
-        }
-    }
-
-    /// `ip` or `ip6`, as in `iptables` and `ip6tables`.
-    pub(super) fn prefix(self) -> &'static str {
-        match self {
-            Family::V4 => "ip",
-            Family::V6 => "ip6",
-        }
-    }
-
-    /// Its position in [`Family::ALL`].
-    pub(super) fn index(self) -> usize {
-        match self {
-            Family::V4 => 0,
-            Family::V6 => 1,
-        }
-    }
-
-    /// The prefix length of one host, which `iptables-save` always prints.
-    fn host_bits(self) -> u8 {
-        match self {
-            Family::V4 => 32,
-            Family::V6 => 128,
-        }
-    }
-}
 
 /// A built-in chain and the agent's chain it jumps to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,45 +47,66 @@ pub(super) struct Wanted {
     pub chains: Vec<WantedChain>,
 }
 
-/// The share of `rules` that `table` holds for `family`; `None` when it has no rules there (the
-/// family must then hold nothing of the agent's).
-pub(super) fn wanted(rules: &RuleSet, table: Table, family: Family) -> Option<Wanted> {
-    let hooks = table.hooks();
-    let mut chains: Vec<WantedChain> =
-        hooks.iter().map(|&hooked| WantedChain { hooked, rules: Vec::new() }).collect();
-    // (index into hooks, rule, target)
-    let entries: Vec<(usize, &Rule, &str)> = match table {
-        // The NOTRACK chains; the link-local fallback (TPROXY) is the nftables backend's only.
-        Table::Raw => rules
+/// The rules of `rules` that `table` holds, in order, each with the built-in chain whose jump
+/// leads to it and its target.
+fn entries(rules: &RuleSet, table: Table) -> Vec<(&'static str, &Rule, String)> {
+    let builtin = |hook| match hook {
+        Hook::Prerouting => "PREROUTING",
+        Hook::Output => "OUTPUT",
+    };
+    match table {
+        // The NOTRACK chains in raw, the link-local fallback (TPROXY) in mangle.
+        Table::Raw | Table::Mangle => rules
             .rules()
-            .filter(|(chain, _)| !chain.is_fallback())
-            .map(|(chain, rule)| {
-                let index = match chain.hook {
-                    Hook::Prerouting => 0,
-                    Hook::Output => 1,
-                };
-                (index, rule, "NOTRACK")
-            })
+            .filter(|(chain, _)| chain.is_fallback() == (table == Table::Mangle))
+            .map(|(chain, rule)| (builtin(chain.hook), rule, target(rule.action)))
             .collect(),
         Table::Filter => rules
             .accepts
             .iter()
             .map(|accept| {
-                let index = match accept.hook {
-                    FilterHook::Input => 0,
-                    FilterHook::Output => 1,
+                let builtin = match accept.hook {
+                    FilterHook::Input => "INPUT",
+                    FilterHook::Output => "OUTPUT",
                 };
-                (index, &accept.rule, "ACCEPT")
+                (builtin, &accept.rule, "ACCEPT".to_owned())
             })
             .collect(),
-    };
-    let mut any = false;
-    for (index, rule, target) in entries {
-        if Family::of(rule.addr) == family {
-            let chain = &mut chains[index];
-            chain.rules.push(format!("-A {} {} -j {target}", chain.hooked.own, rule_spec(rule)));
-            any = true;
+    }
+}
+
+/// A rule's target as `iptables-save` prints it. TPROXY without `--tproxy-mark` is printed
+/// with `--tproxy-mark 0x0/0x0`: the packet's mark is left as it is. No mark is needed, since
+/// no policy routing is: the packet's destination, the link-local IP, is local already, and
+/// TPROXY hands it to the forwarder's socket whatever that socket's address.
+fn target(action: Action) -> String {
+    match action {
+        Action::Notrack => "NOTRACK".to_owned(),
+        Action::Accept => "ACCEPT".to_owned(),
+        Action::Tproxy(to) => {
+            format!("TPROXY --on-port {} --on-ip {} --tproxy-mark 0x0/0x0", to.port(), to.ip())
         }
+    }
+}
+
+/// The share of `rules` that `table` holds for `family`; `None` when it has no rules there (the
+/// family's table must then hold nothing of the agent's).
+pub(super) fn wanted(rules: &RuleSet, table: Table, family: Family) -> Option<Wanted> {
+    let mut chains: Vec<WantedChain> =
+        table.hooks().iter().map(|&hooked| WantedChain { hooked, rules: Vec::new() }).collect();
+    let mut any = false;
+    for (builtin, rule, target) in entries(rules, table) {
+        if Family::of(rule.addr) != family {
+            continue;
+        }
+        // Every chain of a ruleset hangs from a built-in chain of its table's (the fallback from
+        // mangle PREROUTING, the only hook TPROXY works in).
+        let chain = chains
+            .iter_mut()
+            .find(|c| c.hooked.builtin == builtin)
+            .expect("a built-in chain of the table");
+        chain.rules.push(format!("-A {} {} -j {target}", chain.hooked.own, rule_spec(rule)));
+        any = true;
     }
     any.then_some(Wanted { chains })
 }
@@ -156,16 +117,9 @@ pub(super) const MAX_COMMENT_BYTES: usize = 255;
 /// The first comment of `table`'s share of `rules` that iptables cannot store as it is: too
 /// long, or with a control character (a newline would end the restore line).
 pub(super) fn unstorable_comment(rules: &RuleSet, table: Table) -> Option<&str> {
-    let comments: Vec<&str> = match table {
-        Table::Raw => rules
-            .rules()
-            .filter(|(chain, _)| !chain.is_fallback())
-            .map(|(_, rule)| rule.comment.as_str())
-            .collect(),
-        Table::Filter => rules.accepts.iter().map(|accept| accept.rule.comment.as_str()).collect(),
-    };
-    comments
+    entries(rules, table)
         .into_iter()
+        .map(|(_, rule, _)| rule.comment.as_str())
         .find(|comment| comment.len() > MAX_COMMENT_BYTES || comment.chars().any(char::is_control))
 }
 
@@ -191,6 +145,19 @@ fn rule_spec(rule: &Rule) -> String {
     // xt_socket ignores sockets bound to 0.0.0.0 / :: (unless `--nowildcard`), as the nftables
     // rule's `socket wildcard 0` does: another DNS server of the node's on the wildcard address
     // must not take pods' queries for the cluster-DNS IP when the cache is gone.
+    //
+    // Unlike nftables' `socket transparent 0`, xt_socket cannot leave out transparent sockets
+    // (`--transparent` keeps only those). That changes nothing. The forwarder's own sockets are
+    // bound to 127.53.0.53 and fd00:169:254::53, which no lookup for a packet to a listen IP
+    // finds; a transparent socket the lookup does find is one the forwarder accepted from a
+    // TPROXYed SYN (local address A:53), and a segment to it is then ACCEPTed and delivered by
+    // the ordinary lookup to that same connection, where nftables' TPROXY rule would have
+    // assigned it (TPROXY looks for an established socket first). So a TCP connection that
+    // began at the forwarder stays there when the cache comes back, in both backends (kernel
+    // test: `an_established_forwarder_connection_stays_when_the_cache_returns`). A SYN that
+    // meets a TIME_WAIT socket of the dead cache's is ACCEPTed too (the lookup finds it): the
+    // TIME_WAIT answers with an ACK, the client resets it and (Linux, at once) sends its SYN
+    // again, which TPROXY takes (measured: 10 ms).
     spec.push_str(match rule.guard {
         Guard::None | Guard::FromLoopback => "",
         Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
@@ -484,22 +451,23 @@ pub(super) fn compare(
     State::Matches
 }
 
-/// One [`Check`](super::Check) from the families' states (`(family, wanted, state)`): the first
-/// difference; `Missing` when nothing of the agent's is anywhere; a wanted family with nothing
-/// while another has its share differs.
-pub(super) fn combine(table: Table, states: Vec<(Family, bool, State)>) -> super::Check {
+/// One [`Check`](super::Check) from the states of every family's tables (`(family, table,
+/// wanted, state)`): the first difference; `Missing` when nothing of the agent's is anywhere; a
+/// wanted table with nothing while another has its share differs (an agent that wrote raw but
+/// not mangle, say).
+pub(super) fn combine(states: Vec<(Family, Table, bool, State)>) -> super::Check {
     use super::Check;
-    if let Some(difference) = states.iter().find_map(|(_, _, state)| match state {
+    if let Some(difference) = states.iter().find_map(|(_, _, _, state)| match state {
         State::Differs(difference) => Some(difference.clone()),
         _ => None,
     }) {
         return Check::Differs(difference);
     }
-    if states.iter().all(|(_, _, state)| *state == State::Nothing) {
+    if states.iter().all(|(_, _, _, state)| *state == State::Nothing) {
         return Check::Missing;
     }
-    match states.iter().find(|(_, wanted, state)| *wanted && *state == State::Nothing) {
-        Some((family, _, _)) => Check::Differs(format!(
+    match states.iter().find(|(_, _, wanted, state)| *wanted && *state == State::Nothing) {
+        Some((family, table, _, _)) => Check::Differs(format!(
             "{} {}: nothing of the agent's is installed",
             family.label(),
             table.as_str()
