@@ -19,6 +19,8 @@
 //! libnftnl.
 
 #[forbid(unsafe_code)]
+mod batch;
+#[forbid(unsafe_code)]
 pub(crate) mod changes;
 #[forbid(unsafe_code)]
 mod compare;
@@ -33,12 +35,12 @@ pub(crate) mod objects;
 #[forbid(unsafe_code)]
 mod watch;
 
-use std::ffi::{CStr, CString};
+use std::ffi::CStr;
 use std::fmt;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, OwnedFd};
 
-use nftnl::{Batch, FinalizedBatch, MsgType, ProtoFamily};
+use nftnl::FinalizedBatch;
 use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, MsgFlags, NetlinkAddr, SockProtocol};
 use nix::sys::time::TimeVal;
@@ -47,9 +49,8 @@ use super::{Check, Dataplane, TableRef};
 use crate::netlink::{
     self, Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
 };
-use crate::ruleset::{self, Hook, RuleSet};
+use crate::ruleset::{self, RuleSet};
 use compare::{compare, Installed};
-use expr::rule_expressions;
 use objects::{nft_body, nft_type};
 
 pub use crate::netlink::ParseError;
@@ -241,46 +242,14 @@ impl Nftables {
 
     /// Replaces the table with `rules` in one batch.
     fn replace(&mut self, rules: &RuleSet) -> Result<(), Error> {
-        let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
-        let mut batch = Batch::new();
-        let mut described = Vec::new();
-        // Creating the table first makes the delete succeed when it is absent.
-        for (msg_type, what) in [
-            (MsgType::Add, "table (create if absent)"),
-            (MsgType::Del, "table (delete)"),
-            (MsgType::Add, "table (create)"),
-        ] {
-            batch.add(&table, msg_type);
-            described.push(what.to_owned());
-        }
-        let chains: Vec<nftnl::Chain<'_>> =
-            rules.chains.iter().map(|chain| base_chain(chain, &table)).collect();
-        for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
-            batch.add(nft_chain, MsgType::Add);
-            described.push(format!("chain {}", chain.name()));
-            for (index, rule) in chain.rules.iter().enumerate() {
-                let mut nft_rule = nftnl::Rule::new(nft_chain);
-                for expr in rule_expressions(rule) {
-                    nft_rule.add_expr(&expr);
-                }
-                let comment_error = || Error::Comment(rule.comment.clone());
-                let comment = CString::new(rule.comment.as_str()).map_err(|_| comment_error())?;
-                nft_rule.set_comment(comment).map_err(|_| comment_error())?;
-                batch.add(&nft_rule, MsgType::Add);
-                described.push(format!("chain {}: rule {} ({rule})", chain.name(), index + 1));
-            }
-        }
-        self.send_batch(&batch.finalize(), &described)
+        let (batch, described) = batch::replacing(rules)?;
+        self.send_batch(&batch, &described)
     }
 
     /// Deletes the table in one batch; nothing happens when it is absent.
     fn delete(&mut self) -> Result<(), Error> {
-        let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
-        let mut batch = Batch::new();
-        batch.add(&table, MsgType::Add);
-        batch.add(&table, MsgType::Del);
-        let described = ["table (create if absent)", "table (delete)"].map(String::from);
-        self.send_batch(&batch.finalize(), &described)
+        let (batch, described) = batch::deleting();
+        self.send_batch(&batch, &described)
     }
 
     /// Sends `batch` and waits for the kernel to acknowledge each of its messages.
@@ -580,21 +549,6 @@ impl Dataplane for Nftables {
     fn reader(&self) -> Result<Box<dyn Dataplane>, super::Error> {
         Ok(Box::new(Nftables::new()?))
     }
-}
-
-/// `type filter hook <hook> priority <priority>; policy accept;`
-fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
-    let hook = match chain.hook {
-        Hook::Prerouting => nftnl::Hook::PreRouting,
-        Hook::Output => nftnl::Hook::Out,
-    };
-    // The names are the ruleset's constants: no NUL in them.
-    let name = std::ffi::CString::new(chain.name()).unwrap_or_default();
-    let mut nft_chain = nftnl::Chain::new(&name, table);
-    nft_chain.set_hook(hook, chain.priority);
-    nft_chain.set_type(nftnl::ChainType::Filter);
-    nft_chain.set_policy(nftnl::Policy::Accept);
-    nft_chain
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! in a network namespace of its own.
 
 use super::compare::hook_number;
-use super::expr::Found;
+use super::expr::{rule_expressions, Found};
 use super::*;
 use crate::ruleset::{ListenAddrs, Route, TABLE};
 

@@ -1,0 +1,69 @@
+//! The batches that change the agent's table: the whole table replaced (create-if-absent,
+//! delete, create, base chains, rules), or deleted. Built with nftnl from [`rule_expressions`],
+//! which the read-back compares with too; each message is described for error messages.
+
+use std::ffi::CString;
+
+use nftnl::{Batch, FinalizedBatch, MsgType, ProtoFamily};
+
+use super::expr::rule_expressions;
+use super::{Error, TABLE_NAME};
+use crate::ruleset::{self, Hook, RuleSet};
+
+/// The batch that replaces the table with `rules`, and a description of each of its messages.
+pub(super) fn replacing(rules: &RuleSet) -> Result<(FinalizedBatch, Vec<String>), Error> {
+    let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
+    let mut batch = Batch::new();
+    let mut described = Vec::new();
+    // Creating the table first makes the delete succeed when it is absent.
+    for (msg_type, what) in [
+        (MsgType::Add, "table (create if absent)"),
+        (MsgType::Del, "table (delete)"),
+        (MsgType::Add, "table (create)"),
+    ] {
+        batch.add(&table, msg_type);
+        described.push(what.to_owned());
+    }
+    let chains: Vec<nftnl::Chain<'_>> =
+        rules.chains.iter().map(|chain| base_chain(chain, &table)).collect();
+    for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
+        batch.add(nft_chain, MsgType::Add);
+        described.push(format!("chain {}", chain.name()));
+        for (index, rule) in chain.rules.iter().enumerate() {
+            let mut nft_rule = nftnl::Rule::new(nft_chain);
+            for expr in rule_expressions(rule) {
+                nft_rule.add_expr(&expr);
+            }
+            let comment_error = || Error::Comment(rule.comment.clone());
+            let comment = CString::new(rule.comment.as_str()).map_err(|_| comment_error())?;
+            nft_rule.set_comment(comment).map_err(|_| comment_error())?;
+            batch.add(&nft_rule, MsgType::Add);
+            described.push(format!("chain {}: rule {} ({rule})", chain.name(), index + 1));
+        }
+    }
+    Ok((batch.finalize(), described))
+}
+
+/// The batch that deletes the table, a no-op when it is absent.
+pub(super) fn deleting() -> (FinalizedBatch, Vec<String>) {
+    let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
+    let mut batch = Batch::new();
+    batch.add(&table, MsgType::Add);
+    batch.add(&table, MsgType::Del);
+    let described = ["table (create if absent)", "table (delete)"].map(String::from);
+    (batch.finalize(), described.into())
+}
+
+/// `type filter hook <hook> priority <priority>; policy accept;` (named by one of the ruleset's
+/// constants, which hold no NUL).
+fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
+    let hook = match chain.hook {
+        Hook::Prerouting => nftnl::Hook::PreRouting,
+        Hook::Output => nftnl::Hook::Out,
+    };
+    let mut nft_chain = nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), table);
+    nft_chain.set_hook(hook, chain.priority);
+    nft_chain.set_type(nftnl::ChainType::Filter);
+    nft_chain.set_policy(nftnl::Policy::Accept);
+    nft_chain
+}
