@@ -7,7 +7,7 @@
 #            |                          |                           veth
 #   +--------+------ pod1 ---- pod2 ----+-------------------- dns ----+------------------+
 #   | $P-node   10.244.0.1/32 on pod1/pod2, /32 routes     10.244.1.1/24 on dns          |
-#   |   lo: 169.254.20.10 (node-local IP), 10.96.0.10 (kube-dns ClusterIP)               |
+#   |   nodelocaldns: 169.254.20.10 (node-local IP), 10.96.0.10 (kube-dns ClusterIP)     |
 #   |   "node-local-dns": unbound on those two IPs, forwarding to 10.96.0.11             |
 #   |   kube-proxy-shaped DNAT (iptables-nft, iptables-legacy or nftables mode):         |
 #   |     10.96.0.10:53 (kube-dns)          -> DNAT 10.244.1.2:53 | 10.244.1.3:53        |
@@ -37,7 +37,7 @@
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
 #   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs] [--family 4|6|dual]
 #             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
-#             [--listen-dev lo|dummy|veth]
+#             [--listen-dev veth|lo|dummy]   (default veth: node-cache's own interface)
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail] [--no-wait]
 #                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
@@ -58,7 +58,7 @@
 #   listen-addrs-del|listen-addrs-add PREFIX
 #     node-cache's teardown of its interface (it deletes its dummy interface `nodelocaldns` on
 #     SIGTERM unless -skipteardown): deletes the node-local IP and the cluster-DNS IP (and the v6
-#     pair) from the node's lo (or the `nodelocaldns` dummy), leaving the cache running; -add puts
+#     pair) from node-cache's interface (`nodelocaldns`, or lo), leaving the cache running; -add puts
 #     them back. Both print when the change was complete, in ms since the epoch.
 #   netem PREFIX ARGS... | netem-clear PREFIX
 #     `tc qdisc replace dev dns root netem ARGS` on the node's side of the veth to "CoreDNS"
@@ -141,7 +141,7 @@ usage() { sed -n '/^# Usage:/,/^# Nothing here/p' "$SELF" | sed 's/^# \{0,1\}//'
 # up: the node assembled from the parts, in this order; a failure on the way takes it down again.
 cmd_up() {
     local kube_proxy=iptables-nft filter_drop=0 filter_lo=loopback filter_reject=0 nft_firewall=0 role
-    FAMILY=4 LISTEN_DEV=lo
+    FAMILY=4 LISTEN_DEV=veth
     while (($#)); do
         case $1 in
         --kube-proxy) kube_proxy=${2:-}; shift 2 || usage ;;

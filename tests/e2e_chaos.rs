@@ -852,15 +852,17 @@ enum NodeCache {
 /// Issue 6, item 4, on one backend: node-cache's SIGTERM teardown, in its order
 /// (cmd/node-cache/app/cache_app.go, `TeardownNetworking`: the interface, then its rules, then
 /// it exits), while the agent runs in Local and a pod and a host-network client resolve at
-/// 300/s. Here the interface is the listen addresses on lo; unbound runs until they are gone.
+/// 300/s. Here the interface is the listen addresses on node-cache's `nodelocaldns` interface;
+/// unbound runs until they are gone.
 ///
-/// With the addresses gone, the Local ruleset's address guard (`fib daddr type local`, iptables
-/// `-m addrtype --dst-type LOCAL`) stops matching for pods and host clients alike, so their next
-/// query is DNATed to CoreDNS: no query is NOTRACKed towards an address that is no longer on the
-/// node. Only a query already inside the cache when its address goes may lose its first attempt
-/// (the reply cannot leave from a deleted address): it was sent before the addresses were gone,
-/// and its retry succeeds. Without the guard, every query until the agent's probes move the route
-/// (about 200 ms here) would be lost.
+/// With the cluster-DNS IP gone, the Local ruleset's address guard (`fib daddr type local`,
+/// iptables `-m addrtype --dst-type LOCAL`) stops matching for pods and host clients alike, so
+/// their next query is DNATed to CoreDNS: no query is NOTRACKed towards an address that is no
+/// longer on the node. Only a query already inside the cache when its address goes may lose its
+/// first attempt (the reply cannot leave from a deleted address): it was sent before the
+/// addresses were gone, and its retry succeeds. The guard does it alone: the route stays
+/// `Local` until the cache is killed, since the agent's copy of the link-local IP on lo keeps
+/// the cache it probes reachable.
 ///
 /// node-cache's own rules have no such guard: while they outlive the addresses, they NOTRACK
 /// queries into that blackhole, whatever the agent does. With them, losses are allowed until they
@@ -895,18 +897,23 @@ fn node_cache_teardown(plane: Plane, node_cache: NodeCache) {
         blackhole_until = now_ms();
         println!("node-cache's rules gone {} ms after its addresses", blackhole_until - addrs_gone);
     }
-    let up = agent.wait_route("upstream", Duration::from_secs(5));
-    println!(
-        "route upstream {} ms after the addresses went ({})",
-        since(&up) as i64 - addrs_gone as i64,
-        up["reason"]
-    );
+    // The `fib` guard alone takes the cluster-DNS IP's queries to CoreDNS: the route stays
+    // `Local`, since the agent's copy of the link-local IP on lo keeps the cache it probes
+    // reachable while unbound still runs.
     for load in [&mut pod, &mut host] {
         load.wait_line("CoreDNS answering while unbound still runs", Duration::from_secs(5), |l| {
             field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
         });
     }
+    let st = agent.state().expect("state");
+    assert_eq!((&st["route"], &st["transitions"]), (&"local".into(), &0.into()), "{st}");
     let killed = node.signal("cache-kill");
+    let up = agent.wait_route("upstream", Duration::from_secs(5));
+    println!(
+        "route upstream {} ms after the kill ({})",
+        since(&up) as i64 - killed as i64,
+        up["reason"]
+    );
     pod.wait_line("lookups after the cache exited", Duration::from_secs(5), |l| {
         field(l, "coredns").is_some_and(|n| n > 0)
     });
