@@ -1,5 +1,6 @@
 //! The compatibility matrix: every kube-proxy shape × every agent dataplane × IPv4/IPv6, with a
-//! pod and a host-network client in each cell, on the simulated node.
+//! pod and a host-network client in each cell, on the simulated node, in both of node-local-dns's
+//! shapes: ClusterIP (pods query the kube-dns IP) and link-local (pods query 169.254.20.10).
 //!
 //! Each cell: the backend `auto` picks is the right one; a cache SIGKILL loses no pod lookup; a
 //! hang moves the route at the `fall`-th failed probe; the route returns after recovery;
@@ -36,6 +37,22 @@ impl Family {
         match self {
             Family::V4 => (CLUSTER_DNS_IP, "A"),
             Family::V6 => ("[fd00:96::10]:53", "AAAA"),
+        }
+    }
+
+    /// The link-local server as dnsload takes it.
+    fn link_local_server(self) -> &'static str {
+        match self {
+            Family::V4 => LOCAL_IP,
+            Family::V6 => "[fd00:169:254::10]:53",
+        }
+    }
+
+    /// pod1's address, to send from.
+    fn pod1(self) -> &'static str {
+        match self {
+            Family::V4 => "10.244.0.2",
+            Family::V6 => "fd00:244::2",
         }
     }
 }
@@ -122,6 +139,130 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let out = node.run("node", agent_exe(), &["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
     node.assert_nothing_left();
+}
+
+/// Who answers `dig` from pod1, always from one source port (40053), for the link-local IP:
+/// `cache` or `coredns` (by the answer), or what went wrong.
+fn fixed_port_answer(node: &SimNode, family: Family) -> String {
+    let (local, _, _) = family.addrs();
+    let (bind, at) = (format!("{}#40053", family.pod1()), format!("@{local}"));
+    let qtype = family.server().1;
+    let args = ["-b", &bind, "+short", "+time=1", "+tries=1", &at, "who.test", qtype];
+    let out = node.run("pod1", "dig", &args);
+    match String::from_utf8_lossy(&out.stdout).trim() {
+        "1.1.1.1" | "fd00::1:1:1:1" => "cache".to_owned(),
+        "2.2.2.2" | "fd00::2:2:2:2" => "coredns".to_owned(),
+        other => format!("{other:?} ({})", describe(&out)),
+    }
+}
+
+/// A link-local cell: the agent without `--cluster-dns-ip`, pods and host-network clients
+/// querying the link-local IP. A SIGKILL loses no lookup of either, in the kernel: their next
+/// packet goes to the agent's forwarder (host clients' too: their packets come back in through
+/// prerouting on lo); only what the dying cache held loses its first attempt. A hang moves the
+/// route at the `fall`-th failed probe and only what was sent to the hung cache before then
+/// loses its first attempt. A client that keeps one source port goes to the forwarder and back
+/// to the cache with the route. `teardown` leaves nothing, the agent's copies on lo included.
+fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
+    let (local, _, upstream) = family.addrs();
+    let args = ["--dataplane", dataplane, "--interval", "100ms", "--timeout", "80ms"];
+    let agent = node.agent_for(local, "", upstream, &args);
+    let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
+    let st = agent.state().expect("state");
+    assert_eq!(st["dataplane"], expected, "{st}");
+    assert!(st["shape"].as_str().unwrap().starts_with("link-local"), "{st}");
+
+    let (server, qtype) = (family.link_local_server(), family.server().1);
+    let args =
+        ["--rate", "200", "--duration", "8s", "--report-interval", "100ms", "--qtype", qtype];
+    let mut pod = node.load("pod1", server, &args);
+    let mut host = node.load("node", server, &args);
+    for load in [&mut pod, &mut host] {
+        load.wait_cache_answers();
+    }
+    let (killed_at, gone_at) = node.kill("cache-kill");
+    for load in [&mut pod, &mut host] {
+        load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
+            field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
+        });
+    }
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in [&mut pod, &mut host] {
+        load.wait_cache_answers();
+    }
+
+    let mark = agent.log_mark();
+    let stopped_at = node.signal("cache-stop");
+    let up = agent.wait_route("upstream", Duration::from_secs(5));
+    let switch = wait_for("the switch in the log", Duration::from_secs(5), || {
+        agent.switch_after(mark, "upstream", "cache udp")
+    });
+    let switched_at = up["since_unix_ms"].as_u64().unwrap();
+    assert_eq!((switch.good, switch.bad, switch.failed), (0, 3, 3), "{}", switch.line);
+    let detection = switched_at.saturating_sub(stopped_at);
+    assert!(detection < 2 * 380, "hang detected after {detection} ms: {up}");
+    assert_eq!(fixed_port_answer(&node, family), "coredns", "one source port, cache hung");
+    node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(10));
+    for load in [&mut pod, &mut host] {
+        load.wait_cache_answers();
+    }
+    assert_eq!(fixed_port_answer(&node, family), "cache", "one source port, cache back");
+
+    for (client, load) in [("pod", pod), ("host", host)] {
+        let (summary, lookups) = load.interrupt_recorded();
+        println!("link-local {kube_proxy} × {dataplane} {client}: {summary}");
+        assert_eq!(summary["failed"], 0, "{client} lookups failed: {summary}");
+        assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
+        // First attempts lost: to the dying cache (sent before it was gone), or to the hung one
+        // (sent before the client saw the forwarder answer after the switch).
+        let after_hang = coredns_seen_after(&lookups, stopped_at);
+        for lost in sent_at(&summary, "first_attempt_lost_at_ms") {
+            let at_kill = (killed_at - ATTEMPT_TIMEOUT_MS..=gone_at).contains(&lost);
+            let at_hang = (stopped_at - ATTEMPT_TIMEOUT_MS..=after_hang).contains(&lost);
+            assert!(
+                at_kill || at_hang,
+                "{client}: a first attempt sent at {lost} was lost (kill {killed_at}..{gone_at}, \
+                 hang {stopped_at}..{after_hang})"
+            );
+        }
+    }
+
+    let state_dir = agent.state_dir.display().to_string();
+    drop(agent);
+    let out = node.cli(&["teardown", "--state-dir", &state_dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    node.assert_nothing_left();
+    let lo =
+        String::from_utf8_lossy(&node.run("node", "ip", &["addr", "show", "dev", "lo"]).stdout)
+            .into_owned();
+    assert!(!lo.contains(local), "the agent's copy of {local} is left on lo:\n{lo}");
+}
+
+macro_rules! link_local_matrix {
+    ($($name:ident: $kube_proxy:literal, $dataplane:literal, $family:ident;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                link_local_cell($kube_proxy, $dataplane, Family::$family);
+            }
+        )*
+    };
+}
+
+link_local_matrix! {
+    link_local_legacy_auto_v4: "iptables-legacy", "auto", V4;
+    link_local_legacy_nftables_v4: "iptables-legacy", "nftables", V4;
+    link_local_legacy_auto_v6: "iptables-legacy", "auto", V6;
+    link_local_nft_auto_v4: "iptables-nft", "auto", V4;
+    link_local_nft_nftables_v4: "iptables-nft", "nftables", V4;
+    link_local_nft_legacy_v4: "iptables-nft", "iptables-legacy", V4;
+    link_local_nft_auto_v6: "iptables-nft", "auto", V6;
+    link_local_nftmode_auto_v4: "nftables", "auto", V4;
+    link_local_nftmode_nft_v4: "nftables", "iptables-nft", V4;
+    link_local_nftmode_auto_v6: "nftables", "auto", V6;
 }
 
 macro_rules! matrix {

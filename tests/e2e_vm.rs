@@ -322,17 +322,60 @@ fn ipvs_auto_refuses_clusterip_interception() {
     });
 }
 
-/// The link-local shape on IPVS: pods that query 169.254.20.10 reach the cache (IPVS has no
-/// service there). Failing it over comes with the link-local work.
-#[test]
-fn ipvs_link_local_ip_reaches_the_cache() {
-    in_guest(test_name!(), || {
-        let node = SimNode::up_with(&["--kube-proxy", "ipvs", "--listen-dev", "dummy"]);
-        let s = burst(&node, LOCAL_IP, 200);
-        println!("pods → 169.254.20.10 on IPVS: {s}");
-        assert_eq!(origin(&s, "cache"), 200, "{s}");
-        assert_eq!(s["failed"], 0, "{s}");
-    });
+/// The link-local shape (issue 12) on the guest kernel, listen IPs on node-cache's dummy: pods
+/// query 169.254.20.10 itself, the agent runs without `--cluster-dns-ip`. In IPVS mode (where
+/// KEP-1024 calls failover impossible) IPVS has no service on that IP, so the cache answers; when
+/// it is killed or hung, the agent's forwarder answers with CoreDNS's answers (its upstream
+/// queries reach CoreDNS through IPVS), and no pod lookup fails. node-cache's teardown (its
+/// dummy deleted) leaves the IP on the agent's copy; `teardown` leaves nothing.
+fn link_local_cell(kube_proxy: &str, dataplane: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--listen-dev", "dummy"]);
+    let mut args = vec!["--dataplane", dataplane];
+    args.extend(AGENT_TIMING);
+    let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &args);
+    let mut pod = pod_load(&node, LOCAL_IP);
+    wait_only(&mut pod, "cache");
+
+    node.signal("cache-kill");
+    wait_only(&mut pod, "coredns");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", ROUTE);
+    wait_only(&mut pod, "cache");
+
+    node.signal("cache-stop");
+    let up = agent.wait_route("upstream", ROUTE);
+    println!("hang: {}", up["reason"]);
+    wait_only(&mut pod, "coredns");
+    node.signal("cache-cont");
+    agent.wait_route("local", ROUTE);
+    wait_only(&mut pod, "cache");
+
+    // node-cache's teardown deletes its dummy, and the IP with it: the agent's copy on lo
+    // keeps it, so the running cache still answers, and the forwarder once it is killed.
+    let out = node.run("node", "ip", &["link", "del", "nodelocaldns"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    wait_only(&mut pod, "cache");
+    node.signal("cache-kill");
+    wait_only(&mut pod, "coredns");
+
+    let summary = pod.interrupt();
+    println!("link-local, {kube_proxy} × {dataplane} on {}: pod {summary}", Machine::this().kernel);
+    assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
+    assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
+    let state_dir = agent.state_dir.display().to_string();
+    drop(agent);
+    let out = node.cli(&["teardown", "--state-dir", &state_dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_nothing_left(&node);
+    let lo = node.run("node", "ip", &["addr", "show", "dev", "lo"]);
+    let lo = String::from_utf8_lossy(&lo.stdout);
+    assert!(!lo.contains(LOCAL_IP), "the agent's copy is left on lo:\n{lo}");
+}
+
+guest_tests! {
+    fn link_local_ipvs_kube_proxy_nftables_agent() { link_local_cell("ipvs", "nftables") }
+    fn link_local_ipvs_kube_proxy_legacy_agent() { link_local_cell("ipvs", "iptables-legacy") }
+    fn link_local_ipvs_kube_proxy_nft_agent() { link_local_cell("ipvs", "iptables-nft") }
 }
 
 /// The upstream probes' outcomes so far: (sent, bad).

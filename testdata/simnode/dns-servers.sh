@@ -3,11 +3,17 @@
 # IPs) answering who.test with 1.1.1.1, and "CoreDNS" (dnsmasq, in the dns namespace, on the
 # endpoints behind the kube-dns Services) answering 2.2.2.2, so every answer says who gave it.
 
-dig_answers() { # dig_answers ROLE SERVER NAME WANT: the first answer is WANT
-    [[ "$(in_ns "$1" dig +time=1 +tries=1 +short "@$2" "$3" | head -n1)" == "$4" ]]
+dig_answers() { # dig_answers ROLE SERVER NAME WANT [DIG_ARGS...]: the first answer is WANT
+    [[ "$(in_ns "$1" dig +time=1 +tries=1 +short "${@:5}" "@$2" "$3" | head -n1)" == "$4" ]]
 }
-dig_servfail() { # dig_servfail ROLE SERVER NAME
-    in_ns "$1" dig +time=1 +tries=1 "@$2" "$3" | grep -q 'status: SERVFAIL'
+dig_servfail() { # dig_servfail ROLE SERVER NAME [DIG_ARGS...]
+    in_ns "$1" dig +time=1 +tries=1 "${@:4}" "@$2" "$3" | grep -q 'status: SERVFAIL'
+}
+# The cache's own address is asked from the loopback address, as the agent probes it: a query to
+# the link-local IP from any other source may be the agent's forwarder's to answer (when the
+# route is Upstream), and the check must see the cache itself.
+from_loopback() { # from_loopback SERVER: dig's source option
+    if [[ $1 == *:* ]]; then echo "-b ::1"; else echo "-b 127.0.0.1"; fi
 }
 
 # cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in, answering
@@ -71,9 +77,11 @@ cmd_cache_start() {
         return
     fi
     if [[ $mode == normal ]]; then
-        wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A"
+        # shellcheck disable=SC2046 # two words: -b ADDR
+        wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A" $(from_loopback "$server")
     else
-        wait_for 10 "the cache to answer SERVFAIL" dig_servfail node "$server" "$PROBE_NAME"
+        # shellcheck disable=SC2046
+        wait_for 10 "the cache to answer SERVFAIL" dig_servfail node "$server" "$PROBE_NAME" $(from_loopback "$server")
     fi
     svc_pid cache || die "the cache exited (log: $RUN_DIR/cache.log)"
 }
