@@ -20,7 +20,9 @@ use std::time::Duration;
 
 use clap::CommandFactory;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Container, PodSpec, Probe, Service, ServiceAccount, Volume};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, PodSpec, Probe, Service, ServiceAccount, Volume,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use nodelocaldns_ha::cli::Cli;
@@ -59,9 +61,43 @@ const PLACEHOLDERS: [(&str, &str); 3] = [
 const KUSTOMIZATION_KEYS: [&str; 8] =
     ["apiVersion", "kind", "resources", "patches", "images", "namespace", "labels", "components"];
 
-/// node-local-dns's DaemonSet as its stock manifest has it (abridged to what the overlay
-/// touches): the overlay's target when its remote resource cannot be fetched.
+/// node-local-dns's ConfigMap and DaemonSet as its stock manifest has them (abridged to what the
+/// overlays touch and the placeholders fill): the overlays' target when their remote resource
+/// cannot be fetched. node-cache fills `__PILLAR__CLUSTER__DNS__` and
+/// `__PILLAR__UPSTREAM__SERVERS__` itself when it writes its Corefile.
 const STOCK_NODE_LOCAL_DNS: &str = r#"
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: node-local-dns
+  namespace: kube-system
+data:
+  Corefile: |
+    __PILLAR__DNS__DOMAIN__:53 {
+        errors
+        cache {
+                success 9984 30
+                denial 9984 5
+        }
+        reload
+        loop
+        bind __PILLAR__LOCAL__DNS__ __PILLAR__DNS__SERVER__
+        forward . __PILLAR__CLUSTER__DNS__ {
+                force_tcp
+        }
+        prometheus :9253
+        health __PILLAR__LOCAL__DNS__:8080
+        }
+    .:53 {
+        errors
+        cache 30
+        reload
+        loop
+        bind __PILLAR__LOCAL__DNS__ __PILLAR__DNS__SERVER__
+        forward . __PILLAR__UPSTREAM__SERVERS__
+        prometheus :9253
+        }
+---
 apiVersion: apps/v1
 kind: DaemonSet
 metadata:
@@ -87,6 +123,11 @@ spec:
           image: registry.k8s.io/dns/k8s-dns-node-cache:1.26.4
           args: ["-localip", "__PILLAR__LOCAL__DNS__,__PILLAR__DNS__SERVER__", "-conf",
                  "/etc/Corefile", "-upstreamsvc", "kube-dns-upstream"]
+          livenessProbe:
+            httpGet:
+              host: __PILLAR__LOCAL__DNS__
+              path: /health
+              port: 8080
           securityContext:
             capabilities:
               add: ["NET_ADMIN"]
@@ -235,8 +276,10 @@ struct Patch {
 #[derive(Debug)]
 struct Kustomization {
     dir: PathBuf,
-    /// The objects of its local resources.
+    /// The objects of its local resource files.
     objects: Vec<Value>,
+    /// The kustomizations among its resources (directories: an overlay's bases).
+    nested: Vec<Kustomization>,
     /// Resources kustomize fetches at build time.
     remote: Vec<String>,
     patches: Vec<Patch>,
@@ -261,6 +304,7 @@ impl Kustomization {
         }
 
         let mut objects = Vec::new();
+        let mut nested = Vec::new();
         let mut remote = Vec::new();
         for entry in list(doc, "/resources", &origin) {
             let entry = entry.as_str().unwrap_or_else(|| panic!("{origin}: resource {entry}"));
@@ -272,7 +316,7 @@ impl Kustomization {
             let path = dir.join(entry);
             assert!(path.exists(), "{origin}: resource {entry} does not exist");
             if path.is_dir() {
-                objects.extend(Kustomization::load(&path).build(&[]));
+                nested.push(Kustomization::load(&path));
             } else {
                 for object in file_docs(&path) {
                     assert!(
@@ -309,15 +353,32 @@ impl Kustomization {
             })
             .collect();
 
-        Kustomization { dir: dir.to_path_buf(), objects, remote, patches, images }
+        Kustomization { dir: dir.to_path_buf(), objects, nested, remote, patches, images }
     }
 
-    /// The build's output: local objects plus `fetched` (standing in for the remote resources),
-    /// patched, with images replaced. Fails like kustomize on duplicate objects, on patches
-    /// without a target and on images that name no container.
+    /// The remote resources of this kustomization and of those it builds on.
+    fn remote_all(&self) -> Vec<&str> {
+        let nested = self.nested.iter().flat_map(Kustomization::remote_all);
+        self.remote.iter().map(String::as_str).chain(nested).collect()
+    }
+
+    /// The build's output: local objects, the nested kustomizations' builds, and `fetched`
+    /// (standing in for the remote resources, at the level that names them), patched, with
+    /// images replaced. Fails like kustomize on duplicate objects, on patches without a target
+    /// and on images that name no container.
     fn build(&self, fetched: &[Value]) -> Vec<Value> {
         let origin = shown(&self.dir);
-        let mut objects: Vec<Value> = self.objects.iter().chain(fetched).cloned().collect();
+        assert_eq!(
+            fetched.is_empty(),
+            self.remote_all().is_empty(),
+            "{origin}: the stand-ins for remote resources, exactly where there are some"
+        );
+        let own_fetched = if self.remote.is_empty() { &[][..] } else { fetched };
+        let mut objects: Vec<Value> = self.objects.iter().chain(own_fetched).cloned().collect();
+        for nested in &self.nested {
+            let theirs = if nested.remote_all().is_empty() { &[][..] } else { fetched };
+            objects.extend(nested.build(theirs));
+        }
         let mut ids = BTreeSet::new();
         for object in &objects {
             let id = ObjectId::of(object).unwrap();
@@ -443,8 +504,16 @@ fn check_json_patch_op(op: &Value, origin: &str) {
     }
 }
 
-/// Applies the `test` and `add` operations of an RFC 6902 patch (all the overlay uses).
+/// Applies the `test`, `add`, `replace` and `remove` operations of an RFC 6902 patch (all the
+/// overlays use), all or nothing: `doc` is changed only if every operation succeeds.
 fn json_patch(doc: &mut Value, ops: &[Value]) -> Result<(), String> {
+    let mut patched = doc.clone();
+    json_patch_in_place(&mut patched, ops)?;
+    *doc = patched;
+    Ok(())
+}
+
+fn json_patch_in_place(doc: &mut Value, ops: &[Value]) -> Result<(), String> {
     for op in ops {
         let path = str_at(op, "/path").unwrap();
         let value = &op["value"];
@@ -453,6 +522,25 @@ fn json_patch(doc: &mut Value, ops: &[Value]) -> Result<(), String> {
                 Some(found) if found == value => {}
                 found => return Err(format!("test failed: {path} is {found:?}, not {value}")),
             },
+            "replace" => match doc.pointer_mut(path) {
+                Some(found) => *found = value.clone(),
+                None => return Err(format!("replace: nothing at {path}")),
+            },
+            "remove" => {
+                let (parent, last) = path.rsplit_once('/').unwrap();
+                let last = last.replace("~1", "/").replace("~0", "~");
+                let removed = match doc.pointer_mut(parent) {
+                    Some(Value::Array(items)) => match last.parse::<usize>() {
+                        Ok(at) if at < items.len() => Some(items.remove(at)),
+                        _ => None,
+                    },
+                    Some(Value::Object(fields)) => fields.remove(&last),
+                    _ => None,
+                };
+                if removed.is_none() {
+                    return Err(format!("remove: nothing at {path}"));
+                }
+            }
             "add" => {
                 let (parent, last) = path.rsplit_once('/').unwrap();
                 let last = last.replace("~1", "/").replace("~0", "~");
@@ -504,11 +592,26 @@ fn overlay() -> Kustomization {
     Kustomization::load(&repo().join("manifests/overlays/node-local-dns"))
 }
 
-/// The stock node-local-dns DaemonSet, standing in for the overlay's remote resource.
-fn stock() -> Value {
+/// The stock node-local-dns objects, standing in for the overlays' remote resource.
+fn stock() -> Vec<Value> {
     let docs = yaml_docs(STOCK_NODE_LOCAL_DNS, "the stock fixture");
-    typed::<DaemonSet>(&docs[0], "the stock fixture");
-    docs[0].clone()
+    for doc in &docs {
+        match str_at(doc, "/kind") {
+            Some("DaemonSet") => {
+                let _: DaemonSet = typed(doc, "the stock fixture");
+            }
+            Some("ConfigMap") => {
+                let _: ConfigMap = typed(doc, "the stock fixture");
+            }
+            other => panic!("the stock fixture: {other:?}"),
+        }
+    }
+    docs
+}
+
+/// The stock node-local-dns DaemonSet alone.
+fn stock_daemonset() -> Value {
+    find(&stock(), &ObjectId::new("DaemonSet", NODE_LOCAL_DNS)).clone()
 }
 
 fn find<'a>(objects: &'a [Value], id: &ObjectId) -> &'a Value {
@@ -671,7 +774,7 @@ fn the_overlay_patches_node_local_dns_and_nothing_else() {
         assert_eq!(patch.target, ObjectId::new("DaemonSet", NODE_LOCAL_DNS), "{:?}", patch.file);
     }
     // Builds against the stock DaemonSet (the JSON patch's `test` passes, the target exists).
-    overlay.build(&[stock()]);
+    overlay.build(&stock());
 }
 
 #[test]
@@ -888,11 +991,10 @@ fn node_local_dns_patch() -> DaemonSet {
 
 #[test]
 fn node_cache_leaves_the_rules_to_the_agent() {
-    let stock = stock();
-    let objects = overlay().build(std::slice::from_ref(&stock));
+    let objects = overlay().build(&stock());
     let built: DaemonSet =
         typed(find(&objects, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS)), "built");
-    let before: DaemonSet = typed(&stock, "stock");
+    let before: DaemonSet = typed(&stock_daemonset(), "stock");
     let args =
         |ds: &DaemonSet| container(pod_spec(ds), NODE_CACHE).args.clone().unwrap_or_default();
     let (before, after) = (args(&before), args(&built));
