@@ -1166,6 +1166,30 @@ fn leading_comment(path: &Path) -> String {
     lines.map(|l| l.trim_start_matches('#')).collect::<Vec<_>>().join("\n")
 }
 
+/// Every documented fill for the link-local shape, by where it is written: each link-local
+/// kustomization's comment, and the `sh` blocks of manifests/README.md's section on the shape
+/// (its steps, run with `$LOCAL_DNS` the link-local IP, and kubespray's example).
+fn link_local_fills() -> Vec<(String, Vec<(String, String)>)> {
+    let mut fills = Vec::new();
+    for k in [agent_link_local(), node_local_dns_link_local()] {
+        let file = k.dir.join("kustomization.yaml");
+        fills.push((shown(&file), sed_fills(&leading_comment(&file), &[])));
+    }
+    let readme = read(&repo().join("manifests/README.md"));
+    let section = readme
+        .split("\n## ")
+        .find(|s| s.starts_with("The link-local shape"))
+        .expect("manifests/README.md has a section on the link-local shape");
+    let vars = [("LOCAL_DNS", LINK_LOCAL_IP), ("DOMAIN", "cluster.local")];
+    for (i, block) in section.split("```sh").skip(1).enumerate() {
+        let block = &block[..block.find("```").expect("the block ends")];
+        let origin = format!("manifests/README.md, the link-local shape's block {}", i + 1);
+        fills.push((origin, sed_fills(block, &vars)));
+    }
+    assert!(fills.len() >= 4, "the steps and kubespray's example: {fills:?}");
+    fills
+}
+
 /// `objects` with `fills` done in every string, as `sed` does them in `kubectl kustomize`'s
 /// output (the placeholders sit inside string values, the Corefile's lines included).
 fn filled_with(objects: &[Value], fills: &[(String, String)]) -> Vec<Value> {
@@ -1261,15 +1285,18 @@ fn the_link_local_agent_is_the_base_without_the_cluster_dns_ip() {
 
 #[test]
 fn the_link_local_agent_runs_in_the_link_local_shape() {
-    let comment = leading_comment(&agent_link_local().dir.join("kustomization.yaml"));
-    let fills = sed_fills(&comment, &[]);
-    let built = filled_with(&agent_link_local().build(&[]), &fills);
-    assert_eq!(unfilled(&built), BTreeSet::new(), "every placeholder filled");
-    let ds: DaemonSet = typed(find(&built, &ObjectId::new("DaemonSet", AGENT)), "filled");
-    let config = agent_config(container(pod_spec(&ds), "agent")).unwrap();
-    assert_eq!(config.addrs.local, [LINK_LOCAL_IP.parse::<std::net::IpAddr>().unwrap()]);
-    assert!(config.addrs.cluster_dns.is_empty(), "{:?}", config.addrs.cluster_dns);
-    assert!(config.shape.link_local, "the link-local IP fails over");
+    let objects = agent_link_local().build(&[]);
+    for (origin, fills) in link_local_fills() {
+        let built = filled_with(&objects, &fills);
+        assert_eq!(unfilled(&built), BTreeSet::new(), "{origin}: every placeholder filled");
+        let ds: DaemonSet = typed(find(&built, &ObjectId::new("DaemonSet", AGENT)), "filled");
+        let config = agent_config(container(pod_spec(&ds), "agent"))
+            .unwrap_or_else(|e| panic!("{origin}: {e}"));
+        let local: std::net::IpAddr = LINK_LOCAL_IP.parse().unwrap();
+        assert_eq!(config.addrs.local, [local], "{origin}");
+        assert!(config.addrs.cluster_dns.is_empty(), "{origin}: {:?}", config.addrs.cluster_dns);
+        assert!(config.shape.link_local, "{origin}: the link-local IP fails over");
+    }
 
     // The same check reads the ClusterIP shape in the base.
     let base = filled_with(&base().build(&[]), &PLACEHOLDERS.map(|(p, v)| (p.into(), v.into())));
@@ -1361,24 +1388,24 @@ fn the_link_local_patches_refuse_a_manifest_they_were_not_written_for() {
 
 #[test]
 fn the_link_local_fill_binds_node_cache_to_the_link_local_ip_alone() {
-    let overlay = node_local_dns_link_local();
-    let comment = leading_comment(&overlay.dir.join("kustomization.yaml"));
-    let built = filled_with(&overlay.build(&stock()), &sed_fills(&comment, &[]));
-    assert_eq!(unfilled(&built), BTreeSet::new(), "every placeholder filled");
-    let ds = find(&built, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS));
-    assert_eq!(node_cache_localip(ds), LINK_LOCAL_IP);
-    let corefile = find(&built, &ObjectId::new("ConfigMap", NODE_LOCAL_DNS))["data"]["Corefile"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let binds: Vec<&str> =
-        corefile.lines().map(str::trim).filter(|l| l.starts_with("bind ")).collect();
-    assert!(!binds.is_empty(), "{corefile}");
-    for bind in binds {
-        assert_eq!(bind.split_whitespace().collect::<Vec<_>>(), ["bind", LINK_LOCAL_IP], "{bind}");
+    let objects = node_local_dns_link_local().build(&stock());
+    for (origin, fills) in link_local_fills() {
+        let built = filled_with(&objects, &fills);
+        assert_eq!(unfilled(&built), BTreeSet::new(), "{origin}: every placeholder filled");
+        let ds = find(&built, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS));
+        assert_eq!(node_cache_localip(ds), LINK_LOCAL_IP, "{origin}");
+        let config = find(&built, &ObjectId::new("ConfigMap", NODE_LOCAL_DNS));
+        let corefile = config["data"]["Corefile"].as_str().unwrap();
+        let lines = || corefile.lines().map(str::trim);
+        let binds: Vec<&str> = lines().filter(|l| l.starts_with("bind ")).collect();
+        assert!(!binds.is_empty(), "{origin}: {corefile}");
+        for bind in binds {
+            let words: Vec<&str> = bind.split_whitespace().collect();
+            assert_eq!(words, ["bind", LINK_LOCAL_IP], "{origin}: {bind}");
+        }
+        let health = lines().find(|l| l.starts_with("health ")).unwrap();
+        assert_eq!(health, format!("health {LINK_LOCAL_IP}:8080"), "{origin}");
     }
-    let health = corefile.lines().map(str::trim).find(|l| l.starts_with("health ")).unwrap();
-    assert_eq!(health, format!("health {LINK_LOCAL_IP}:8080"));
 }
 
 // ---------------------------------------------------------------------------------------------
