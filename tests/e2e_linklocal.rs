@@ -5,9 +5,9 @@
 //! teardown in every kube-proxy mode, backend and family are the link-local cells of
 //! `tests/e2e_matrix.rs`; here what they do not look at.
 //!
-//! node-cache's addresses sit on an interface of its own (simnode's default `--listen-dev veth`, for
-//! its `nodelocaldns` dummy, which this kernel lacks), so that its teardown can be modelled
-//! without taking the agent's copies on lo with it. Each test makes its own namespaces (unique
+//! node-cache's addresses sit on an interface of its own (simnode's default `--listen-dev
+//! veth`, for its `nodelocaldns` dummy, which this kernel lacks), so that its teardown can be
+//! modelled without taking the agent's copies on lo with it. Each test makes its own namespaces (unique
 //! prefix) and removes them, whatever happens.
 
 use std::time::Duration;
