@@ -344,9 +344,12 @@ async fn run_with(
             "firewall watch",
             nftables::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
         );
+        // Others' NOTRACK on the link-local IP is harmless: the fallback's TPROXY acts on
+        // untracked packets all the same. On the cluster-DNS IP it pins pods to the cache.
         let period = detect::FOREIGN_RULES_PERIOD;
+        let cluster_dns = cfg.addrs.cluster_dns.clone();
         let foreign =
-            detect::watch_foreign_rules(listen, period, raw_changed, hearing.clone(), warn_tx);
+            detect::watch_foreign_rules(cluster_dns, period, raw_changed, hearing.clone(), warn_tx);
         tasks.spawn("foreign-rule watch", foreign);
     }
     let mut requests = match requests {

@@ -14,9 +14,9 @@ use crate::dataplane::POLL_ANNOUNCED;
 /// How often the node is searched for NOTRACK rules of others on the listen addresses.
 pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 
-/// Every `period`, looks for NOTRACK rules on the listen addresses that are not the agent's
-/// (node-cache run without `-setupiptables=false` re-inserts its own every 60 s): while they
-/// exist, the `Upstream` route cannot take effect, and only an operator can fix that.
+/// Every `period`, looks for NOTRACK rules on `addrs` (the cluster-DNS IPs) that are not the
+/// agent's (node-cache run without `-setupiptables=false` re-inserts its own every 60 s): while
+/// they exist, the `Upstream` route cannot take effect, and only an operator can fix that.
 ///
 /// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
 /// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and then
