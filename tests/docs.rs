@@ -45,14 +45,26 @@ fn fail_safe_rows(readme: &str) -> Vec<(String, Vec<String>)> {
 /// Every test that runs (`#[test]`, not `#[ignore]`d) among the `.rs` files under `tests/`.
 fn test_names(root: &Path) -> Vec<String> {
     let mut names = Vec::new();
-    for entry in std::fs::read_dir(root.join("tests")).expect("tests/") {
-        let path = entry.expect("entry").path();
-        if path.extension().is_none_or(|e| e != "rs") {
-            continue;
+    for dir in ["tests", "src"] {
+        for path in rust_files(&root.join(dir)) {
+            names.extend(tests_in(&std::fs::read_to_string(&path).expect("read test file")));
         }
-        names.extend(tests_in(&std::fs::read_to_string(&path).expect("read test file")));
     }
     names
+}
+
+/// The `.rs` files under `dir`, at any depth (the unit and kernel tests live beside the code).
+fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).expect("a directory") {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            files.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            files.push(path);
+        }
+    }
+    files
 }
 
 /// The tests of one file that run: `fn`s under a `#[test]` attribute and no `#[ignore]`, in
@@ -79,6 +91,14 @@ fn tests_in(text: &str) -> Vec<String> {
         if let Some(name) = trimmed.strip_prefix("fn ").and_then(|f| f.split('(').next()) {
             if (test || in_macro) && !ignored {
                 names.push(name.to_owned());
+            }
+        }
+        // A table of cells in a macro call (`name: "kube-proxy", "backend", V4;`): one test each.
+        if in_macro && trimmed.ends_with(';') {
+            if let Some((name, _)) = trimmed.split_once(": ") {
+                if name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+                    names.push(name.to_owned());
+                }
             }
         }
         (test, ignored) = (false, false);
@@ -126,6 +146,10 @@ fn the_row_parser_reads_names_and_variants() {
         rows,
         vec![("crash".to_owned(), vec!["one_test".into(), "one_test_v2".into(), "other".into()])]
     );
+    // A macro's table of cells names a test per line; a `let` in a test body names none.
+    let cells = "matrix! {\n    legacy_auto_v4: \"iptables-legacy\", \"auto\", V4;\n}\n\
+                 #[test]\nfn t() {\n    let x: u8 = 1;\n}\n";
+    assert_eq!(tests_in(cells), ["legacy_auto_v4", "t"]);
 }
 
 #[test]
