@@ -108,7 +108,8 @@ pub enum Error {
     #[error(
         "the kernel rejected the nftables batch at {at}: {source}; nothing was changed \
          (EPERM: needs CAP_NET_ADMIN; ENOENT or EOPNOTSUPP at a rule: a kernel module is \
-         missing, needs kernel ≥ 5.x with nf_tables, nft_fib_inet and nft_socket)"
+         missing, needs kernel ≥ 5.x with nf_tables, nft_fib_inet and nft_socket, and for the \
+         chain fallback nft_tproxy; --link-local-failover=false runs without that chain)"
     )]
     Rejected {
         /// The message the kernel refused, e.g. `chain prerouting: rule 3 (…)`.
