@@ -45,6 +45,8 @@ pub struct Notes {
     pub why: Option<String>,
     /// Where the filter ACCEPTs go.
     pub accepts_in: Vec<String>,
+    /// Why the link-local IP is not failed over although it should be.
+    pub link_local_off: Option<String>,
 }
 
 /// The synchronous core of the agent.
@@ -58,6 +60,8 @@ pub struct Agent {
     transitions: u64,
     probes: Probes,
     notes: Notes,
+    /// The link-local forwarder's counts, when the daemon runs one.
+    forwarded: Option<state::Forwarded>,
     warnings: Vec<String>,
     metrics: Arc<Metrics>,
     /// Route changes not yet taken by [`Agent::take_changes`].
@@ -181,6 +185,7 @@ impl Agent {
                 upstream: stats(cfg.upstream_target()),
             },
             notes: Notes::default(),
+            forwarded: None,
             warnings: Vec::new(),
             metrics,
             changes: Vec::new(),
@@ -447,6 +452,11 @@ impl Agent {
         self.firewall = notes;
     }
 
+    /// Records what the link-local forwarder has done, for `status`.
+    pub fn set_forwarded(&mut self, forwarded: state::Forwarded) {
+        self.forwarded = Some(forwarded);
+    }
+
     /// Records what detection found, for `status`.
     pub fn set_notes(&mut self, notes: Notes) {
         self.notes = notes;
@@ -485,7 +495,10 @@ impl Agent {
             pid: std::process::id(),
             updated_unix_ms: state::unix_ms(wall),
             dataplane: self.reconciler.dataplane().name().to_owned(),
-            shape: describe_shape(&self.addrs, self.shape.link_local),
+            shape: match &self.notes.link_local_off {
+                None => describe_shape(&self.addrs, self.shape.link_local),
+                Some(why) => format!("{} ({why})", describe_shape(&self.addrs, false)),
+            },
             dataplane_why: self.notes.why.clone(),
             accepts_in: self.notes.accepts_in.clone(),
             warnings: self.firewall.iter().chain(&self.warnings).cloned().collect(),
@@ -498,6 +511,7 @@ impl Agent {
             repairs: self.reconciler.repairs(),
             last_error: self.reconciler.last_error().map(str::to_owned),
             probes: self.probes.clone(),
+            forwarded: self.forwarded.clone(),
         }
     }
 }

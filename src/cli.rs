@@ -283,6 +283,10 @@ pub struct RulesArgs {
     pub route: RouteArg,
     #[command(flatten)]
     pub listen: ListenArgs,
+    /// With the link-local IPs' fallback chain, as `run` installs it (`false`: as `flip` does
+    /// with no agent running, or `run --link-local-failover false`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub link_local_failover: bool,
 }
 
 /// A route, as given on the command line.

@@ -257,9 +257,27 @@ async fn run_with(
         Vec::new()
     };
     // The forwarder and the copies of the link-local IPs before the rules that need them.
-    if watch_node && cfg.shape.link_local {
-        link_local::start(&cfg.addrs.local, &cfg.upstream, &mut tasks)?;
-    }
+    let mut cfg = cfg;
+    let mut link_local_off = None;
+    let forwarders = if watch_node && cfg.shape.link_local {
+        match link_local::start(&cfg.addrs.local, &cfg.upstream, &mut tasks) {
+            Ok(counters) => counters,
+            // In the ClusterIP shape, the cluster-DNS IP's failover needs no forwarder: run
+            // without the link-local one (no fallback chain), and say so, rather than exit
+            // where an older DaemonSet gives no CAP_NET_BIND_SERVICE.
+            Err(AgentError::Forwarder(e))
+                if e.is_permission() && !cfg.addrs.cluster_dns.is_empty() =>
+            {
+                error!(error = %e, "link-local failover is off: the forwarder cannot listen");
+                link_local_off = Some(e.to_string());
+                cfg.shape.link_local = false;
+                Vec::new()
+            }
+            Err(e) => return Err(e),
+        }
+    } else {
+        Vec::new()
+    };
     let mut agent =
         blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))
             .map_err(AgentError::Reader)?;
@@ -267,7 +285,7 @@ async fn run_with(
     if !agent.is_dirty() {
         health.set_ready();
     }
-    agent.set_notes(notes);
+    agent.set_notes(Notes { link_local_off, ..notes });
     agent.set_leftovers(leftovers);
     blocking(|| agent.remove_leftovers());
     // Written beside the loop: a synced write must not hold a decision up.
@@ -432,7 +450,12 @@ async fn run_with(
                 });
                 start_check(job, &checks_tx);
             }
-            _ = state_tick.tick() => write_state(&agent),
+            _ = state_tick.tick() => {
+                if !forwarders.is_empty() {
+                    agent.set_forwarded(link_local::forwarded(&forwarders));
+                }
+                write_state(&agent)
+            }
             Some(found) = warnings.recv() => agent.set_warnings(found),
             Some(found) = firewall_found.recv() => blocking(|| agent.set_firewall(found, now())),
             // The agent can no longer see what it should. Exit, leaving the current ruleset;

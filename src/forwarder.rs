@@ -175,10 +175,12 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
-    /// The listen address is taken, or the kernel refused it.
+    /// The listen address is taken, or the kernel refused it (port 53 is below 1024: binding
+    /// it needs `CAP_NET_BIND_SERVICE`).
     #[error(
-        "binding {listen} ({transport}, {option}) failed: {source} (is another process, or \
-         another agent, bound there? The forwarder's address must be its own)"
+        "binding {listen} ({transport}, {option}) failed: {source} (EACCES: port 53 needs \
+         CAP_NET_BIND_SERVICE; EADDRINUSE: another process, or another agent, is bound there, \
+         and the forwarder's address must be its own)"
     )]
     Bind {
         /// The address.
@@ -216,6 +218,18 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+}
+
+impl Error {
+    /// Whether the process lacks a privilege the forwarder needs (`EACCES`, `EPERM`).
+    pub fn is_permission(&self) -> bool {
+        match self {
+            Error::Transparent { source, .. } | Error::Bind { source, .. } => {
+                source.kind() == io::ErrorKind::PermissionDenied
+            }
+            _ => false,
+        }
+    }
 }
 
 /// A forwarder bound to its listen address, UDP and TCP; [`Forwarder::run`] serves.

@@ -10,12 +10,12 @@
 //!
 //! * always: NOTRACK for the link-local listen IP, both directions, as node-cache does;
 //! * [`Route::Local`]: NOTRACK for the cluster-DNS IP too. In prerouting it is guarded by
-//!   `fib daddr type local` and `socket transparent 0 socket wildcard 0` (a socket bound to the
-//!   address itself, not a TPROXY target, not another server's on 0.0.0.0): when the cache's
-//!   socket is gone the rule stops matching and the very next packet is DNATed by kube-proxy to
-//!   CoreDNS, with no agent involved. In output the socket guard cannot work (it sees the sending socket), so host
-//!   clients rely on the agent's switch; the address guard still prevents a blackhole when the
-//!   cache's teardown removes its addresses.
+//!   `fib daddr type local` and `socket transparent 0` (UDP: and `socket wildcard 0`): a
+//!   socket bound to the address itself, not a TPROXY target, not another server's on 0.0.0.0.
+//!   When the cache's socket is gone the rule stops matching and the very next packet is DNATed
+//!   by kube-proxy to CoreDNS, with no agent involved. In output the socket guard cannot work
+//!   (it sees the sending socket), so host clients rely on the agent's switch; the address guard
+//!   still prevents a blackhole when the cache's teardown removes its addresses.
 //! * [`Route::Upstream`]: no NOTRACK for queries to the cluster-DNS IP, so kube-proxy's DNAT
 //!   takes them. The cache's own replies from that IP stay NOTRACKed in both routes: a late
 //!   reply (after a hang) would otherwise leave a conntrack entry whose reverse tuple steers a
@@ -145,8 +145,9 @@ pub enum Guard {
     None,
     /// `fib daddr type local`: the address is still on the node.
     LocalAddress,
-    /// `fib daddr type local socket transparent 0 socket wildcard 0`: and a socket bound to the
-    /// address itself is there to take the packet.
+    /// `fib daddr type local socket transparent 0 [socket wildcard 0]`: and a socket bound to
+    /// the address itself is there to take the packet. (`wildcard` for UDP only: the kernel has
+    /// none for TCP's request and TIME_WAIT sockets, and the rule would miss a handshake's ACK.)
     LocalSocket,
     /// `ip saddr 127.0.0.1` (`ip6 saddr ::1`): sent from the loopback address, as the agent's
     /// own probes of the cache are, so they reach the cache itself and never the fallback.
@@ -427,7 +428,10 @@ impl fmt::Display for Rule {
             Guard::None => {}
             Guard::LocalAddress => f.write_str(" fib daddr type local")?,
             Guard::LocalSocket => {
-                f.write_str(" fib daddr type local socket transparent 0 socket wildcard 0")?
+                f.write_str(" fib daddr type local socket transparent 0")?;
+                if self.proto == Proto::Udp {
+                    f.write_str(" socket wildcard 0")?;
+                }
             }
             Guard::FromLoopback => match self.addr {
                 IpAddr::V4(_) => f.write_str(" ip saddr 127.0.0.1")?,

@@ -50,6 +50,21 @@ pub struct Probes {
     pub upstream: ProbeStats,
 }
 
+/// What the link-local forwarder has done since the agent started: how much of the node's DNS
+/// went around the cache.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Forwarded {
+    /// UDP queries sent on to the upstream, and the answers sent back.
+    pub udp_queries: u64,
+    pub udp_answers: u64,
+    /// TCP connections relayed.
+    pub tcp_connections: u64,
+    /// Queries the upstream did not answer in time, or connections it did not take.
+    pub upstream_failures: u64,
+    /// Queries dropped: at the forwarder's bound, malformed, or their answer unsendable.
+    pub dropped: u64,
+}
+
 /// What `status` shows.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct State {
@@ -87,6 +102,9 @@ pub struct State {
     /// The last dataplane error, until an apply succeeds again.
     pub last_error: Option<String>,
     pub probes: Probes,
+    /// The link-local forwarder's counts, where it runs.
+    #[serde(default)]
+    pub forwarded: Option<Forwarded>,
 }
 
 /// How old a state file may be before its agent counts as wedged (it is rewritten every second).
@@ -392,6 +410,7 @@ mod tests {
             repairs: 0,
             last_error: None,
             probes: Probes::default(),
+            forwarded: None,
         }
     }
 

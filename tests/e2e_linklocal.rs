@@ -77,6 +77,10 @@ fn hang_switches_to_the_forwarder_and_back() {
     });
     assert_eq!(probes(&after, "good"), probes(&before, "good"), "{after}");
     assert_eq!(after["route"], "upstream", "{after}");
+    // What went around the cache is counted, for `status`.
+    let forwarded = &after["forwarded"];
+    assert!(forwarded["udp_answers"].as_u64().is_some_and(|n| n > 0), "{after}");
+    assert_eq!(forwarded["udp_answers"], forwarded["udp_queries"], "{after}");
     node.signal("cache-cont");
     agent.wait_route("local", Duration::from_secs(10));
     for (client, load) in [("pod", pod), ("host", host)] {

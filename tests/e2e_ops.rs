@@ -229,8 +229,16 @@ fn flip_without_an_agent_applies_directly() {
         "{}",
         describe(&out)
     );
-    // kube-proxy in nftables mode: auto installed the nftables table, for Upstream.
-    assert_eq!(node.agent_table(), Some(node.expected_table("upstream")));
+    // kube-proxy in nftables mode: auto installed the nftables table, for Upstream, without
+    // the link-local fallback (no forwarder runs without the agent).
+    let rules = ["rules", "--route", "upstream", "--local-ip", LOCAL_IP];
+    let rules =
+        [&rules[..], &["--cluster-dns-ip", CLUSTER_DNS_IP, "--link-local-failover", "false"]];
+    let expected = node.cli(&rules.concat());
+    assert!(expected.status.success(), "{}", describe(&expected));
+    let expected = String::from_utf8_lossy(&expected.stdout).into_owned();
+    assert!(!expected.contains("fallback"), "{expected}");
+    assert_eq!(node.agent_table(), Some(expected));
     let answer =
         node.run("pod1", "dig", &["+short", "+time=1", "+tries=1", "@10.96.0.10", "who.test"]);
     assert_eq!(String::from_utf8_lossy(&answer.stdout).trim(), COREDNS_ANSWER);

@@ -50,7 +50,8 @@ const CLIENT_BUNDLE: &str = "/opt/nodelocaldns-ha";
 /// The capabilities the agent may ask for. NET_ADMIN: nftables, sock_diag, iptables changes.
 /// NET_RAW: iptables-legacy (libiptc) works through a raw socket; without it the agent cannot
 /// even read an iptables-legacy node (`iptables-legacy-save`: "Permission denied").
-const CAPABILITIES: [&str; 2] = ["NET_ADMIN", "NET_RAW"];
+/// NET_BIND_SERVICE: the link-local forwarder listens on port 53.
+const CAPABILITIES: [&str; 3] = ["NET_ADMIN", "NET_RAW", "NET_BIND_SERVICE"];
 /// How much longer than its `--timeout` the `drain` client waits for the agent's answer
 /// (`CALL_TIMEOUT` in src/bin/nodelocaldns-ha/main.rs).
 const DRAIN_CALL_SLACK: Duration = Duration::from_secs(5);

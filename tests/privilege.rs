@@ -1,13 +1,14 @@
 //! Least privilege: the agent does its whole job (starts, installs its rules, fails over on a
 //! cache crash and comes back, obeys `flip`, stops, is torn down) with nothing but the
 //! capabilities its backend needs, as root with a reduced bounding set (how the DaemonSet runs
-//! it: uid 0, `drop: ALL`, `add: NET_ADMIN, NET_RAW`) and as another user with ambient
+//! it: uid 0, `drop: ALL`, `add: NET_ADMIN, NET_RAW, NET_BIND_SERVICE`) and as another user with ambient
 //! capabilities. Its control socket serves root only, and its metrics endpoint listens on
 //! loopback unless told otherwise.
 //!
 //! What each backend needs, as these tests establish it:
-//! * nftables and iptables-nft: CAP_NET_ADMIN alone;
-//! * iptables-legacy: CAP_NET_ADMIN and CAP_NET_RAW (libiptc uses a raw socket);
+//! * nftables and iptables-nft: CAP_NET_ADMIN and CAP_NET_BIND_SERVICE (the link-local
+//!   forwarder listens on port 53; without it only the link-local failover is off, and said);
+//! * iptables-legacy: CAP_NET_RAW too (libiptc uses a raw socket);
 //! * `teardown` on a node with iptables-legacy installed: CAP_NET_RAW too (it cleans every
 //!   backend), and without it, it refuses before removing anything.
 
@@ -80,6 +81,7 @@ impl Privileges {
 
 fn cap_bit(name: &str) -> u32 {
     match name {
+        "net_bind_service" => 10,
         "net_admin" => 12,
         "net_raw" => 13,
         other => panic!("unknown capability {other}"),
@@ -246,17 +248,49 @@ fn full_cycle(node: &SimNode, p: Privileges, dataplane: &str, tag: &str) -> Vec<
     warnings
 }
 
-const ROOT_NET_ADMIN: Privileges = Privileges { uid: 0, caps: &["net_admin"], capsh: false };
-const ROOT_BOTH: Privileges = Privileges { uid: 0, caps: &["net_admin", "net_raw"], capsh: false };
+const ROOT_NET_ADMIN: Privileges =
+    Privileges { uid: 0, caps: &["net_admin", "net_bind_service"], capsh: false };
+const ROOT_BOTH: Privileges =
+    Privileges { uid: 0, caps: &["net_admin", "net_raw", "net_bind_service"], capsh: false };
 
 #[test]
-fn nftables_and_iptables_nft_need_only_cap_net_admin() {
+fn nftables_and_iptables_nft_need_cap_net_admin_and_net_bind_service() {
     let node = SimNode::up();
     full_cycle(&node, ROOT_NET_ADMIN, "nftables", "a");
     full_cycle(&node, ROOT_NET_ADMIN, "iptables-nft", "b");
     // The same through capsh.
     let capsh = Privileges { capsh: true, ..ROOT_NET_ADMIN };
     full_cycle(&node, capsh, "nftables", "c");
+}
+
+/// Without CAP_NET_BIND_SERVICE (an older DaemonSet) the forwarder cannot listen on port 53. In
+/// the ClusterIP shape the agent runs on without the link-local failover: no fallback chain
+/// (nothing TPROXYed to a forwarder that is not there), and `status` says why. In the link-local
+/// shape there would be nothing left to do: it exits (1) naming the capability.
+#[test]
+fn without_net_bind_service_the_link_local_failover_is_off_and_said() {
+    let node = SimNode::up();
+    let p = Privileges { uid: 0, caps: &["net_admin"], capsh: false };
+    let agent = start(&node, p, "nftables", "i");
+    let st = agent.wait_route("local", Duration::from_secs(10));
+    assert_eq!(identity(&agent), (0, p.mask()));
+    let shape = st["shape"].as_str().unwrap();
+    assert!(shape.contains("not failed over") && shape.contains("CAP_NET_BIND_SERVICE"), "{st}");
+    let table = node.agent_table().expect("the agent's table");
+    assert!(table.contains("10.96.0.10") && !table.contains("tproxy"), "{table}");
+    assert_eq!(pod_answer(&node), CACHE_ANSWER);
+    drop(agent);
+    let out = node.cli(&["teardown", "--state-dir", "/nonexistent-nlha"]);
+    assert!(out.status.success(), "{}", describe(&out));
+
+    let lock = node.dir.join("xtables-j.lock");
+    let args = ["run", "--local-ip", LOCAL_IP, "--upstream-ip", UPSTREAM_IP];
+    let dir = owned(&node, "state-j", 0, true).display().to_string();
+    let args = [&args[..], &["--dataplane", "nftables", "--state-dir", &dir]].concat();
+    let out = wrapped(&node, p, &lock, agent_exe(), &args).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("CAP_NET_BIND_SERVICE"), "{stderr}");
 }
 
 #[test]
@@ -294,11 +328,12 @@ fn iptables_legacy_and_the_daemonsets_privileges() {
 #[test]
 fn a_user_who_is_not_root_runs_it_with_ambient_capabilities() {
     let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
-    let nobody = Privileges { uid: NOBODY, caps: &["net_admin"], capsh: false };
+    let nobody = Privileges { uid: NOBODY, caps: &["net_admin", "net_bind_service"], capsh: false };
     for warning in full_cycle(&node, nobody, "nftables", "g") {
         println!("not root, nftables: {warning}");
     }
-    let nobody_raw = Privileges { uid: NOBODY, caps: &["net_admin", "net_raw"], capsh: false };
+    let caps = &["net_admin", "net_raw", "net_bind_service"];
+    let nobody_raw = Privileges { uid: NOBODY, caps, capsh: false };
     for warning in full_cycle(&node, nobody_raw, "iptables-legacy", "h") {
         println!("not root, iptables-legacy: {warning}");
     }
@@ -338,15 +373,18 @@ fn only_root_may_use_the_control_socket() {
     agent.wait_route("upstream", Duration::from_secs(2));
 }
 
-/// The agent's listening TCP sockets, as `ss` shows them in the node's namespace.
+/// The agent's listening TCP sockets, as `ss` shows them in the node's namespace, sorted.
 fn listening(node: &SimNode, pid: u32) -> Vec<String> {
     let out = node.run("node", "ss", &["-Hltnp"]);
     let text = String::from_utf8_lossy(&out.stdout);
     let mine = format!("pid={pid},");
-    text.lines()
+    let mut found: Vec<String> = text
+        .lines()
         .filter(|l| l.contains(&mine))
         .filter_map(|l| l.split_whitespace().nth(3).map(str::to_owned))
-        .collect()
+        .collect();
+    found.sort();
+    found
 }
 
 /// From pod1: `GET /healthz` at `addr`'s port 9254; the status line, or what went wrong.
@@ -367,7 +405,8 @@ fn metrics_listen_on_loopback_unless_told_otherwise() {
     let found = wait_for("the agent to listen", Duration::from_secs(5), || {
         Some(listening(&node, pid)).filter(|l| !l.is_empty())
     });
-    assert_eq!(found, ["127.0.0.1:9254"], "listening elsewhere than on loopback");
+    // The metrics endpoint, and the link-local forwarder on an address of its own in 127/8.
+    assert_eq!(found, ["127.0.0.1:9254", "127.53.0.53:53"], "listening beyond loopback");
     // The node's address on the pods' side: nothing listens there for a pod.
     assert_eq!(healthz_from_pod(&node, "10.244.0.1"), "");
     agent.stop(Signal::SIGTERM);
@@ -379,6 +418,6 @@ fn metrics_listen_on_loopback_unless_told_otherwise() {
     let found = wait_for("the agent to listen", Duration::from_secs(5), || {
         Some(listening(&node, pid)).filter(|l| !l.is_empty())
     });
-    assert_eq!(found, ["10.244.0.1:9254"]);
+    assert_eq!(found, ["10.244.0.1:9254", "127.53.0.53:53"]);
     assert_eq!(healthz_from_pod(&node, "10.244.0.1"), "HTTP/1.1 200");
 }

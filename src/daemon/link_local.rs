@@ -7,6 +7,7 @@
 //! while it runs, and the forwarder, once it is gone, still get the queries.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::{info, warn};
@@ -14,7 +15,7 @@ use tracing::{info, warn};
 use super::tasks::Tasks;
 use super::AgentError;
 use crate::addresses;
-use crate::forwarder::{self, Forwarder};
+use crate::forwarder::{self, Counters, Forwarder};
 use crate::ruleset::{forwarder_for, DNS_PORT};
 
 /// How often the copies on lo are checked (one netlink dump of the namespace's addresses).
@@ -24,12 +25,13 @@ const COPIES_PERIOD: Duration = Duration::from_secs(1);
 /// first) and spawns it, then puts the copies of `local` on lo and spawns their keeper. A
 /// forwarder that cannot bind is an error: the agent would TPROXY queries to nobody. One whose
 /// socket fails for good ends its task, and so the agent, to be restarted with a fresh one.
-/// Copies that cannot be added now are said and retried by the keeper.
+/// Copies that cannot be added now are said and retried by the keeper. Returns the forwarders'
+/// counters.
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &[IpAddr],
     tasks: &mut Tasks,
-) -> Result<(), AgentError> {
+) -> Result<Vec<Arc<Counters>>, AgentError> {
     let mut forwarders = Vec::new();
     for &ip in local {
         let to = upstream.iter().find(|u| u.is_ipv4() == ip.is_ipv4()).or(upstream.first());
@@ -39,6 +41,7 @@ pub(super) fn start(
         info!(listen = %forwarder.listen(), upstream = %to, "link-local forwarder bound");
         forwarders.push(forwarder);
     }
+    let counters = forwarders.iter().map(Forwarder::counters).collect();
     for forwarder in forwarders {
         tasks.spawn("link-local forwarder", async move {
             let listen = forwarder.listen();
@@ -54,7 +57,20 @@ pub(super) fn start(
         Err(e) => warn!(error = %e, "cannot put the copies of the link-local IPs on lo; retrying"),
     }
     tasks.spawn("link-local address copies", keep_copies(local.to_vec()));
-    Ok(())
+    Ok(counters)
+}
+
+/// What the forwarders have done, summed, for `status`.
+pub(super) fn forwarded(counters: &[Arc<Counters>]) -> crate::state::Forwarded {
+    let mut sum = crate::state::Forwarded::default();
+    for totals in counters.iter().map(|c| c.totals()) {
+        sum.udp_queries += totals.udp_queries;
+        sum.udp_answers += totals.udp_answers;
+        sum.tcp_connections += totals.tcp_connections;
+        sum.upstream_failures += totals.upstream_failures;
+        sum.dropped += totals.dropped_busy + totals.dropped_malformed + totals.answer_failures;
+    }
+    sum
 }
 
 /// Puts back any copy someone removed, every [`COPIES_PERIOD`]; level-triggered, so a failure

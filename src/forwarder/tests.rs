@@ -82,11 +82,18 @@ fn errors_say_what_failed_on_what_and_what_to_do() {
     assert_eq!(
         error.to_string(),
         format!(
-            "binding 127.53.0.53:53 (tcp, IP_TRANSPARENT) failed: {why} (is another process, \
-             or another agent, bound there? The forwarder's address must be its own)"
+            "binding 127.53.0.53:53 (tcp, IP_TRANSPARENT) failed: {why} (EACCES: port 53 \
+             needs CAP_NET_BIND_SERVICE; EADDRINUSE: another process, or another agent, is \
+             bound there, and the forwarder's address must be its own)"
         )
     );
     assert!(std::error::Error::source(&error).is_some(), "the kernel's error is kept");
+    // Only a missing privilege lets the agent run on without the link-local forwarder.
+    assert!(!error.is_permission());
+    let denied = io::Error::from_raw_os_error(libc::EACCES);
+    let error =
+        Error::Bind { listen, transport: Transport::Udp, option: "IP_TRANSPARENT", source: denied };
+    assert!(error.is_permission());
 }
 
 /// The relay's idle timeout in its tests (on a paused clock).

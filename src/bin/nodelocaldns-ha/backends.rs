@@ -65,7 +65,8 @@ pub(crate) fn open_dataplane(
         .map(|&flavour| iptables(flavour, Role::Accepts, wait))
         .collect::<Result<Vec<_>, _>>()?;
     let accepts_in = found.accepts_in.iter().map(ToString::to_string).collect();
-    Ok((Layered::new(switch, accepts), agent::Notes { why, accepts_in }))
+    let notes = agent::Notes { why, accepts_in, link_local_off: None };
+    Ok((Layered::new(switch, accepts), notes))
 }
 
 /// The backends (and iptables tables) that `in_use` does not use but that hold rules of the

@@ -138,5 +138,12 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
         line("cache tcp:", tcp);
     }
     line("upstream:", &st.probes.upstream);
+    if let Some(f) = &st.forwarded {
+        println!(
+            "forwarder:   udp {} queries {} answered, tcp {} connections, {} upstream failures, \
+             {} dropped (since the agent started)",
+            f.udp_queries, f.udp_answers, f.tcp_connections, f.upstream_failures, f.dropped
+        );
+    }
     Ok(())
 }

@@ -178,7 +178,11 @@ fn run(command: Command) -> Result<(), Failure> {
         }
         Command::Rules(args) => {
             let addrs = listen_addrs(&args.listen)?;
-            print!("{}", RuleSet::desired(&addrs, args.route.into()));
+            let mut rules = RuleSet::desired(&addrs, args.route.into());
+            if !args.link_local_failover {
+                rules.chains.retain(|chain| !chain.is_fallback());
+            }
+            print!("{rules}");
             Ok(())
         }
         Command::Probe(args) => probe(&args),

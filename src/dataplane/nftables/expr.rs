@@ -11,7 +11,7 @@
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
-use crate::ruleset::{Action, Guard, Rule, Side};
+use crate::ruleset::{Action, Guard, Proto, Rule, Side};
 
 /// The register every expression loads into or compares from (`NFT_REG_1`).
 pub const NFT_REG_1: u32 = 1;
@@ -223,16 +223,20 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
         // The route type is a host-endian u32.
         Expr::cmp_eq(RTN_LOCAL.to_ne_bytes()),
     ];
-    // A socket bound to the address itself: not a transparent one (a TPROXY target), and not
-    // one bound to 0.0.0.0 or `::` (another DNS server of the node's, which must not take pods'
-    // queries for the cache's address when the cache is gone).
-    let socket_of_the_cache = [
+    // A socket bound to the address itself: not a transparent one (a TPROXY target), and, for
+    // UDP, not one bound to 0.0.0.0 or `::` (another DNS server of the node's, which must not
+    // take pods' queries for the cache's address when the cache is gone). Not for TCP: the
+    // kernel has no `wildcard` for a socket that is not a full one (a connection's request
+    // socket during the handshake, TIME_WAIT) and the rule would stop matching there: the
+    // handshake's last ACK would be tracked and DNATed to CoreDNS, which resets it.
+    let mut socket_of_the_cache = vec![
         Expr::Socket { key: NFT_SOCKET_TRANSPARENT },
         // Each key is one bit, stored in one byte.
         Expr::cmp_eq([0]),
-        Expr::Socket { key: NFT_SOCKET_WILDCARD },
-        Expr::cmp_eq([0]),
     ];
+    if rule.proto == Proto::Udp {
+        socket_of_the_cache.extend([Expr::Socket { key: NFT_SOCKET_WILDCARD }, Expr::cmp_eq([0])]);
+    }
     match rule.guard {
         Guard::None => {}
         Guard::LocalAddress => exprs.extend(fib_daddr_type_local),
