@@ -1,10 +1,16 @@
 //! `cargo bench --bench failover` (as root; `ci/bench.sh` installs what it needs and runs it):
 //! what a pod sees when its node's DNS cache crashes or hangs, with node-cache's static rules,
 //! with this agent, with probe-driven switching only, and with two nameservers in the pod's
-//! resolv.conf; then the agent's drift repair, switch latency, data-path cost (dnsperf) and
+//! resolv.conf; the same in the link-local shape (issue 12: pods ask 169.254.20.10 itself) with
+//! node-cache alone, kubespray's second DaemonSet (two caches in one SO_REUSEPORT group, one of
+//! them killed or hung) and the agent; then the agent's drift repair, switch latency, data-path
+//! cost (dnsperf; and dnsperf through the link-local fallback against straight to CoreDNS) and
 //! footprint; then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
 //! every second with filter churn, 0 and 50,000 nat rules): the agent's CPU with its children,
 //! and a host-network client across a cache SIGKILL.
+//!
+//! One file past 600 lines: the arrangements, their checks, the fault runs and the report share
+//! their types and are read together; each part is one function.
 //!
 //! One simulated node (`testdata/simnode.sh`, namespaces `$PREFIX-*`, PREFIX from
 //! `NLHA_BENCH_PREFIX` or `b<pid>`) serves every arrangement in turn. Each arrangement is checked
@@ -16,8 +22,11 @@
 //! `docs/failover.svg` (lookups/s by who answered them, per 100 ms of when they ended, per
 //! arrangement and fault). Environment: `NLHA_BENCH_RATE` (lookups/s, default 1000),
 //! `NLHA_BENCH_OUT` (default `docs`), `NLHA_BENCH_FOOTPRINT_SECS` (default 30),
+//! `NLHA_BENCH_DNSPERF_ROUNDS` and `NLHA_BENCH_DNSPERF_SECS` (of both dnsperf parts, default 2
+//! rounds of 5 s),
 //! `NLHA_BENCH_MUSL_CLIENT` (the musl client; without it, that arrangement is skipped), and for
-//! working on one part `NLHA_BENCH_PARTS` and `NLHA_BENCH_ARRANGEMENTS` (comma lists).
+//! working on one part `NLHA_BENCH_PARTS` and `NLHA_BENCH_ARRANGEMENTS` (comma lists; the
+//! link-local shape alone: `NLHA_BENCH_PARTS=link-local,fallback-dnsperf`).
 
 #![forbid(unsafe_code)]
 
@@ -30,7 +39,7 @@ use serde_json::{json, Value};
 use testkit::{
     clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, median, now_ms, percentile, read_lookups,
     require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, Outcome, Proc,
-    SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP,
+    SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
@@ -38,6 +47,8 @@ use testkit::{
 const PRE_MS: u64 = 2_000;
 const FAULT_MS: u64 = 5_000;
 const POST_MS: u64 = 12_000;
+/// glibc's attempt timeout (`options timeout:5`, its default).
+const GLIBC_TIMEOUT_MS: f64 = 5_000.0;
 /// Timeline resolution of the SVG.
 const BUCKET_MS: u64 = 100;
 
@@ -74,15 +85,48 @@ enum Setup {
     Agent(&'static [&'static str]),
     /// No NOTRACK rules; the pod's resolv.conf lists the cache's link-local IP, then kube-dns.
     TwoNameservers,
+    /// kubespray's second DaemonSet (`nodelocaldns-second`): node-cache's static rules and a
+    /// second cache on the same IPs and port (simnode's `cache2`), the two in one SO_REUSEPORT
+    /// group; no agent. The fault hits the first; the second runs throughout.
+    SecondCache,
+}
+
+/// What the pods ask, and so what has to fail over.
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    /// The kube-dns ClusterIP (10.96.0.10), NOTRACKed to the cache or DNATed by kube-proxy to
+    /// CoreDNS; the agent with `--cluster-dns-ip`.
+    ClusterIp,
+    /// The cache's link-local IP itself (kubelet's `--cluster-dns` 169.254.20.10, as kubespray
+    /// sets it); the agent without `--cluster-dns-ip`, its forwarder behind TPROXY.
+    LinkLocal,
+}
+
+impl Shape {
+    /// The address the pod's client asks.
+    fn server(self) -> &'static str {
+        match self {
+            Shape::ClusterIp => CLUSTER_DNS_IP,
+            Shape::LinkLocal => LOCAL_IP,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Shape::ClusterIp => "clusterip",
+            Shape::LinkLocal => "link-local",
+        }
+    }
 }
 
 /// The pod's DNS client.
 #[derive(Clone, Copy, PartialEq)]
 enum Client {
-    /// dnsload: glibc-like, one nameserver (10.96.0.10), glibc's defaults (timeout 5 s, 2
-    /// attempts); it sees each attempt.
+    /// dnsload: glibc-like, one nameserver (the shape's), glibc's defaults (timeout 5 s, 2
+    /// attempts); it sees each attempt. A new socket (source port) per attempt.
     Dnsload,
-    /// `dnsload --system-resolver`: glibc's getaddrinfo, following the pod's resolv.conf.
+    /// `dnsload --system-resolver`: glibc's getaddrinfo, following the pod's resolv.conf. One
+    /// socket for both attempts of a lookup: its retry comes from the same source port.
     Glibc,
     /// `testdata/resolver-load.c` built with musl-gcc: musl's getaddrinfo, which asks every
     /// nameserver at once and takes the first answer.
@@ -92,6 +136,7 @@ enum Client {
 struct Arrangement {
     key: &'static str,
     label: &'static str,
+    shape: Shape,
     setup: Setup,
     client: Client,
 }
@@ -100,24 +145,28 @@ const ARRANGEMENTS: &[Arrangement] = &[
     Arrangement {
         key: "node-cache",
         label: "a. node-cache's static rules, no agent",
+        shape: Shape::ClusterIp,
         setup: Setup::NodeCacheRules,
         client: Client::Dnsload,
     },
     Arrangement {
         key: "agent",
         label: "b. agent, kernel fast path (defaults)",
+        shape: Shape::ClusterIp,
         setup: Setup::Agent(&[]),
         client: Client::Dnsload,
     },
     Arrangement {
         key: "probes-default",
         label: "c. agent, probes only, defaults (100ms/80ms, fall 3)",
+        shape: Shape::ClusterIp,
         setup: Setup::Agent(&["--fast-path", "false", "--socket-events", "false"]),
         client: Client::Dnsload,
     },
     Arrangement {
         key: "probes-kep",
         label: "c. agent, probes only, KEP sketch (2s/1s, fall 3)",
+        shape: Shape::ClusterIp,
         setup: Setup::Agent(&[
             "--fast-path",
             "false",
@@ -135,6 +184,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
     Arrangement {
         key: "probes-aks",
         label: "c. agent, probes only, AKS-LocalDNS-like (12s/5s, fall 5)",
+        shape: Shape::ClusterIp,
         setup: Setup::Agent(&[
             "--fast-path",
             "false",
@@ -154,14 +204,51 @@ const ARRANGEMENTS: &[Arrangement] = &[
     Arrangement {
         key: "two-nameservers-glibc",
         label: "d. two nameservers (cache, kube-dns), glibc getaddrinfo",
+        shape: Shape::ClusterIp,
         setup: Setup::TwoNameservers,
         client: Client::Glibc,
     },
     Arrangement {
         key: "two-nameservers-musl",
         label: "d. two nameservers (cache, kube-dns), musl getaddrinfo",
+        shape: Shape::ClusterIp,
         setup: Setup::TwoNameservers,
         client: Client::Musl,
+    },
+    Arrangement {
+        key: "link-local-node-cache",
+        label: "e. node-cache alone (its static rules), no agent",
+        shape: Shape::LinkLocal,
+        setup: Setup::NodeCacheRules,
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "link-local-second-cache",
+        label: "f. kubespray's second DaemonSet (2 caches, SO_REUSEPORT)",
+        shape: Shape::LinkLocal,
+        setup: Setup::SecondCache,
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "link-local-second-cache-glibc",
+        label: "f. kubespray's second DaemonSet, glibc getaddrinfo",
+        shape: Shape::LinkLocal,
+        setup: Setup::SecondCache,
+        client: Client::Glibc,
+    },
+    Arrangement {
+        key: "link-local-agent",
+        label: "g. agent, link-local shape (defaults)",
+        shape: Shape::LinkLocal,
+        setup: Setup::Agent(&[]),
+        client: Client::Dnsload,
+    },
+    Arrangement {
+        key: "link-local-agent-glibc",
+        label: "g. agent, link-local shape (defaults), glibc getaddrinfo",
+        shape: Shape::LinkLocal,
+        setup: Setup::Agent(&[]),
+        client: Client::Glibc,
     },
 ];
 
@@ -194,20 +281,63 @@ fn raw_rules(node: &SimNode) -> String {
     text
 }
 
-/// Checks the node is in the state `setup` claims; returns what was checked, for the JSON.
-fn verify(node: &SimNode, setup: Setup, agent: Option<&Agent>) -> Vec<String> {
+/// A pod's resolv.conf in the link-local shape: kubelet's `--cluster-dns` is the cache's IP.
+const LINK_LOCAL_NAMESERVER: &str = "nameserver 169.254.20.10\n";
+
+/// The pod's resolv.conf, when the arrangement sets its own (glibc's defaults: timeout 5 s,
+/// attempts 2).
+fn resolv_conf(arrangement: &Arrangement) -> Option<&'static str> {
+    match (arrangement.setup, arrangement.shape) {
+        (Setup::TwoNameservers, _) => Some(TWO_NAMESERVERS),
+        (_, Shape::LinkLocal) => Some(LINK_LOCAL_NAMESERVER),
+        (_, Shape::ClusterIp) => None,
+    }
+}
+
+/// The pids of the unbound processes with a UDP socket on the link-local IP's port 53: the
+/// members of its SO_REUSEPORT group.
+fn caches_listening(node: &SimNode) -> Vec<String> {
+    let filter = format!("src {LOCAL_IP} and sport = :53");
+    let out = node.run("node", "ss", &["-Hulnp", &filter]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut pids: Vec<String> = text
+        .lines()
+        .filter(|l| l.contains("\"unbound\""))
+        .filter_map(|l| Some(l.split("pid=").nth(1)?.split(',').next()?.to_owned()))
+        .collect();
+    pids.sort();
+    pids.dedup();
+    pids
+}
+
+/// Checks the node is in the state `arrangement` claims; returns what was checked, for the JSON.
+fn verify(node: &SimNode, arrangement: &Arrangement, agent: Option<&Agent>) -> Vec<String> {
+    let (setup, shape) = (arrangement.setup, arrangement.shape);
     let mut checked = Vec::new();
     let raw = raw_rules(node);
     let node_cache_rules = raw.matches("NodeLocal DNS Cache: skip conntrack").count();
     let agent_chains = raw.contains("NODELOCALDNS-HA");
     let table = node.agent_table();
     match setup {
-        Setup::NodeCacheRules => {
-            assert!(table.is_none() && !agent_chains, "arrangement a: the agent's rules exist");
-            assert!(node_cache_rules >= 4, "arrangement a: node-cache's rules missing:\n{raw}");
+        Setup::NodeCacheRules | Setup::SecondCache => {
+            let caches = caches_listening(node);
+            let want = if setup == Setup::SecondCache { 2 } else { 1 };
+            assert!(
+                table.is_none() && !agent_chains,
+                "{}: the agent's rules exist",
+                arrangement.key
+            );
+            assert!(
+                node_cache_rules >= 4,
+                "{}: node-cache's rules missing:\n{raw}",
+                arrangement.key
+            );
             assert!(agent.is_none());
+            assert_eq!(caches.len(), want, "{}: caches on {LOCAL_IP}:53", arrangement.key);
             checked.push(format!(
-                "no agent table or chains; {node_cache_rules} node-cache NOTRACK rules"
+                "no agent table or chains; {node_cache_rules} node-cache NOTRACK rules; \
+                 {want} unbound on {LOCAL_IP}:53 (pids {})",
+                caches.join(", ")
             ));
         }
         Setup::Agent(flags) => {
@@ -218,23 +348,41 @@ fn verify(node: &SimNode, setup: Setup, agent: Option<&Agent>) -> Vec<String> {
             assert_eq!(fast, want_fast, "fast path in the table:\n{table}");
             let state = agent.and_then(Agent::state).expect("agent state");
             assert_eq!(state["route"], "local");
-            checked.push(format!("agent table, fast path {fast}, route local"));
+            let said = state["shape"].as_str().unwrap_or_default();
+            let want_shape = match shape {
+                Shape::ClusterIp => "ClusterIP",
+                Shape::LinkLocal => "link-local",
+            };
+            assert!(said.starts_with(want_shape), "the agent's shape: {said}");
+            if shape == Shape::LinkLocal {
+                assert!(table.contains("tproxy"), "the forwarder's TPROXY:\n{table}");
+            }
+            checked.push(format!("agent table, fast path {fast}, route local, shape {said:?}"));
         }
         Setup::TwoNameservers => {
             assert!(table.is_none() && !agent_chains, "arrangement d: the agent's rules exist");
             assert_eq!(node_cache_rules, 0, "arrangement d: node-cache's rules exist");
-            let seen = node.run("pod1", "cat", &["/etc/resolv.conf"]);
-            let seen = String::from_utf8_lossy(&seen.stdout).into_owned();
-            let servers: Vec<&str> =
-                seen.lines().filter_map(|l| l.strip_prefix("nameserver ")).collect();
-            assert_eq!(servers, ["169.254.20.10", "10.96.0.10"], "the pod's resolv.conf");
-            checked.push(format!("pod resolv.conf nameservers {servers:?}; no NOTRACK rules"));
         }
+    }
+    if let Some(text) = resolv_conf(arrangement) {
+        let seen = node.run("pod1", "cat", &["/etc/resolv.conf"]);
+        let seen = String::from_utf8_lossy(&seen.stdout).into_owned();
+        assert_eq!(seen, text, "the pod's resolv.conf");
+        let servers: Vec<&str> =
+            seen.lines().filter_map(|l| l.strip_prefix("nameserver ")).collect();
+        checked.push(format!("pod resolv.conf nameservers {servers:?}"));
+    }
+    if setup == Setup::TwoNameservers {
+        checked.push("no NOTRACK rules".into());
     }
     // Who answers the pod at each address right now.
     let at_cluster_ip = node.dig("pod1", CLUSTER_DNS_IP);
     let at_local_ip = node.dig("pod1", LOCAL_IP);
-    let want_cluster = if setup == Setup::TwoNameservers { COREDNS_ANSWER } else { CACHE_ANSWER };
+    let want_cluster = match (setup, shape) {
+        // No NOTRACK rule for the ClusterIP: kube-proxy's DNAT to CoreDNS.
+        (Setup::TwoNameservers, _) | (Setup::Agent(_), Shape::LinkLocal) => COREDNS_ANSWER,
+        _ => CACHE_ANSWER,
+    };
     assert_eq!(at_cluster_ip, want_cluster, "who answers the pod at {CLUSTER_DNS_IP}");
     assert_eq!(at_local_ip, CACHE_ANSWER, "who answers the pod at the link-local IP");
     checked
@@ -252,9 +400,15 @@ struct FaultRun {
     lookups: Vec<Lookup>,
     summary: Value,
     client: Client,
+    /// The pod's resolv.conf lists the cache's IP and then kube-dns.
+    two_nameservers: bool,
 }
 
-fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRun {
+/// The arrangement's client in pod1 at `rate` lookups/s (dnsload asking the shape's address;
+/// the others follow the pod's resolv.conf) across `fault` of the cache.
+fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32) -> FaultRun {
+    let client = arrangement.client;
+    let server = arrangement.shape.server();
     let out_dir = node.dir.join("load");
     std::fs::create_dir_all(&out_dir).expect("load dir");
     let lookups_path = out_dir.join(format!("lookups-{}.txt", fault.name()));
@@ -274,7 +428,7 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
                 cmd.arg("--system-resolver");
             } else {
                 // glibc's defaults for a pod's single-nameserver resolv.conf.
-                cmd.args(["--server", CLUSTER_DNS_IP, "--timeout", "5s", "--attempts", "2"]);
+                cmd.args(["--server", server, "--timeout", "5s", "--attempts", "2"]);
             }
             cmd.args(["--name", "who.test", "--rate", &rate.to_string()])
                 .args(["--duration", &format!("{total_ms}ms"), "--report-interval", "0"])
@@ -308,7 +462,8 @@ fn run_fault(node: &SimNode, client: Client, fault: Fault, rate: u32) -> FaultRu
     let stdout = std::fs::read_to_string(&stdout_path).expect("dnsload stdout");
     let summary = summary_of(stdout.lines());
     let lookups = read_lookups(&lookups_path, &summary);
-    FaultRun { fault, fault_at, recovered_at, lookups, summary, client }
+    let two_nameservers = arrangement.setup == Setup::TwoNameservers;
+    FaultRun { fault, fault_at, recovered_at, lookups, summary, client, two_nameservers }
 }
 
 fn round1(x: f64) -> f64 {
@@ -317,12 +472,14 @@ fn round1(x: f64) -> f64 {
 
 impl FaultRun {
     /// A lookup whose first try did not give the answer: it failed, an attempt failed, or
-    /// (glibc, cache listed first) the second nameserver answered. None for musl, which asks
-    /// both nameservers at once: its attempts are not visible.
+    /// (glibc, cache listed first) the second nameserver answered, or (glibc, one nameserver)
+    /// it ended only after glibc's attempt timeout. None for musl, which asks both nameservers
+    /// at once: its attempts are not visible.
     fn first_attempt_lost(&self, l: &Lookup) -> Option<bool> {
         match self.client {
             Client::Musl => None,
-            Client::Glibc => Some(l.outcome != Outcome::Cache),
+            Client::Glibc if self.two_nameservers => Some(l.outcome != Outcome::Cache),
+            Client::Glibc => Some(f64::from(l.latency) >= GLIBC_TIMEOUT_MS),
             Client::Dnsload => Some(l.first_attempt_lost()),
         }
     }
@@ -344,6 +501,8 @@ impl FaultRun {
         let mut latencies: Vec<f64> = window.iter().map(|l| f64::from(l.latency)).collect();
         latencies.sort_by(f64::total_cmp);
         let window_failed = window.iter().filter(|l| l.outcome == Outcome::Failed).count();
+        // Answered or not, took over 1 s: waited out a timeout, or for a hung server to resume.
+        let window_slow = latencies.iter().filter(|&&ms| ms > 1000.0).count();
         // The first good answer once answers flow again: in the first 100 ms of start time
         // after the fault in which at least 90 % of the lookups were answered within 1 s (a
         // lone answer from the cache just before the signal took effect does not count, nor
@@ -387,6 +546,7 @@ impl FaultRun {
             "fault_window": {
                 "lookups": window.len(),
                 "failed": window_failed,
+                "over_1s": window_slow,
                 "latency_ms_p50": round1(percentile(&latencies, 50.0)),
                 "latency_ms_p99": round1(percentile(&latencies, 99.0)),
                 "latency_ms_max": round1(latencies.last().copied().unwrap_or(0.0)),
@@ -439,8 +599,16 @@ impl FaultRun {
 
 /// Starts the agent with `flags` after removing an earlier agent's state file.
 fn start_agent(node: &SimNode, flags: &[&str]) -> Agent {
+    start_agent_for(node, Shape::ClusterIp, flags)
+}
+
+/// [`start_agent`] for `shape`: in the link-local shape without `--cluster-dns-ip`.
+fn start_agent_for(node: &SimNode, shape: Shape, flags: &[&str]) -> Agent {
     let _ = std::fs::remove_file(node.dir.join("agent-state").join("state.json"));
-    node.agent(flags)
+    match shape {
+        Shape::ClusterIp => node.agent(flags),
+        Shape::LinkLocal => node.agent_for(LOCAL_IP, "", UPSTREAM_IP, flags),
+    }
 }
 
 /// Stops the agent (SIGTERM) and removes its rules.
@@ -465,13 +633,15 @@ fn musl_client() -> Option<PathBuf> {
     path.is_file().then_some(path)
 }
 
-fn failover(node: &SimNode, rate: u32) -> Vec<ArrangementResult> {
+/// The arrangements of `shape` (those `NLHA_BENCH_ARRANGEMENTS` names, if set), each across a
+/// kill and a hang of the cache.
+fn failover(node: &SimNode, rate: u32, shape: Shape) -> Vec<ArrangementResult> {
     let mut results = Vec::new();
     // For working on one arrangement: NLHA_BENCH_ARRANGEMENTS=agent,two-nameservers-musl.
     let only = std::env::var("NLHA_BENCH_ARRANGEMENTS").ok();
     let wanted = |key: &str| only.as_deref().is_none_or(|o| o.split(',').any(|k| k == key));
-    for arrangement in ARRANGEMENTS.iter().filter(|a| wanted(a.key)) {
-        eprintln!("bench: failover, {}", arrangement.label);
+    for arrangement in ARRANGEMENTS.iter().filter(|a| a.shape == shape && wanted(a.key)) {
+        eprintln!("bench: failover, {} shape, {}", shape.name(), arrangement.label);
         if arrangement.client == Client::Musl && musl_client().is_none() {
             let why = "no musl client (NLHA_BENCH_MUSL_CLIENT; ci/bench.sh builds it)".to_string();
             eprintln!("bench:   skipped: {why}");
@@ -481,29 +651,31 @@ fn failover(node: &SimNode, rate: u32) -> Vec<ArrangementResult> {
         }
         let mut checked = Vec::new();
         let mut runs = Vec::new();
-        let _resolv = match arrangement.setup {
-            Setup::NodeCacheRules => {
-                node.script(&["node-cache-rules"]);
-                None
-            }
-            Setup::TwoNameservers => Some(NetnsEtc::resolv_conf(&node.ns("pod1"), TWO_NAMESERVERS)),
-            Setup::Agent(_) => None,
-        };
+        let _resolv = resolv_conf(arrangement).map(|t| NetnsEtc::resolv_conf(&node.ns("pod1"), t));
+        if matches!(arrangement.setup, Setup::NodeCacheRules | Setup::SecondCache) {
+            node.script(&["node-cache-rules"]);
+        }
+        if arrangement.setup == Setup::SecondCache {
+            node.script(&["cache2-start"]);
+        }
         for fault in [Fault::Kill, Fault::Hang] {
             let agent = match arrangement.setup {
-                Setup::Agent(flags) => Some(start_agent(node, flags)),
+                Setup::Agent(flags) => Some(start_agent_for(node, shape, flags)),
                 _ => None,
             };
             // Checked before each fault: the previous one must not have changed the setup.
-            checked = verify(node, arrangement.setup, agent.as_ref());
-            let run = run_fault(node, arrangement.client, fault, rate);
+            checked = verify(node, arrangement, agent.as_ref());
+            let run = run_fault(node, arrangement, fault, rate);
             eprintln!("bench:   {}: {}", fault.name(), run.figures());
             runs.push(run);
             if let Some(agent) = agent {
                 stop_agent(node, agent);
             }
         }
-        if arrangement.setup == Setup::NodeCacheRules {
+        if arrangement.setup == Setup::SecondCache {
+            node.script(&["cache2-kill"]);
+        }
+        if matches!(arrangement.setup, Setup::NodeCacheRules | Setup::SecondCache) {
             node.script(&["node-cache-rules", "--remove"]);
         }
         results.push(ArrangementResult { arrangement, checked, runs, skipped: None });
@@ -799,41 +971,55 @@ fn footprint(node: &SimNode, secs: u64) -> Value {
     })
 }
 
-/// Queries/s of `dnsperf` from a pod to the cluster-DNS IP (the cache answers, from local
-/// data): node-cache's rules against the agent's (nftables, fast path), alternating, `rounds`
-/// times `secs` s each. None when dnsperf is not installed.
-fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
+/// dnsperf's query file (`who.test A`), or None when dnsperf is not installed.
+fn dnsperf_queries(node: &SimNode) -> Option<String> {
     if Command::new("dnsperf").arg("-h").output().is_err() {
         eprintln!("bench: dnsperf not installed, skipped");
         return None;
     }
     let queries = node.dir.join("dnsperf-queries.txt");
     std::fs::write(&queries, "who.test A\n").expect("query file");
-    let queries = queries.to_string_lossy().into_owned();
+    Some(queries.to_string_lossy().into_owned())
+}
+
+/// What one `dnsperf` run reports.
+struct DnsperfRun {
+    qps: f64,
+    lost: u64,
+    /// Mean time to an answer. With 200 queries outstanding, queries/s is at most 200 over it.
+    latency_ms: f64,
+}
+
+/// One `dnsperf` run from pod1 to `server` for `secs` s (4 clients, 200 queries outstanding).
+fn dnsperf_run(node: &SimNode, server: &str, queries: &str, secs: u32) -> DnsperfRun {
+    let secs = secs.to_string();
+    let args = ["-s", server, "-d", queries, "-l", &secs, "-c", "4", "-q", "200"];
+    let out = node.run("pod1", "dnsperf", &args);
+    assert!(out.status.success(), "dnsperf: {}", describe(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let field = |name: &str| text.lines().find_map(|l| l.trim().strip_prefix(name));
+    let first = |name: &str| field(name)?.split_whitespace().next();
+    let qps = first("Queries per second:").and_then(|v| v.parse().ok());
+    let lost = first("Queries lost:").and_then(|v| v.parse().ok());
+    let latency = first("Average Latency (s):").and_then(|v| v.parse::<f64>().ok());
+    match (qps, lost, latency) {
+        (Some(qps), Some(lost), Some(s)) => DnsperfRun { qps, lost, latency_ms: s * 1000.0 },
+        _ => panic!("dnsperf printed no rate, loss or latency:\n{text}"),
+    }
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+/// Queries/s of `dnsperf` from a pod to the cluster-DNS IP (the cache answers, from local
+/// data): node-cache's rules against the agent's (nftables, fast path), alternating, `rounds`
+/// times `secs` s each. None when dnsperf is not installed.
+fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
+    let queries = dnsperf_queries(node)?;
     let measure = || -> f64 {
         assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER, "dnsperf: the cache answers");
-        let out = node.run(
-            "pod1",
-            "dnsperf",
-            &[
-                "-s",
-                CLUSTER_DNS_IP,
-                "-d",
-                &queries,
-                "-l",
-                &secs.to_string(),
-                "-c",
-                "4",
-                "-q",
-                "200",
-            ],
-        );
-        assert!(out.status.success(), "dnsperf: {}", describe(&out));
-        let text = String::from_utf8_lossy(&out.stdout);
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix("Queries per second:"))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("dnsperf printed no rate:\n{text}"))
+        dnsperf_run(node, CLUSTER_DNS_IP, &queries, secs).qps
     };
     let (mut node_cache, mut agent_qps) = (Vec::new(), Vec::new());
     for round in 0..rounds {
@@ -845,7 +1031,6 @@ fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
         agent_qps.push(measure());
         stop_agent(node, agent);
     }
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let (a, b) = (mean(&node_cache), mean(&agent_qps));
     Some(json!({
         "seconds_per_round": secs,
@@ -853,6 +1038,84 @@ fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
         "node_cache_rules_qps": node_cache.iter().map(|q| q.round()).collect::<Vec<_>>(),
         "agent_nftables_qps": agent_qps.iter().map(|q| q.round()).collect::<Vec<_>>(),
         "agent_over_node_cache": (b / a * 1000.0).round() / 1000.0,
+    }))
+}
+
+/// CPU time of `pid`, its children's included, in clock ticks (0 once it is gone).
+fn ticks_of(pid: u32) -> u64 {
+    cpu_ticks(pid).map_or(0, |(own, children)| own + children)
+}
+
+/// Issue 12, acceptance 4: the link-local shape's fallback is not the bottleneck. Queries/s of
+/// `dnsperf` from a pod (the settings of [`dnsperf`]) to 169.254.20.10 with the agent running
+/// and the cache killed, so that TPROXY hands every query to the agent's forwarder, which asks
+/// kube-dns-upstream (10.96.0.11, kube-proxy's DNAT to CoreDNS); against `dnsperf` from the same
+/// pod straight to CoreDNS through that Service; alternating, `rounds` times `secs` s each. The
+/// CPU of CoreDNS (dnsmasq, one thread) and of the agent in each round say which one limits.
+/// None when dnsperf is not installed.
+fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
+    let queries = dnsperf_queries(node)?;
+    let pid = |svc: &str| -> u32 {
+        let out = node.script(&[&format!("{svc}-pid")]);
+        out.trim().parse().unwrap_or_else(|_| panic!("{svc}-pid printed {out:?}"))
+    };
+    let coredns = pid("coredns");
+    let agent = start_agent_for(node, Shape::LinkLocal, &[]);
+    let agent_pid = agent.pid().expect("the agent runs");
+    node.kill("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(10));
+    let table = node.agent_table().expect("the agent's table");
+    assert!(table.contains("tproxy"), "the forwarder's TPROXY:\n{table}");
+    assert_eq!(node.dig("pod1", LOCAL_IP), COREDNS_ANSWER, "the forwarder answers");
+    assert_eq!(node.dig("pod1", UPSTREAM_IP), COREDNS_ANSWER, "CoreDNS answers");
+    let mut rows = Vec::new();
+    for round in 0..rounds {
+        eprintln!("bench: dnsperf through the link-local fallback, round {}", round + 1);
+        for (path, server) in [("coredns", UPSTREAM_IP), ("fallback", LOCAL_IP)] {
+            // The forwarder asks the Service from a fresh socket per query: a conntrack entry
+            // per source port it uses, kept 30 s. Each run starts from an empty table, so that
+            // the rounds compare.
+            let flushed = node.run("node", "conntrack", &["-F"]);
+            assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
+            let (t0, coredns0, agent0) = (Instant::now(), ticks_of(coredns), ticks_of(agent_pid));
+            let run = dnsperf_run(node, server, &queries, secs);
+            let wall = t0.elapsed().as_secs_f64();
+            let mcpu = |from: u64, to: u64| {
+                round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
+            };
+            let coredns_mcpu = mcpu(coredns0, ticks_of(coredns));
+            let agent_mcpu = mcpu(agent0, ticks_of(agent_pid));
+            let count = node.run("node", "cat", &["/proc/sys/net/netfilter/nf_conntrack_count"]);
+            let conntrack: Option<u64> = String::from_utf8_lossy(&count.stdout).trim().parse().ok();
+            rows.push(json!({
+                "round": round + 1,
+                "path": path,
+                "server": server,
+                "qps": run.qps.round(),
+                "lost": run.lost,
+                "latency_ms_mean": (run.latency_ms * 100.0).round() / 100.0,
+                "coredns_mcpu": coredns_mcpu,
+                "agent_mcpu": agent_mcpu,
+                "conntrack_entries_after": conntrack,
+            }));
+        }
+    }
+    let route = agent.state().map(|s| s["route"].clone()).unwrap_or(Value::Null);
+    assert_eq!(route, "upstream", "the route stayed on the forwarder throughout");
+    stop_agent(node, agent);
+    node.script(&["cache-start"]);
+    let qps = |path: &str| -> Vec<f64> {
+        let of_path = rows.iter().filter(|r| r["path"] == path);
+        of_path.map(|r| r["qps"].as_f64().unwrap_or(0.0)).collect()
+    };
+    let (direct, fallback) = (qps("coredns"), qps("fallback"));
+    Some(json!({
+        "seconds_per_round": secs,
+        "rounds": rounds,
+        "coredns_qps": direct,
+        "fallback_qps": fallback,
+        "fallback_over_coredns": (mean(&fallback) / mean(&direct) * 1000.0).round() / 1000.0,
+        "runs": rows,
     }))
 }
 
@@ -867,12 +1130,18 @@ fn ms(v: &Value) -> String {
     }
 }
 
-fn failover_table(results: &[ArrangementResult]) -> String {
+/// The failover table of the arrangements of `shape`; empty when none of them ran.
+fn failover_table(results: &[ArrangementResult], shape: Shape) -> String {
+    let results: Vec<&ArrangementResult> =
+        results.iter().filter(|r| r.arrangement.shape == shape).collect();
+    if results.is_empty() {
+        return String::new();
+    }
     let mut t = String::from(
         "| arrangement | fault | lookups failed | first attempts lost | fault-window latency p50 / p99 / max | fault → first good answer | recovery → back on cache |\n\
          |---|---|---|---|---|---|---|\n",
     );
-    for r in results {
+    for r in &results {
         if let Some(why) = &r.skipped {
             let _ = writeln!(t, "| {} | – | not measured: {why} | | | | |", r.arrangement.label);
         }
@@ -934,7 +1203,12 @@ fn svg(
             let area = &panels[i * 2 + j];
             let mut chart = ChartBuilder::on(area)
                 .caption(
-                    format!("{} — {}", r.arrangement.label, run.fault.name()),
+                    format!(
+                        "{}{} — {}",
+                        if r.arrangement.shape == Shape::LinkLocal { "link-local: " } else { "" },
+                        r.arrangement.label,
+                        run.fault.name()
+                    ),
                     ("sans-serif", 14),
                 )
                 .margin(6)
@@ -967,6 +1241,8 @@ fn main() {
     let began = Instant::now();
     let rate: u32 = setting("NLHA_BENCH_RATE", 1000);
     let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 30);
+    let perf_rounds: u32 = setting("NLHA_BENCH_DNSPERF_ROUNDS", 2);
+    let perf_secs: u32 = setting("NLHA_BENCH_DNSPERF_SECS", 5);
     let prefix = std::env::var("NLHA_BENCH_PREFIX")
         .unwrap_or_else(|_| format!("b{}", std::process::id() % 100_000));
     let out_dir = PathBuf::from(
@@ -975,15 +1251,28 @@ fn main() {
     );
     std::fs::create_dir_all(&out_dir).expect("output dir");
 
-    // For working on one part: NLHA_BENCH_PARTS=drift,switch (default: all).
+    // For working on one part: NLHA_BENCH_PARTS=drift,switch (default: all). The parts:
+    // failover (the ClusterIP shape), link-local (its failover arrangements), drift, footprint,
+    // dnsperf, fallback-dnsperf (the link-local fallback against CoreDNS), switch, busy.
     let parts = std::env::var("NLHA_BENCH_PARTS").unwrap_or_else(|_| "all".into());
     let part = |name: &str| parts == "all" || parts.split(',').any(|p| p == name);
 
     let node = SimNode::up_prefixed(&prefix, &[]);
-    let results = if part("failover") { failover(&node, rate) } else { Vec::new() };
+    let mut results = Vec::new();
+    if part("failover") {
+        results.extend(failover(&node, rate, Shape::ClusterIp));
+    }
+    if part("link-local") {
+        results.extend(failover(&node, rate, Shape::LinkLocal));
+    }
     let drift = if part("drift") { drift_repair(&node, 10) } else { json!([]) };
     let footprint = if part("footprint") { footprint(&node, footprint_secs) } else { json!({}) };
-    let perf = if part("dnsperf") { dnsperf(&node, 2, 5) } else { None };
+    let perf = if part("dnsperf") { dnsperf(&node, perf_rounds, perf_secs) } else { None };
+    let fallback_perf = if part("fallback-dnsperf") {
+        fallback_dnsperf(&node, perf_rounds, perf_secs)
+    } else {
+        None
+    };
     let mut switch = Vec::new();
     if part("switch") {
         switch = switch_latency(&node, 10, 0);
@@ -1002,25 +1291,40 @@ fn main() {
          the fault comes at {} s and lasts {} s (kill: SIGKILL, then the cache is restarted; \
          hang: SIGSTOP, then SIGCONT).\n\n\
          * Clients. a–c: a glibc-like client (dnsload: one nameserver 10.96.0.10, timeout 5 s, \
-         2 attempts: glibc's defaults, as in a pod's resolv.conf). d: the C library's \
-         getaddrinfo with resolv.conf `nameserver 169.254.20.10` then `nameserver 10.96.0.10` \
-         and no NOTRACK rules on the node: glibc (tries them in order) and musl (asks both at \
-         once, takes the first answer).\n\
+         2 attempts: glibc's defaults, as in a pod's resolv.conf; a new socket, so a new source \
+         port, per attempt). d: the C library's getaddrinfo with resolv.conf `nameserver \
+         169.254.20.10` then `nameserver 10.96.0.10` and no NOTRACK rules on the node: glibc \
+         (tries them in order) and musl (asks both at once, takes the first answer).\n\
          * c: the agent with the fast path and the socket-destroy events off: only its probes \
          see a kill or a hang, as a periodic watcher would.\n\
          * First attempts lost: lookups whose first try was not answered (glibc in d: answered \
-         by the second nameserver; musl: not visible). Latency: of the lookups started in the \
-         fault window, to their answer or to giving up. Fault → first good answer: the first \
+         by the second nameserver; glibc in f and g: ended after its 5 s timeout; musl: not \
+         visible). Latency: of the lookups started in the fault window, to their answer or to \
+         giving up. Fault → first good answer: the first \
          answer in the first 100 ms (of start time) after the fault in which 90 % of lookups \
          were answered within 1 s. Recovery (restart answering, or SIGCONT) → back on cache: \
          to the first lookup after the last one (started after the recovery) not answered by \
-         the cache.\n\n",
+         the cache.\n\
+         * The link-local shape (e–g, second table): pods ask 169.254.20.10 itself (resolv.conf \
+         `nameserver 169.254.20.10`): dnsload as in a–c but to that address, and glibc's \
+         getaddrinfo, which sends a lookup's retry from the same socket (source port) as its \
+         first attempt. e: node-cache and its static rules alone (here they change nothing). f: \
+         kubespray's second DaemonSet: a second cache on the same IP and port, the two in one \
+         SO_REUSEPORT group (the kernel hashes each query's source address and port to one of \
+         them); the first is killed or hung, the second runs throughout. g: the agent without \
+         `--cluster-dns-ip` at defaults: its forwarder answers through TPROXY (CoreDNS's \
+         answers) when the cache's socket is gone or once the probes see the hang.\n\n",
         kernel,
         (PRE_MS + FAULT_MS + POST_MS) / 1000,
         PRE_MS / 1000,
         FAULT_MS / 1000,
     );
-    md += &failover_table(&results);
+    md += &failover_table(&results, Shape::ClusterIp);
+    let link_local = failover_table(&results, Shape::LinkLocal);
+    if !link_local.is_empty() {
+        md += "\nThe link-local shape (pods ask 169.254.20.10 itself):\n\n";
+        md += &link_local;
+    }
     md += "\n| dataplane | drift repair: flush → rules back, median (min–max) of 10 |\n|---|---|\n";
     for d in drift.as_array().into_iter().flatten() {
         let _ = writeln!(
@@ -1075,6 +1379,42 @@ fn main() {
             p["agent_over_node_cache"],
         );
     }
+    if let Some(p) = &fallback_perf {
+        let list = |path: &str| {
+            let runs = p["runs"].as_array().into_iter().flatten().filter(|r| r["path"] == path);
+            runs.map(|r| {
+                format!(
+                    "{:.0} ({:.2} ms mean latency; CoreDNS {:.0}, agent {:.0} mCPU; {} \
+                     conntrack entries after)",
+                    r["qps"].as_f64().unwrap_or(0.0),
+                    r["latency_ms_mean"].as_f64().unwrap_or(0.0),
+                    r["coredns_mcpu"].as_f64().unwrap_or(0.0),
+                    r["agent_mcpu"].as_f64().unwrap_or(0.0),
+                    r["conntrack_entries_after"],
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+        };
+        let _ = writeln!(
+            md,
+            "\ndnsperf from a pod in the link-local shape ({} rounds of {} s each, alternating, \
+             same settings): straight to CoreDNS through kube-dns-upstream {UPSTREAM_IP} {} \
+             queries/s; through the fallback (the agent at defaults, the cache killed: \
+             169.254.20.10 TPROXYed to its forwarder, which asks {UPSTREAM_IP}) {} queries/s: \
+             ratio {} (issue 12 asks for at least 0.8). The CPU figures (over each run) say \
+             which side limits a path: CoreDNS here is dnsmasq, one thread (1000 mCPU at \
+             most); the forwarder may use both cores, which dnsperf shares. Each run starts \
+             from an empty conntrack table in the node's namespace; the forwarder's queries to \
+             the Service leave one entry per source port. dnsperf keeps 200 queries \
+             outstanding: its rate is at most 200 over the mean latency.",
+            p["rounds"],
+            p["seconds_per_round"],
+            list("coredns"),
+            list("fallback"),
+            p["fallback_over_coredns"],
+        );
+    }
     let _ = writeln!(
         md,
         "\nFootprint at default settings ({}, {} s): RSS {} KiB (max), CPU {} s = {} % of one core.",
@@ -1117,6 +1457,7 @@ fn main() {
             json!({
                 "arrangement": r.arrangement.key,
                 "label": r.arrangement.label,
+                "shape": r.arrangement.shape.name(),
                 "checked": r.checked,
                 "skipped": r.skipped,
                 "runs": r.runs.iter().map(FaultRun::figures).collect::<Vec<_>>(),
@@ -1134,6 +1475,7 @@ fn main() {
         "footprint": footprint,
         "busy_node": busy,
         "dnsperf": perf,
+        "dnsperf_link_local_fallback": fallback_perf,
         "run_seconds": run_seconds,
     });
     std::fs::write(

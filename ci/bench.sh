@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The benchmark (issue 5): failover under load with node-cache's static rules, with the agent,
 # with probe-driven switching only and with two nameservers in the pod's resolv.conf (glibc and
-# musl clients); then the agent's drift repair, switch latency (with 0 and 50,000
-# kube-proxy-shaped nat rules), dnsperf through node-cache's rules and the agent's, the
-# agent's footprint, and a busy iptables-nft node (0 and 50,000 nat rules, kube-proxy syncing
-# every second): the agent's CPU and a host-network client across a cache SIGKILL. Writes docs/bench.md (the table),
-# docs/bench.json and docs/failover.svg. Run as root; about 7 minutes on a 2-core machine, plus
-# the build. Everything happens in network namespaces named $prefix-*, removed when it ends,
-# also on failure.
+# musl clients); the same in the link-local shape (issue 12: pods ask 169.254.20.10 itself)
+# with node-cache alone, kubespray's second DaemonSet (two caches sharing the IP with
+# SO_REUSEPORT, one killed or hung) and the agent; then the agent's drift repair, switch
+# latency (with 0 and 50,000 kube-proxy-shaped nat rules), dnsperf through node-cache's rules
+# and the agent's, dnsperf through the link-local fallback (the forwarder) against straight to
+# CoreDNS, the agent's footprint, and a busy iptables-nft node (0 and 50,000 nat rules,
+# kube-proxy syncing every second): the agent's CPU and a host-network client across a cache
+# SIGKILL. Writes docs/bench.md (the tables), docs/bench.json and docs/failover.svg. Run as
+# root; about 11 minutes on a 2-core machine (7 measured before the link-local part, which
+# took about 4 in runs of its own), plus the build. Everything happens in network namespaces
+# named $prefix-*, removed when it ends, also on failure.
+#
+# One part alone (as root, after the build below): NLHA_BENCH_PARTS=link-local,fallback-dnsperf
+# cargo bench --bench failover (see benches/failover.rs for the parts and settings).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

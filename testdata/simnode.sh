@@ -45,6 +45,14 @@
 #     prints when the process was seen gone, at most one 50 ms poll after its sockets closed)
 #     --no-wait: return once unbound has been exec'd, without waiting for it to answer (a
 #     crash-looping cache, restarted as fast as it dies); prints when it was started.
+#   cache2-start PREFIX [--mode normal|servfail] [--no-wait]
+#                                                 cache2-kill|cache2-stop|cache2-cont|cache2-pid PREFIX
+#     kubespray's second DaemonSet (`nodelocaldns-second`): a second unbound with the same config
+#     (its own copy, pidfile and log: cache2.log) on the same IPs and port, answering who.test
+#     with the same 1.1.1.1. Both set SO_REUSEPORT, so their sockets form one reuseport group
+#     and the kernel hashes each query (source address and port) to one of the two; a killed
+#     member leaves the group with its socket, a stopped one keeps its share. Without --no-wait,
+#     returns once it has bound every listen IP and a cache answers. `down` stops it too.
 #   coredns-start PREFIX                          coredns-kill|coredns-stop|coredns-cont|coredns-pid PREFIX
 #   node-cache-rules PREFIX [--remove]
 #     node-cache's own iptables rules (cmd/node-cache/app/cache_app.go), in the flavour's
@@ -229,6 +237,7 @@ cmd_down() {
         svc_term kube-proxy-resync
         svc_term xtables-lock
         svc_kill cache
+        svc_kill cache2
         svc_kill coredns
     fi
     delete_namespaces
@@ -248,12 +257,12 @@ main() {
     case $cmd in
     up) cmd_up "$@" ;;
     down) (($# == 0)) || usage; cmd_down ;;
-    cache-start) cmd_cache_start "$@" ;;
+    cache-start | cache2-start) cmd_cache_start "${cmd%-start}" "$@" ;;
     coredns-start) cmd_coredns_start "$@" ;;
-    cache-kill | coredns-kill) (($# == 0)) || usage; svc_kill "${cmd%-kill}" ;;
-    cache-stop | coredns-stop) (($# == 0)) || usage; svc_signal "${cmd%-stop}" STOP ;;
-    cache-cont | coredns-cont) (($# == 0)) || usage; svc_signal "${cmd%-cont}" CONT ;;
-    cache-pid | coredns-pid) (($# == 0)) || usage; svc_pid "${cmd%-pid}" || die "${cmd%-pid} is not running" ;;
+    cache-kill | cache2-kill | coredns-kill) (($# == 0)) || usage; svc_kill "${cmd%-kill}" ;;
+    cache-stop | cache2-stop | coredns-stop) (($# == 0)) || usage; svc_signal "${cmd%-stop}" STOP ;;
+    cache-cont | cache2-cont | coredns-cont) (($# == 0)) || usage; svc_signal "${cmd%-cont}" CONT ;;
+    cache-pid | cache2-pid | coredns-pid) (($# == 0)) || usage; svc_pid "${cmd%-pid}" || die "${cmd%-pid} is not running" ;;
     node-cache-rules) cmd_node_cache_rules "$@" ;;
     listen-addrs-del | listen-addrs-add) (($# == 0)) || usage; cmd_listen_addrs "${cmd#listen-addrs-}" ;;
     cni-noise-start | kube-proxy-resync-start) (($# == 0)) || usage; loop_start "${cmd%-start}" ;;

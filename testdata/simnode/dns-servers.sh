@@ -16,11 +16,23 @@ from_loopback() { # from_loopback SERVER: dig's source option
     if [[ $1 == *:* ]]; then echo "-b ::1"; else echo "-b 127.0.0.1"; fi
 }
 
+# udp_listener PID IP: process PID has a UDP socket bound to IP:53 in the node namespace.
+udp_listener() {
+    local addr=$2
+    if [[ $addr == *:* ]]; then addr="[$addr]"; fi
+    in_ns node ss -Hulnp "src $addr and sport = :53" | grep -q "pid=$1,"
+}
+
 # cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in, answering
 # who.test itself and forwarding the rest to the kube-dns-upstream Service (normal), or answering
 # SERVFAIL to everything (servfail: no upstream it can reach).
-cmd_cache_start() {
-    local mode=normal interfaces="" local_data="" forward="" mode_options="" conf ip wait=1
+# cache2-start (the same options): a second unbound, same config (its own file, pidfile and
+# log), on the same IPs and port: kubespray's `nodelocaldns-second`. Both set SO_REUSEPORT
+# (unbound.conf.in), so the kernel puts their sockets in one reuseport group and hashes each
+# query's source address and port to one of them.
+cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
+    local svc=$1 mode=normal interfaces="" local_data="" forward="" mode_options="" conf ip wait=1
+    shift
     while (($#)); do
         case $1 in
         --mode) mode=${2:-}; shift 2 || usage ;;
@@ -65,16 +77,28 @@ cmd_cache_start() {
     conf=${conf//@MODE_OPTIONS@/${mode_options%$'\n'}}
     conf=${conf//@LOCAL_DATA@/${local_data%$'\n'}}
     conf=${conf//@FORWARD_ADDRS@/${forward%$'\n'}}
-    printf '%s\n' "$conf" >"$RUN_DIR/unbound.conf"
-    unbound-checkconf "$RUN_DIR/unbound.conf" >/dev/null || die "bad unbound config $RUN_DIR/unbound.conf"
+    local file="$RUN_DIR/unbound.conf"
+    [[ $svc == cache ]] || file="$RUN_DIR/unbound-$svc.conf"
+    printf '%s\n' "$conf" >"$file"
+    unbound-checkconf "$file" >/dev/null || die "bad unbound config $file"
 
-    echo "--- cache-start --mode $mode" >>"$RUN_DIR/cache.log"
+    echo "--- $svc-start --mode $mode" >>"$RUN_DIR/$svc.log"
     local at
     at=$(now_ms)
-    svc_start cache node unbound -d -p -c "$RUN_DIR/unbound.conf"
+    svc_start "$svc" node unbound -d -p -c "$file"
     if ((!wait)); then
         echo "$at"
         return
+    fi
+    # With the other cache running, it may answer the check below: see that this one has bound
+    # every listen IP too.
+    local pid other=cache2
+    [[ $svc == cache ]] || other=cache
+    if svc_pid "$other" >/dev/null; then
+        pid=$(svc_pid "$svc") || die "$svc exited (log: $RUN_DIR/$svc.log)"
+        for ip in $(awk '$1 == "interface:" {print $2}' "$file"); do
+            wait_for 10 "$svc to listen on $ip:53" udp_listener "$pid" "$ip"
+        done
     fi
     if [[ $mode == normal ]]; then
         # shellcheck disable=SC2046 # two words: -b ADDR
@@ -83,7 +107,7 @@ cmd_cache_start() {
         # shellcheck disable=SC2046
         wait_for 10 "the cache to answer SERVFAIL" dig_servfail node "$server" "$PROBE_NAME" $(from_loopback "$server")
     fi
-    svc_pid cache || die "the cache exited (log: $RUN_DIR/cache.log)"
+    svc_pid "$svc" || die "$svc exited (log: $RUN_DIR/$svc.log)"
 }
 
 # coredns-start: dnsmasq on both endpoint IPs, ready once each answers and the upstream Service

@@ -8,7 +8,7 @@
 
 svc_comm() {
     case $1 in
-    cache) echo unbound ;;
+    cache | cache2) echo unbound ;;
     coredns) echo dnsmasq ;;
     cni-noise | kube-proxy-resync) echo bash ;; # and its command line names the loop
     xtables-lock) echo sleep ;;
