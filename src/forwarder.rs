@@ -345,4 +345,6 @@ fn transparent_socket(listen: SocketAddr, transport: Transport) -> Result<Socket
 }
 
 #[cfg(test)]
+mod kernel_tests;
+#[cfg(test)]
 mod tests;
