@@ -4,6 +4,7 @@
 //! address come back in through prerouting on `lo`, where TPROXY applies, as a pod's do on its
 //! veth.
 
+use std::collections::{HashMap, HashSet};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream, UdpSocket};
 use std::process::{Command, Stdio};
@@ -93,6 +94,18 @@ fn query(id: u16, marker: &[u8]) -> Vec<u8> {
     let mut query = id.to_be_bytes().to_vec();
     query.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0]);
     query.extend_from_slice(marker);
+    query
+}
+
+/// A query for `name`, type A, class IN, with `id` and RD set: one whose question the
+/// forwarder reads, and an answer must repeat.
+fn dns_query(id: u16, name: &str) -> Vec<u8> {
+    let mut query = query(id, b"");
+    for label in name.split('.') {
+        query.push(u8::try_from(label.len()).unwrap());
+        query.extend_from_slice(label.as_bytes());
+    }
+    query.extend_from_slice(&[0, 0, 1, 0, 1]);
     query
 }
 
@@ -245,7 +258,13 @@ fn answered_from_the_link_local_ip(ns: &str, family: Family) {
     write_framed(&mut stream, &sent).unwrap();
     assert_eq!(read_framed(&mut stream).expect("an answer over TCP"), answer_to(&sent));
 
-    let want = Totals { udp_queries: 3, udp_answers: 3, tcp_connections: 1, ..Totals::default() };
+    let want = Totals {
+        udp_queries: 3,
+        udp_answers: 3,
+        tcp_connections: 1,
+        stray_answers: 1, // the decoy
+        ..Totals::default()
+    };
     forwarder.wait_for(want);
 }
 
@@ -338,34 +357,40 @@ fn a_connection_beyond_the_bound_is_closed_and_its_place_comes_back() {
     });
 }
 
-#[test]
-fn with_no_upstream_queries_fail_fast_and_are_counted() {
-    in_netns("fwd", test_path!(), |ns| {
-        // Nothing listens on the upstream address: its ICMP port unreachable and TCP reset
-        // end the exchanges at once.
-        let family = v4();
-        set_up(ns);
-        let forwarder = serve(family, Options::default());
+fn with_no_upstream_queries_fail_fast(ns: &str, family: Family) {
+    // Nothing listens on the upstream address: its ICMP port unreachable and TCP reset end the
+    // exchanges at once. The UDP queries share the pool's sockets: the ICMP errors quote them,
+    // and each names its own query (one whose question is read, one whose is not). The
+    // timeout is far beyond the test's deadline: only the errors can end the queries in time.
+    set_up(ns);
+    let forwarder =
+        serve(family, Options { upstream_timeout: Duration::from_secs(600), ..Options::default() });
 
-        let client = udp_client(family);
-        client.send_to(&query(1, ANSWER), family.link_local).unwrap();
-        let mut stream = tcp_client(family);
-        write_framed(&mut stream, &query(2, ANSWER)).unwrap();
-        let mut buf = [0; 16];
-        match stream.read(&mut buf) {
-            Ok(0) => {}
-            Err(error) if error.kind() == ErrorKind::ConnectionReset => {}
-            other => panic!("the connection is still open: {other:?}"),
-        }
-        let want = Totals {
-            udp_queries: 1,
-            tcp_connections: 1,
-            upstream_failures: 2,
-            ..Totals::default()
-        };
-        forwarder.wait_for(want);
-        assert!(got_nothing(&client));
-    });
+    let client = udp_client(family);
+    client.send_to(&query(1, ANSWER), family.link_local).unwrap();
+    client.send_to(&dns_query(2, "refused.test"), family.link_local).unwrap();
+    let mut stream = tcp_client(family);
+    write_framed(&mut stream, &query(3, ANSWER)).unwrap();
+    let mut buf = [0; 16];
+    match stream.read(&mut buf) {
+        Ok(0) => {}
+        Err(error) if error.kind() == ErrorKind::ConnectionReset => {}
+        other => panic!("the connection is still open: {other:?}"),
+    }
+    let want =
+        Totals { udp_queries: 2, tcp_connections: 1, upstream_failures: 3, ..Totals::default() };
+    forwarder.wait_for(want);
+    assert!(got_nothing(&client));
+}
+
+#[test]
+fn with_no_upstream_ipv4_queries_fail_fast_and_are_counted() {
+    in_netns("fwd", test_path!(), |ns| with_no_upstream_queries_fail_fast(ns, v4()));
+}
+
+#[test]
+fn with_no_upstream_ipv6_queries_fail_fast_and_are_counted() {
+    in_netns("fwd", test_path!(), |ns| with_no_upstream_queries_fail_fast(ns, v6()));
 }
 
 #[test]
@@ -385,5 +410,157 @@ fn binding_a_taken_address_says_which() {
         // Nothing lingers once a forwarder is dropped.
         drop(first);
         bind().unwrap();
+    });
+}
+
+/// How many queries the out-of-order stand-in holds before it answers them, last first; also
+/// how many each client keeps in flight, so that the stand-in always gets its batch. With 20
+/// clients, 100 queries in flight: the listening socket's buffer (the kernel's default, some
+/// 200 KiB) holds them all even while the forwarder is slow to read, so none is lost.
+const HELD: usize = 5;
+
+/// What the out-of-order stand-in saw.
+#[derive(Default)]
+struct Reversed {
+    /// Queries answered.
+    answered: usize,
+    /// The addresses they came from.
+    sources: HashSet<SocketAddr>,
+    /// Ids that were pending twice on the same socket at once.
+    clashes: Vec<(SocketAddr, u16)>,
+}
+
+/// Starts a stand-in upstream on `at` (UDP) that holds [`HELD`] queries, then answers them in
+/// the reverse of their order, on a thread that ends with the test's process.
+fn start_reversing_upstream(at: SocketAddr) -> Arc<std::sync::Mutex<Reversed>> {
+    let udp = UdpSocket::bind(at).unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Reversed::default()));
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        let mut buf = [0; 512];
+        loop {
+            let mut held = Vec::new();
+            while held.len() < HELD {
+                let Ok((len, from)) = udp.recv_from(&mut buf) else { return };
+                held.push((buf[..len].to_vec(), from));
+            }
+            let mut seen = record.lock().unwrap();
+            let mut pending = HashSet::new();
+            for (query, from) in &held {
+                let id = u16::from_be_bytes([query[0], query[1]]);
+                if !pending.insert((*from, id)) {
+                    seen.clashes.push((*from, id));
+                }
+                seen.sources.insert(*from);
+            }
+            for (query, from) in held.iter().rev() {
+                udp.send_to(&answer_to(query), from).unwrap();
+                seen.answered += 1;
+            }
+        }
+    });
+    seen
+}
+
+/// Sends `total` queries from a socket of its own, [`HELD`] in flight at a time, with the ids
+/// 0, 1, … that every other client uses too; checks that each answer is its query's, byte for
+/// byte, under its id and from the link-local IP. Says what went wrong if an answer did not
+/// come.
+fn ask_many(family: Family, client: usize, total: u16) -> Result<(), String> {
+    let socket = udp_client(family);
+    let mut outstanding = HashMap::new();
+    let (mut next, mut answered) = (0, 0);
+    let mut buf = [0; 512];
+    while answered < total {
+        while outstanding.len() < HELD && next < total {
+            let sent = dns_query(next, &format!("q{next}.client{client}.test"));
+            socket.send_to(&sent, family.link_local).unwrap();
+            outstanding.insert(next, sent);
+            next += 1;
+        }
+        let (len, from) = socket.recv_from(&mut buf).map_err(|error| {
+            let ids: Vec<&u16> = outstanding.keys().collect();
+            format!("client {client}: {error} after {answered} answers, waiting for ids {ids:?}")
+        })?;
+        assert_eq!(from, family.link_local, "client {client}: the answer's source");
+        let id = u16::from_be_bytes([buf[0], buf[1]]);
+        let sent = outstanding.remove(&id).unwrap_or_else(|| {
+            panic!("client {client}: an answer under id {id}, which no query of its waits for")
+        });
+        assert_eq!(&buf[..len], answer_to(&sent), "client {client}: the answer to query {id}");
+        answered += 1;
+    }
+    Ok(())
+}
+
+#[test]
+fn many_clients_sharing_ids_get_their_own_answers_whatever_the_upstream_s_order() {
+    in_netns("fwd", test_path!(), |ns| {
+        const CLIENTS: usize = 20;
+        const EACH: u16 = 100;
+        let family = v4();
+        set_up(ns);
+        let upstream = start_reversing_upstream(family.upstream);
+        let forwarder = serve(family, Options::default());
+
+        let failed: Vec<String> = std::thread::scope(|scope| {
+            let clients: Vec<_> = (0..CLIENTS)
+                .map(|client| scope.spawn(move || ask_many(family, client, EACH)))
+                .collect();
+            clients.into_iter().filter_map(|client| client.join().unwrap().err()).collect()
+        });
+        let answered = upstream.lock().unwrap().answered;
+        let totals = forwarder.counters.totals();
+        // The namespace's UDP counters say whether a socket's buffer overflowed (RcvbufErrors).
+        assert!(
+            failed.is_empty(),
+            "{}\nthe upstream answered {answered}; the forwarder's counters: {totals:?}\n{}",
+            failed.join("\n"),
+            std::fs::read_to_string("/proc/net/snmp").unwrap()
+        );
+        let total = CLIENTS as u64 * u64::from(EACH);
+        forwarder.wait_for(Totals { udp_queries: total, udp_answers: total, ..Totals::default() });
+        let seen = upstream.lock().unwrap();
+        assert_eq!(seen.answered as u64, total);
+        // Up to 100 queries with 20 clients' copies of each id at once: the pool's sockets
+        // carried them all, each under an id none of its other pending queries had.
+        assert!(seen.sources.len() <= super::upstream::SOCKETS, "sources {:?}", seen.sources);
+        assert!(seen.clashes.is_empty(), "ids pending twice on a socket: {:?}", seen.clashes);
+    });
+}
+
+#[test]
+fn an_answer_after_its_query_expired_is_dropped_and_counted() {
+    in_netns("fwd", test_path!(), |ns| {
+        // The test is the upstream: it answers when it likes.
+        let family = v4();
+        set_up(ns);
+        let upstream = UdpSocket::bind(family.upstream).unwrap();
+        upstream.set_read_timeout(Some(DEADLINE)).unwrap();
+        let options =
+            Options { upstream_timeout: Duration::from_millis(200), ..Options::default() };
+        let forwarder = serve(family, options);
+        let mut buf = [0; 512];
+
+        let client = udp_client(family);
+        client.send_to(&dns_query(1, "late.test"), family.link_local).unwrap();
+        let (len, pool_socket) = upstream.recv_from(&mut buf).expect("the query");
+        let late = answer_to(&buf[..len]);
+        let mut want = Totals { udp_queries: 1, upstream_failures: 1, ..Totals::default() };
+        forwarder.wait_for(want);
+        upstream.send_to(&late, pool_socket).unwrap();
+        want.stray_answers = 1;
+        forwarder.wait_for(want);
+        assert!(got_nothing(&client), "the late answer reached the client");
+
+        // The socket serves on: the next query, answered in time, is.
+        client.set_nonblocking(false).unwrap();
+        let sent = dns_query(2, "next.test");
+        client.send_to(&sent, family.link_local).unwrap();
+        let (len, pool_socket) = upstream.recv_from(&mut buf).expect("the query");
+        upstream.send_to(&answer_to(&buf[..len]), pool_socket).unwrap();
+        let len = client.recv(&mut buf).expect("an answer");
+        assert_eq!(&buf[..len], answer_to(&sent));
+        forwarder.wait_for(Totals { udp_queries: 2, udp_answers: 1, ..want });
     });
 }

@@ -6,23 +6,8 @@ use tokio::io::{duplex, AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
 
 use super::tcp::{relay, Ended};
-use super::udp::{answer_source_v4, answer_source_v6, answers, destination};
+use super::udp::{answer_source_v4, answer_source_v6, destination};
 use super::*;
-
-#[test]
-fn an_answer_is_the_one_with_the_query_id() {
-    let query = [0xab, 0xcd, 1, 0];
-    for (answer, expected) in [
-        (&[0xab, 0xcd, 0x81, 0x80][..], true),
-        (&[0xab, 0xcd][..], true),
-        (&[0xab, 0xce, 0x81, 0x80][..], false),
-        (&[0xab][..], false),
-        (&[][..], false),
-    ] {
-        assert_eq!(answers(&query, answer), expected, "{answer:?}");
-    }
-    assert!(!answers(&[], &[]), "no id, no answer");
-}
 
 #[test]
 fn the_destination_is_the_packet_header_s_not_the_routing_one() {
