@@ -4,7 +4,7 @@
 //! A socket per query, as the forwarder first had, cost a socket, a connect (a route lookup)
 //! and, on the node, a conntrack entry and kube-proxy's DNAT for every query, and a task to wait
 //! for its answer: about 40,000 queries/s on two cores, a third of what the same client got
-//! straight from CoreDNS, and some 28,000 conntrack entries left behind by a 5-second benchmark
+//! straight from CoreDNS, and some 28,000 conntrack entries left behind by each benchmark
 //! run (issue 12, acceptance 4). A connected socket looks its route up once, and all its
 //! queries share one conntrack entry, NATed once; the kernel hands it datagrams from the
 //! upstream's address and port only. Queries leave under ids of the table's choosing
@@ -42,9 +42,10 @@ use super::ids::{Answered, Pending, HEADER_LEN};
 use super::udp::{send_answer, MAX_MESSAGE};
 use super::{count, Counters};
 
-/// How many sockets the pool has: one task each reads their answers, so two keep both of the
-/// runtime's workers busy.
-pub(super) const SOCKETS: usize = 2;
+/// How many sockets the pool has, each with a task to read its answers and a conntrack entry on
+/// the node. Of 1, 2 and 4, four served the benchmark's dnsperf best, on two cores, with the
+/// least of the agent's CPU per query (the commit that set it has the figures).
+pub(super) const SOCKETS: usize = 4;
 
 /// How often each socket's table is swept for queries past their timeout.
 pub(super) const SWEEP_PERIOD: Duration = Duration::from_millis(100);
