@@ -6,12 +6,14 @@
 //! by default), and the agent's TPROXY rules hand it the packets for 169.254.20.10:53 that no
 //! socket of the cache takes. The kernel's socket lookup is the guard, so while the cache
 //! listens the forwarder sees nothing. Each UDP query goes on to the upstream (the
-//! kube-dns-upstream ClusterIP, reached through kube-proxy from the node) on a fresh connected
-//! socket, and its answer goes back byte for byte, TC bit and all (the client then retries over
-//! TCP, which is relayed too), **from the address the client sent to**: the pod sees the answer
-//! come from the IP it queried, as a connected resolver socket demands. Each TCP connection is
-//! relayed to a connection of its own to the upstream. Nothing is cached, and nothing of a
-//! message is read but its id.
+//! kube-dns-upstream ClusterIP, reached through kube-proxy from the node) on one of a few
+//! long-lived sockets connected to it, under an id of the forwarder's choosing (`upstream.rs`
+//! and `ids.rs` say why and how), and its answer goes back byte for byte but for the id, which
+//! is the client's again, TC bit and all (the client then retries over TCP, which is relayed
+//! too), **from the address the client sent to**: the pod sees the answer come from the IP it
+//! queried, as a connected resolver socket demands. Each TCP connection is relayed to a
+//! connection of its own to the upstream. Nothing is cached, and nothing of a message is read
+//! but its id and its question (which an answer must repeat).
 //!
 //! The socket options, and why:
 //!
@@ -35,13 +37,16 @@
 //! Bounds: at most [`Options::max_in_flight`] UDP queries wait for the upstream at once and at
 //! most [`Options::max_connections`] TCP connections are relayed; beyond them a query is
 //! dropped and a connection closed, both counted. A UDP query the upstream has not answered
-//! within [`Options::upstream_timeout`] is dropped without a word (the client retries, as it
-//! would after a lost datagram); a TCP connection with nothing to relay for
+//! within [`Options::upstream_timeout`] (give or take the 100 ms between two sweeps) is dropped
+//! without a word (the client retries, as it would after a lost datagram), and so is one the
+//! upstream refuses (an ICMP error); a TCP connection with nothing to relay for
 //! [`Options::tcp_idle_timeout`] is closed. Dropping [`Forwarder::run`]'s future aborts every
 //! query and connection in flight and closes the sockets.
 
+mod ids;
 mod tcp;
 mod udp;
+mod upstream;
 
 use std::convert::Infallible;
 use std::io;
@@ -107,6 +112,9 @@ pub struct Counters {
     pub dropped_busy: AtomicU64,
     /// Datagrams too short to be a DNS message, dropped.
     pub dropped_malformed: AtomicU64,
+    /// Datagrams from the upstream that answer no query in flight, dropped: late (their query
+    /// had expired), under an id no query has, or for another question than the query's.
+    pub stray_answers: AtomicU64,
 }
 
 /// The values of [`Counters`] at one moment.
@@ -126,6 +134,8 @@ pub struct Totals {
     pub dropped_busy: u64,
     /// See [`Counters::dropped_malformed`].
     pub dropped_malformed: u64,
+    /// See [`Counters::stray_answers`].
+    pub stray_answers: u64,
 }
 
 impl Counters {
@@ -140,6 +150,7 @@ impl Counters {
             answer_failures: read(&self.answer_failures),
             dropped_busy: read(&self.dropped_busy),
             dropped_malformed: read(&self.dropped_malformed),
+            stray_answers: read(&self.stray_answers),
         }
     }
 }
@@ -239,6 +250,7 @@ pub struct Forwarder {
     upstream: SocketAddr,
     options: Options,
     udp: UdpSocket,
+    pool: upstream::Pool,
     tcp: TcpListener,
     counters: Arc<Counters>,
 }
@@ -258,13 +270,18 @@ impl Forwarder {
             Transport::Udp,
             "registering with the tokio runtime",
         ))?;
+        let pool = upstream::Pool::open(upstream).map_err(setup(
+            listen,
+            Transport::Udp,
+            "opening the sockets to the upstream",
+        ))?;
         let tcp = transparent_socket(listen, Transport::Tcp)?;
         let tcp = TcpListener::from_std(tcp.into()).map_err(setup(
             listen,
             Transport::Tcp,
             "registering with the tokio runtime",
         ))?;
-        Ok(Forwarder { listen, upstream, options, udp, tcp, counters: Arc::default() })
+        Ok(Forwarder { listen, upstream, options, udp, pool, tcp, counters: Arc::default() })
     }
 
     /// The address the forwarder listens on.
@@ -284,7 +301,7 @@ impl Forwarder {
         let udp = udp::serve(
             Arc::new(self.udp),
             self.listen,
-            self.upstream,
+            self.pool,
             self.options,
             self.counters.clone(),
         );
@@ -358,5 +375,7 @@ fn transparent_socket(listen: SocketAddr, transport: Transport) -> Result<Socket
     Ok(socket)
 }
 
+#[cfg(test)]
+mod kernel_tests;
 #[cfg(test)]
 mod tests;

@@ -1,12 +1,14 @@
-//! UDP: each query received with the address it was sent to, sent on to the upstream on a
-//! socket of its own, and its answer sent back from that address.
+//! UDP, the listening side: each query received with the address it was sent to and sent on
+//! to the upstream on a socket of the pool (`upstream.rs`), whose task sends its answer back
+//! from that address.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::Instant;
 
 use nix::sys::socket::{
     recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags, SockaddrIn, SockaddrIn6,
@@ -14,35 +16,47 @@ use nix::sys::socket::{
 };
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 
+use super::ids::HEADER_LEN;
+use super::upstream::{Origin, Pool};
 use super::{count, report_task_end, Counters, Error, Options};
 
 /// The largest DNS message UDP carries: a datagram is received whole.
-const MAX_MESSAGE: usize = u16::MAX as usize;
-
-/// The length of a DNS header: a shorter datagram is no query.
-const HEADER_LEN: usize = 12;
+pub(super) const MAX_MESSAGE: usize = u16::MAX as usize;
 
 /// Receives queries on `socket` (bound to `listen`) until receiving fails for good, each sent on
-/// to `upstream` by a task of its own, at most `options.max_in_flight` at once.
+/// to the upstream on a socket of `pool`, at most `options.max_in_flight` at once; the pool's
+/// tasks send the answers back.
 pub(super) async fn serve(
     socket: Arc<UdpSocket>,
     listen: SocketAddr,
-    upstream: SocketAddr,
+    mut pool: Pool,
     options: Options,
     counters: Arc<Counters>,
 ) -> Result<Infallible, Error> {
-    let in_flight = Arc::new(Semaphore::new(options.max_in_flight));
-    // Dropped with this future: every query in flight is aborted.
-    let mut queries = JoinSet::new();
+    pool.connect().await;
+    // Dropped with this future: the sockets' tasks end, every query in flight with them.
+    let mut answering = JoinSet::new();
+    let mut answers_of = HashMap::new();
+    for upstream in pool.sockets() {
+        let task = answering.spawn(upstream.clone().answer(socket.clone(), counters.clone()));
+        answers_of.insert(task.id(), upstream.clone());
+    }
     let mut buffer = vec![0; MAX_MESSAGE];
     let mut control = nix::cmsg_space!(libc::in6_pktinfo);
     loop {
         let received = tokio::select! {
-            Some(ended) = queries.join_next() => {
-                report_task_end(ended);
+            Some(ended) = answering.join_next_with_id() => {
+                // Only a panic (a bug) ends a socket's task: the socket gets another.
+                let Err(panicked) = ended;
+                let id = panicked.id();
+                report_task_end(Err(panicked));
+                if let Some(upstream) = answers_of.remove(&id) {
+                    let task =
+                        answering.spawn(upstream.clone().answer(socket.clone(), counters.clone()));
+                    answers_of.insert(task.id(), upstream);
+                }
                 continue;
             }
             received = socket.async_io(Interest::READABLE, || {
@@ -66,100 +80,27 @@ pub(super) async fn serve(
             count(&counters.answer_failures);
             continue;
         };
-        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+        if pool.in_flight() >= options.max_in_flight {
+            count(&counters.dropped_busy);
+            continue;
+        }
+        let query = &mut buffer[..received.len];
+        let origin = Origin { client, id: u16::from_be_bytes([query[0], query[1]]), destination };
+        let upstream = pool.next();
+        let deadline = Instant::now() + options.upstream_timeout;
+        let Some(id) = upstream.insert(query, origin, deadline) else {
             count(&counters.dropped_busy);
             continue;
         };
         count(&counters.udp_queries);
-        let query = Query { wire: buffer[..received.len].to_vec(), client, destination };
-        queries.spawn(forward(socket.clone(), query, upstream, options, counters.clone(), permit));
-    }
-}
-
-/// A query as received.
-struct Query {
-    /// The message, as the client sent it.
-    wire: Vec<u8>,
-    /// Who sent it.
-    client: SocketAddr,
-    /// The address it was sent to (the link-local IP): the answer's source.
-    destination: IpAddr,
-}
-
-/// Sends `query` on to `upstream` and its answer back to the client, counting how it went.
-/// Holds its place among the queries in flight until then.
-async fn forward(
-    socket: Arc<UdpSocket>,
-    query: Query,
-    upstream: SocketAddr,
-    options: Options,
-    counters: Arc<Counters>,
-    _in_flight: OwnedSemaphorePermit,
-) {
-    let client = query.client;
-    let answer = match ask_upstream(upstream, &query.wire, options.upstream_timeout).await {
-        Ok(answer) => answer,
-        Err(error) => {
-            count(&counters.upstream_failures);
-            tracing::debug!(%client, %upstream, %error, "no answer from the upstream");
-            return;
-        }
-    };
-    let sent = socket
-        .async_io(Interest::WRITABLE, || {
-            send_answer(socket.as_raw_fd(), &answer, client, query.destination)
-        })
-        .await;
-    match sent {
-        Ok(()) => count(&counters.udp_answers),
-        Err(error) => {
-            count(&counters.answer_failures);
-            tracing::debug!(%client, from = %query.destination, %error, "sending an answer failed");
-        }
-    }
-}
-
-/// The upstream's answer to `query`: sent on a fresh socket connected to `upstream`, which
-/// takes datagrams from the upstream only (and sees its ICMP port unreachable as an error); the
-/// first whose id is the query's is the answer. Bounded by `timeout`, set-up included.
-async fn ask_upstream(
-    upstream: SocketAddr,
-    query: &[u8],
-    timeout: Duration,
-) -> io::Result<Vec<u8>> {
-    let exchange = async {
-        let unspecified = match upstream {
-            SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-        };
-        let socket = UdpSocket::bind((unspecified, 0)).await?;
-        socket.connect(upstream).await?;
-        socket.send(query).await?;
-        // The buffer is made once the answer is there, not while the query waits: thousands
-        // of queries in flight would otherwise hold 64 KiB each.
-        let mut answer = Vec::new();
-        loop {
-            socket.readable().await?;
-            answer.resize(MAX_MESSAGE, 0);
-            match socket.try_recv(&mut answer) {
-                Ok(len) if answers(query, &answer[..len]) => {
-                    answer.truncate(len);
-                    return Ok(answer);
-                }
-                Ok(_) => {}
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(error) => return Err(error),
+        query[..2].copy_from_slice(&id.to_be_bytes());
+        if let Err(error) = upstream.send(query).await {
+            if upstream.cancel(id) {
+                count(&counters.upstream_failures);
             }
+            tracing::debug!(%client, %error, "sending a query to the upstream failed");
         }
-    };
-    tokio::time::timeout(timeout, exchange).await.unwrap_or_else(|_| {
-        Err(io::Error::new(io::ErrorKind::TimedOut, format!("no answer within {timeout:?}")))
-    })
-}
-
-/// Whether `answer` answers `query`: its id (the first two bytes) is the query's.
-pub(super) fn answers(query: &[u8], answer: &[u8]) -> bool {
-    query.get(..2).is_some_and(|id| answer.get(..2) == Some(id))
+    }
 }
 
 /// A datagram as [`receive`] got it.
@@ -221,7 +162,12 @@ pub(super) fn answer_source_v6(source: Ipv6Addr) -> libc::in6_pktinfo {
 }
 
 /// Sends `answer` to `client` from `source` (and the socket's own port, 53).
-fn send_answer(fd: RawFd, answer: &[u8], client: SocketAddr, source: IpAddr) -> io::Result<()> {
+pub(super) fn send_answer(
+    fd: RawFd,
+    answer: &[u8],
+    client: SocketAddr,
+    source: IpAddr,
+) -> io::Result<()> {
     let iov = [IoSlice::new(answer)];
     let flags = MsgFlags::empty();
     let sent = match (client, source) {
