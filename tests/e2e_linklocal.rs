@@ -14,8 +14,6 @@ use std::time::Duration;
 
 use testkit::*;
 
-const V6_LOCAL_IP: &str = "fd00:169:254::10";
-
 /// A simulated node in the link-local shape, kube-proxy in `mode`, and its agent (`extra` on
 /// top of the test defaults, nftables unless it names a backend).
 fn link_local_node(mode: &str, extra: &[&str]) -> (SimNode, Agent) {
@@ -41,9 +39,6 @@ fn assert_torn_down(node: &SimNode, agent: Agent) {
     let out = node.cli(&["teardown", "--state-dir", &state_dir]);
     assert!(out.status.success(), "{}", describe(&out));
     node.assert_nothing_left();
-    let lo = node.run("node", "ip", &["addr", "show", "dev", "lo"]);
-    let lo = String::from_utf8_lossy(&lo.stdout);
-    assert!(!lo.contains(LOCAL_IP) && !lo.contains(V6_LOCAL_IP), "copies left on lo:\n{lo}");
 }
 
 /// A hung cache (SIGSTOP): the route goes to `Upstream` on the `fall`-th failed probe (the
@@ -77,10 +72,12 @@ fn hang_switches_to_the_forwarder_and_back() {
     });
     assert_eq!(probes(&after, "good"), probes(&before, "good"), "{after}");
     assert_eq!(after["route"], "upstream", "{after}");
-    // What went around the cache is counted, for `status`.
+    // What went around the cache is counted, for `status`: answered, or still in flight when
+    // the state was written; none lost on the way to CoreDNS.
     let forwarded = &after["forwarded"];
-    assert!(forwarded["udp_answers"].as_u64().is_some_and(|n| n > 0), "{after}");
-    assert_eq!(forwarded["udp_answers"], forwarded["udp_queries"], "{after}");
+    let count = |key: &str| forwarded[key].as_u64().unwrap_or_else(|| panic!("{key}: {after}"));
+    assert!(count("udp_answers") > 0 && count("udp_answers") <= count("udp_queries"), "{after}");
+    assert_eq!((count("upstream_failures"), count("dropped")), (0, 0), "{after}");
     node.signal("cache-cont");
     agent.wait_route("local", Duration::from_secs(10));
     for (client, load) in [("pod", pod), ("host", host)] {

@@ -121,20 +121,6 @@ fn pod_load(node: &SimNode, server: &str) -> Load {
 const ROUTE: Duration = Duration::from_secs(30);
 const SEEN: Duration = Duration::from_secs(30);
 
-/// Nothing of the agent's anywhere in the node's netfilter.
-fn assert_nothing_left(node: &SimNode) {
-    let text = |program: &str, args: &[&str]| {
-        String::from_utf8_lossy(&node.run("node", program, args).stdout).into_owned()
-    };
-    let nft = text("nft", &["list", "ruleset"]);
-    assert!(!nft.contains("nodelocaldns-ha"), "nftables still has the agent's table:\n{nft}");
-    assert!(!nft.contains("NODELOCALDNS-HA"), "iptables-nft still has the agent's chains:\n{nft}");
-    for save in ["iptables-legacy-save", "ip6tables-legacy-save"] {
-        let out = text(save, &[]);
-        assert!(!out.contains("NODELOCALDNS-HA"), "{save} still has the agent's chains:\n{out}");
-    }
-}
-
 /// The node-local IPs are on node-cache's `nodelocaldns` dummy interface.
 fn assert_dummy_layout(node: &SimNode) {
     let out = node.run("node", "ip", &["-d", "addr", "show", "dev", "nodelocaldns"]);
@@ -203,7 +189,7 @@ fn cell(kube_proxy: &str, dataplane: &str) {
     drop(agent);
     let out = node.cli(&["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
-    assert_nothing_left(&node);
+    node.assert_nothing_left();
 }
 
 guest_tests! {
@@ -318,7 +304,7 @@ fn ipvs_auto_refuses_clusterip_interception() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("IPVS") && stderr.contains("kube-ipvs0"), "{stderr}");
         assert!(stderr.contains("10.96.0.10"), "the ClusterIP is not named: {stderr}");
-        assert_nothing_left(&node);
+        node.assert_nothing_left();
     });
 }
 
@@ -366,10 +352,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str) {
     drop(agent);
     let out = node.cli(&["teardown", "--state-dir", &state_dir]);
     assert!(out.status.success(), "{}", describe(&out));
-    assert_nothing_left(&node);
-    let lo = node.run("node", "ip", &["addr", "show", "dev", "lo"]);
-    let lo = String::from_utf8_lossy(&lo.stdout);
-    assert!(!lo.contains(LOCAL_IP), "the agent's copy is left on lo:\n{lo}");
+    node.assert_nothing_left();
 }
 
 guest_tests! {
@@ -529,7 +512,7 @@ fn without_ipv6(kube_proxy: &str, dataplane: &str) {
     assert_eq!(before.stdout, after.stdout, "the refused agent changed the ruleset");
     let out = node.cli(&["teardown", "--state-dir", "/nonexistent-nlha"]);
     assert!(out.status.success(), "{}", describe(&out));
-    assert_nothing_left(&node);
+    node.assert_nothing_left();
 }
 
 macro_rules! guest_tests_without_ipv6 {

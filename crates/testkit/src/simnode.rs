@@ -181,8 +181,19 @@ impl SimNode {
     }
 
     /// Nothing of the agent's anywhere in the node's netfilter: nftables (iptables-nft
-    /// included) and iptables-legacy, both families.
+    /// included) and iptables-legacy, both families; and no copy of a listen IP on lo (unless
+    /// node-cache's addresses are there, `--listen-dev lo`), only the loopback addresses.
     pub fn assert_nothing_left(&self) {
+        let listen_dev = std::fs::read_to_string(self.dir.join("listen-dev")).unwrap_or_default();
+        if listen_dev.trim() != "lo" {
+            let out = self.run("node", "ip", &["-o", "addr", "show", "dev", "lo"]);
+            let text = String::from_utf8_lossy(&out.stdout);
+            let others: Vec<&str> = text
+                .lines()
+                .filter(|l| !l.contains(" 127.0.0.1/8 ") && !l.contains(" ::1/128 "))
+                .collect();
+            assert!(others.is_empty(), "addresses of the agent's left on lo: {others:?}");
+        }
         let ruleset = self.run("node", "nft", &["list", "ruleset"]);
         let text = String::from_utf8_lossy(&ruleset.stdout);
         assert!(!text.contains("nodelocaldns-ha"), "nftables still has the agent's table:\n{text}");
