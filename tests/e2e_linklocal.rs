@@ -32,15 +32,6 @@ fn dig_from_port(node: &SimNode, role: &str, source: &str, server: &str) -> Stri
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
-/// Nothing of the agent's left: its table, its copies of the link-local IPs on lo.
-fn assert_torn_down(node: &SimNode, agent: Agent) {
-    let state_dir = agent.state_dir.display().to_string();
-    drop(agent);
-    let out = node.cli(&["teardown", "--state-dir", &state_dir]);
-    assert!(out.status.success(), "{}", describe(&out));
-    node.assert_nothing_left();
-}
-
 /// A hung cache (SIGSTOP): the route goes to `Upstream` on the `fall`-th failed probe (the
 /// probes, sent from the loopback address, still reach the hung cache and not the forwarder),
 /// pods' and host clients' lookups lose nothing; after SIGCONT the route returns, and a client
@@ -87,7 +78,7 @@ fn hang_switches_to_the_forwarder_and_back() {
         assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{client}: {summary}");
     }
     assert_eq!(dig_from_port(&node, "pod1", "10.244.0.2", LOCAL_IP), CACHE_ANSWER);
-    assert_torn_down(&node, agent);
+    node.tear_down(agent);
 }
 
 /// node-cache's teardown (it deletes its interface, and the IPs with it, on every rolling
@@ -109,5 +100,5 @@ fn node_cache_teardown_leaves_the_ip_and_the_fallback() {
     node.script(&["cache-start"]);
     agent.wait_route("local", Duration::from_secs(10));
     assert_eq!(node.dig("pod1", LOCAL_IP), CACHE_ANSWER);
-    assert_torn_down(&node, agent);
+    node.tear_down(agent);
 }

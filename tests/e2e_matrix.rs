@@ -135,10 +135,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     );
     assert_within("failed host lookup", &failed, killed_at - ATTEMPT_TIMEOUT_MS, switched);
 
-    drop(agent);
-    let out = node.run("node", agent_exe(), &["teardown", "--state-dir", "/nonexistent-nlha"]);
-    assert!(out.status.success(), "{}", describe(&out));
-    node.assert_nothing_left();
+    node.tear_down(agent);
 }
 
 /// Who answers `dig` from pod1, always from one source port (40053), for the link-local IP:
@@ -230,11 +227,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
         }
     }
 
-    let state_dir = agent.state_dir.display().to_string();
-    drop(agent);
-    let out = node.cli(&["teardown", "--state-dir", &state_dir]);
-    assert!(out.status.success(), "{}", describe(&out));
-    node.assert_nothing_left();
+    node.tear_down(agent);
 }
 
 macro_rules! link_local_matrix {

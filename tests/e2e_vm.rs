@@ -186,10 +186,7 @@ fn cell(kube_proxy: &str, dataplane: &str) {
     let st = agent.state().expect("state");
     assert_eq!(st["transitions"], 4, "kill and hang: two round trips: {st}");
 
-    drop(agent);
-    let out = node.cli(&["teardown", "--state-dir", "/nonexistent-nlha"]);
-    assert!(out.status.success(), "{}", describe(&out));
-    node.assert_nothing_left();
+    node.tear_down(agent);
 }
 
 guest_tests! {
@@ -348,11 +345,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str) {
     println!("link-local, {kube_proxy} × {dataplane} on {}: pod {summary}", Machine::this().kernel);
     assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
     assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
-    let state_dir = agent.state_dir.display().to_string();
-    drop(agent);
-    let out = node.cli(&["teardown", "--state-dir", &state_dir]);
-    assert!(out.status.success(), "{}", describe(&out));
-    node.assert_nothing_left();
+    node.tear_down(agent);
 }
 
 guest_tests! {

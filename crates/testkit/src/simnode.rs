@@ -211,6 +211,16 @@ impl SimNode {
         }
     }
 
+    /// Stops `agent`, runs `teardown` on its state directory, and asserts that it succeeded and
+    /// left nothing ([`SimNode::assert_nothing_left`]).
+    pub fn tear_down(&self, agent: crate::Agent) {
+        let state_dir = agent.state_dir.display().to_string();
+        drop(agent);
+        let out = self.cli(&["teardown", "--state-dir", &state_dir]);
+        assert!(out.status.success(), "teardown: {}", describe(&out));
+        self.assert_nothing_left();
+    }
+
     /// Runs the agent binary's CLI in the node namespace.
     pub fn cli(&self, args: &[&str]) -> Output {
         self.run("node", agent_exe(), args)
