@@ -1,6 +1,12 @@
 //! UDP, the listening side: each query received with the address it was sent to and sent on
 //! to the upstream on a socket of the pool (`upstream.rs`), whose task sends its answer back
 //! from that address.
+//!
+//! Queries come in and go out in batches: one `recvmmsg` takes every query waiting, up to
+//! [`BATCH`], and one `sendmmsg` sends them all on one socket of the pool. Under load a wake-up
+//! and two system calls serve a batch where they served one query; idle, a batch is one query.
+//! (The kernel's work per packet stays: it is most of the forwarder's CPU; see README,
+//! Figures.)
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -11,19 +17,47 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use nix::sys::socket::{
-    recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags, SockaddrIn, SockaddrIn6,
-    SockaddrStorage,
+    recvmmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn,
+    SockaddrIn6, SockaddrStorage,
 };
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio::task::JoinSet;
 
 use super::ids::HEADER_LEN;
-use super::upstream::{Origin, Pool};
+use super::upstream::{Origin, Outgoing, Pool};
 use super::{count, report_task_end, Counters, Error, Options};
 
 /// The largest DNS message UDP carries: a datagram is received whole.
 pub(super) const MAX_MESSAGE: usize = u16::MAX as usize;
+
+/// The most datagrams one system call receives or sends.
+pub(super) const BATCH: usize = 32;
+
+/// Room for [`BATCH`] datagrams of up to [`MAX_MESSAGE`] bytes each: 2 MiB of address space,
+/// allocated zeroed (mapped on demand), of which a page or two per slot is ever written.
+pub(super) struct Buffers(Vec<u8>);
+
+impl Buffers {
+    pub(super) fn new() -> Buffers {
+        Buffers(vec![0; BATCH * MAX_MESSAGE])
+    }
+
+    /// Slot `at`.
+    pub(super) fn slot(&self, at: usize) -> &[u8] {
+        &self.0[at * MAX_MESSAGE..(at + 1) * MAX_MESSAGE]
+    }
+
+    /// Slot `at`, to write in.
+    pub(super) fn slot_mut(&mut self, at: usize) -> &mut [u8] {
+        &mut self.0[at * MAX_MESSAGE..(at + 1) * MAX_MESSAGE]
+    }
+
+    /// Every slot, as the vectors of a `recvmmsg`: one each.
+    pub(super) fn receiving(&mut self) -> Vec<[IoSliceMut<'_>; 1]> {
+        self.0.chunks_mut(MAX_MESSAGE).map(|slot| [IoSliceMut::new(slot)]).collect()
+    }
+}
 
 /// Receives queries on `socket` (bound to `listen`) until receiving fails for good, each sent on
 /// to the upstream on a socket of `pool`, at most `options.max_in_flight` at once; the pool's
@@ -43,10 +77,11 @@ pub(super) async fn serve(
         let task = answering.spawn(upstream.clone().answer(socket.clone(), counters.clone()));
         answers_of.insert(task.id(), upstream.clone());
     }
-    let mut buffer = vec![0; MAX_MESSAGE];
-    let mut control = nix::cmsg_space!(libc::in6_pktinfo);
+    let mut buffers = Buffers::new();
+    let mut received = Vec::with_capacity(BATCH);
+    let mut outgoing = Vec::with_capacity(BATCH);
     loop {
-        let received = tokio::select! {
+        let got = tokio::select! {
             Some(ended) = answering.join_next_with_id() => {
                 // Only a panic (a bug) ends a socket's task: the socket gets another.
                 let Err(panicked) = ended;
@@ -59,76 +94,88 @@ pub(super) async fn serve(
                 }
                 continue;
             }
-            received = socket.async_io(Interest::READABLE, || {
-                receive(socket.as_raw_fd(), &mut buffer, &mut control)
-            }) => received,
+            got = socket.async_io(Interest::READABLE, || {
+                receive(socket.as_raw_fd(), &mut buffers, &mut received)
+            }) => got,
         };
-        let received = match received {
-            Ok(received) => received,
+        match got {
+            Ok(()) => {}
             Err(error) if passing(&error) => {
-                tracing::debug!(%listen, %error, "receiving a UDP query failed");
+                tracing::debug!(%listen, %error, "receiving UDP queries failed");
                 continue;
             }
             Err(source) => return Err(Error::Receive { listen, source }),
-        };
-        if received.len < HEADER_LEN || received.truncated {
-            count(&counters.dropped_malformed);
-            continue;
         }
-        let (Some(client), Some(destination)) = (received.client, received.destination) else {
-            // Cannot happen with pktinfo on; without a destination, no right source to answer from.
-            count(&counters.answer_failures);
-            continue;
-        };
-        if pool.in_flight() >= options.max_in_flight {
-            count(&counters.dropped_busy);
-            continue;
-        }
-        let query = &mut buffer[..received.len];
-        let origin = Origin { client, id: u16::from_be_bytes([query[0], query[1]]), destination };
+        // The whole batch goes on one socket of the pool, each batch on the next.
         let upstream = pool.next();
         let deadline = Instant::now() + options.upstream_timeout;
-        let Some(id) = upstream.insert(query, origin, deadline) else {
-            count(&counters.dropped_busy);
-            continue;
-        };
-        count(&counters.udp_queries);
-        query[..2].copy_from_slice(&id.to_be_bytes());
-        if let Err(error) = upstream.send(query).await {
-            if upstream.cancel(id) {
-                count(&counters.upstream_failures);
+        outgoing.clear();
+        for (slot, received) in received.iter().enumerate() {
+            if received.len < HEADER_LEN || received.truncated {
+                count(&counters.dropped_malformed);
+                continue;
             }
-            tracing::debug!(%client, %error, "sending a query to the upstream failed");
+            let (Some(client), Some(destination)) = (received.client, received.destination) else {
+                // Cannot happen with pktinfo on; without a destination, no right source to
+                // answer from.
+                count(&counters.answer_failures);
+                continue;
+            };
+            if upstream.pool_in_flight() >= options.max_in_flight {
+                count(&counters.dropped_busy);
+                continue;
+            }
+            let query = &mut buffers.slot_mut(slot)[..received.len];
+            let origin =
+                Origin { client, id: u16::from_be_bytes([query[0], query[1]]), destination };
+            let Some(id) = upstream.insert(query, origin, deadline) else {
+                count(&counters.dropped_busy);
+                continue;
+            };
+            count(&counters.udp_queries);
+            query[..2].copy_from_slice(&id.to_be_bytes());
+            outgoing.push(Outgoing { slot, len: received.len, id });
         }
+        upstream.send(&buffers, &outgoing, &counters).await;
     }
 }
 
 /// A datagram as [`receive`] got it.
 #[derive(Debug)]
-struct Received {
+pub(super) struct Received {
     /// Its length.
-    len: usize,
-    /// It did not fit the buffer.
-    truncated: bool,
+    pub(super) len: usize,
+    /// It did not fit its slot.
+    pub(super) truncated: bool,
     /// Its source.
-    client: Option<SocketAddr>,
+    pub(super) client: Option<SocketAddr>,
     /// Its destination, from the pktinfo control message.
-    destination: Option<IpAddr>,
+    pub(super) destination: Option<IpAddr>,
 }
 
-/// Receives one datagram into `buffer`, with its source and (from pktinfo) its destination.
-fn receive(fd: RawFd, buffer: &mut [u8], control: &mut [u8]) -> io::Result<Received> {
-    let mut iov = [IoSliceMut::new(buffer)];
-    let message = recvmsg::<SockaddrStorage>(fd, &mut iov, Some(control), MsgFlags::empty())?;
-    // A truncated control message (ENOBUFS) leaves the destination unknown.
-    let destination =
-        message.cmsgs().ok().and_then(|mut cmsgs| cmsgs.find_map(|c| destination(&c)));
-    Ok(Received {
+/// Receives the datagrams waiting on `fd`, up to [`BATCH`], each into its slot of `buffers`
+/// (the first into the first), with its source and (from pktinfo) its destination, into
+/// `received`. WouldBlock when none waits.
+pub(super) fn receive(
+    fd: RawFd,
+    buffers: &mut Buffers,
+    received: &mut Vec<Received>,
+) -> io::Result<()> {
+    // Made for each call: nix's headers hold pointers, and the task that owns them must be
+    // Send. Three small allocations per batch.
+    let control = nix::cmsg_space!(libc::in6_pktinfo);
+    let mut headers = MultiHeaders::<SockaddrStorage>::preallocate(BATCH, Some(control));
+    let mut slots = buffers.receiving();
+    let messages = recvmmsg(fd, &mut headers, slots.iter_mut(), MsgFlags::MSG_DONTWAIT, None)?;
+    received.clear();
+    received.extend(messages.map(|message| Received {
         len: message.bytes,
         truncated: message.flags.contains(MsgFlags::MSG_TRUNC),
         client: message.address.as_ref().and_then(socket_addr),
-        destination,
-    })
+        // A truncated control message (ENOBUFS) leaves the destination unknown.
+        destination: message.cmsgs().ok().and_then(|mut cmsgs| cmsgs.find_map(|c| destination(&c))),
+    }));
+    Ok(())
 }
 
 /// The destination address a pktinfo control message reports: the packet header's (`ipi_addr`),

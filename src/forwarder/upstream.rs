@@ -10,9 +10,9 @@
 //! upstream's address and port only. Queries leave under ids of the table's choosing
 //! (`ids.rs` says what an answer must show to be taken for one).
 //!
-//! The listening socket's task sends each query on the next socket of the pool, in turn; one
-//! task per socket reads its answers, sends each back to its client through the listening
-//! socket, and every [`SWEEP_PERIOD`] takes out the queries past [`Options::upstream_timeout`]
+//! The listening socket's task sends each batch of queries on the next socket of the pool, in
+//! turn, in one `sendmmsg`; one task per socket reads its answers, a batch per `recvmmsg`, sends
+//! each back to its client through the listening socket, and every [`SWEEP_PERIOD`] takes out the queries past [`Options::upstream_timeout`]
 //! (so a query expires up to that much later than its timeout). No task per query, no timer per
 //! query.
 //!
@@ -21,25 +21,27 @@
 //! kernel queues the quote for the socket to read: the query it names fails at once, as it did
 //! when each query had its socket, instead of waiting for its timeout. The kernel also reports
 //! such an error once on the socket's next call, whichever query that is for; a send it fails
-//! is tried once more (the datagram was not sent), and a receive goes on to the next datagram.
+//! is tried once more (the datagram was not sent), and a receive goes on to the next datagrams.
 //!
 //! [`Options::upstream_timeout`]: super::Options::upstream_timeout
 
 use std::convert::Infallible;
-use std::io::{self, IoSliceMut};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{recvmsg, setsockopt, sockopt, MsgFlags};
+use nix::sys::socket::{
+    recvmmsg, recvmsg, sendmmsg, setsockopt, sockopt, ControlMessage, MsgFlags, MultiHeaders,
+};
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio::time::MissedTickBehavior;
 
 use super::ids::{Answered, Pending, HEADER_LEN};
-use super::udp::{send_answer, MAX_MESSAGE};
+use super::udp::{send_answer, Buffers, BATCH};
 use super::{count, Counters};
 
 /// How many sockets the pool has, each with a task to read its answers and a conntrack entry on
@@ -50,8 +52,8 @@ pub(super) const SOCKETS: usize = 4;
 /// How often each socket's table is swept for queries past their timeout.
 pub(super) const SWEEP_PERIOD: Duration = Duration::from_millis(100);
 
-/// How many datagrams a task reads before it lets the others run.
-const BATCH: usize = 64;
+/// How many batches of answers a task reads before it lets the others run.
+const ROUNDS: usize = 4;
 
 /// How long connecting waits after a failure at first, and at most (it doubles each time).
 const CONNECT_RETRY: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
@@ -65,6 +67,17 @@ pub(super) struct Origin {
     pub(super) id: u16,
     /// The address the client sent the query to (the link-local IP): the answer's source.
     pub(super) destination: IpAddr,
+}
+
+/// A query of a batch, to go to the upstream.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Outgoing {
+    /// Its slot in the batch's buffers.
+    pub(super) slot: usize,
+    /// Its length.
+    pub(super) len: usize,
+    /// The id it goes out with (in its first two bytes already).
+    pub(super) id: u16,
 }
 
 /// The sockets to the upstream.
@@ -161,6 +174,11 @@ pub(super) struct Upstream {
 }
 
 impl Upstream {
+    /// How many queries wait for the upstream's answer on all the pool's sockets.
+    pub(super) fn pool_in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     /// Takes `query` pending until `deadline`; returns the id it is to go out with, or None
     /// when the table has no room.
     pub(super) fn insert(&self, query: &[u8], origin: Origin, deadline: Instant) -> Option<u16> {
@@ -169,13 +187,27 @@ impl Upstream {
         Some(id)
     }
 
-    /// Sends `query` to the upstream, waiting while the socket's buffer is full. An error is
-    /// tried once more: it may be an earlier query's ICMP error, which the kernel reports on
-    /// this call and so sends nothing.
-    pub(super) async fn send(&self, query: &[u8]) -> io::Result<()> {
-        match self.socket.try_send(query) {
-            Ok(_) => Ok(()),
-            Err(_) => self.socket.send(query).await.map(drop),
+    /// Sends `queries` (their bytes in `buffers`) to the upstream, as many as the kernel takes
+    /// per call, waiting while the socket's buffer is full. A query the kernel refuses is tried
+    /// once more (the error may be an earlier query's ICMP error, which the kernel reports on
+    /// this call and so sends nothing), then taken out and counted.
+    pub(super) async fn send(&self, buffers: &Buffers, queries: &[Outgoing], counters: &Counters) {
+        let fd = self.socket.as_raw_fd();
+        let (mut next, mut tried) = (0, false);
+        while let Some(rest) = queries.get(next..).filter(|rest| !rest.is_empty()) {
+            let sent =
+                self.socket.async_io(Interest::WRITABLE, || send_batch(fd, buffers, rest)).await;
+            match sent {
+                Ok(sent) => (next, tried) = (next + sent, false),
+                Err(_) if !tried => tried = true,
+                Err(error) => {
+                    if self.cancel(rest[0].id) {
+                        count(&counters.upstream_failures);
+                    }
+                    tracing::debug!(%error, "sending a query to the upstream failed");
+                    (next, tried) = (next + 1, false);
+                }
+            }
         }
     }
 
@@ -196,8 +228,8 @@ impl Upstream {
         listener: Arc<UdpSocket>,
         counters: Arc<Counters>,
     ) -> Infallible {
-        // One buffer for the life of the task: it must hold any datagram whole.
-        let mut buffer = vec![0; MAX_MESSAGE];
+        // Buffers for the life of the task: each slot holds any datagram whole.
+        let mut buffers = Buffers::new();
         let mut sweep = tokio::time::interval(SWEEP_PERIOD);
         sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
@@ -211,10 +243,10 @@ impl Upstream {
             match ready {
                 Ok(ready) => {
                     if ready.is_error() {
-                        self.take_errors(&mut buffer, &counters);
+                        self.take_errors(buffers.slot_mut(0), &counters);
                     }
                     if ready.is_readable() {
-                        self.take_answers(&mut buffer, &listener, &counters).await;
+                        self.take_answers(&mut buffers, &listener, &counters).await;
                     }
                 }
                 // Only when the runtime is going away; the next tick will tell.
@@ -226,11 +258,20 @@ impl Upstream {
         }
     }
 
-    /// Reads and delivers up to [`BATCH`] answers, until none is left.
-    async fn take_answers(&self, buffer: &mut [u8], listener: &UdpSocket, counters: &Counters) {
-        for _ in 0..BATCH {
-            match self.socket.try_recv(buffer) {
-                Ok(len) => self.deliver(&mut buffer[..len], listener, counters).await,
+    /// Reads and delivers answers, a batch per call, until none is left or [`ROUNDS`] batches.
+    async fn take_answers(&self, buffers: &mut Buffers, listener: &UdpSocket, counters: &Counters) {
+        let fd = self.socket.as_raw_fd();
+        let mut lengths = Vec::with_capacity(BATCH);
+        for _ in 0..ROUNDS {
+            match self
+                .socket
+                .try_io(Interest::READABLE, || receive_batch(fd, buffers, &mut lengths))
+            {
+                Ok(()) => {
+                    for (slot, &len) in lengths.iter().enumerate() {
+                        self.deliver(&mut buffers.slot_mut(slot)[..len], listener, counters).await;
+                    }
+                }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
                 // An ICMP error, reported once; its query is in the error queue.
                 Err(error) => tracing::debug!(%error, "the upstream's socket reported an error"),
@@ -307,6 +348,37 @@ impl Upstream {
     fn pending(&self) -> MutexGuard<'_, Pending<Origin>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// Sends `queries` (their bytes in `buffers`) on `fd`, connected to the upstream, in one
+/// system call; returns how many the kernel took (the first, at least).
+pub(super) fn send_batch(fd: RawFd, buffers: &Buffers, queries: &[Outgoing]) -> io::Result<usize> {
+    let queries = &queries[..queries.len().min(BATCH)];
+    let slices: Vec<[IoSlice<'_>; 1]> =
+        queries.iter().map(|q| [IoSlice::new(&buffers.slot(q.slot)[..q.len])]).collect();
+    // Connected: no address (`()`), and no control message.
+    let addresses = vec![None::<()>; slices.len()];
+    let mut headers = MultiHeaders::<()>::preallocate(slices.len(), None);
+    let none: [ControlMessage<'_>; 0] = [];
+    let sent = sendmmsg(fd, &mut headers, &slices, &addresses, none, MsgFlags::empty())?;
+    Ok(sent.count())
+}
+
+/// Receives the datagrams waiting on `fd`, up to [`BATCH`], each into its slot of `buffers`,
+/// their lengths into `lengths`; a datagram cut short is left out (none is: a slot holds the
+/// largest). WouldBlock when none waits.
+pub(super) fn receive_batch(
+    fd: RawFd,
+    buffers: &mut Buffers,
+    lengths: &mut Vec<usize>,
+) -> io::Result<()> {
+    let mut headers = MultiHeaders::<()>::preallocate(BATCH, None);
+    let mut slots = buffers.receiving();
+    let messages = recvmmsg(fd, &mut headers, slots.iter_mut(), MsgFlags::MSG_DONTWAIT, None)?;
+    lengths.clear();
+    lengths
+        .extend(messages.map(|m| if m.flags.contains(MsgFlags::MSG_TRUNC) { 0 } else { m.bytes }));
+    Ok(())
 }
 
 /// Reads one entry of `fd`'s error queue into `buffer`: the payload of the datagram the error is
