@@ -37,9 +37,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::{
-    clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, median, now_ms, percentile, read_lookups,
-    require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, Outcome, Proc,
-    SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
+    clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, kernel_ticks, median, now_ms, percentile,
+    read_lookups, require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine,
+    Outcome, Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
@@ -992,9 +992,23 @@ struct DnsperfRun {
 
 /// One `dnsperf` run from pod1 to `server` for `secs` s (4 clients, 200 queries outstanding).
 fn dnsperf_run(node: &SimNode, server: &str, queries: &str, secs: u32) -> DnsperfRun {
+    dnsperf_run_on(node, server, queries, secs, None)
+}
+
+/// [`dnsperf_run`], on the CPUs `cpus` (a taskset list) if given.
+fn dnsperf_run_on(
+    node: &SimNode,
+    server: &str,
+    queries: &str,
+    secs: u32,
+    cpus: Option<&str>,
+) -> DnsperfRun {
     let secs = secs.to_string();
     let args = ["-s", server, "-d", queries, "-l", &secs, "-c", "4", "-q", "200"];
-    let out = node.run("pod1", "dnsperf", &args);
+    let out = match cpus {
+        None => node.run("pod1", "dnsperf", &args),
+        Some(cpus) => node.run("pod1", "taskset", &[&["-c", cpus, "dnsperf"][..], &args].concat()),
+    };
     assert!(out.status.success(), "dnsperf: {}", describe(&out));
     let text = String::from_utf8_lossy(&out.stdout);
     let field = |name: &str| text.lines().find_map(|l| l.trim().strip_prefix(name));
@@ -1065,9 +1079,14 @@ fn machine_ticks() -> u64 {
 /// `dnsperf` from a pod (the settings of [`dnsperf`]) to 169.254.20.10 with the agent running
 /// and the cache killed, so that TPROXY hands every query to the agent's forwarder, which asks
 /// kube-dns-upstream (10.96.0.11, kube-proxy's DNAT to CoreDNS); against `dnsperf` from the same
-/// pod straight to CoreDNS through that Service; alternating, `rounds` times `secs` s each. The
-/// CPU of CoreDNS (dnsmasq, one thread) and of the agent in each round say which one limits.
-/// None when dnsperf is not installed.
+/// pod straight to CoreDNS through that Service; alternating, `rounds` times `secs` s each.
+///
+/// Twice: with every process free to run on any core (`shared`: the forwarder's CPU is taken
+/// from dnsperf's and CoreDNS's), and, on a machine of two cores or more, with the agent on a
+/// core of its own and dnsperf and CoreDNS on another (`agent-own-core`, taskset; the same
+/// pinning for both paths), as on a cluster's node, whose cores CoreDNS does not share. The
+/// CPU of CoreDNS (dnsmasq, one thread) and of the agent, and the agent's share of it spent in
+/// the kernel, say which one limits. None when dnsperf is not installed.
 fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
     let queries = dnsperf_queries(node)?;
     let pid = |svc: &str| -> u32 {
@@ -1083,60 +1102,94 @@ fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
     assert!(table.contains("tproxy"), "the forwarder's TPROXY:\n{table}");
     assert_eq!(node.dig("pod1", LOCAL_IP), COREDNS_ANSWER, "the forwarder answers");
     assert_eq!(node.dig("pod1", UPSTREAM_IP), COREDNS_ANSWER, "CoreDNS answers");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let every_core = format!("0-{}", cores - 1);
+    let pin = |pid: u32, cpus: &str| {
+        let out = Command::new("taskset").args(["-a", "-p", "-c", cpus, &pid.to_string()]).output();
+        let out = out.expect("run taskset");
+        assert!(out.status.success(), "taskset -a -p -c {cpus} {pid}: {}", describe(&out));
+    };
     let mut rows = Vec::new();
-    for round in 0..rounds {
-        eprintln!("bench: dnsperf through the link-local fallback, round {}", round + 1);
-        for (path, server) in [("coredns", UPSTREAM_IP), ("fallback", LOCAL_IP)] {
-            // The forwarder asks the Service from a few long-lived sockets: a conntrack entry
-            // each. (A socket per query, as it once had, left one per query, kept 30 s.) Each
-            // run starts from an empty table, so that the rounds compare.
-            let flushed = node.run("node", "conntrack", &["-F"]);
-            assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
-            let (t0, coredns0, agent0) = (Instant::now(), ticks_of(coredns), ticks_of(agent_pid));
-            // dnsperf is this process's child once it is waited for; the machine's share is
-            // everyone's, this benchmark's and any other load's.
-            let (dnsperf0, machine0) = (children_ticks(), machine_ticks());
-            let run = dnsperf_run(node, server, &queries, secs);
-            let wall = t0.elapsed().as_secs_f64();
-            let mcpu = |from: u64, to: u64| {
-                round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
-            };
-            let coredns_mcpu = mcpu(coredns0, ticks_of(coredns));
-            let agent_mcpu = mcpu(agent0, ticks_of(agent_pid));
-            let dnsperf_mcpu = mcpu(dnsperf0, children_ticks());
-            let machine_mcpu = mcpu(machine0, machine_ticks());
-            let count = node.run("node", "cat", &["/proc/sys/net/netfilter/nf_conntrack_count"]);
-            let conntrack: Option<u64> = String::from_utf8_lossy(&count.stdout).trim().parse().ok();
-            rows.push(json!({
-                "round": round + 1,
-                "path": path,
-                "server": server,
-                "qps": run.qps.round(),
-                "lost": run.lost,
-                "latency_ms_mean": (run.latency_ms * 100.0).round() / 100.0,
-                "coredns_mcpu": coredns_mcpu,
-                "agent_mcpu": agent_mcpu,
-                "dnsperf_mcpu": dnsperf_mcpu,
-                "machine_busy_mcpu": machine_mcpu,
-                "conntrack_entries_after": conntrack,
-            }));
+    let variants: &[&str] = if cores >= 2 { &["shared", "agent-own-core"] } else { &["shared"] };
+    for &variant in variants {
+        let dnsperf_cpus = (variant == "agent-own-core").then_some("1");
+        if dnsperf_cpus.is_some() {
+            pin(agent_pid, "0");
+            pin(coredns, "1");
+        }
+        for round in 0..rounds {
+            eprintln!(
+                "bench: dnsperf through the link-local fallback, {variant}, round {}",
+                round + 1
+            );
+            for (path, server) in [("coredns", UPSTREAM_IP), ("fallback", LOCAL_IP)] {
+                // The forwarder asks the Service from a few long-lived sockets: a conntrack
+                // entry each. (A socket per query, as it once had, left one per query, kept
+                // 30 s.) Each run starts from an empty table, so that the rounds compare.
+                let flushed = node.run("node", "conntrack", &["-F"]);
+                assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
+                let (t0, coredns0, agent0) =
+                    (Instant::now(), ticks_of(coredns), ticks_of(agent_pid));
+                let kernel0 = kernel_ticks(agent_pid).unwrap_or_default();
+                // dnsperf is this process's child once it is waited for; the machine's share is
+                // everyone's, this benchmark's and any other load's.
+                let (dnsperf0, machine0) = (children_ticks(), machine_ticks());
+                let run = dnsperf_run_on(node, server, &queries, secs, dnsperf_cpus);
+                let wall = t0.elapsed().as_secs_f64();
+                let mcpu = |from: u64, to: u64| {
+                    round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
+                };
+                let kernel1 = kernel_ticks(agent_pid).unwrap_or_default();
+                let (kernel, total) = (kernel1.0 - kernel0.0, kernel1.1 - kernel0.1);
+                let agent_kernel_share =
+                    (total > 0).then(|| (kernel as f64 / total as f64 * 100.0).round());
+                let conntrack =
+                    node.run("node", "cat", &["/proc/sys/net/netfilter/nf_conntrack_count"]);
+                let conntrack: Option<u64> =
+                    String::from_utf8_lossy(&conntrack.stdout).trim().parse().ok();
+                rows.push(json!({
+                    "variant": variant,
+                    "round": round + 1,
+                    "path": path,
+                    "server": server,
+                    "qps": run.qps.round(),
+                    "lost": run.lost,
+                    "latency_ms_mean": (run.latency_ms * 100.0).round() / 100.0,
+                    "coredns_mcpu": mcpu(coredns0, ticks_of(coredns)),
+                    "agent_mcpu": mcpu(agent0, ticks_of(agent_pid)),
+                    "agent_kernel_percent": agent_kernel_share,
+                    "dnsperf_mcpu": mcpu(dnsperf0, children_ticks()),
+                    "machine_busy_mcpu": mcpu(machine0, machine_ticks()),
+                    "conntrack_entries_after": conntrack,
+                }));
+            }
         }
     }
+    pin(coredns, &every_core);
     let route = agent.state().map(|s| s["route"].clone()).unwrap_or(Value::Null);
     assert_eq!(route, "upstream", "the route stayed on the forwarder throughout");
     stop_agent(node, agent);
     node.script(&["cache-start"]);
-    let qps = |path: &str| -> Vec<f64> {
-        let of_path = rows.iter().filter(|r| r["path"] == path);
-        of_path.map(|r| r["qps"].as_f64().unwrap_or(0.0)).collect()
-    };
-    let (direct, fallback) = (qps("coredns"), qps("fallback"));
+    let summary: Vec<Value> = variants
+        .iter()
+        .map(|&variant| {
+            let qps = |path: &str| -> Vec<f64> {
+                let of = rows.iter().filter(|r| r["variant"] == variant && r["path"] == path);
+                of.map(|r| r["qps"].as_f64().unwrap_or(0.0)).collect()
+            };
+            let (direct, fallback) = (qps("coredns"), qps("fallback"));
+            json!({
+                "variant": variant,
+                "coredns_qps": direct,
+                "fallback_qps": fallback,
+                "fallback_over_coredns": (mean(&fallback) / mean(&direct) * 1000.0).round() / 1000.0,
+            })
+        })
+        .collect();
     Some(json!({
         "seconds_per_round": secs,
         "rounds": rounds,
-        "coredns_qps": direct,
-        "fallback_qps": fallback,
-        "fallback_over_coredns": (mean(&fallback) / mean(&direct) * 1000.0).round() / 1000.0,
+        "variants": summary,
         "runs": rows,
     }))
 }
@@ -1402,11 +1455,16 @@ fn main() {
         );
     }
     if let Some(p) = &fallback_perf {
-        let list = |path: &str| {
-            let runs = p["runs"].as_array().into_iter().flatten().filter(|r| r["path"] == path);
+        let list = |variant: &str, path: &str| {
+            let runs = p["runs"].as_array().into_iter().flatten();
+            let runs = runs.filter(|r| r["variant"] == variant && r["path"] == path);
             runs.map(|r| {
+                let kernel = match r["agent_kernel_percent"].as_f64() {
+                    Some(k) if path == "fallback" => format!(" ({k:.0} % of it in the kernel)"),
+                    _ => String::new(),
+                };
                 format!(
-                    "{:.0} ({:.2} ms mean latency; dnsperf {:.0}, CoreDNS {:.0}, agent {:.0} \
+                    "{:.0} ({:.2} ms mean latency; dnsperf {:.0}, CoreDNS {:.0}, agent {:.0}{kernel} \
                      mCPU, the machine {:.0} mCPU busy; {} conntrack entries after)",
                     r["qps"].as_f64().unwrap_or(0.0),
                     r["latency_ms_mean"].as_f64().unwrap_or(0.0),
@@ -1422,23 +1480,40 @@ fn main() {
         };
         let _ = writeln!(
             md,
-            "\ndnsperf from a pod in the link-local shape ({} rounds of {} s each, alternating, \
-             same settings): straight to CoreDNS through kube-dns-upstream {UPSTREAM_IP} {} \
-             queries/s; through the fallback (the agent at defaults, the cache killed: \
-             169.254.20.10 TPROXYed to its forwarder, which asks {UPSTREAM_IP}) {} queries/s: \
-             ratio {} (issue 12 asks for at least 0.8). The CPU figures (over each run) say \
-             which side limits a path: CoreDNS here is dnsmasq, one thread (1000 mCPU at \
-             most); the forwarder may use both cores, which dnsperf shares; the machine's \
-             figure counts every process, other load included, out of 1000 mCPU per core. \
-             Each run starts from an empty conntrack table in the node's namespace; the \
-             forwarder's queries to the Service leave one entry per socket of its pool. \
-             dnsperf keeps 200 queries outstanding: its rate is at most 200 over the mean \
-             latency.",
-            p["rounds"],
-            p["seconds_per_round"],
-            list("coredns"),
-            list("fallback"),
-            p["fallback_over_coredns"],
+            "\ndnsperf from a pod in the link-local shape ({} rounds of {} s each per \
+             arrangement, the two paths alternating, same settings), straight to CoreDNS \
+             through kube-dns-upstream {UPSTREAM_IP} against through the fallback (the agent at \
+             defaults, the cache killed: 169.254.20.10 TPROXYed to its forwarder, which asks \
+             {UPSTREAM_IP}); issue 12 asks for at least 0.8:\n",
+            p["rounds"], p["seconds_per_round"],
+        );
+        let _ = writeln!(md, "| arrangement | straight to CoreDNS, queries/s | through the fallback, queries/s | ratio |\n|---|---|---|---|");
+        for v in p["variants"].as_array().into_iter().flatten() {
+            let variant = v["variant"].as_str().unwrap_or("?");
+            let label = match variant {
+                "shared" => "every process on either core",
+                _ => "the agent on a core of its own; dnsperf and CoreDNS on the other",
+            };
+            let _ = writeln!(
+                md,
+                "| {label} | {} | {} | **{}** |",
+                list(variant, "coredns"),
+                list(variant, "fallback"),
+                v["fallback_over_coredns"],
+            );
+        }
+        let _ = writeln!(
+            md,
+            "\nThe CPU figures (over each run) say which side limits a path: CoreDNS here is \
+             dnsmasq, one thread (1000 mCPU at most); the machine's figure counts every \
+             process, other load included, out of 1000 mCPU per core. Straight, a query is two \
+             packets through the kernel (the query, the answer); through the fallback it is \
+             four, and the forwarder's CPU is mostly the kernel's work on its two. With every \
+             process on either core that CPU is taken from dnsperf and CoreDNS; with a core of \
+             its own, as on a node whose cores CoreDNS does not share, it is not. Each run \
+             starts from an empty conntrack table in the node's namespace; the forwarder's \
+             queries to the Service leave one entry per socket of its pool. dnsperf keeps 200 \
+             queries outstanding: its rate is at most 200 over the mean latency.",
         );
     }
     let _ = writeln!(

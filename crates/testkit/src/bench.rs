@@ -36,6 +36,19 @@ pub fn cpu_ticks(pid: u32) -> Option<(u64, u64)> {
     }
 }
 
+/// The share of `pid`'s own CPU time (not its children's) it spent in the kernel (system
+/// time): `(system, user + system)` in clock ticks. `None` once it is gone.
+pub fn kernel_ticks(pid: u32) -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let f: Vec<u64> =
+        rest.split_whitespace().skip(11).take(2).map_while(|v| v.parse().ok()).collect();
+    match f[..] {
+        [utime, stime] => Some((stime, utime + stime)),
+        _ => None,
+    }
+}
+
 /// Clock ticks per second, the unit of [`cpu_ticks`].
 pub fn clock_ticks_per_s() -> f64 {
     let ticks = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).ok().flatten();
