@@ -102,3 +102,64 @@ fn node_cache_teardown_leaves_the_ip_and_the_fallback() {
     assert_eq!(node.dig("pod1", LOCAL_IP), CACHE_ANSWER);
     node.tear_down(agent);
 }
+
+/// A node with other owners of netfilter, in the link-local shape: a host firewall (`firewall`:
+/// simnode's `--filter-reject`, RHEL's REJECT at the end of INPUT, or `--filter-drop`, a DROP
+/// policy that accepts only loopback's 127/8), kube-proxy redoing its sync every second and
+/// `extra_noise` (simnode loops). The agent's ACCEPTs let the queries to the link-local IP in,
+/// to the cache or, TPROXYed, to its forwarder (their destination stays the link-local IP),
+/// and the forwarder's queries to CoreDNS come back ESTABLISHED: a SIGKILL and a hang of the
+/// cache cost neither pods nor host-network clients a lookup, and the noise ran throughout.
+fn busy_firewalled_node(kube_proxy: &str, firewall: &str, dataplane: &str, extra_noise: &[&str]) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, firewall]);
+    let mut noise = vec!["kube-proxy-resync"];
+    noise.extend_from_slice(extra_noise);
+    for loop_name in &noise {
+        node.script(&[&format!("{loop_name}-start")]);
+    }
+    let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &["--dataplane", dataplane]);
+    let args = ["--rate", "300", "--duration", "9s", "--report-interval", "100ms"];
+    let mut loads = [
+        ("pod1", node.load("pod1", LOCAL_IP, &args)),
+        ("node", node.load("node", LOCAL_IP, &args)),
+    ];
+    for (_, load) in &mut loads {
+        load.wait_cache_answers();
+    }
+    node.signal("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(15));
+    for (_, load) in &mut loads {
+        load.wait_cache_answers();
+    }
+    node.signal("cache-stop");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    node.signal("cache-cont");
+    for (role, load) in loads {
+        let summary = load.finish();
+        println!("{role}, {firewall}, across kill and hang: {summary}");
+        assert_eq!(summary["failed"], 0, "{role}: {summary}");
+        assert!(
+            summary["by_origin"]["coredns"].as_u64() > Some(0),
+            "{role}: never failed over: {summary}"
+        );
+    }
+    for loop_name in &noise {
+        let rounds = node.script(&[&format!("{loop_name}-rounds")]);
+        println!("{loop_name}: {rounds}");
+        assert!(rounds.contains("failed=0") && !rounds.contains("ok=0 "), "{loop_name}: {rounds}");
+        node.script(&[&format!("{loop_name}-stop")]);
+    }
+    node.tear_down(agent);
+}
+
+#[test]
+fn a_rejecting_firewall_and_kube_proxy_resyncs_cost_no_lookup_iptables_nft() {
+    busy_firewalled_node("iptables-nft", "--filter-reject", "iptables-nft", &[]);
+}
+
+#[test]
+fn a_dropping_firewall_kube_proxy_resyncs_and_a_cni_cost_no_lookup_nftables() {
+    busy_firewalled_node("nftables", "--filter-drop", "nftables", &["cni-noise"]);
+}
