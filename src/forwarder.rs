@@ -156,6 +156,38 @@ impl Counters {
 }
 
 /// Adds one to `counter`.
+/// The fuzz target `forwarder_message` (see `crate::fuzzing`): `data` as a client's query and
+/// as an upstream's answer to the forwarder's table of queries in flight.
+#[cfg(fuzzing)]
+pub fn fuzz_message(data: &[u8]) {
+    use std::time::Instant;
+
+    use ids::{Answered, Pending, HEADER_LEN};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // A query's own bytes, under the id the table gave it, answer it, whatever they are.
+    if data.len() >= HEADER_LEN {
+        let mut table = Pending::new();
+        let id = table.insert(data, (), deadline).expect("an empty table has room");
+        let mut answer = data.to_vec();
+        answer[..2].copy_from_slice(&id.to_be_bytes());
+        assert_eq!(table.answer(&answer), Answered::Query(()), "a query's own answer");
+        assert_eq!(table.answer(&answer), Answered::Unknown, "an answer taken twice");
+    }
+    // As the upstream's answer to a query pending under its id (the fuzzer's bytes reach past
+    // the id): taken or not, the table stays consistent.
+    let id = data.get(..2).map_or(0, |b| u16::from_be_bytes([b[0], b[1]]));
+    let mut table = Pending::with_ids(std::iter::repeat(id));
+    let asked = [
+        &id.to_be_bytes()[..],
+        &b"\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x03who\x04test\x00\x00\x01\x00\x01"[..],
+    ]
+    .concat();
+    assert_eq!(table.insert(&asked, (), deadline), Some(id));
+    let taken = table.answer(data) == Answered::Query(());
+    assert_eq!(table.len(), usize::from(!taken));
+    assert_eq!(table.cancel(id).is_some(), !taken, "the query is pending unless taken");
+}
+
 fn count(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }

@@ -125,6 +125,13 @@ pub fn dns_reply(data: &[u8]) {
     let _ = crate::probe::classify_reply(id.wrapping_add(1), &question, data);
 }
 
+/// A DNS message from the network through the link-local forwarder's table of queries in
+/// flight: as a client's query, its own bytes under the table's id answer it; as the upstream's
+/// answer, taken or not, the table stays consistent (`forwarder::fuzz_message`).
+pub fn forwarder_message(data: &[u8]) {
+    crate::forwarder::fuzz_message(data);
+}
+
 /// One control-socket request line.
 pub fn control_request(data: &[u8]) {
     let _ = serde_json::from_slice::<crate::control::Request>(data);

@@ -121,7 +121,7 @@ impl<T, I: Iterator<Item = u16>> Pending<T, I> {
     }
 
     /// How many queries are pending.
-    #[cfg(test)]
+    #[cfg(any(test, fuzzing))]
     pub(super) fn len(&self) -> usize {
         self.queries.len()
     }
