@@ -64,6 +64,13 @@ pub enum AgentError {
     /// The link-local forwarder cannot listen.
     #[error(transparent)]
     Forwarder(#[from] crate::forwarder::Error),
+    /// The kernel refuses the link-local fallback's rules (tried before anything is installed).
+    #[error(
+        "the kernel refuses the link-local fallback's rules: {0} (it needs nft_tproxy and \
+         nft_socket, or xt_TPROXY and xt_socket with the iptables backends; without them \
+         nothing can fail over in the link-local shape, and nothing was changed)"
+    )]
+    Fallback(#[source] crate::dataplane::Error),
     /// A probe or watch task ended: the agent is blind and exits.
     #[error("the {task} task {how}; exiting with the current ruleset left in place")]
     TaskDied {
@@ -166,6 +173,33 @@ async fn sleep_until(at: Option<Instant>) {
 /// close-on-exec releases them.
 const STARTUP_GRACE: Duration = Duration::from_secs(2);
 
+/// Tries the link-local fallback's rules on the kernel ([`Dataplane::trial`]), then starts the
+/// forwarders and the copies of the link-local IPs. A trial that could not run (a lock, a
+/// timeout) is said and passed over: the install itself will tell.
+fn start_link_local(
+    cfg: &AgentConfig,
+    dataplane: &mut dyn Dataplane,
+    tasks: &mut Tasks,
+) -> Result<Vec<Arc<crate::forwarder::Counters>>, AgentError> {
+    let rules = crate::ruleset::RuleSet::desired(&cfg.addrs, crate::ruleset::Route::Local);
+    match blocking(|| dataplane.trial(&rules)) {
+        Err(e) if e.is_refusal() => return Err(AgentError::Fallback(e)),
+        Err(e) => warn!(error = %e, "could not try the link-local fallback's rules on the kernel"),
+        Ok(()) => {}
+    }
+    link_local::start(&cfg.addrs.local, &cfg.upstream, tasks)
+}
+
+/// Whether the ClusterIP shape runs on without the link-local failover after `error`: the
+/// kernel refused the fallback's rules, or the forwarder may not listen on port 53.
+fn link_local_optional(error: &AgentError) -> bool {
+    match error {
+        AgentError::Fallback(_) => true,
+        AgentError::Forwarder(e) => e.is_permission(),
+        _ => false,
+    }
+}
+
 /// `take()`, retried for up to [`STARTUP_GRACE`] while it fails with what `busy` recognises.
 async fn with_grace<T, E>(
     mut take: impl FnMut() -> Result<T, E>,
@@ -256,19 +290,20 @@ async fn run_with(
     } else {
         Vec::new()
     };
-    // The forwarder and the copies of the link-local IPs before the rules that need them.
+    // The forwarder and the copies of the link-local IPs before the rules that need them, once
+    // the kernel has taken those rules on trial.
     let mut cfg = cfg;
+    let mut dataplane = dataplane;
     let mut link_local_off = None;
     let forwarders = if watch_node && cfg.shape.link_local {
-        match link_local::start(&cfg.addrs.local, &cfg.upstream, &mut tasks) {
+        match start_link_local(&cfg, dataplane.as_mut(), &mut tasks) {
             Ok(counters) => counters,
-            // In the ClusterIP shape, the cluster-DNS IP's failover needs no forwarder: run
-            // without the link-local one (no fallback chain), and say so, rather than exit
-            // where an older DaemonSet gives no CAP_NET_BIND_SERVICE.
-            Err(AgentError::Forwarder(e))
-                if e.is_permission() && !cfg.addrs.cluster_dns.is_empty() =>
-            {
-                error!(error = %e, "link-local failover is off: the forwarder cannot listen");
+            // In the ClusterIP shape, the cluster-DNS IP's failover needs neither the forwarder
+            // nor TPROXY: run without the link-local one (no fallback chain), and say so,
+            // rather than exit where an older DaemonSet gives no CAP_NET_BIND_SERVICE or the
+            // kernel has no TPROXY.
+            Err(e) if !cfg.addrs.cluster_dns.is_empty() && link_local_optional(&e) => {
+                error!(error = %e, "link-local failover is off");
                 link_local_off = Some(e.to_string());
                 cfg.shape.link_local = false;
                 Vec::new()

@@ -163,3 +163,24 @@ fn a_rejecting_firewall_and_kube_proxy_resyncs_cost_no_lookup_iptables_nft() {
 fn a_dropping_firewall_kube_proxy_resyncs_and_a_cni_cost_no_lookup_nftables() {
     busy_firewalled_node("nftables", "--filter-drop", "nftables", &["cni-noise"]);
 }
+
+/// A kernel that refuses the fallback's TPROXY costs only the link-local failover
+/// ([`fallback_refused`]). The refusal is real netfilter's, made here as a kernel without
+/// xt_TPROXY would give it: a chain of the trial's name that a rule in mangle `OUTPUT` jumps to,
+/// where TPROXY may not run. (The guest of `tests/e2e_vm.rs` lacks the modules for real.)
+#[test]
+fn a_kernel_that_refuses_the_fallback_costs_only_the_link_local_failover() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
+    let refusing = |on: bool| {
+        let steps: &[&[&str]] = if on {
+            &[&["-N", "NODELOCALDNS-HA-TRIAL"], &["-A", "OUTPUT", "-j", "NODELOCALDNS-HA-TRIAL"]]
+        } else {
+            &[&["-D", "OUTPUT", "-j", "NODELOCALDNS-HA-TRIAL"], &["-X", "NODELOCALDNS-HA-TRIAL"]]
+        };
+        for step in steps {
+            let out = node.run("node", "iptables-nft", &[&["-t", "mangle"][..], step].concat());
+            assert!(out.status.success(), "{}", describe(&out));
+        }
+    };
+    fallback_refused(&node, "iptables-nft", &[], &refusing);
+}

@@ -354,6 +354,27 @@ guest_tests! {
     fn link_local_ipvs_kube_proxy_nft_agent() { link_local_cell("ipvs", "iptables-nft") }
 }
 
+/// A kernel without TPROXY: the guest booted with nft_tproxy and xt_TPROXY kept from loading
+/// (`module_blacklist=`), Debian's 6.1 having them as modules. The agent tries the fallback's
+/// rules before it installs anything and [`fallback_refused`] holds: only the link-local
+/// failover is lost.
+fn without_tproxy(name: &str, kube_proxy: &str, dataplane: &str) {
+    in_guest_booted(name, &["module_blacklist=nft_tproxy,xt_TPROXY"], || {
+        let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--listen-dev", "dummy"]);
+        fallback_refused(&node, dataplane, &AGENT_TIMING, &|_| {});
+    });
+}
+
+#[test]
+fn without_tproxy_nftables() {
+    without_tproxy(test_name!(), "nftables", "nftables");
+}
+
+#[test]
+fn without_tproxy_iptables_legacy() {
+    without_tproxy(test_name!(), "iptables-legacy", "iptables-legacy");
+}
+
 /// The upstream probes' outcomes so far: (sent, bad).
 fn upstream_probes(agent: &Agent) -> (u64, u64) {
     let st = agent.state().expect("state");

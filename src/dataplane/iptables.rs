@@ -459,6 +459,21 @@ impl Dataplane for Iptables {
     }
 
     /// Every call runs its own child processes: a copy is a reader.
+    /// For each family, one `iptables-restore` of the mangle table's trial (`text::trial_script`);
+    /// only the switching role has a fallback.
+    fn trial(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
+        if !self.role.tables().contains(&Table::Mangle) {
+            return Ok(());
+        }
+        for family in kernel_families() {
+            if let Some(wanted) = text::wanted(rules, Table::Mangle, family) {
+                let script = text::trial_script(Table::Mangle, &wanted);
+                self.restore(family, &script, &[Table::Mangle])?;
+            }
+        }
+        Ok(())
+    }
+
     fn reader(&self) -> Result<Box<dyn Dataplane>, super::Error> {
         Ok(Box::new(self.clone()))
     }

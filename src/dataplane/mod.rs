@@ -36,6 +36,20 @@ pub enum Error {
     Injected(&'static str),
 }
 
+impl Error {
+    /// Whether the kernel (or iptables-restore on its behalf) refused the rules themselves, as
+    /// it does rules that need a module the kernel lacks: the same rules will be refused again.
+    /// A lock, a timeout or a failed system call may pass.
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            Error::Nftables(e) => matches!(e, nftables::Error::Rejected { .. }),
+            Error::Iptables(e) => matches!(e, iptables::Error::RestoreFailed { .. }),
+            #[cfg(test)]
+            Error::Injected(_) => false,
+        }
+    }
+}
+
 /// A netfilter table as the kernel's nftables change announcements name it: its family
 /// (`NFPROTO_*`) and name. The nftables backend's `inet nodelocaldns-ha`, iptables-nft's
 /// `ip raw` or `ip6 filter`, kube-proxy's or the node firewall's tables: what
@@ -80,6 +94,15 @@ pub trait Dataplane: Send {
     }
     /// Removes everything the agent installed; `Ok` when nothing was.
     fn remove(&mut self) -> Result<(), Error>;
+    /// Whether the kernel takes `rules`' link-local fallback, whose TPROXY and socket matches
+    /// need modules a node's kernel may lack: its chains put in under names of their own,
+    /// reachable from no hook, and taken out again (nftables: in the same transaction;
+    /// iptables: in the next), the node left as it was. `Ok` when the ruleset has no fallback;
+    /// the default, for a backend with nothing to try, takes anything.
+    fn trial(&mut self, rules: &RuleSet) -> Result<(), Error> {
+        let _ = rules;
+        Ok(())
+    }
     /// A second handle on the same objects, for [`Dataplane::check`]s off the control loop: it
     /// shares nothing with this one but what the kernel holds (its own netlink socket), so a
     /// check can run on another thread while this one applies. Only `check` is called on it.
@@ -259,6 +282,11 @@ impl Dataplane for Layered {
 
     fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
         self.switch.reply_packets()
+    }
+
+    /// The fallback is the switching part's.
+    fn trial(&mut self, rules: &RuleSet) -> Result<(), Error> {
+        self.switch.trial(rules)
     }
 
     fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {

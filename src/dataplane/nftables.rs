@@ -60,6 +60,9 @@ pub(crate) use watch::{watch_nftables, Watched};
 
 /// [`ruleset::TABLE`] for nftnl.
 const TABLE_NAME: &CStr = c"nodelocaldns-ha";
+
+/// The table [`Dataplane::trial`] creates and deletes in one transaction.
+const TRIAL_TABLE_NAME: &CStr = c"nodelocaldns-ha-trial";
 /// `NFPROTO_INET`: the table serves IPv4 and IPv6.
 const FAMILY: u8 = libc::NFPROTO_INET as u8;
 /// How long to wait for the kernel's answer before giving up.
@@ -544,6 +547,13 @@ impl Dataplane for Nftables {
 
     fn remove(&mut self) -> Result<(), super::Error> {
         Ok(self.delete()?)
+    }
+
+    fn trial(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
+        match batch::trial(rules)? {
+            Some((batch, described)) => Ok(self.send_batch(&batch, &described)?),
+            None => Ok(()),
+        }
     }
 
     /// Its own socket: a dump on it cannot mix with a batch on this one.

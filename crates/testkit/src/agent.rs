@@ -9,7 +9,9 @@ use serde_json::Value;
 
 use crate::binaries::agent_exe;
 use crate::clock::wait_for;
-use crate::simnode::{SimNode, CLUSTER_DNS_IP, LOCAL_IP, UPSTREAM_IP};
+use crate::simnode::{
+    describe, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
+};
 
 impl SimNode {
     /// Starts the agent in the node namespace with the default test settings plus `extra`.
@@ -245,4 +247,46 @@ pub struct Switch {
     pub failed: u32,
     /// The log line.
     pub line: String,
+}
+
+/// A kernel that refuses the link-local fallback's rules (no TPROXY) costs only the link-local
+/// failover. In the link-local shape, where nothing else could fail over, the agent exits 1
+/// naming what the kernel lacks, and has changed nothing. In the ClusterIP shape it runs on
+/// without the link-local failover and says why in `shape:`; nothing of TPROXY is installed,
+/// and pods on the ClusterIP get the cache, then CoreDNS once it is killed. `refusing(on)`
+/// makes the kernel refuse (or stop refusing, so that what is left can be checked) where it
+/// does not by itself; `extra` goes on the agent's command line.
+pub fn fallback_refused(node: &SimNode, dataplane: &str, extra: &[&str], refusing: &dyn Fn(bool)) {
+    refusing(true);
+    let dir = node.dir.join("refused-state").display().to_string();
+    let run = ["run", "--local-ip", LOCAL_IP, "--upstream-ip", UPSTREAM_IP];
+    let flags = [&["--dataplane", dataplane][..], extra].concat();
+    let named = ["--probe-name", "who.test", "--state-dir", &dir];
+    // Bounded: an agent that did not see the refusal would retry its install for ever.
+    let bounded = [&["60", agent_exe()][..], &run, &flags, &named].concat();
+    let out = node.run("node", "timeout", &bounded);
+    assert_eq!(out.status.code(), Some(1), "(124: still running after 60 s) {}", describe(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("the link-local shape, refused: {stderr}");
+    assert!(stderr.contains("refuses the link-local fallback's rules"), "{stderr}");
+    assert!(stderr.contains("nft_tproxy") && stderr.contains("xt_TPROXY"), "{stderr}");
+    refusing(false);
+    node.assert_nothing_left();
+
+    refusing(true);
+    let agent = node.agent(&flags);
+    let st = agent.state().expect("the agent's state");
+    let shape = st["shape"].as_str().unwrap_or_default();
+    println!("the ClusterIP shape: {shape}");
+    assert!(shape.contains("not failed over") && shape.contains("refuses"), "{st}");
+    for (program, args) in [("nft", &["list", "ruleset"][..]), ("iptables-legacy-save", &[])] {
+        let out = node.run("node", program, args);
+        let text = String::from_utf8_lossy(&out.stdout).to_lowercase();
+        assert!(!text.contains("tproxy"), "{program}:\n{text}");
+    }
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER);
+    node.kill("cache-kill");
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), COREDNS_ANSWER);
+    refusing(false);
+    node.tear_down(agent);
 }

@@ -20,7 +20,7 @@ mod load;
 mod process;
 mod simnode;
 
-pub use agent::{Agent, Switch};
+pub use agent::{fallback_refused, Agent, Switch};
 pub use bench::{clock_ticks_per_s, cpu_ticks, kernel_ticks, median, percentile, setting, Machine};
 pub use binaries::{agent_exe, dnsload_exe};
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};

@@ -128,6 +128,7 @@ mod kernel {
     both_flavours!(
         fallback_apply_check_tamper_repair_remove,
         a_refused_mangle_section_leaves_the_raw_switch_in,
+        the_fallback_trial_leaves_nothing_and_a_refusal_says_so,
         queries_follow_the_cache_socket_and_probes_never_reach_the_forwarder,
         an_established_forwarder_connection_stays_when_the_cache_returns,
     );
@@ -264,6 +265,31 @@ fn a_refused_mangle_section_leaves_the_raw_switch_in(ns: &str, flavour: Flavour)
     ipt(ns, flavour, Family::V4, &in_mangle(&["-D", "OUTPUT", "-j", "NODELOCALDNS-HA-FALLBACK"]));
     switch.apply(&local).unwrap();
     assert_eq!(switch.check(&local).unwrap(), Check::Matches);
+}
+
+/// The trial of the fallback's rules leaves nothing in either family on a kernel that takes
+/// them, a leftover trial chain included. One the kernel refuses (here: a trial chain that a
+/// foreign rule in `OUTPUT` jumps to, where TPROXY may not run) is a refusal; the accepting-only
+/// role tries nothing.
+fn the_fallback_trial_leaves_nothing_and_a_refusal_says_so(ns: &str, flavour: Flavour) {
+    let local = RuleSet::desired(&dual_stack(), Route::Local);
+    let mut switch = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
+    ipt(ns, flavour, Family::V4, &in_mangle(&["-N", "NODELOCALDNS-HA-TRIAL"]));
+    switch.trial(&local).unwrap();
+    for family in Family::ALL {
+        let text = save(ns, flavour, family, Table::Mangle);
+        assert!(!text.contains("NODELOCALDNS-HA"), "{family:?}:\n{text}");
+    }
+
+    ipt(ns, flavour, Family::V4, &in_mangle(&["-N", "NODELOCALDNS-HA-TRIAL"]));
+    ipt(ns, flavour, Family::V4, &in_mangle(&["-A", "OUTPUT", "-j", "NODELOCALDNS-HA-TRIAL"]));
+    let error = switch.trial(&local).unwrap_err();
+    assert!(error.is_refusal(), "{error}");
+    let text = save(ns, flavour, Family::V4, Table::Mangle);
+    assert!(!text.contains("TPROXY"), "{text}");
+
+    let mut accepts = Iptables::new(flavour, Role::Accepts, WAIT).unwrap();
+    accepts.trial(&local).unwrap();
 }
 
 /// A socket of `kind` bound to `at` with `IP_TRANSPARENT`, as the agent's forwarder binds: the

@@ -7,7 +7,7 @@ use std::ffi::CString;
 use nftnl::{Batch, FinalizedBatch, MsgType, ProtoFamily};
 
 use super::expr::rule_expressions;
-use super::{Error, TABLE_NAME};
+use super::{Error, TABLE_NAME, TRIAL_TABLE_NAME};
 use crate::ruleset::{self, Hook, RuleSet};
 
 /// The batch that replaces the table with `rules`, and a description of each of its messages.
@@ -42,6 +42,43 @@ pub(super) fn replacing(rules: &RuleSet) -> Result<(FinalizedBatch, Vec<String>)
         }
     }
     Ok((batch.finalize(), described))
+}
+
+/// The batch that tries `rules`' link-local fallback chains on the kernel and leaves nothing:
+/// a table of their own ([`TRIAL_TABLE_NAME`]) created, each fallback chain in it as a regular
+/// chain (hooked to nothing, so no packet meets it) with its rules, and the table deleted, in
+/// one transaction. The kernel loads and checks every expression of a rule as it takes it, so
+/// a kernel without nft_tproxy or nft_socket refuses the batch, and nothing happened. `None`
+/// when the ruleset has no fallback.
+pub(super) fn trial(rules: &RuleSet) -> Result<Option<(FinalizedBatch, Vec<String>)>, Error> {
+    let fallback: Vec<&ruleset::Chain> = rules.chains.iter().filter(|c| c.is_fallback()).collect();
+    if fallback.is_empty() {
+        return Ok(None);
+    }
+    let table = nftnl::Table::new(TRIAL_TABLE_NAME, ProtoFamily::Inet);
+    let mut batch = Batch::new();
+    let mut described = Vec::new();
+    batch.add(&table, MsgType::Add);
+    described.push("trial table (create)".to_owned());
+    let chains: Vec<nftnl::Chain<'_>> = fallback
+        .iter()
+        .map(|chain| nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), &table))
+        .collect();
+    for (nft_chain, chain) in chains.iter().zip(&fallback) {
+        batch.add(nft_chain, MsgType::Add);
+        described.push(format!("trial chain {}", chain.name()));
+        for (index, rule) in chain.rules.iter().enumerate() {
+            let mut nft_rule = nftnl::Rule::new(nft_chain);
+            for expr in rule_expressions(rule) {
+                nft_rule.add_expr(&expr);
+            }
+            batch.add(&nft_rule, MsgType::Add);
+            described.push(format!("trial chain {}: rule {} ({rule})", chain.name(), index + 1));
+        }
+    }
+    batch.add(&table, MsgType::Del);
+    described.push("trial table (delete)".to_owned());
+    Ok(Some((batch.finalize(), described)))
 }
 
 /// The batch that deletes the table, a no-op when it is absent.

@@ -318,6 +318,24 @@ mod kernel {
         });
     }
 
+    /// The trial of the link-local fallback's rules leaves nothing on a kernel that takes them,
+    /// and sends nothing for a ruleset without a fallback. (A kernel without nft_tproxy refuses
+    /// the trial's first `tproxy` rule: `tests/e2e_vm.rs`, whose guest can lack the module. The
+    /// hooks a rule may run in are checked only at commit, for tables that remain: no trap here
+    /// can make a trial fail.)
+    #[test]
+    fn the_fallback_trial_leaves_nothing() {
+        in_netns("nft", test_path!(), |ns| {
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            let mut nftables = Nftables::new().unwrap();
+            nftables.trial(&local).unwrap();
+            assert_eq!(nft(ns, &["list", "ruleset"]), "", "the trial left something");
+            let without = RuleSet::desired(&addrs(&[], &["10.96.0.10"]), Route::Local);
+            nftables.trial(&without).unwrap();
+            assert_eq!(nft(ns, &["list", "ruleset"]), "");
+        });
+    }
+
     #[test]
     fn an_unstorable_comment_is_refused_before_sending() {
         in_netns("nft", test_path!(), |ns| {
