@@ -7,7 +7,6 @@
 use std::collections::{HashMap, HashSet};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream, UdpSocket};
-use std::os::fd::AsRawFd;
 use std::process::{Command, Stdio};
 
 use super::*;
@@ -563,72 +562,5 @@ fn an_answer_after_its_query_expired_is_dropped_and_counted() {
         let len = client.recv(&mut buf).expect("an answer");
         assert_eq!(&buf[..len], answer_to(&sent));
         forwarder.wait_for(Totals { udp_queries: 2, udp_answers: 1, ..want });
-    });
-}
-
-/// A datagram of its own length and bytes for each `at`: the first 12 bytes long, every next
-/// one 13 bytes longer, each byte its index. (Small: a burst of 40 must fit a socket's default
-/// receive buffer.)
-fn burst_datagram(at: usize) -> Vec<u8> {
-    vec![u8::try_from(at).unwrap(); 12 + at * 13]
-}
-
-#[test]
-fn a_burst_larger_than_a_batch_is_received_and_sent_whole_each_datagram_in_its_own_slot() {
-    use super::udp::{receive, Buffers, BATCH};
-    use super::upstream::{receive_batch, send_batch, Outgoing};
-    in_netns("fwd", test_path!(), |ns| {
-        run("ip", &["-n", ns, "link", "set", "lo", "up"]);
-        let total = BATCH + 8;
-        let listener = UdpSocket::bind("127.0.0.1:0").unwrap();
-        setsockopt(&listener, sockopt::Ipv4PacketInfo, &true).unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let client = UdpSocket::bind("127.0.0.1:0").unwrap();
-        for at in 0..total {
-            client.send_to(&burst_datagram(at), listener.local_addr().unwrap()).unwrap();
-        }
-
-        // The listener's receive: a batch, then the rest, then nothing.
-        let mut buffers = Buffers::new();
-        let mut received = Vec::new();
-        let mut got = Vec::new();
-        for want in [BATCH, total - BATCH] {
-            receive(listener.as_raw_fd(), &mut buffers, &mut received).unwrap();
-            assert_eq!(received.len(), want, "datagrams in one call");
-            for (slot, datagram) in received.iter().enumerate() {
-                assert!(!datagram.truncated);
-                assert_eq!(datagram.client, Some(client.local_addr().unwrap()));
-                assert_eq!(datagram.destination, Some("127.0.0.1".parse().unwrap()));
-                got.push(buffers.slot(slot)[..datagram.len].to_vec());
-            }
-        }
-        let empty = receive(listener.as_raw_fd(), &mut buffers, &mut received);
-        assert_eq!(empty.unwrap_err().kind(), ErrorKind::WouldBlock);
-        assert_eq!(got, (0..total).map(burst_datagram).collect::<Vec<_>>());
-
-        // The upstream side: a batch sent from slots in another order (the last first) on a
-        // connected socket, and read back with the upstream socket's receive.
-        let upstream = UdpSocket::bind("127.0.0.1:0").unwrap();
-        upstream.set_nonblocking(true).unwrap();
-        let sender = UdpSocket::bind("127.0.0.1:0").unwrap();
-        sender.connect(upstream.local_addr().unwrap()).unwrap();
-        let mut outgoing = Vec::new();
-        for (at, slot) in (0..BATCH).rev().enumerate() {
-            let datagram = burst_datagram(at);
-            buffers.slot_mut(slot)[..datagram.len()].copy_from_slice(&datagram);
-            outgoing.push(Outgoing { slot, len: datagram.len(), id: 0 });
-        }
-        let extra = Outgoing { slot: 0, len: 12, id: 0 };
-        outgoing.push(extra);
-        let sent = send_batch(sender.as_raw_fd(), &buffers, &outgoing).unwrap();
-        assert_eq!(sent, BATCH, "one call sends a batch at most");
-        let mut lengths = Vec::new();
-        receive_batch(upstream.as_raw_fd(), &mut buffers, &mut lengths).unwrap();
-        let got: Vec<Vec<u8>> = lengths
-            .iter()
-            .enumerate()
-            .map(|(slot, &len)| buffers.slot(slot)[..len].to_vec())
-            .collect();
-        assert_eq!(got, (0..BATCH).map(burst_datagram).collect::<Vec<_>>());
     });
 }

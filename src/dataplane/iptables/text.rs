@@ -522,24 +522,20 @@ pub(super) fn fill_script(table: Table, wanted: &Wanted) -> String {
     script
 }
 
-/// The chain [`trial_script`] creates and deletes.
-pub(super) const TRIAL_CHAIN: &str = "NODELOCALDNS-HA-TRIAL";
-
-/// The `iptables-restore --noflush` input that tries `wanted`'s rules in `table` under
-/// [`TRIAL_CHAIN`], a chain no rule jumps to, and deletes it again: two commits, since the
-/// kernel checks a rule's target and matches (and loads their modules) only when it takes the
-/// table. Declaring the chain creates it or flushes a leftover of an earlier trial.
+/// The `iptables-restore --noflush` input that tries `wanted`'s rules in `table` in a chain no
+/// rule jumps to, and deletes it: two commits, as the kernel checks (and loads the modules of)
+/// targets and matches when it takes the table. Declaring the chain flushes a leftover trial's.
 pub(super) fn trial_script(table: Table, wanted: &Wanted) -> String {
-    let name = table.as_str();
-    let mut script = format!("*{name}\n:{TRIAL_CHAIN} - [0:0]\n");
+    let (name, trial) = (table.as_str(), "NODELOCALDNS-HA-TRIAL");
+    let mut script = format!("*{name}\n:{trial} - [0:0]\n");
     for chain in &wanted.chains {
         let own = format!("-A {} ", chain.hooked.own);
         for rule in &chain.rules {
             let spec = rule.strip_prefix(&own).unwrap_or(rule);
-            script.push_str(&format!("-A {TRIAL_CHAIN} {spec}\n"));
+            script.push_str(&format!("-A {trial} {spec}\n"));
         }
     }
-    script.push_str(&format!("COMMIT\n*{name}\n-F {TRIAL_CHAIN}\n-X {TRIAL_CHAIN}\nCOMMIT\n"));
+    script.push_str(&format!("COMMIT\n*{name}\n-F {trial}\n-X {trial}\nCOMMIT\n"));
     script
 }
 
