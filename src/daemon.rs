@@ -313,6 +313,9 @@ async fn run_with(
     } else {
         Vec::new()
     };
+    if !forwarders.is_empty() {
+        metrics.set_forwarders(forwarders.clone());
+    }
     let mut agent =
         blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))
             .map_err(AgentError::Reader)?;

@@ -23,20 +23,34 @@
 //! | `nodelocaldns_ha_drift_repairs_total` | counter | |
 //! | `nodelocaldns_ha_override_active` | gauge | `route` |
 //! | `nodelocaldns_ha_transition_hook_runs_total` | counter | `result` |
+//! | `nodelocaldns_ha_forwarder_udp_queries_total` | counter | |
+//! | `nodelocaldns_ha_forwarder_udp_answers_total` | counter | |
+//! | `nodelocaldns_ha_forwarder_tcp_connections_total` | counter | |
+//! | `nodelocaldns_ha_forwarder_upstream_failures_total` | counter | |
+//! | `nodelocaldns_ha_forwarder_dropped_total` | counter | `reason` |
+//! | `nodelocaldns_ha_forwarder_stray_answers_total` | counter | |
+//!
+//! The `forwarder_` families are the link-local forwarders' counters (both families summed),
+//! read at each scrape; there are none where the agent runs no forwarder.
 
 mod http;
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::forwarder;
 use crate::health::Stream;
 use crate::probe::Transport;
 use crate::ruleset::Route;
@@ -151,6 +165,68 @@ struct HookLabels {
     result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DropLabels {
+    /// `busy` (at the in-flight bound), `malformed` (shorter than a header, or cut short),
+    /// `answer_failed` (its answer could not be sent back).
+    reason: &'static str,
+}
+
+/// The link-local forwarders' counters, once they run, read at each scrape.
+#[derive(Debug, Default)]
+struct Forwarders(OnceLock<Vec<Arc<forwarder::Counters>>>);
+
+impl Collector for Forwarders {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let Some(forwarders) = self.0.get() else { return Ok(()) };
+        let mut t = forwarder::Totals::default();
+        for each in forwarders.iter().map(|f| f.totals()) {
+            t.udp_queries += each.udp_queries;
+            t.udp_answers += each.udp_answers;
+            t.tcp_connections += each.tcp_connections;
+            t.upstream_failures += each.upstream_failures;
+            t.dropped_busy += each.dropped_busy;
+            t.dropped_malformed += each.dropped_malformed;
+            t.answer_failures += each.answer_failures;
+            t.stray_answers += each.stray_answers;
+        }
+        let plain = [
+            ("forwarder_udp_queries", t.udp_queries, "UDP queries the link-local forwarder took"),
+            ("forwarder_udp_answers", t.udp_answers, "UDP answers it sent back to their clients"),
+            ("forwarder_tcp_connections", t.tcp_connections, "TCP connections it relayed"),
+            (
+                "forwarder_upstream_failures",
+                t.upstream_failures,
+                "Its queries the upstream refused or left unanswered",
+            ),
+            (
+                "forwarder_stray_answers",
+                t.stray_answers,
+                "Datagrams from the upstream that answered no query it had pending",
+            ),
+        ];
+        for (name, value, help) in plain {
+            // A collector's help text gets no full stop from the registry, as registered ones do.
+            let help = format!("{help}.");
+            let counter = ConstCounter::new(value);
+            let metric = encoder.encode_descriptor(name, &help, None, counter.metric_type())?;
+            counter.encode(metric)?;
+        }
+        let help = "Queries the link-local forwarder dropped, by reason.";
+        let kind = ConstCounter::new(0u64).metric_type();
+        let mut family = encoder.encode_descriptor("forwarder_dropped", help, None, kind)?;
+        for (reason, value) in [
+            ("busy", t.dropped_busy),
+            ("malformed", t.dropped_malformed),
+            ("answer_failed", t.answer_failures),
+        ] {
+            let labels = DropLabels { reason };
+            ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
 fn probe_histogram() -> Histogram {
     Histogram::new(PROBE_BUCKETS)
 }
@@ -169,6 +245,7 @@ pub struct Metrics {
     repairs: Counter,
     override_active: Family<RouteLabels, Gauge>,
     hook_runs: Family<HookLabels, Counter>,
+    forwarders: Arc<Forwarders>,
 }
 
 impl Default for Metrics {
@@ -192,6 +269,7 @@ impl Metrics {
             repairs: Counter::default(),
             override_active: Family::default(),
             hook_runs: Family::default(),
+            forwarders: Arc::default(),
         };
         // `get_or_create` creates the series; its guard is dropped at once.
         for route in ROUTES {
@@ -268,6 +346,7 @@ impl Metrics {
             "Runs of the transition hook, by result (ok, failed, timeout; dropped: not run, the hook too far behind)",
             self.hook_runs.clone(),
         );
+        r.register_collector(Box::new(self.forwarders.clone()));
         self
     }
 
@@ -324,6 +403,12 @@ impl Metrics {
     /// `dropped` for a route change the hook was too far behind to be given.
     pub fn hook(&self, result: &'static str) {
         self.hook_runs.get_or_create(&HookLabels { result }).inc();
+    }
+
+    /// The link-local forwarders' counters, for the `forwarder_` families from now on. Only the
+    /// first call counts: the agent binds its forwarders once.
+    pub fn set_forwarders(&self, counters: Vec<Arc<forwarder::Counters>>) {
+        let _ = self.forwarders.0.set(counters);
     }
 
     /// Every metric in the OpenMetrics text format, `# EOF` included.

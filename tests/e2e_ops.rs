@@ -154,6 +154,8 @@ fn metrics_and_health_endpoints() {
     let agent = node.agent(&[]);
     node.signal("cache-kill");
     agent.wait_route("upstream", Duration::from_secs(5));
+    // A pod asking the link-local IP itself: the forwarder answers, and counts it.
+    assert_eq!(node.dig("pod1", LOCAL_IP), COREDNS_ANSWER);
     let (status, body) = node.http_get("/metrics");
     assert_eq!(status, 200, "{body}");
     let lines = body.lines().map(|l| Ok(l.to_owned()));
@@ -172,8 +174,28 @@ fn metrics_and_health_endpoints() {
         "nodelocaldns_ha_drift_repairs_total",
         "nodelocaldns_ha_override_active",
         "nodelocaldns_ha_transition_hook_runs_total",
+        "nodelocaldns_ha_forwarder_udp_queries_total",
+        "nodelocaldns_ha_forwarder_udp_answers_total",
+        "nodelocaldns_ha_forwarder_tcp_connections_total",
+        "nodelocaldns_ha_forwarder_upstream_failures_total",
+        "nodelocaldns_ha_forwarder_dropped_total",
+        "nodelocaldns_ha_forwarder_stray_answers_total",
     ] {
         assert!(names.contains(family), "{family} missing from {names:?}");
+    }
+    // The parser knows OpenMetrics' `_total` samples by name only: untyped.
+    let counter = |name: &str| match scrape.samples.iter().find(|s| s.metric == name) {
+        Some(prometheus_parse::Sample {
+            value: prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v),
+            ..
+        }) => *v,
+        other => panic!("{name}: {other:?}"),
+    };
+    for name in [
+        "nodelocaldns_ha_forwarder_udp_queries_total",
+        "nodelocaldns_ha_forwarder_udp_answers_total",
+    ] {
+        assert!(counter(name) >= 1.0, "{name}: the dig went through the forwarder");
     }
     let upstream = scrape
         .samples

@@ -319,3 +319,42 @@ fn liveness_follows_the_beat_only() {
     h.set_ready();
     assert!(h.ready());
 }
+
+/// The link-local forwarders' families: none before the agent binds a forwarder (nothing would
+/// count into them), then each forwarder's counters summed, read at the scrape.
+#[test]
+fn forwarder_counters_appear_with_the_forwarders_summed() {
+    let m = Metrics::new();
+    assert!(!m.encode().contains("forwarder"), "{}", m.encode());
+    let (v4, v6) =
+        (Arc::new(forwarder::Counters::default()), Arc::new(forwarder::Counters::default()));
+    m.set_forwarders(vec![v4.clone(), v6.clone()]);
+    let bump = |counter: &std::sync::atomic::AtomicU64, n| counter.fetch_add(n, Ordering::Relaxed);
+    bump(&v4.udp_queries, 5);
+    bump(&v6.udp_queries, 2);
+    bump(&v4.udp_answers, 4);
+    bump(&v6.tcp_connections, 3);
+    bump(&v4.upstream_failures, 1);
+    bump(&v6.dropped_busy, 6);
+    bump(&v4.answer_failures, 7);
+    bump(&v6.stray_answers, 8);
+    let s = Scrape::of(&m);
+    for (family, value) in [
+        ("nodelocaldns_ha_forwarder_udp_queries", 7.0),
+        ("nodelocaldns_ha_forwarder_udp_answers", 4.0),
+        ("nodelocaldns_ha_forwarder_tcp_connections", 3.0),
+        ("nodelocaldns_ha_forwarder_upstream_failures", 1.0),
+        ("nodelocaldns_ha_forwarder_stray_answers", 8.0),
+    ] {
+        s.family(family, "counter");
+        assert_eq!(s.value(&format!("{family}_total")), value, "{family}");
+    }
+    s.family("nodelocaldns_ha_forwarder_dropped", "counter");
+    for (reason, value) in [("busy", 6.0), ("malformed", 0.0), ("answer_failed", 7.0)] {
+        let series = format!(r#"nodelocaldns_ha_forwarder_dropped_total{{reason="{reason}"}}"#);
+        assert_eq!(s.value(&series), value, "{series}");
+    }
+    // Read at each scrape.
+    bump(&v4.udp_queries, 1);
+    assert_eq!(Scrape::of(&m).value("nodelocaldns_ha_forwarder_udp_queries_total"), 8.0);
+}
