@@ -120,6 +120,11 @@ impl<T, I: Iterator<Item = u16>> Pending<T, I> {
         }
     }
 
+    /// Whether no query is pending.
+    pub(super) fn is_empty(&self) -> bool {
+        self.queries.is_empty()
+    }
+
     /// How many queries are pending.
     #[cfg(any(test, fuzzing))]
     pub(super) fn len(&self) -> usize {

@@ -38,6 +38,7 @@ use nix::sys::socket::{
 };
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
+use tokio::sync::Notify;
 use tokio::time::MissedTickBehavior;
 
 use super::ids::{Answered, Pending, HEADER_LEN};
@@ -124,6 +125,7 @@ impl Pool {
                     socket: UdpSocket::from_std(socket)?,
                     pending: Mutex::new(Pending::new()),
                     in_flight: in_flight.clone(),
+                    armed: Notify::new(),
                 }))
             })
             .collect::<io::Result<_>>()?;
@@ -171,6 +173,8 @@ pub(super) struct Upstream {
     pending: Mutex<Pending<Origin>>,
     /// The pool's count of queries in flight.
     in_flight: Arc<AtomicUsize>,
+    /// Told when the table stops being empty: the answering task then sweeps again.
+    armed: Notify,
 }
 
 impl Upstream {
@@ -182,8 +186,15 @@ impl Upstream {
     /// Takes `query` pending until `deadline`; returns the id it is to go out with, or None
     /// when the table has no room.
     pub(super) fn insert(&self, query: &[u8], origin: Origin, deadline: Instant) -> Option<u16> {
-        let id = self.pending().insert(query, origin, deadline)?;
+        let mut pending = self.pending();
+        let was_empty = pending.is_empty();
+        let id = pending.insert(query, origin, deadline)?;
+        drop(pending);
         self.in_flight.fetch_add(1, Ordering::Relaxed);
+        if was_empty {
+            // Kept as a permit if the task is not waiting yet: no wake-up is lost.
+            self.armed.notify_one();
+        }
         Some(id)
     }
 
@@ -222,7 +233,7 @@ impl Upstream {
     }
 
     /// Reads this socket's answers forever, each sent back to its client through `listener`,
-    /// and every [`SWEEP_PERIOD`] expires the queries past their deadline.
+    /// and every [`SWEEP_PERIOD`] while any query is pending expires those past their deadline.
     pub(super) async fn answer(
         self: Arc<Self>,
         listener: Arc<UdpSocket>,
@@ -233,10 +244,16 @@ impl Upstream {
         let mut sweep = tokio::time::interval(SWEEP_PERIOD);
         sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
+            let idle = self.pending().is_empty();
             let ready = tokio::select! {
                 ready = self.socket.ready(Interest::READABLE | Interest::ERROR) => ready,
-                _ = sweep.tick() => {
+                _ = sweep.tick(), if !idle => {
                     self.expire(&counters);
+                    continue;
+                }
+                () = self.armed.notified(), if idle => {
+                    // The first sweep a period from now, not at once.
+                    sweep.reset();
                     continue;
                 }
             };
