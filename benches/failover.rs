@@ -787,6 +787,7 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
             "dataplane": dataplane,
             "nat_rules": nat_rules,
             "flips": flips,
+            "flips_counted": applies_ms.len(),
             "warm_up_flips": SWITCH_WARM_UP,
             "apply_mean_ms": round1(mean(&applies_ms)),
             "apply_median_ms": round1(median(&mut applies_ms)),
@@ -1120,13 +1121,18 @@ fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
         assert!(out.status.success(), "taskset -a -p -c {cpus} {pid}: {}", describe(&out));
     };
     let mut rows = Vec::new();
-    let variants: &[&str] = if cores >= 2 { &["shared", "agent-own-core"] } else { &["shared"] };
+    let variants: &[&str] =
+        if cores >= 2 { &["shared", "agent-own-core", "coredns-own-core"] } else { &["shared"] };
     for &variant in variants {
-        let dnsperf_cpus = (variant == "agent-own-core").then_some("1");
-        if dnsperf_cpus.is_some() {
-            pin(agent_pid, "0");
-            pin(coredns, "1");
-        }
+        // agent-own-core: the forwarder has a core; coredns-own-core: CoreDNS has one, as off
+        // the node, and the client shares the other with the agent, as pods do on a node.
+        let (agent_cpu, coredns_cpu, dnsperf_cpus) = match variant {
+            "agent-own-core" => ("0", "1", Some("1")),
+            "coredns-own-core" => ("0", "1", Some("0")),
+            _ => (every_core.as_str(), every_core.as_str(), None),
+        };
+        pin(agent_pid, agent_cpu);
+        pin(coredns, coredns_cpu);
         for round in 0..rounds {
             eprintln!(
                 "bench: dnsperf through the link-local fallback, {variant}, round {}",
@@ -1150,7 +1156,8 @@ fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
                     round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
                 };
                 let kernel1 = kernel_ticks(agent_pid).unwrap_or_default();
-                let (kernel, total) = (kernel1.0 - kernel0.0, kernel1.1 - kernel0.1);
+                let kernel = kernel1.0.saturating_sub(kernel0.0);
+                let total = kernel1.1.saturating_sub(kernel0.1);
                 let agent_kernel_share =
                     (total > 0).then(|| (kernel as f64 / total as f64 * 100.0).round());
                 let conntrack =
@@ -1502,7 +1509,10 @@ fn main() {
             let variant = v["variant"].as_str().unwrap_or("?");
             let label = match variant {
                 "shared" => "every process on either core",
-                _ => "the agent on a core of its own; dnsperf and CoreDNS on the other",
+                "agent-own-core" => {
+                    "the agent on a core of its own; dnsperf and CoreDNS on the other"
+                }
+                _ => "CoreDNS on a core of its own; dnsperf and the agent on the other",
             };
             let _ = writeln!(
                 md,

@@ -181,7 +181,9 @@ fn start_link_local(
     dataplane: &mut dyn Dataplane,
     tasks: &mut Tasks,
 ) -> Result<Vec<Arc<crate::forwarder::Counters>>, AgentError> {
-    let rules = crate::ruleset::RuleSet::desired(&cfg.addrs, crate::ruleset::Route::Local);
+    // What would be installed (the fast path off takes the socket guard out of the fallback too).
+    let shape = crate::dataplane::Shape { link_local: true, ..cfg.shape };
+    let rules = crate::dataplane::plan(&cfg.addrs, crate::ruleset::Route::Local, shape);
     match blocking(|| dataplane.trial(&rules)) {
         Err(e) if e.is_refusal() => return Err(AgentError::Fallback(e)),
         Err(e) => warn!(error = %e, "could not try the link-local fallback's rules on the kernel"),

@@ -155,7 +155,6 @@ impl Counters {
     }
 }
 
-/// Adds one to `counter`.
 /// The fuzz target `forwarder_message` (see `crate::fuzzing`): `data` as a client's query and
 /// as an upstream's answer to the forwarder's table of queries in flight.
 #[cfg(fuzzing)]
@@ -188,6 +187,7 @@ pub fn fuzz_message(data: &[u8]) {
     assert_eq!(table.cancel(id).is_some(), !taken, "the query is pending unless taken");
 }
 
+/// Adds one to `counter`.
 fn count(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }

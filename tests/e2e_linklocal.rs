@@ -118,7 +118,8 @@ fn busy_firewalled_node(kube_proxy: &str, firewall: &str, dataplane: &str, extra
         node.script(&[&format!("{loop_name}-start")]);
     }
     let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &["--dataplane", dataplane]);
-    let args = ["--rate", "300", "--duration", "9s", "--report-interval", "100ms"];
+    // Long enough for any machine; interrupted once the hang is over.
+    let args = ["--rate", "300", "--duration", "120s", "--report-interval", "100ms"];
     let mut loads = [
         ("pod1", node.load("pod1", LOCAL_IP, &args)),
         ("node", node.load("node", LOCAL_IP, &args)),
@@ -136,8 +137,9 @@ fn busy_firewalled_node(kube_proxy: &str, firewall: &str, dataplane: &str, extra
     node.signal("cache-stop");
     agent.wait_route("upstream", Duration::from_secs(5));
     node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(15));
     for (role, load) in loads {
-        let summary = load.finish();
+        let summary = load.interrupt();
         println!("{role}, {firewall}, across kill and hang: {summary}");
         assert_eq!(summary["failed"], 0, "{role}: {summary}");
         assert!(

@@ -458,9 +458,10 @@ impl Dataplane for Iptables {
         Ok(self.remove_families()?)
     }
 
-    /// Every call runs its own child processes: a copy is a reader.
     /// For each family, one `iptables-restore` of the mangle table's trial (`text::trial_script`);
-    /// only the switching role has a fallback.
+    /// only the switching role has a fallback. A trial that failed between its two commits (the
+    /// lock taken by someone else, a timeout, the kernel refusing the rules) would leave its
+    /// chain: it is deleted at once, as far as it can be.
     fn trial(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
         if !self.role.tables().contains(&Table::Mangle) {
             return Ok(());
@@ -468,12 +469,19 @@ impl Dataplane for Iptables {
         for family in kernel_families() {
             if let Some(wanted) = text::wanted(rules, Table::Mangle, family) {
                 let script = text::trial_script(Table::Mangle, &wanted);
-                self.restore(family, &script, &[Table::Mangle])?;
+                if let Err(error) = self.restore(family, &script, &[Table::Mangle]) {
+                    let cleanup =
+                        "*mangle\n-F NODELOCALDNS-HA-TRIAL\n-X NODELOCALDNS-HA-TRIAL\nCOMMIT\n";
+                    // Fails harmlessly where the chain is gone or was never made.
+                    let _ = self.restore(family, cleanup, &[Table::Mangle]);
+                    return Err(error.into());
+                }
             }
         }
         Ok(())
     }
 
+    /// Every call runs its own child processes: a copy is a reader.
     fn reader(&self) -> Result<Box<dyn Dataplane>, super::Error> {
         Ok(Box::new(self.clone()))
     }

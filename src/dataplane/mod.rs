@@ -37,13 +37,24 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether the kernel (or iptables-restore on its behalf) refused the rules themselves, as
-    /// it does rules that need a module the kernel lacks: the same rules will be refused again.
-    /// A lock, a timeout or a failed system call may pass.
+    /// Whether the kernel (or iptables-restore on its behalf) refused a rule itself, as it
+    /// refuses one that needs a module it lacks (ENOENT) or cannot run where it is
+    /// (EOPNOTSUPP, EINVAL): the same rule will be refused again. A lock, a timeout, a signal,
+    /// a lack of memory or of privilege, or a batch refused as a whole may pass, or are not the
+    /// rule's doing.
     pub fn is_refusal(&self) -> bool {
+        use nix::errno::Errno;
         match self {
-            Error::Nftables(e) => matches!(e, nftables::Error::Rejected { .. }),
-            Error::Iptables(e) => matches!(e, iptables::Error::RestoreFailed { .. }),
+            Error::Nftables(nftables::Error::Rejected { at, source }) => {
+                at.contains(": rule ")
+                    && matches!(source, Errno::ENOENT | Errno::EOPNOTSUPP | Errno::EINVAL)
+            }
+            Error::Iptables(iptables::Error::RestoreFailed { status, stderr, .. }) => {
+                let passing =
+                    ["temporarily unavailable", "Cannot allocate memory", "Permission denied"];
+                status.code().is_some() && !passing.iter().any(|p| stderr.contains(p))
+            }
+            Error::Nftables(_) | Error::Iptables(_) => false,
             #[cfg(test)]
             Error::Injected(_) => false,
         }

@@ -284,9 +284,20 @@ pub fn fallback_refused(node: &SimNode, dataplane: &str, extra: &[&str], refusin
         let text = String::from_utf8_lossy(&out.stdout).to_lowercase();
         assert!(!text.contains("tproxy"), "{program}:\n{text}");
     }
+    // The ClusterIP failover works as ever: a crash (which the kernel fast path alone would
+    // survive) and a hang (which only the agent's switch does).
+    let route = Duration::from_secs(30);
     assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER);
     node.kill("cache-kill");
+    agent.wait_route("upstream", route);
     assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), COREDNS_ANSWER);
+    node.script(&["cache-start"]);
+    agent.wait_route("local", route);
+    node.signal("cache-stop");
+    agent.wait_route("upstream", route);
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), COREDNS_ANSWER);
+    node.signal("cache-cont");
+    agent.wait_route("local", route);
     refusing(false);
     node.tear_down(agent);
 }
