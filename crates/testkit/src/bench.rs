@@ -21,32 +21,28 @@ pub fn median(values: &mut [f64]) -> f64 {
     percentile(values, 50.0)
 }
 
-/// CPU time of `pid` in clock ticks (user + system): its own, and its children's it has waited
-/// for. `None` once it is gone.
-pub fn cpu_ticks(pid: u32) -> Option<(u64, u64)> {
+/// `pid`'s utime, stime, cutime and cstime from /proc (fields 14 to 17, after the command
+/// name's closing parenthesis), in clock ticks. `None` once it is gone.
+fn stat_times(pid: u32) -> Option<[u64; 4]> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name's closing parenthesis: utime, stime, cutime, cstime are
-    // 14 to 17.
     let rest = stat.get(stat.rfind(')')? + 2..)?;
     let f: Vec<u64> =
         rest.split_whitespace().skip(11).take(4).map_while(|v| v.parse().ok()).collect();
-    match f[..] {
-        [utime, stime, cutime, cstime] => Some((utime + stime, cutime + cstime)),
-        _ => None,
-    }
+    f.try_into().ok()
+}
+
+/// CPU time of `pid` in clock ticks (user + system): its own, and its children's it has waited
+/// for. `None` once it is gone.
+pub fn cpu_ticks(pid: u32) -> Option<(u64, u64)> {
+    let [utime, stime, cutime, cstime] = stat_times(pid)?;
+    Some((utime + stime, cutime + cstime))
 }
 
 /// The share of `pid`'s own CPU time (not its children's) it spent in the kernel (system
 /// time): `(system, user + system)` in clock ticks. `None` once it is gone.
 pub fn kernel_ticks(pid: u32) -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    let f: Vec<u64> =
-        rest.split_whitespace().skip(11).take(2).map_while(|v| v.parse().ok()).collect();
-    match f[..] {
-        [utime, stime] => Some((stime, utime + stime)),
-        _ => None,
-    }
+    let [utime, stime, ..] = stat_times(pid)?;
+    Some((stime, utime + stime))
 }
 
 /// Clock ticks per second, the unit of [`cpu_ticks`].
