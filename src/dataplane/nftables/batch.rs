@@ -27,19 +27,7 @@ pub(super) fn replacing(rules: &RuleSet) -> Result<(FinalizedBatch, Vec<String>)
     let chains: Vec<nftnl::Chain<'_>> =
         rules.chains.iter().map(|chain| base_chain(chain, &table)).collect();
     for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
-        batch.add(nft_chain, MsgType::Add);
-        described.push(format!("chain {}", chain.name()));
-        for (index, rule) in chain.rules.iter().enumerate() {
-            let mut nft_rule = nftnl::Rule::new(nft_chain);
-            for expr in rule_expressions(rule) {
-                nft_rule.add_expr(&expr);
-            }
-            let comment_error = || Error::Comment(rule.comment.clone());
-            let comment = CString::new(rule.comment.as_str()).map_err(|_| comment_error())?;
-            nft_rule.set_comment(comment).map_err(|_| comment_error())?;
-            batch.add(&nft_rule, MsgType::Add);
-            described.push(format!("chain {}: rule {} ({rule})", chain.name(), index + 1));
-        }
+        add_chain(&mut batch, &mut described, nft_chain, chain, "chain")?;
     }
     Ok((batch.finalize(), described))
 }
@@ -65,16 +53,7 @@ pub(super) fn trial(rules: &RuleSet) -> Result<Option<(FinalizedBatch, Vec<Strin
         .map(|chain| nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), &table))
         .collect();
     for (nft_chain, chain) in chains.iter().zip(&fallback) {
-        batch.add(nft_chain, MsgType::Add);
-        described.push(format!("trial chain {}", chain.name()));
-        for (index, rule) in chain.rules.iter().enumerate() {
-            let mut nft_rule = nftnl::Rule::new(nft_chain);
-            for expr in rule_expressions(rule) {
-                nft_rule.add_expr(&expr);
-            }
-            batch.add(&nft_rule, MsgType::Add);
-            described.push(format!("trial chain {}: rule {} ({rule})", chain.name(), index + 1));
-        }
+        add_chain(&mut batch, &mut described, nft_chain, chain, "trial chain")?;
     }
     batch.add(&table, MsgType::Del);
     described.push("trial table (delete)".to_owned());
@@ -89,6 +68,31 @@ pub(super) fn deleting() -> (FinalizedBatch, Vec<String>) {
     batch.add(&table, MsgType::Del);
     let described = ["table (create if absent)", "table (delete)"].map(String::from);
     (batch.finalize(), described.into())
+}
+
+/// Adds `nft_chain` and `chain`'s rules (each with its comment) to `batch`, each message
+/// described as `<what> <name>` and `<what> <name>: rule <n> (<rule>)`.
+fn add_chain(
+    batch: &mut Batch,
+    described: &mut Vec<String>,
+    nft_chain: &nftnl::Chain<'_>,
+    chain: &ruleset::Chain,
+    what: &str,
+) -> Result<(), Error> {
+    batch.add(nft_chain, MsgType::Add);
+    described.push(format!("{what} {}", chain.name()));
+    for (index, rule) in chain.rules.iter().enumerate() {
+        let mut nft_rule = nftnl::Rule::new(nft_chain);
+        for expr in rule_expressions(rule) {
+            nft_rule.add_expr(&expr);
+        }
+        let comment_error = || Error::Comment(rule.comment.clone());
+        let comment = CString::new(rule.comment.as_str()).map_err(|_| comment_error())?;
+        nft_rule.set_comment(comment).map_err(|_| comment_error())?;
+        batch.add(&nft_rule, MsgType::Add);
+        described.push(format!("{what} {}: rule {} ({rule})", chain.name(), index + 1));
+    }
+    Ok(())
 }
 
 /// `type filter hook <hook> priority <priority>; policy accept;` (named by one of the ruleset's
