@@ -155,6 +155,22 @@ impl Counters {
     }
 }
 
+/// The forwarders' totals added up (one forwarder per family).
+impl std::iter::Sum for Totals {
+    fn sum<I: Iterator<Item = Totals>>(all: I) -> Totals {
+        all.fold(Totals::default(), |a, b| Totals {
+            udp_queries: a.udp_queries + b.udp_queries,
+            udp_answers: a.udp_answers + b.udp_answers,
+            tcp_connections: a.tcp_connections + b.tcp_connections,
+            upstream_failures: a.upstream_failures + b.upstream_failures,
+            answer_failures: a.answer_failures + b.answer_failures,
+            dropped_busy: a.dropped_busy + b.dropped_busy,
+            dropped_malformed: a.dropped_malformed + b.dropped_malformed,
+            stray_answers: a.stray_answers + b.stray_answers,
+        })
+    }
+}
+
 /// The fuzz target `forwarder_message` (see `crate::fuzzing`): `data` as a client's query and
 /// as an upstream's answer to the forwarder's table of queries in flight.
 #[cfg(fuzzing)]

@@ -179,17 +179,7 @@ struct Forwarders(OnceLock<Vec<Arc<forwarder::Counters>>>);
 impl Collector for Forwarders {
     fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
         let Some(forwarders) = self.0.get() else { return Ok(()) };
-        let mut t = forwarder::Totals::default();
-        for each in forwarders.iter().map(|f| f.totals()) {
-            t.udp_queries += each.udp_queries;
-            t.udp_answers += each.udp_answers;
-            t.tcp_connections += each.tcp_connections;
-            t.upstream_failures += each.upstream_failures;
-            t.dropped_busy += each.dropped_busy;
-            t.dropped_malformed += each.dropped_malformed;
-            t.answer_failures += each.answer_failures;
-            t.stray_answers += each.stray_answers;
-        }
+        let t: forwarder::Totals = forwarders.iter().map(|f| f.totals()).sum();
         let plain = [
             ("forwarder_udp_queries", t.udp_queries, "UDP queries the link-local forwarder took"),
             ("forwarder_udp_answers", t.udp_answers, "UDP answers it sent back to their clients"),

@@ -62,15 +62,14 @@ pub(super) fn start(
 
 /// What the forwarders have done, summed, for `status`.
 pub(super) fn forwarded(counters: &[Arc<Counters>]) -> crate::state::Forwarded {
-    let mut sum = crate::state::Forwarded::default();
-    for totals in counters.iter().map(|c| c.totals()) {
-        sum.udp_queries += totals.udp_queries;
-        sum.udp_answers += totals.udp_answers;
-        sum.tcp_connections += totals.tcp_connections;
-        sum.upstream_failures += totals.upstream_failures;
-        sum.dropped += totals.dropped_busy + totals.dropped_malformed + totals.answer_failures;
+    let t: forwarder::Totals = counters.iter().map(|c| c.totals()).sum();
+    crate::state::Forwarded {
+        udp_queries: t.udp_queries,
+        udp_answers: t.udp_answers,
+        tcp_connections: t.tcp_connections,
+        upstream_failures: t.upstream_failures,
+        dropped: t.dropped_busy + t.dropped_malformed + t.answer_failures,
     }
-    sum
 }
 
 /// Puts back any copy someone removed, every [`COPIES_PERIOD`]; level-triggered, so a failure
