@@ -17,19 +17,34 @@ corpus=${FUZZ_CORPUS:-${TMPDIR:-/tmp}/nodelocaldns-ha-fuzz}
 
 profile=--${FUZZ_PROFILE:-release}
 cargo fuzz build -s none "$profile"
-for target in $targets; do
+# fuzz TARGET: runs one target (libFuzzer uses one core), its summary or its failure printed.
+fuzz() {
+  local target=$1 log="$corpus/$1.log" status=0
   mkdir -p "$corpus/$target"
-  echo "ci/fuzz.sh: $target for ${seconds}s"
   # -timeout: one input taking over 5 s is a hang. -rss_limit_mb: growth without bound fails.
-  log="$corpus/$target.log"
-  status=0
   cargo fuzz run -s none "$profile" "$target" "$corpus/$target" "fuzz/seeds/$target" -- \
     -max_total_time="$seconds" -timeout=5 -rss_limit_mb=1024 -print_final_stats=1 >"$log" 2>&1 ||
     status=$?
+  echo "ci/fuzz.sh: $target for ${seconds}s"
   grep -E '^(Done|stat::number_of_executed_units|INFO: seed corpus)' "$log" || true
   if [ "$status" != 0 ]; then
     tail -n 40 "$log"
     echo "ci/fuzz.sh: $target failed (exit $status); the input is under fuzz/artifacts/$target/"
-    exit 1
+    return 1
   fi
+}
+# As many targets at once as there are cores; each prints when it is done, and any failure
+# fails the run once all have finished.
+jobs=$(nproc)
+failed=0
+pids=()
+for target in $targets; do
+  if ((${#pids[@]} >= jobs)); then
+    wait "${pids[0]}" || failed=1
+    pids=("${pids[@]:1}")
+  fi
+  fuzz "$target" &
+  pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+exit "$failed"

@@ -91,7 +91,7 @@ kube_nft() {
         echo "flush map $t $name"
     done
 
-    local ip svc proto port base schain ep epname ebase echains dest i
+    local ip svc proto port base hash schain ep epname ebase echains dest i
     for spec in "$cluster_dns kube-dns" "$upstream kube-dns-upstream"; do
         read -r ip svc <<<"$spec"
         echo "add element $t cluster-ips { $ip }"
@@ -99,12 +99,14 @@ kube_nft() {
             port=dns
             [[ $proto == tcp ]] && port=dns-tcp
             base="kube-system/$svc/$proto/$port"
-            schain="service-$(kube_hash "$base" | cut -c1-8)-$base"
+            hash=$(kube_hash "$base")
+            schain="service-${hash:0:8}-$base"
             echains=()
             for ep in "$ep1" "$ep2"; do
                 epname=${ep//:/.}
                 ebase="${base}__$epname/53"
-                echains+=("endpoint-$(kube_hash "$ebase" | cut -c1-8)-$ebase")
+                hash=$(kube_hash "$ebase")
+                echains+=("endpoint-${hash:0:8}-$ebase")
             done
             # kube-proxy creates (adds and flushes) all its chains before writing their rules.
             for chain in "$schain" "${echains[@]}"; do

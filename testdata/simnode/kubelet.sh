@@ -17,12 +17,20 @@ kubelet_canaries() {
 kubelet_iptables() {
     local ipt
     for ipt in iptables-nft ip6tables-nft; do
-        in_ns node "$ipt" -t mangle -N KUBE-IPTABLES-HINT
-        kubelet_canaries "$ipt"
+        # What kubelet's commands leave, in one iptables-restore (a process costs ~0.2 s in the
+        # test bed's TCG guest).
+        {
+            printf '*mangle\n:KUBE-IPTABLES-HINT - [0:0]\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n'
+            printf '*nat\n:KUBE-KUBELET-CANARY - [0:0]\nCOMMIT\n'
+            printf '*filter\n:KUBE-KUBELET-CANARY - [0:0]\n'
+            if [[ $ipt == iptables-nft ]]; then
+                echo ":KUBE-FIREWALL - [0:0]"
+                echo "-I OUTPUT -j KUBE-FIREWALL"
+                echo "-I INPUT -j KUBE-FIREWALL"
+                echo "-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\"" \
+                    "--dst 127.0.0.0/8 ! --src 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"
+            fi
+            echo COMMIT
+        } | in_ns node "$ipt-restore" --noflush
     done
-    in_ns node iptables-nft -t filter -N KUBE-FIREWALL
-    in_ns node iptables-nft -t filter -I OUTPUT -j KUBE-FIREWALL
-    in_ns node iptables-nft -t filter -I INPUT -j KUBE-FIREWALL
-    in_ns node iptables-nft -t filter -A KUBE-FIREWALL -m comment --comment "block incoming localnet connections" \
-        --dst 127.0.0.0/8 ! --src 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP
 }
