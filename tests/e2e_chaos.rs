@@ -364,13 +364,16 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
         let want = if route == "local" { &local } else { &upstream };
         assert_eq!(&plane.by_transaction(&node), want, "after a calm flip to {route}");
     }
-    // When the change lands after the request is learnt as the trials go: each kill falls
-    // uniformly in 0..=2×edge, and edge moves 10% towards the outcome that came less often (5%
-    // earlier after a kill between two transactions), so it settles around the change.
-    // It starts at half a calm round trip and may grow far past it: a freshly restarted agent on
-    // a busy machine can take much longer than a calm one.
+    // When the change begins and ends after the request is learnt as the trials go, one edge
+    // for each: the first transaction's commit (a kill before it leaves the old ruleset), the
+    // last one's (a kill after it leaves the new). Trials take turns: each kill falls uniformly
+    // in 0..=2×edge of its turn's edge, which moves 10% towards the outcome its side missed, so
+    // each settles around its commit and both sides, and what lies between, keep being hit
+    // (one adaptive edge for both starved one side when several transactions spread the change:
+    // seen old 0 / new 6 and old 8 / new 0 of 60). They start at half a calm round trip and may
+    // grow far past it: a freshly restarted agent on a busy machine can take much longer.
     let rtt_us = median(rtts).as_micros() as f64;
-    let mut edge_us = rtt_us / 2.0;
+    let (mut first_us, mut last_us) = (rtt_us / 2.0, rtt_us / 2.0);
     println!("calm flip round trip median {:.2} ms", rtt_us / 1e3);
 
     let mut current = "local";
@@ -379,6 +382,8 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     let started = Instant::now();
     for trial in 0..trials {
         let target = other(current);
+        let aims_first = trial % 2 == 0;
+        let edge_us = if aims_first { first_us } else { last_us };
         let delay = Duration::from_micros(dice.between(0, (2.0 * edge_us) as u64));
         delays.push(delay);
         let mut stream = connect(&agent);
@@ -401,22 +406,25 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
         if recorded == target {
             assert!(all(target), "{what}: the override was recorded before the rules: {routes:?}");
         }
-        if all(target) {
+        let (began, ended) = if all(target) {
             new += 1;
-            edge_us *= 0.9;
+            (true, true)
         } else if all(current) {
             old += 1;
-            edge_us *= 1.1;
+            (false, false)
         } else {
             // Between two transactions (families, or raw and mangle): each whole, the change
-            // half done. The kill came after the change began: the edge moves earlier too, or
-            // with four transactions (raw and mangle of each family) spread over the change,
-            // most kills land in between and the few before the first commit (an `old`) may
-            // never come (seen: old 0, new 6, split 54 of 60).
+            // half done.
             split += 1;
-            edge_us *= 0.95;
+            (true, false)
+        };
+        if aims_first {
+            first_us *= if began { 0.9 } else { 1.1 };
+        } else {
+            last_us *= if ended { 0.9 } else { 1.1 };
         }
-        edge_us = edge_us.clamp(20.0, 100_000.0);
+        first_us = first_us.clamp(20.0, 100_000.0);
+        last_us = last_us.clamp(20.0, 100_000.0);
 
         // The restarted agent starts in the recorded override, its ruleset already in place.
         drop(agent);
@@ -436,12 +444,13 @@ fn sigkill_mid_change(plane: Plane, stack: Stack, trials: usize) {
     let took = started.elapsed();
     let worst = |v: &[Duration]| ms(*v.iter().max().unwrap());
     println!(
-        "{trials} trials in {:.1} s: SIGKILL {:.2}..{:.2} ms after the request (median {:.2}; the change lands about {:.2} ms after it); the old ruleset left {old} times, the new {new} times, the transactions on different routes {split} times ({answered} answered before the kill; {children} processes of the agent's killed with it)",
+        "{trials} trials in {:.1} s: SIGKILL {:.2}..{:.2} ms after the request (median {:.2}; the change begins about {:.2} ms after it and ends about {:.2} ms after it); the old ruleset left {old} times, the new {new} times, the transactions on different routes {split} times ({answered} answered before the kill; {children} processes of the agent's killed with it)",
         took.as_secs_f64(),
         ms(*delays.iter().min().unwrap()),
         worst(&delays),
         ms(median(delays.clone())),
-        edge_us / 1e3,
+        first_us / 1e3,
+        last_us / 1e3,
     );
     println!(
         "restarted agent: state written (its ruleset in place) after median {:.1} / max {:.1} ms",
