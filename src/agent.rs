@@ -20,7 +20,7 @@ use tracing::{debug, info, warn};
 use crate::config::AgentConfig;
 use crate::dataplane::{self, Dataplane, TableRef};
 use crate::firewall::Blocking;
-use crate::health::{Forced, Machine, Sample, Stream, Transition};
+use crate::health::{Forced, Machine, Sample, Stall, Stream, Transition};
 use crate::metrics::Metrics;
 use crate::probe::{Outcome, Report};
 use crate::reconciler::Reconciler;
@@ -34,6 +34,9 @@ pub fn sample(outcome: &Outcome) -> Sample {
     match outcome {
         Outcome::Answered { .. } => Sample::Good,
         Outcome::Refused => Sample::Refused,
+        &Outcome::Stalled { queued_bytes, for_ms } => {
+            Sample::Stalled(Stall { queued_bytes, for_ms })
+        }
         other => Sample::Bad(other.label()),
     }
 }

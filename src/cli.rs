@@ -236,6 +236,25 @@ pub struct RunArgs {
     /// close. `false` leaves only the probe cadence: for comparisons.
     #[arg(long, env = "NODELOCALDNS_HA_SOCKET_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
     pub socket_events: bool,
+    /// Leave a cache whose socket stalls: queries wait in it unread, the queue not going down,
+    /// for this long while a probe gets no answer. Pauses shorter than this never count. 0s
+    /// leaves hangs to the probes.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_STALL_BOUND",
+        allow_hyphen_values = true,
+        default_value = "30ms"
+    )]
+    pub stall_bound: String,
+    /// How often the cache's socket queues are looked at while they are empty (every 2ms while
+    /// one is not).
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_STALL_LOOK",
+        allow_hyphen_values = true,
+        default_value = "20ms"
+    )]
+    pub stall_look: String,
 }
 
 impl RunArgs {
@@ -262,6 +281,8 @@ impl RunArgs {
             fast_path: self.fast_path,
             link_local_failover: self.link_local_failover,
             socket_events: self.socket_events,
+            stall_bound: self.stall_bound.clone(),
+            stall_look: self.stall_look.clone(),
         }
     }
 }

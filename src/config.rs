@@ -107,6 +107,12 @@ pub enum ConfigError {
     /// The transition hook cannot be run.
     #[error("--on-transition {}: not executable (chmod +x it)", .0.display())]
     HookNotExecutable(PathBuf),
+    /// A stall bound too short to split into a suspicion and a confirm probe.
+    #[error(
+        "--stall-bound={0:?} is too short: at least 6ms (a third of it waits before the confirm \
+         probe, the rest is that probe's timeout), or 0s to turn the stall watch off"
+    )]
+    StallBoundTooShort(String),
 }
 
 /// The longest duration any flag takes. Longer ones are typos or mixed-up units; this also keeps
@@ -284,6 +290,8 @@ pub struct AgentConfig {
     pub hook_timeout: Duration,
     /// Probe at once when the kernel reports the cache's sockets closed.
     pub socket_events: bool,
+    /// Watch the cache's sockets for stalls (`crate::stall`); `None` when off.
+    pub stall: Option<crate::stall::Bounds>,
 }
 
 /// Raw `run` settings as the command line gives them.
@@ -310,6 +318,9 @@ pub struct RawRun {
     pub fast_path: bool,
     pub link_local_failover: bool,
     pub socket_events: bool,
+    /// `0s`: no stall watch.
+    pub stall_bound: String,
+    pub stall_look: String,
 }
 
 fn cadence(
@@ -336,6 +347,22 @@ fn cadence(
         });
     }
     Ok(Cadence { interval: interval_d, timeout: timeout_d })
+}
+
+/// The stall watch's bounds; `None` for a zero bound (off).
+fn stall_bounds(bound: &str, look: &str) -> Result<Option<crate::stall::Bounds>, ConfigError> {
+    let bound_d = duration_flag("--stall-bound", bound)?;
+    if bound_d.is_zero() {
+        return Ok(None);
+    }
+    if bound_d < Duration::from_millis(6) {
+        return Err(ConfigError::StallBoundTooShort(bound.to_owned()));
+    }
+    let look_idle = duration_flag("--stall-look", look)?;
+    if look_idle.is_zero() {
+        return Err(ConfigError::ZeroDuration { flag: "--stall-look", value: look.to_owned() });
+    }
+    Ok(Some(crate::stall::Bounds { bound: bound_d, look_idle }))
 }
 
 impl AgentConfig {
@@ -416,6 +443,7 @@ impl AgentConfig {
                 value: text.to_owned(),
             })?),
         };
+        let stall = stall_bounds(&raw.stall_bound, &raw.stall_look)?;
         let hook_timeout = duration_flag("--hook-timeout", &raw.hook_timeout)?;
         if hook_timeout.is_zero() {
             let value = raw.hook_timeout.clone();
@@ -449,6 +477,7 @@ impl AgentConfig {
             on_transition: raw.on_transition.clone(),
             hook_timeout,
             socket_events: raw.socket_events,
+            stall,
         })
     }
 
@@ -492,6 +521,8 @@ pub(crate) fn test_raw() -> RawRun {
         fast_path: true,
         link_local_failover: true,
         socket_events: true,
+        stall_bound: "30ms".into(),
+        stall_look: "20ms".into(),
     }
 }
 

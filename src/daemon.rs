@@ -32,7 +32,7 @@ use crate::health::Stream;
 use crate::metrics::{Health, Metrics};
 use crate::overrides::{self, Moment};
 use crate::probe::{self, Probe, ProbeError, Prober, Transport};
-use crate::{control, detect, hooks, maintenance, sockdiag, state};
+use crate::{control, detect, hooks, maintenance, sockdiag, stall, state};
 use tasks::Tasks;
 
 /// What can stop the agent (the `run` command exits 1 with it).
@@ -246,6 +246,10 @@ async fn run_with(
     let cache_udp = probe(cfg.cache_udp, Target::Cache)?;
     let cache_tcp = cfg.cache_tcp.map(|c| probe(c, Target::Cache).map(|p| (c, p))).transpose()?;
     let upstream = probe(cfg.upstream_probe, Target::Upstream)?;
+    let confirm = match cfg.stall {
+        Some(bounds) => Some((bounds, probes(&cfg.probe_name, bounds.confirm(), Target::Cache)?)),
+        None => None,
+    };
     // The lock first: a second agent on the same state directory is told so, not that the
     // metrics port is taken.
     std::fs::create_dir_all(&cfg.state_dir)
@@ -365,6 +369,10 @@ async fn run_with(
                 tx.clone(),
             ),
         );
+    }
+    if let (true, Some((bounds, confirm))) = (watch_node, confirm) {
+        let stalls = stall::watch_stalls(bounds, listen.clone(), confirm, target, tx.clone());
+        tasks.spawn("stall watch", stalls);
     }
     let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
     let wake = Arc::new(Notify::new());

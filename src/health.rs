@@ -5,7 +5,8 @@
 //!
 //! 1. **Leave `Local`** when the cache has failed `fall` consecutive probes on one transport, or
 //!    at once when a probe was *refused* (nothing listens on port 53: the cache is gone, no
-//!    reason to wait) — unless the upstream is failing too: a half-dead cache may still serve
+//!    reason to wait) or the cache's socket *stalled* (queries waited in it unread past the
+//!    stall bound and a probe went unanswered: `crate::stall`) — unless the upstream is failing too: a half-dead cache may still serve
 //!    from its cache, and CoreDNS down gains nothing. The machine then *holds* and says so.
 //! 2. **Return to `Local`** after `rise` consecutive good UDP probes of the cache, with the last
 //!    TCP probe (if any) good too, and at least `min_hold` in `Upstream` (flap damping). When the
@@ -16,7 +17,7 @@
 //! The upstream counts as failing after `fall` consecutive bad probes (a refusal is no
 //! different there: kube-proxy rejects while a Service has no endpoints, which may pass), and as
 //! healthy again after one good one; before its first probe it is presumed healthy. A refusal
-//! from the cache is forgotten as soon as the cache answers on any transport.
+//! from the cache, or a stall, is forgotten as soon as the cache answers on any transport.
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -43,6 +44,17 @@ pub enum Sample {
     Refused,
     /// Any other failure; the label says which (`timeout`, `servfail`, `error`).
     Bad(&'static str),
+    /// Queries waited unread in the cache's socket past the stall bound, and a probe got no
+    /// answer: the cache stopped reading. Definitive, counts at once.
+    Stalled(Stall),
+}
+
+/// What a stall was seen as: the bytes waiting in the cache's socket, and for how long the
+/// queue had not gone down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Stall {
+    pub queued_bytes: u32,
+    pub for_ms: u64,
 }
 
 /// Which probe stream a sample comes from. The cache is probed over UDP and TCP; the two are
@@ -63,6 +75,8 @@ pub enum Reason {
     CacheFailing { stream: Stream, count: u32, last: &'static str },
     /// A probe of the cache was refused: nothing listens on port 53.
     CacheRefused(Stream),
+    /// The cache's socket stalled: queries waited in it unread, and a probe got no answer.
+    CacheStalled(Stall),
     /// The cache answered `count` consecutive probes (and `min_hold` passed).
     CacheRecovered { count: u32 },
     /// The cache answered `count` consecutive probes while the upstream is failing.
@@ -85,6 +99,7 @@ impl Reason {
             Reason::Start(_) => "start",
             Reason::CacheFailing { .. } => "cache_failing",
             Reason::CacheRefused(_) => "cache_refused",
+            Reason::CacheStalled(_) => "cache_stalled",
             Reason::CacheRecovered { .. } => "cache_recovered",
             Reason::CacheRecoveredUpstreamFailing { .. } => "cache_recovered_upstream_failing",
             Reason::Forced { kind: ForceKind::Manual, .. } => "manual",
@@ -136,6 +151,11 @@ impl fmt::Display for Reason {
             Reason::CacheRefused(stream) => {
                 write!(f, "{stream} probe refused: nothing listens on the cache's port 53")
             }
+            Reason::CacheStalled(Stall { queued_bytes, for_ms }) => write!(
+                f,
+                "the cache stopped reading: {queued_bytes} bytes of queries waited in its socket \
+                 and the queue did not go down for {for_ms} ms, and a probe got no answer"
+            ),
             Reason::CacheRecovered { count } => {
                 write!(f, "cache answered {count} consecutive probes")
             }
@@ -210,6 +230,8 @@ pub struct Streak {
     pub bad: u32,
     /// The last sample was a refusal.
     pub refused: bool,
+    /// The last sample was a stall.
+    pub stalled: Option<Stall>,
     /// Label of the last bad sample.
     pub last_bad: Option<&'static str>,
 }
@@ -221,13 +243,19 @@ impl Streak {
                 self.good = self.good.saturating_add(1);
                 self.bad = 0;
                 self.refused = false;
+                self.stalled = None;
             }
-            Sample::Refused | Sample::Bad(_) => {
+            Sample::Refused | Sample::Bad(_) | Sample::Stalled(_) => {
                 self.good = 0;
                 self.bad = self.bad.saturating_add(1);
                 self.refused = sample == Sample::Refused;
+                self.stalled = match sample {
+                    Sample::Stalled(stall) => Some(stall),
+                    _ => None,
+                };
                 self.last_bad = Some(match sample {
                     Sample::Bad(label) => label,
+                    Sample::Stalled(_) => "stalled",
                     _ => "refused",
                 });
             }
@@ -406,8 +434,10 @@ impl Machine {
         // A refusal means "nothing listens": an answer on the other transport since proves it
         // stale. (A transport that keeps failing still trips `fall` on its own.)
         if sample == Sample::Good && stream != Stream::Upstream {
-            self.cache_udp.refused = false;
-            self.cache_tcp.refused = false;
+            for streak in [&mut self.cache_udp, &mut self.cache_tcp] {
+                streak.refused = false;
+                streak.stalled = None;
+            }
         }
         if let Some(forced) = &self.forced {
             // A drain ends when the drained cache is gone — refused, or `fall` failures in a row
@@ -435,6 +465,8 @@ impl Machine {
             .find_map(|(stream, s)| {
                 if s.refused {
                     Some(Reason::CacheRefused(stream))
+                } else if let Some(stall) = s.stalled {
+                    Some(Reason::CacheStalled(stall))
                 } else if s.bad >= self.thresholds.fall {
                     Some(Reason::CacheFailing {
                         stream,

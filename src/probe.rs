@@ -146,6 +146,14 @@ pub enum Outcome {
         /// What went wrong, for logs.
         reason: String,
     },
+    /// Not a probe's own outcome: the stall watch (`crate::stall`) saw queries wait unread in
+    /// the cache's socket past its bound while a probe got no answer.
+    Stalled {
+        /// Bytes of queries waiting in the socket at the last look.
+        queued_bytes: u32,
+        /// How long the queue had not gone down.
+        for_ms: u64,
+    },
 }
 
 impl Outcome {
@@ -155,7 +163,7 @@ impl Outcome {
     }
 
     /// A short, fixed name for metric labels and logs: `answered`, `servfail`, `timeout`,
-    /// `refused` or `error`.
+    /// `refused`, `error` or `stalled`.
     pub fn label(&self) -> &'static str {
         match self {
             Outcome::Answered { .. } => "answered",
@@ -163,6 +171,7 @@ impl Outcome {
             Outcome::Timeout => "timeout",
             Outcome::Refused => "refused",
             Outcome::Error { .. } => "error",
+            Outcome::Stalled { .. } => "stalled",
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The kernel's view of the cache's sockets, over `NETLINK_SOCK_DIAG`: know at once when its
-//! listening sockets die ([`SocketWatch`]), and list the sockets serving a port now
-//! ([`listeners`]).
+//! listening sockets die ([`SocketWatch`]), list the sockets serving a port now
+//! ([`listeners`]), and see how much waits in one of them ([`QueueReader`]).
 //!
 //! Linux sends a `SOCK_DIAG_BY_FAMILY` message to every `NETLINK_SOCK_DIAG` socket subscribed to
 //! the multicast groups `SKNLGRP_INET{,6}_{TCP,UDP}_DESTROY` whenever it frees a TCP or UDP socket
@@ -25,12 +25,13 @@
 //! 6.18). Any local process may also *unicast* to our netlink port id, so messages are accepted
 //! only from the kernel (port id 0); sending to the multicast groups needs `CAP_NET_ADMIN`.
 //!
-//! `inet_diag` reads and writes the messages; `watch` and `listing` talk to the kernel;
+//! `inet_diag` reads and writes the messages; `watch`, `listing` and `queue` talk to the kernel;
 //! `cache_sockets` wakes the agent's cache probes when the cache's listeners close.
 
 mod cache_sockets;
 mod inet_diag;
 mod listing;
+mod queue;
 mod watch;
 
 use std::net::{IpAddr, SocketAddr};
@@ -42,6 +43,7 @@ use crate::probe::Transport;
 pub(crate) use cache_sockets::watch_cache_sockets;
 pub use inet_diag::{parse, parse_dump};
 pub use listing::listeners;
+pub use queue::{QueueReader, Queued};
 pub use watch::SocketWatch;
 
 /// The receive buffer for one datagram: it holds one announcement of a few hundred bytes, or a

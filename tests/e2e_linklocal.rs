@@ -38,7 +38,9 @@ fn dig_from_port(node: &SimNode, role: &str, source: &str, server: &str) -> Stri
 /// that kept one source port through it all is answered by the cache again.
 #[test]
 fn hang_switches_to_the_forwarder_and_back() {
-    let (node, agent) = link_local_node("nftables", &["--interval", "100ms", "--timeout", "80ms"]);
+    // The stall watch off: the probes alone must see the hang, so they reach the hung cache.
+    let extra = ["--interval", "100ms", "--timeout", "80ms", "--stall-bound", "0s"];
+    let (node, agent) = link_local_node("nftables", &extra);
     assert_eq!(dig_from_port(&node, "pod1", "10.244.0.2", LOCAL_IP), CACHE_ANSWER);
     let args = ["--rate", "300", "--duration", "6s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", LOCAL_IP, &args);

@@ -105,10 +105,11 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     });
     let detection = up["since_unix_ms"].as_u64().unwrap().saturating_sub(stopped_at);
     println!("hang detected after {detection} ms, at failed probe {}", switch.failed);
-    // The probe bound by the agent's counts: the route moves with the 3rd (`fall`) failed probe
-    // of the hung cache, not a tick later, whatever the scheduling on a shared machine.
-    assert_eq!((switch.good, switch.bad, switch.failed), (0, 3, 3), "{}", switch.line);
-    // Their pace, which the counts cannot see: within twice the probe bound (3 × 100 ms + 80 ms).
+    // Under traffic the stall watch moves the route, by the agent's counts before the probes'
+    // `fall`-th failure, whatever the scheduling on a shared machine (the probes' own bound is
+    // `cache_hang_switches_within_the_probe_bound_and_returns_after_hold`).
+    switch.assert_stalled();
+    // The pace, which the counts cannot see: within twice the probe bound (3 × 100 ms + 80 ms).
     assert!(detection < 2 * 380, "hang detected after {detection} ms: {up}");
     node.signal("cache-cont");
     agent.wait_route("local", Duration::from_secs(10));
@@ -197,7 +198,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
         agent.switch_after(mark, "upstream", "cache udp")
     });
     let switched_at = up["since_unix_ms"].as_u64().unwrap();
-    assert_eq!((switch.good, switch.bad, switch.failed), (0, 3, 3), "{}", switch.line);
+    switch.assert_stalled();
     let detection = switched_at.saturating_sub(stopped_at);
     assert!(detection < 2 * 380, "hang detected after {detection} ms: {up}");
     assert_eq!(fixed_port_answer(&node, family), "coredns", "one source port, cache hung");

@@ -59,12 +59,13 @@ fn cache_sigkill_loses_no_pod_lookup() {
 /// Acceptance 2 (and 5 for a hang): a hung cache (SIGSTOP) moves the route at its `fall`-th
 /// failed probe, by the agent's own counts; only queries sent to it before the switch lose their
 /// first attempt, from pods and host-network clients alike; after SIGCONT the route returns only
-/// after `rise` good probes and `min-hold`.
+/// after `rise` good probes and `min-hold`. The probes' own bound, the stall watch off: what
+/// holds when no traffic shows the hang sooner (`tests/e2e_stall.rs` has it on).
 #[test]
 fn cache_hang_switches_within_the_probe_bound_and_returns_after_hold() {
     let node = SimNode::up();
     // fall 3 × interval 100 ms + timeout 80 ms = 380 ms; rise 5; min-hold 2 s.
-    let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms"]);
+    let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms", "--stall-bound", "0s"]);
     let args = ["--rate", "300", "--duration", "6s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", POD_SERVER, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);

@@ -81,8 +81,9 @@ macro_rules! guest_tests {
 }
 
 /// Probing at half the host tests' pace: TCG is slow, and a probe timeout must not be the
-/// guest's scheduling delay.
-const AGENT_TIMING: [&str; 8] = [
+/// guest's scheduling delay. The stall bound likewise: one process started in the guest (an
+/// iptables-nft read-back) can keep its single CPU from the cache for tens of milliseconds.
+const AGENT_TIMING: [&str; 10] = [
     "--interval",
     "200ms",
     "--timeout",
@@ -91,11 +92,14 @@ const AGENT_TIMING: [&str; 8] = [
     "500ms",
     "--upstream-timeout",
     "400ms",
+    "--stall-bound",
+    "500ms",
 ];
 
-/// For the netem tests, which assert that a healthy cache never leaves Local: probes slow
-/// enough that a guest CPU starved by its host (TCG under load) is not a hung cache.
-const CALM_TIMING: [&str; 10] = [
+/// For the netem tests, which assert that a healthy cache never leaves Local: probes (and a
+/// stall bound) slow enough that a guest CPU starved by its host (TCG under load) is not a hung
+/// cache.
+const CALM_TIMING: [&str; 12] = [
     "--interval",
     "500ms",
     "--timeout",
@@ -106,14 +110,21 @@ const CALM_TIMING: [&str; 10] = [
     "500ms",
     "--upstream-timeout",
     "400ms",
+    "--stall-bound",
+    "2s",
 ];
 
-/// A pod client at a pace the single guest CPU sustains, with glibc's 2 attempts of 2 s.
+/// A pod client at a pace the single guest CPU sustains, with glibc's defaults: 2 attempts of
+/// 5 s (`RES_TIMEOUT`, `RES_DFLRETRY`). On a hang, a lookup fails only if the switch is not in
+/// the kernel within one attempt of its first: fall × interval plus the apply, and TCG makes an
+/// iptables-nft apply slow (each iptables-nft process ~0.2 s in the guest; a hang's switch was
+/// seen taking effect 1.4 s after the decision, 2.1 s after the first lost query, so 2 s
+/// attempts failed a few lookups once in about ten runs).
 fn pod_load(node: &SimNode, server: &str) -> Load {
     node.load(
         "pod1",
         server,
-        &["--rate", "25", "--duration", "600s", "--report-interval", "200ms", "--timeout", "2s"],
+        &["--rate", "25", "--duration", "600s", "--report-interval", "200ms", "--timeout", "5s"],
     )
 }
 

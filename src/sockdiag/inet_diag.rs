@@ -119,6 +119,66 @@ pub(super) fn dump_request(family: u8, protocol: u8, states: u32) -> Vec<u8> {
     Message { kind: SOCK_DIAG_BY_FAMILY, flags, seq: 1, portid: 0, payload: &request }.encode()
 }
 
+/// `idiag_rqueue`'s offset in an `inet_diag_msg`: after family, state, timer and retrans (4
+/// bytes), the socket id (48) and `idiag_expires` (4).
+const RQUEUE_AT: usize = 56;
+
+/// An exact request (no dump) for one UDP socket: the one bound to `local` and connected to
+/// nobody, and only if its cookie is `cookie`. The kernel answers with that socket's
+/// `inet_diag_msg`, `ESTALE` when another socket holds the address now, `ENOENT` when none does.
+/// UDP's lookup reads the local address from the id's *destination* fields (`udp_dump_one`:
+/// "src and dst are swapped for historical reasons"); the source stays 0.0.0.0:0.
+pub(super) fn udp_socket_request(local: SocketAddr, cookie: u64, seq: u32) -> Vec<u8> {
+    let mut request = vec![0; INET_DIAG_REQ_V2_LEN];
+    let family = if local.is_ipv4() { FAMILY_INET } else { FAMILY_INET6 };
+    request[..4].copy_from_slice(&[family, IPPROTO_UDP, 0, 0]);
+    request[4..8].copy_from_slice(&(1u32 << STATE_CLOSE).to_ne_bytes());
+    // The socket id at 8: sport, dport (big-endian), src[16], dst[16], if, cookie[2].
+    request[10..12].copy_from_slice(&local.port().to_be_bytes());
+    match local.ip() {
+        IpAddr::V4(v4) => request[28..32].copy_from_slice(&v4.octets()),
+        IpAddr::V6(v6) => request[28..44].copy_from_slice(&v6.octets()),
+    }
+    // `idiag_cookie[2]`: the low half first.
+    request[48..52].copy_from_slice(&(cookie as u32).to_ne_bytes());
+    request[52..56].copy_from_slice(&((cookie >> 32) as u32).to_ne_bytes());
+    Message { kind: SOCK_DIAG_BY_FAMILY, flags: NLM_F_REQUEST, seq, portid: 0, payload: &request }
+        .encode()
+}
+
+/// What the kernel said to a request for one socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SocketAnswer {
+    /// The socket's receive queue, in bytes (`idiag_rqueue`: for UDP, `sk_rmem_alloc`).
+    Queued(u32),
+    /// The kernel's error, positive (`ENOENT`, `ESTALE`, …).
+    Errno(i32),
+    /// Nothing in the buffer answers request `seq` (a late answer to an earlier one, garbage).
+    Other,
+}
+
+/// Reads the answer to the socket request numbered `seq` in one receive buffer. Never panics.
+pub fn parse_socket_answer(buf: &[u8], seq: u32) -> SocketAnswer {
+    for message in messages(buf).map_while(Result::ok) {
+        if message.seq != seq {
+            continue;
+        }
+        match message.kind {
+            NLMSG_ERROR => match message.error_code() {
+                Ok(errno) if errno != 0 => return SocketAnswer::Errno(errno),
+                _ => {}
+            },
+            SOCK_DIAG_BY_FAMILY => {
+                if let Some(queued) = ne_u32(message.payload, RQUEUE_AT) {
+                    return SocketAnswer::Queued(queued);
+                }
+            }
+            _ => {}
+        }
+    }
+    SocketAnswer::Other
+}
+
 /// Parses one datagram of a dump of `protocol` sockets: the sockets in it, and whether the dump
 /// is complete (`NLMSG_DONE`). An `NLMSG_ERROR` is the kernel's error. Never panics.
 pub fn parse_dump(buf: &[u8], protocol: u8) -> std::io::Result<(Vec<Listener>, bool)> {
@@ -213,6 +273,40 @@ mod tests {
         assert_eq!(ne_u16(&request, 6), Some(NLM_F_REQUEST | NLM_F_DUMP));
         assert_eq!(&request[16..20], &[FAMILY_INET6, IPPROTO_TCP, 0, 0]);
         assert_eq!(ne_u32(&request, 20), Some(1 << STATE_LISTEN));
+    }
+
+    #[test]
+    fn a_socket_request_names_the_local_address_as_the_destination_and_the_cookie() {
+        let request = udp_socket_request(addr("169.254.20.10:53"), 0x1122_3344_5566_7788, 9);
+        assert_eq!(request.len(), NLMSG_HDRLEN + INET_DIAG_REQ_V2_LEN);
+        assert_eq!(ne_u16(&request, 6), Some(NLM_F_REQUEST), "exact, not a dump");
+        assert_eq!(ne_u32(&request, 8), Some(9));
+        let req = &request[NLMSG_HDRLEN..];
+        assert_eq!(&req[..4], &[FAMILY_INET, IPPROTO_UDP, 0, 0]);
+        assert_eq!(&req[8..12], &[0, 0, 0, 53], "sport 0, dport 53");
+        assert_eq!(&req[12..28], &[0; 16], "no source");
+        assert_eq!(&req[28..32], &[169, 254, 20, 10]);
+        assert_eq!((ne_u32(req, 48), ne_u32(req, 52)), (Some(0x5566_7788), Some(0x1122_3344)));
+        let v6 = udp_socket_request(addr("[fd00:169:254::10]:53"), 1, 1);
+        assert_eq!(&v6[NLMSG_HDRLEN..NLMSG_HDRLEN + 2], &[FAMILY_INET6, IPPROTO_UDP]);
+        assert_eq!(v6[NLMSG_HDRLEN + 28..NLMSG_HDRLEN + 30], [0xfd, 0x00]);
+    }
+
+    #[test]
+    fn a_socket_answer_is_its_queue_or_the_kernels_error() {
+        let local = addr("169.254.20.10:53");
+        let mut msg = announcement(FAMILY_INET, 7, None, local, addr("0.0.0.0:0"));
+        // The announcement's header has seq 0; its idiag_rqueue is at RQUEUE_AT of the payload.
+        msg[NLMSG_HDRLEN + RQUEUE_AT..NLMSG_HDRLEN + RQUEUE_AT + 4]
+            .copy_from_slice(&1664u32.to_ne_bytes());
+        assert_eq!(parse_socket_answer(&msg, 0), SocketAnswer::Queued(1664));
+        assert_eq!(parse_socket_answer(&msg, 5), SocketAnswer::Other, "another request's");
+        let stale = control_message(NLMSG_ERROR, -116);
+        assert_eq!(parse_socket_answer(&stale, 0), SocketAnswer::Errno(116));
+        assert_eq!(parse_socket_answer(&control_message(NLMSG_ERROR, 0), 0), SocketAnswer::Other);
+        for cut in 0..msg.len() {
+            let _ = parse_socket_answer(&msg[..cut], 0);
+        }
     }
 
     fn addr(s: &str) -> SocketAddr {

@@ -249,6 +249,21 @@ pub struct Switch {
     pub line: String,
 }
 
+impl Switch {
+    /// Asserts that the stall watch made this change, under traffic, before the probes could:
+    /// the cache's socket stopped draining and a confirm probe went unanswered, with fewer than
+    /// `fall` (3) failed probes of the stream, the stall's own report included.
+    pub fn assert_stalled(&self) {
+        assert!(
+            self.line.contains("the cache stopped reading") && self.bad < 3 && self.failed < 3,
+            "not the stall watch's switch (failed probes {}, streak -{}): {}",
+            self.failed,
+            self.bad,
+            self.line
+        );
+    }
+}
+
 /// A kernel that refuses the link-local fallback's rules (no TPROXY) costs only the link-local
 /// failover. In the link-local shape, where nothing else could fail over, the agent exits 1
 /// naming what the kernel lacks, and has changed nothing. In the ClusterIP shape it runs on

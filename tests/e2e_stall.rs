@@ -1,0 +1,84 @@
+//! End to end, the stall watch (issue 14): the cache's UDP sockets looked at through sock_diag,
+//! a hang seen as a queue that stops draining while a confirm probe goes unanswered. Under
+//! traffic it moves the route before the probes' `fall`-th failure in every cell of
+//! `tests/e2e_matrix.rs` (kill and hang, every backend and kube-proxy mode, both families);
+//! here what those cells do not look at: a hang with no traffic, pauses below the bound, and
+//! what the agent says of a stall. Each test makes its own namespaces and removes them.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use testkit::*;
+
+/// A hang with no client traffic: the probes' own queries wait unread in the hung cache's
+/// socket, so the stall watch still sees it before the probes' `fall`-th failure (acceptance 2:
+/// within `fall × interval + timeout`, by the agent's counts). The change says why, with the
+/// evidence, in the log, in `status` and in `/metrics`.
+#[test]
+fn a_hang_without_traffic_is_seen_within_the_probe_bound() {
+    let node = SimNode::up();
+    let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms"]);
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER);
+    let mark = agent.log_mark();
+    node.signal("cache-stop");
+    let up = agent.wait_route("upstream", Duration::from_secs(5));
+    let switch = wait_for("the switch in the log", Duration::from_secs(5), || {
+        agent.switch_after(mark, "upstream", "cache udp")
+    });
+    println!("{}", switch.line);
+    switch.assert_stalled();
+    let reason = up["reason"].as_str().expect("a reason");
+    assert!(reason.contains("stopped reading") && reason.contains("bytes of queries"), "{up}");
+    let log = agent.log_text();
+    let evidence = log.lines().find(|l| l.contains("cache socket stalled")).expect("evidence");
+    assert!(evidence.contains("queued_bytes=") && evidence.contains("not_draining_ms="), "{log}");
+    let (status, metrics) = node.http_get("/metrics");
+    assert_eq!(status, 200);
+    let stalled = "reason=\"cache_stalled\"";
+    assert!(metrics.lines().any(|l| l.contains(stalled) && l.ends_with(" 1")), "{metrics}");
+    assert!(metrics.contains("outcome=\"stalled\""), "{metrics}");
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), COREDNS_ANSWER);
+    node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(10));
+    node.tear_down(agent);
+}
+
+/// A cache paused for less than the bound (a CPU-throttled process) is never taken for stalled,
+/// though pods' queries pile up in its socket: each pause is long enough for a confirm probe
+/// (the bound 90 ms, so a probe after 30 ms of queue), and the probe is answered when the pause
+/// ends. 40 pauses of 40 ms at 500 lookups/s: no route change, the probes answered, no lookup
+/// failed. (With a bound far above the pauses, a test machine's scheduling cannot lengthen one
+/// past it.)
+#[test]
+fn pauses_below_the_bound_are_not_stalls() {
+    let node = SimNode::up();
+    let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms", "--stall-bound", "90ms"]);
+    let args = ["--rate", "500", "--duration", "30s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    pod.wait_cache_answers();
+    let pid = node.script(&["cache-pid"]).trim().parse().expect("the cache's pid");
+    let cache = Pid::from_raw(pid);
+    let mut longest = Duration::ZERO;
+    for _ in 0..40 {
+        kill(cache, Signal::SIGSTOP).expect("SIGSTOP the cache");
+        let stopped = Instant::now();
+        std::thread::sleep(Duration::from_millis(40));
+        kill(cache, Signal::SIGCONT).expect("SIGCONT the cache");
+        longest = longest.max(stopped.elapsed());
+        std::thread::sleep(Duration::from_millis(60));
+    }
+    println!("longest pause: {longest:?}");
+    let summary = pod.interrupt();
+    println!("pod: {summary}");
+    let st = agent.state().expect("state");
+    assert_eq!(st["transitions"], 0, "a pause was taken for a stall: {st}");
+    assert_eq!(st["route"], "local", "{st}");
+    let log = agent.log_text();
+    let answered = log.lines().filter(|l| l.contains("confirm probe answered=true")).count();
+    println!("confirm probes answered: {answered}");
+    assert!(answered > 0, "no pause reached a confirm probe, so nothing was tested:\n{log}");
+    assert!(!log.contains("answered=false"), "a confirm probe went unanswered:\n{log}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    node.tear_down(agent);
+}
