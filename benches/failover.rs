@@ -30,6 +30,9 @@
 
 #![forbid(unsafe_code)]
 
+#[path = "failover/stall.rs"]
+mod stall;
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -160,7 +163,14 @@ const ARRANGEMENTS: &[Arrangement] = &[
         key: "probes-default",
         label: "c. agent, probes only, defaults (100ms/80ms, fall 3)",
         shape: Shape::ClusterIp,
-        setup: Setup::Agent(&["--fast-path", "false", "--socket-events", "false"]),
+        setup: Setup::Agent(&[
+            "--fast-path",
+            "false",
+            "--socket-events",
+            "false",
+            "--stall-bound",
+            "0s",
+        ]),
         client: Client::Dnsload,
     },
     Arrangement {
@@ -172,6 +182,8 @@ const ARRANGEMENTS: &[Arrangement] = &[
             "false",
             "--socket-events",
             "false",
+            "--stall-bound",
+            "0s",
             "--interval",
             "2s",
             "--timeout",
@@ -190,6 +202,8 @@ const ARRANGEMENTS: &[Arrangement] = &[
             "false",
             "--socket-events",
             "false",
+            "--stall-bound",
+            "0s",
             "--interval",
             "12s",
             "--timeout",
@@ -484,13 +498,43 @@ impl FaultRun {
         }
     }
 
+    /// The first good answer once answers flow again, in ms after the fault: in the first
+    /// 100 ms of start time after the fault in which at least 90 % of the lookups were answered
+    /// within 1 s (a lone answer from the cache just before the signal took effect does not
+    /// count, nor queries a hung cache answers late, once it runs again).
+    fn first_good_answer_ms(&self) -> Option<f64> {
+        let fault = self.fault_at as f64;
+        let end = self.lookups.iter().map(|l| l.start).fold(0.0, f64::max);
+        let mut from = fault;
+        while from < end {
+            let bucket: Vec<&Lookup> = self
+                .lookups
+                .iter()
+                .filter(|l| l.start >= from && l.start < from + BUCKET_MS as f64)
+                .collect();
+            let good: Vec<&&Lookup> =
+                bucket.iter().filter(|l| l.answered() && l.latency < 1000.0).collect();
+            if !bucket.is_empty() && good.len() * 10 >= bucket.len() * 9 {
+                let first = good.iter().map(|l| l.start + f64::from(l.latency) - fault);
+                return Some(first.fold(f64::INFINITY, f64::min));
+            }
+            from += BUCKET_MS as f64;
+        }
+        None
+    }
+
+    /// How many lookups lost their first attempt (None for musl, whose attempts are not
+    /// visible).
+    fn first_attempts_lost(&self) -> Option<usize> {
+        self.lookups.iter().map(|l| self.first_attempt_lost(l).map(usize::from)).sum()
+    }
+
     fn figures(&self) -> Value {
         let fault = self.fault_at as f64;
         let recovered = self.recovered_at as f64;
         let end = self.lookups.iter().map(|l| l.start).fold(0.0, f64::max);
         let failed = self.lookups.iter().filter(|l| l.outcome == Outcome::Failed).count();
-        let lost: Option<usize> =
-            self.lookups.iter().map(|l| self.first_attempt_lost(l).map(usize::from)).sum();
+        let lost = self.first_attempts_lost();
         let count = |o| self.lookups.iter().filter(|l| l.outcome == o).count();
         // Lookups started in the fault window: time to their answer or to giving up.
         let window: Vec<&Lookup> = self
@@ -503,28 +547,7 @@ impl FaultRun {
         let window_failed = window.iter().filter(|l| l.outcome == Outcome::Failed).count();
         // Answered or not, took over 1 s: waited out a timeout, or for a hung server to resume.
         let window_slow = latencies.iter().filter(|&&ms| ms > 1000.0).count();
-        // The first good answer once answers flow again: in the first 100 ms of start time
-        // after the fault in which at least 90 % of the lookups were answered within 1 s (a
-        // lone answer from the cache just before the signal took effect does not count, nor
-        // queries a hung cache answers late, once it runs again).
-        let mut first_good = f64::INFINITY;
-        let mut from = fault;
-        while from < end && first_good.is_infinite() {
-            let bucket: Vec<&Lookup> = self
-                .lookups
-                .iter()
-                .filter(|l| l.start >= from && l.start < from + BUCKET_MS as f64)
-                .collect();
-            let good: Vec<&&Lookup> =
-                bucket.iter().filter(|l| l.answered() && l.latency < 1000.0).collect();
-            if !bucket.is_empty() && good.len() * 10 >= bucket.len() * 9 {
-                first_good = good
-                    .iter()
-                    .map(|l| l.start + f64::from(l.latency) - fault)
-                    .fold(f64::INFINITY, f64::min);
-            }
-            from += BUCKET_MS as f64;
-        }
+        let first_good = self.first_good_answer_ms().unwrap_or(f64::INFINITY);
         // Back on the cache: the first lookup after the last one (started after the recovery)
         // not answered by the cache.
         let after: Vec<&Lookup> = self.lookups.iter().filter(|l| l.start >= recovered).collect();
@@ -1345,7 +1368,8 @@ fn main() {
 
     // For working on one part: NLHA_BENCH_PARTS=drift,switch (default: all). The parts:
     // failover (the ClusterIP shape), link-local (its failover arrangements), drift, footprint,
-    // dnsperf, fallback-dnsperf (the link-local fallback against CoreDNS), switch, busy.
+    // dnsperf, fallback-dnsperf (the link-local fallback against CoreDNS), hang-detection (the
+    // stall watch against the probes alone), switch, busy.
     let parts = std::env::var("NLHA_BENCH_PARTS").unwrap_or_else(|_| "all".into());
     let part = |name: &str| parts == "all" || parts.split(',').any(|p| p == name);
 
@@ -1365,6 +1389,7 @@ fn main() {
     } else {
         None
     };
+    let hang = if part("hang-detection") { Some(stall::hang_detection(&node, rate)) } else { None };
     let mut switch = Vec::new();
     if part("switch") {
         switch = switch_latency(&node, 20, 0);
@@ -1387,7 +1412,7 @@ fn main() {
          port, per attempt). d: the C library's getaddrinfo with resolv.conf `nameserver \
          169.254.20.10` then `nameserver 10.96.0.10` and no NOTRACK rules on the node: glibc \
          (tries them in order) and musl (asks both at once, takes the first answer).\n\
-         * c: the agent with the fast path and the socket-destroy events off: only its probes \
+         * c: the agent with the fast path, the socket-destroy events and the stall watch off: only its probes \
          see a kill or a hang, as a periodic watcher would.\n\
          * First attempts lost: lookups whose first try was not answered (glibc in d: answered \
          by the second nameserver; glibc in f and g: ended after its 5 s timeout; musl: not \
@@ -1536,6 +1561,9 @@ fn main() {
              queries outstanding: its rate is at most 200 over the mean latency.",
         );
     }
+    if let Some(h) = &hang {
+        md += &stall::table(h);
+    }
     let _ = writeln!(
         md,
         "\nFootprint at default settings ({}, {} s): RSS {} KiB (max), CPU {} s = {} % of one core.",
@@ -1597,6 +1625,7 @@ fn main() {
         "busy_node": busy,
         "dnsperf": perf,
         "dnsperf_link_local_fallback": fallback_perf,
+        "hang_detection": hang,
         "run_seconds": run_seconds,
     });
     std::fs::write(

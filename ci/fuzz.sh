@@ -17,34 +17,40 @@ corpus=${FUZZ_CORPUS:-${TMPDIR:-/tmp}/nodelocaldns-ha-fuzz}
 
 profile=--${FUZZ_PROFILE:-release}
 cargo fuzz build -s none "$profile"
-# fuzz TARGET: runs one target (libFuzzer uses one core), its summary or its failure printed.
+# fuzz TARGET: runs one target (libFuzzer uses one core); its report goes to $corpus/TARGET.report,
+# printed once every target is done, so that reports of targets run together do not interleave.
 fuzz() {
-  local target=$1 log="$corpus/$1.log" status=0
+  local target=$1 log="$corpus/$1.log" report="$corpus/$1.report" status=0
   mkdir -p "$corpus/$target"
   # -timeout: one input taking over 5 s is a hang. -rss_limit_mb: growth without bound fails.
   cargo fuzz run -s none "$profile" "$target" "$corpus/$target" "fuzz/seeds/$target" -- \
     -max_total_time="$seconds" -timeout=5 -rss_limit_mb=1024 -print_final_stats=1 >"$log" 2>&1 ||
     status=$?
-  echo "ci/fuzz.sh: $target for ${seconds}s"
-  grep -E '^(Done|stat::number_of_executed_units|INFO: seed corpus)' "$log" || true
-  if [ "$status" != 0 ]; then
-    tail -n 40 "$log"
-    echo "ci/fuzz.sh: $target failed (exit $status); the input is under fuzz/artifacts/$target/"
-    return 1
-  fi
+  {
+    echo "ci/fuzz.sh: $target for ${seconds}s"
+    grep -E '^(Done|stat::number_of_executed_units|INFO: seed corpus)' "$log" || true
+    if [ "$status" != 0 ]; then
+      tail -n 40 "$log"
+      echo "ci/fuzz.sh: $target failed (exit $status); the input is under fuzz/artifacts/$target/"
+    fi
+  } >"$report"
+  return "$status"
 }
-# As many targets at once as there are cores; each prints when it is done, and any failure
-# fails the run once all have finished.
+# As many targets at once as there are cores; any failure fails the run once all are done.
 jobs=$(nproc)
 failed=0
-pids=()
+running=0
 for target in $targets; do
-  if ((${#pids[@]} >= jobs)); then
-    wait "${pids[0]}" || failed=1
-    pids=("${pids[@]:1}")
+  if ((running >= jobs)); then
+    wait -n || failed=1
+    running=$((running - 1))
   fi
   fuzz "$target" &
-  pids+=($!)
+  running=$((running + 1))
 done
-for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+while ((running > 0)); do
+  wait -n || failed=1
+  running=$((running - 1))
+done
+for target in $targets; do cat "$corpus/$target.report"; done
 exit "$failed"

@@ -113,6 +113,12 @@ pub enum ConfigError {
          probe, the rest is that probe's timeout), or 0s to turn the stall watch off"
     )]
     StallBoundTooShort(String),
+    /// Looks at the cache's sockets more often than while a queue is non-empty.
+    #[error(
+        "--stall-look={0:?} is too short: at least 2ms (how often the watch looks while a queue \
+         holds queries; it looks less often while they are empty)"
+    )]
+    StallLookTooShort(String),
 }
 
 /// The longest duration any flag takes. Longer ones are typos or mixed-up units; this also keeps
@@ -349,18 +355,18 @@ fn cadence(
     Ok(Cadence { interval: interval_d, timeout: timeout_d })
 }
 
-/// The stall watch's bounds; `None` for a zero bound (off).
+/// The stall watch's bounds; `None` for a zero bound (off). Both flags are checked either way.
 fn stall_bounds(bound: &str, look: &str) -> Result<Option<crate::stall::Bounds>, ConfigError> {
     let bound_d = duration_flag("--stall-bound", bound)?;
+    let look_idle = duration_flag("--stall-look", look)?;
+    if look_idle < crate::stall::LOOK_BUSY {
+        return Err(ConfigError::StallLookTooShort(look.to_owned()));
+    }
     if bound_d.is_zero() {
         return Ok(None);
     }
     if bound_d < Duration::from_millis(6) {
         return Err(ConfigError::StallBoundTooShort(bound.to_owned()));
-    }
-    let look_idle = duration_flag("--stall-look", look)?;
-    if look_idle.is_zero() {
-        return Err(ConfigError::ZeroDuration { flag: "--stall-look", value: look.to_owned() });
     }
     Ok(Some(crate::stall::Bounds { bound: bound_d, look_idle }))
 }

@@ -371,7 +371,7 @@ async fn run_with(
         );
     }
     if let (true, Some((bounds, confirm))) = (watch_node, confirm) {
-        let stalls = stall::watch_stalls(bounds, listen.clone(), confirm, target, tx.clone());
+        let stalls = stall::watch_stalls(bounds, listen.clone(), confirm, tx.clone());
         tasks.spawn("stall watch", stalls);
     }
     let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);

@@ -66,6 +66,9 @@ pub fn sock_diag(data: &[u8]) {
     for socket in closed {
         let _ = socket.is_listener_on(&addrs, 53);
     }
+    // The answer to a request for one socket's queue, for any request number.
+    let seq = data.first().copied().map_or(0, u32::from);
+    let _ = crate::sockdiag::parse_socket_answer(data, seq);
     for protocol in [libc::IPPROTO_TCP as u8, libc::IPPROTO_UDP as u8] {
         if let Ok((listeners, _done)) = crate::sockdiag::parse_dump(data, protocol) {
             assert!(listeners.len() <= data.len() / 16, "{} listeners", listeners.len());

@@ -6,8 +6,9 @@
 //! 1. **Leave `Local`** when the cache has failed `fall` consecutive probes on one transport, or
 //!    at once when a probe was *refused* (nothing listens on port 53: the cache is gone, no
 //!    reason to wait) or the cache's socket *stalled* (queries waited in it unread past the
-//!    stall bound and a probe went unanswered: `crate::stall`) — unless the upstream is failing too: a half-dead cache may still serve
-//!    from its cache, and CoreDNS down gains nothing. The machine then *holds* and says so.
+//!    stall bound and a probe went unanswered: `crate::stall`) — unless the upstream is
+//!    failing too: a half-dead cache may still serve from its cache, and CoreDNS down gains
+//!    nothing. The machine then *holds* and says so.
 //! 2. **Return to `Local`** after `rise` consecutive good UDP probes of the cache, with the last
 //!    TCP probe (if any) good too, and at least `min_hold` in `Upstream` (flap damping). When the
 //!    upstream itself is failing, `min_hold` is waived: the cache is the only working resolver.

@@ -5,8 +5,8 @@
 //! installs the matching NOTRACK ruleset ([`ruleset`]) through a [`dataplane`] backend in one
 //! atomic batch, which the [`reconciler`] keeps installed. [`agent`] is the synchronous core that
 //! ties them together; [`daemon`] runs it with its probe and watch tasks; [`sockdiag`] hears the
-//! cache's sockets die, and [`stall`] sees them stop draining; [`addresses`] keeps the link-local listen IPs local when node-cache
-//! deletes its interface.
+//! cache's sockets die, and [`stall`] sees them stop draining; [`addresses`] keeps the
+//! link-local listen IPs local when node-cache deletes its interface.
 
 // `unsafe` is denied in the whole crate and forbidden (no `allow` can undo it) in every module
 // but the two on the way to the reviewed places that need it: `dataplane::nftables::ffi`

@@ -41,7 +41,7 @@ use nix::errno::Errno;
 use crate::probe::Transport;
 
 pub(crate) use cache_sockets::watch_cache_sockets;
-pub use inet_diag::{parse, parse_dump};
+pub use inet_diag::{parse, parse_dump, parse_socket_answer, SocketAnswer};
 pub use listing::listeners;
 pub use queue::{QueueReader, Queued};
 pub use watch::SocketWatch;
@@ -119,7 +119,7 @@ pub struct Listener {
 }
 
 /// Whether a socket bound to `local` serves `port` on one of `addrs`.
-fn serves_port(local: SocketAddr, addrs: &[IpAddr], port: u16) -> bool {
+pub(crate) fn serves_port(local: SocketAddr, addrs: &[IpAddr], port: u16) -> bool {
     local.port() == port && addrs.iter().any(|&addr| serves(local.ip(), addr))
 }
 

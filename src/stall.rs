@@ -124,11 +124,12 @@ impl Detector {
         }
     }
 
-    /// The confirm probe asked for came back at `now`, `answered` or not. An answer means the
-    /// cache reads: the window starts over.
-    pub fn confirmed(&mut self, now: Instant, answered: bool) {
+    /// A confirm probe sent at `sent` came back at `now`, `answered` or not. An answer means the
+    /// cache reads: the window starts over. Only a probe sent in the current window counts: one
+    /// sent before it began says nothing of it (that window asks again: [`Detector::asking`]).
+    pub fn confirmed(&mut self, now: Instant, sent: Instant, answered: bool) {
         if let Some(window) = &mut self.window {
-            if window.confirm == Confirm::Asked {
+            if window.confirm == Confirm::Asked && sent >= window.since {
                 *window = if answered {
                     Window { since: now, confirm: Confirm::NotAsked }
                 } else {
@@ -136,6 +137,12 @@ impl Detector {
                 };
             }
         }
+    }
+
+    /// Whether the current window waits for a confirm probe (one sent before it began was no
+    /// answer to it).
+    pub fn asking(&self) -> bool {
+        self.window.is_some_and(|w| w.confirm == Confirm::Asked)
     }
 
     /// Whether the queue was non-empty at the last look (look again soon).

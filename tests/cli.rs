@@ -215,6 +215,11 @@ const RUN_CASES: &[Case] = &[
     case("--hook-timeout", "forever", "is not a duration"),
     case("--xtables-wait", "1y", "is not a duration"),
     case("--xtables-wait", "1000h", "too long"),
+    case("--stall-bound", "5ms", "too short: at least 6ms"),
+    case("--stall-bound", "fast", "is not a duration"),
+    case("--stall-look", "1ms", "too short: at least 2ms"),
+    case("--stall-look", "0s", "too short: at least 2ms"),
+    case("--stall-look", "often", "is not a duration"),
     // Counts.
     case("--fall", "0", "must be at least 1"),
     case("--fall", "4294967296", "is not in 0..=4294967295"),

@@ -82,3 +82,40 @@ fn pauses_below_the_bound_are_not_stalls() {
     assert_eq!(summary["failed"], 0, "{summary}");
     node.tear_down(agent);
 }
+
+/// kubespray's second cache: two sockets on each address (SO_REUSEPORT), which one exact request
+/// cannot tell apart (it sees the member the kernel's hash picks). The watch leaves them to the
+/// probes and says so; once the second cache is gone, the socket left is watched again and a
+/// hang under traffic is a stall.
+#[test]
+fn a_reuseport_group_is_left_to_the_probes_until_it_is_one_socket() {
+    let node = SimNode::up();
+    node.script(&["cache2-start"]);
+    let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms"]);
+    let said = |needle: &str| agent.log_text().contains(needle).then_some(());
+    wait_for("the reuseport note", Duration::from_secs(5), || {
+        said("several sockets share this address")
+    });
+    let mark = agent.log_mark();
+    node.kill("cache2-kill");
+    wait_for("the single sockets watched", Duration::from_secs(5), || {
+        let since = agent.log_text().get(mark..).map(str::to_owned).unwrap_or_default();
+        let watching = since.lines().find(|l| l.contains("stall watch: watching"))?;
+        (watching.contains("169.254.20.10:53") && watching.contains("10.96.0.10:53")).then_some(())
+    });
+    let args = ["--rate", "300", "--duration", "10s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    pod.wait_cache_answers();
+    let mark = agent.log_mark();
+    node.signal("cache-stop");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    let switch = wait_for("the switch in the log", Duration::from_secs(5), || {
+        agent.switch_after(mark, "upstream", "cache udp")
+    });
+    switch.assert_stalled();
+    node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(10));
+    let summary = pod.interrupt();
+    assert_eq!(summary["failed"], 0, "{summary}");
+    node.tear_down(agent);
+}

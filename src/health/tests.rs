@@ -54,6 +54,47 @@ fn refused_leaves_local_at_once() {
     assert_eq!(m.reason(), &Reason::CacheRefused(CacheUdp));
 }
 
+const STALL: Sample = Sample::Stalled(Stall { queued_bytes: 1664, for_ms: 31 });
+
+#[test]
+fn a_stall_leaves_local_at_once_and_says_so() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(T, Local, t0);
+    assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[STALL]), [Some(Upstream)]);
+    let reason = Reason::CacheStalled(Stall { queued_bytes: 1664, for_ms: 31 });
+    assert_eq!(m.reason(), &reason);
+    assert_eq!(reason.kind(), "cache_stalled");
+    assert!(reason.to_string().contains("1664 bytes") && reason.to_string().contains("31 ms"));
+    assert_eq!(m.streak(CacheUdp).last_bad, Some("stalled"));
+}
+
+#[test]
+fn a_stall_holds_local_while_the_upstream_fails_and_is_forgotten_on_an_answer() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(T, Local, t0);
+    let upstream = feed(&mut m, t0, 0, Stream::Upstream, &[TIMEOUT, TIMEOUT, TIMEOUT]);
+    assert_eq!(upstream, [None; 3]);
+    assert_eq!(feed(&mut m, t0, 300, CacheUdp, &[STALL]), [None], "held");
+    assert!(matches!(m.held(), Some(Hold::Local { cache: Reason::CacheStalled(_), .. })));
+    // The cache reads again (an answer on TCP): the stall is forgotten, nothing to leave for.
+    assert_eq!(feed(&mut m, t0, 400, CacheTcp, &[Good]), [None]);
+    assert_eq!(m.streak(CacheUdp).stalled, None);
+    assert_eq!(feed(&mut m, t0, 500, Stream::Upstream, &[Good]), [None]);
+    assert_eq!(m.route(), Local);
+}
+
+#[test]
+fn a_stall_on_upstream_restarts_the_rise_count() {
+    let t0 = Instant::now();
+    let mut m = Machine::new(T, Local, t0);
+    assert_eq!(feed(&mut m, t0, 0, CacheUdp, &[STALL]), [Some(Upstream)]);
+    // Past min-hold, four good probes, a stall, then `rise` good ones again before the return.
+    let got = feed(&mut m, t0, 3000, CacheUdp, &[Good, Good, Good, Good, STALL]);
+    assert_eq!(got, [None; 5]);
+    let back = feed(&mut m, t0, 3500, CacheUdp, &[Good, Good, Good, Good, Good]);
+    assert_eq!(back, [None, None, None, None, Some(Local)]);
+}
+
 #[test]
 fn tcp_failures_count_on_their_own() {
     let t0 = Instant::now();

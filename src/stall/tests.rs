@@ -22,25 +22,29 @@ fn replay(
     let mut detector = Detector::new(BOUNDS);
     let mut stalls = Vec::new();
     let mut asked = 0;
-    // The outstanding confirm probe: when its outcome comes, and whether it is an answer.
-    let mut pending: Option<(Duration, bool)> = None;
+    // The outstanding confirm probe: when it was sent, when its outcome comes, and whether it
+    // is an answer.
+    let mut pending: Option<(Duration, Duration, bool)> = None;
     let mut t = Duration::ZERO;
     while t <= len {
-        if let Some((at, answered)) = pending {
+        if let Some((sent, at, answered)) = pending {
             if at <= t {
-                detector.confirmed(start + at, answered);
+                detector.confirmed(start + at, start + sent, answered);
                 pending = None;
             }
         }
-        match detector.look(start + t, queue(t)) {
-            Verdict::Quiet => {}
-            Verdict::Confirm => {
-                asked += 1;
-                pending = Some(match probe_takes(t) {
-                    Some(took) if took <= BOUNDS.confirm() => (t + took, true),
-                    _ => (t + BOUNDS.confirm(), false),
-                });
-            }
+        let verdict = detector.look(start + t, queue(t));
+        // As the watch does: one probe in flight at a time, a new one once it is back if the
+        // window still asks.
+        if pending.is_none() && detector.asking() {
+            asked += 1;
+            pending = Some(match probe_takes(t) {
+                Some(took) if took <= BOUNDS.confirm() => (t, t + took, true),
+                _ => (t, t + BOUNDS.confirm(), false),
+            });
+        }
+        match verdict {
+            Verdict::Quiet | Verdict::Confirm => {}
             Verdict::Stalled(stall) => {
                 assert!(stall.queued_bytes > 0 && stall.for_ms >= 30, "{stall:?}");
                 stalls.push(t);
@@ -115,11 +119,17 @@ fn a_late_outcome_for_a_window_that_started_over_is_ignored() {
     assert_eq!(detector.look(start + ms(10), 2 * QUERY), Verdict::Confirm);
     // The cache read something: a new window, which has asked nothing yet.
     assert_eq!(detector.look(start + ms(12), QUERY), Verdict::Quiet);
-    detector.confirmed(start + ms(30), false);
-    // Still hung from here: the new window asks on its own, and only its answer counts.
+    detector.confirmed(start + ms(30), start + ms(10), false);
+    // Still hung from here: the new window asks on its own.
     assert_eq!(detector.look(start + ms(32), 2 * QUERY), Verdict::Confirm);
+    assert!(detector.asking());
+    // A probe sent before this window began (lost in the one before) is no answer to it.
+    detector.confirmed(start + ms(40), start + ms(11), false);
+    assert!(detector.asking(), "an outcome from an earlier window was taken");
     assert_eq!(detector.look(start + ms(50), 3 * QUERY), Verdict::Quiet);
-    detector.confirmed(start + ms(52), false);
+    // Its own probe, sent at 32 ms.
+    detector.confirmed(start + ms(52), start + ms(32), false);
+    assert!(!detector.asking());
     assert_eq!(
         detector.look(start + ms(52), 4 * QUERY),
         Verdict::Stalled(Stall { queued_bytes: 4 * QUERY, for_ms: 40 })

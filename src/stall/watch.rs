@@ -1,16 +1,15 @@
 //! The stall watch on the node: the cache's UDP sockets found with a dump, their queues looked
-//! at with exact requests ([`QueueReader`]), one [`Detector`] each, confirm probes sent through
-//! the cache's prober, and a stall reported to the control loop as a probe outcome of the cache's
-//! UDP stream ([`Outcome::Stalled`]).
+//! at with exact requests ([`QueueReader`]), one [`Detector`] each, confirm probes sent to the
+//! suspected socket's own address through the cache's prober, and a stall reported to the
+//! control loop as a probe outcome of the cache's UDP stream ([`Outcome::Stalled`]).
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::{Bounds, Detector, Verdict, LOOK_BUSY};
@@ -19,27 +18,27 @@ use crate::probe::{Outcome, ProbeResult, Prober, Report, Transport};
 use crate::ruleset::DNS_PORT;
 use crate::sockdiag::{listeners, Listener, QueueReader, Queued};
 
-/// How long after finding no socket to watch (the cache is down, or restarting) the sockets are
-/// listed again.
+/// How often the sockets are listed again while a listen address has none watched (the cache
+/// is down or restarting, or a socket could not be read).
 const RELIST: Duration = Duration::from_secs(1);
 
-/// One watched socket.
+/// One watched socket, and where its confirm probes go.
 struct Watched {
     socket: Listener,
+    target: SocketAddr,
     detector: Detector,
+    /// When its confirm probe in flight was sent.
+    confirming: Option<Instant>,
 }
 
-type Confirming<'a> = Pin<Box<dyn Future<Output = ProbeResult> + Send + 'a>>;
-
-/// Watches the cache's UDP sockets on `addrs` for stalls, confirming with `confirm` (a probe of
-/// `target` with [`Bounds::confirm`] as its timeout) and reporting each stall on `tx`. Runs until
-/// the control loop is gone; if the kernel's socket diagnostics are unavailable it says so once
-/// and leaves hang detection to the probes.
+/// Watches the cache's UDP sockets on `addrs` for stalls, confirming with `confirm` (a probe
+/// with [`Bounds::confirm`] as its timeout) and reporting each stall on `tx`. Runs until the
+/// control loop is gone; if the kernel's socket diagnostics are unavailable it says so once and
+/// leaves hang detection to the probes.
 pub(crate) async fn watch_stalls(
     bounds: Bounds,
     addrs: Vec<IpAddr>,
     confirm: Arc<dyn Prober>,
-    target: SocketAddr,
     tx: mpsc::Sender<Report>,
 ) {
     let mut reader = match QueueReader::open() {
@@ -50,85 +49,138 @@ pub(crate) async fn watch_stalls(
         }
     };
     let mut watched: Vec<Watched> = Vec::new();
+    // Addresses whose sockets are left to the probes (a reuseport group), said once each.
+    let mut said = Vec::new();
     let mut list_due = Instant::now();
-    let mut shared_said = Vec::new();
-    let mut confirming: Option<Confirming<'_>> = None;
+    let mut error_said = false;
+    // Confirm probes in flight: the socket's cookie, when sent, the outcome.
+    let mut probes: JoinSet<(u64, Instant, ProbeResult)> = JoinSet::new();
     let mut next = tokio::time::Instant::now();
     loop {
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
-            result = async { confirming.as_mut().expect("guarded").await }, if confirming.is_some() => {
-                confirming = None;
-                let now = Instant::now();
-                let answered = result.outcome.is_good();
+            Some(Ok((cookie, sent, result))) = probes.join_next(), if !probes.is_empty() => {
+                // Any reply shows the cache read the query; only silence is a stall's.
+                let answered = !matches!(result.outcome, Outcome::Timeout | Outcome::Error { .. });
                 debug!(answered, latency = ?result.latency, "stall watch: confirm probe");
-                watched.iter_mut().for_each(|w| w.detector.confirmed(now, answered));
+                if let Some(w) = watched.iter_mut().find(|w| w.socket.cookie == cookie) {
+                    w.confirming = None;
+                    w.detector.confirmed(Instant::now(), sent, answered);
+                }
                 continue;
             }
         }
         let now = Instant::now();
-        if watched.is_empty() && now >= list_due {
+        if now >= list_due && !covered(&addrs, &watched) {
             list_due = now + RELIST;
-            watched = udp_sockets(&addrs, &mut shared_said)
-                .await
-                .into_iter()
-                .map(|socket| Watched { socket, detector: Detector::new(bounds) })
-                .collect();
-        }
-        let mut ask = false;
-        let mut gone = false;
-        for w in &mut watched {
-            let queued = match reader.queued(&w.socket) {
-                Ok(Queued::Bytes(bytes)) => bytes,
-                Ok(Queued::Gone) => {
-                    gone = true;
-                    continue;
-                }
-                Err(e) => {
-                    warn!(socket = %w.socket.local, error = %e, "cannot read the cache socket's queue");
-                    gone = true;
-                    continue;
-                }
-            };
-            match w.detector.look(now, queued) {
-                Verdict::Quiet => {}
-                Verdict::Confirm => ask = true,
-                Verdict::Stalled(stall) => {
-                    info!(
-                        socket = %w.socket.local,
-                        queued_bytes = stall.queued_bytes,
-                        not_draining_ms = stall.for_ms,
-                        confirm_timeout = ?bounds.confirm(),
-                        "cache socket stalled: queries wait unread and a probe got no answer"
-                    );
-                    let outcome =
-                        Outcome::Stalled { queued_bytes: stall.queued_bytes, for_ms: stall.for_ms };
-                    let latency = Duration::from_millis(stall.for_ms);
-                    let result = ProbeResult { outcome, latency };
-                    if tx.send(Report { stream: Stream::CacheUdp, result }).await.is_err() {
-                        return;
+            let found = udp_sockets(&addrs, &mut said).await;
+            // Sockets still there keep their detectors; new ones start afresh.
+            let mut kept: Vec<Watched> = Vec::new();
+            let mut added = false;
+            for socket in found {
+                let target = probe_target(socket.local, &addrs);
+                match watched.iter().position(|w| w.socket.cookie == socket.cookie) {
+                    Some(i) => kept.push(watched.swap_remove(i)),
+                    None => {
+                        added = true;
+                        let detector = Detector::new(bounds);
+                        kept.push(Watched { socket, target, detector, confirming: None });
                     }
                 }
             }
+            // `watched` holds what is gone.
+            if added || !watched.is_empty() {
+                let sockets: Vec<String> = kept.iter().map(|w| w.socket.local.to_string()).collect();
+                debug!(?sockets, "stall watch: watching");
+            }
+            watched = kept;
         }
-        if gone {
-            // Replaced or closed: find what serves the addresses now.
-            watched.clear();
+        let mut lost = false;
+        let mut i = 0;
+        while i < watched.len() {
+            let w = &mut watched[i];
+            let queued = match reader.queued(&w.socket) {
+                Ok(Queued::Bytes(bytes)) => bytes,
+                Ok(Queued::Gone) => {
+                    // Replaced or closed: find what serves the address now.
+                    watched.swap_remove(i);
+                    lost = true;
+                    continue;
+                }
+                Err(e) => {
+                    // Said once; the sockets are listed again every RELIST after that.
+                    if !error_said {
+                        error_said = true;
+                        warn!(socket = %w.socket.local, error = %e, "cannot read the cache socket's queue");
+                    }
+                    watched.swap_remove(i);
+                    list_due = now + RELIST;
+                    continue;
+                }
+            };
+            i += 1;
+            if let Verdict::Stalled(stall) = w.detector.look(now, queued) {
+                info!(
+                    socket = %w.socket.local,
+                    queued_bytes = stall.queued_bytes,
+                    not_draining_ms = stall.for_ms,
+                    confirm_timeout = ?bounds.confirm(),
+                    "cache socket stalled: queries wait unread and a probe got no answer"
+                );
+                let outcome =
+                    Outcome::Stalled { queued_bytes: stall.queued_bytes, for_ms: stall.for_ms };
+                let latency = Duration::from_millis(stall.for_ms);
+                let result = ProbeResult { outcome, latency };
+                if tx.send(Report { stream: Stream::CacheUdp, result }).await.is_err() {
+                    return;
+                }
+            }
+            // One probe in flight per socket; a window that began after it asks again.
+            if w.detector.asking() && w.confirming.is_none() {
+                w.confirming = Some(now);
+                let (prober, target, cookie) = (confirm.clone(), w.target, w.socket.cookie);
+                probes.spawn(
+                    async move { (cookie, now, prober.probe(target, Transport::Udp).await) },
+                );
+            }
+        }
+        if lost {
             list_due = now;
-        }
-        if ask && confirming.is_none() {
-            confirming = Some(confirm.probe(target, Transport::Udp));
         }
         let busy = watched.iter().any(|w| w.detector.busy());
         let step = if busy { LOOK_BUSY } else { bounds.look_idle };
-        // On absolute deadlines, but never catching up a backlog of looks.
+        // On absolute deadlines, but never catching up a backlog of looks; with nothing to
+        // watch (the cache is down), not before the next listing.
         next = (next + step).max(tokio::time::Instant::now());
+        if watched.is_empty() {
+            next = next.max(list_due.into());
+        }
     }
+}
+
+/// Whether every address in `addrs` is served by a watched socket. Until then the sockets are
+/// listed again every [`RELIST`] (a reuseport group too, which may have become one socket).
+fn covered(addrs: &[IpAddr], watched: &[Watched]) -> bool {
+    let serves = |ip: &IpAddr| {
+        watched.iter().any(|w| crate::sockdiag::serves_port(w.socket.local, &[*ip], DNS_PORT))
+    };
+    addrs.iter().all(serves)
+}
+
+/// Where a socket's confirm probe goes: its own address, or for a wildcard socket the listen
+/// address of its family (else the first).
+fn probe_target(local: SocketAddr, addrs: &[IpAddr]) -> SocketAddr {
+    let ip = if local.ip().is_unspecified() {
+        *addrs.iter().find(|a| a.is_ipv4() == local.is_ipv4()).unwrap_or(&addrs[0])
+    } else {
+        local.ip()
+    };
+    SocketAddr::new(ip, DNS_PORT)
 }
 
 /// The UDP sockets serving port 53 on `addrs`, one per address. Several sockets on one address
 /// are a reuseport group (kubespray's second cache): an exact request sees only the member the
-/// kernel's hash picks, so such an address is left to the probes, said once in `said`.
+/// kernel's hash picks, so such an address is left to the probes, said once (`said`).
 async fn udp_sockets(addrs: &[IpAddr], said: &mut Vec<SocketAddr>) -> Vec<Listener> {
     let list = addrs.to_vec();
     let found = match tokio::task::spawn_blocking(move || listeners(&list, DNS_PORT)).await {
