@@ -90,7 +90,8 @@ pub(crate) async fn watch_stalls(
             }
             // `watched` holds what is gone.
             if added || !watched.is_empty() {
-                let sockets: Vec<String> = kept.iter().map(|w| w.socket.local.to_string()).collect();
+                let sockets: Vec<String> =
+                    kept.iter().map(|w| w.socket.local.to_string()).collect();
                 debug!(?sockets, "stall watch: watching");
             }
             watched = kept;
