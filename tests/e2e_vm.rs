@@ -82,8 +82,9 @@ macro_rules! guest_tests {
 
 /// Probing at half the host tests' pace: TCG is slow, and a probe timeout must not be the
 /// guest's scheduling delay. The stall bound likewise: one process started in the guest (an
-/// iptables-nft read-back) can keep its single CPU from the cache for tens of milliseconds.
-const AGENT_TIMING: [&str; 10] = [
+/// iptables-nft read-back) can keep its single CPU from the cache for tens of milliseconds; and
+/// the watch looks less often, each look being costly under TCG.
+const AGENT_TIMING: [&str; 12] = [
     "--interval",
     "200ms",
     "--timeout",
@@ -94,12 +95,14 @@ const AGENT_TIMING: [&str; 10] = [
     "400ms",
     "--stall-bound",
     "500ms",
+    "--stall-look",
+    "100ms",
 ];
 
 /// For the netem tests, which assert that a healthy cache never leaves Local: probes (and a
 /// stall bound) slow enough that a guest CPU starved by its host (TCG under load) is not a hung
 /// cache.
-const CALM_TIMING: [&str; 12] = [
+const CALM_TIMING: [&str; 14] = [
     "--interval",
     "500ms",
     "--timeout",
@@ -112,6 +115,8 @@ const CALM_TIMING: [&str; 12] = [
     "400ms",
     "--stall-bound",
     "2s",
+    "--stall-look",
+    "100ms",
 ];
 
 /// A pod client at a pace the single guest CPU sustains, with glibc's defaults: 2 attempts of
@@ -168,6 +173,10 @@ fn cell(kube_proxy: &str, dataplane: &str) {
 
     let mut pod = pod_load(&node, CLUSTER_DNS_IP);
     wait_only(&mut pod, served_by);
+    // Counted from here: in a guest starved by its host (TCG), the cache can miss `fall` probes
+    // while the agent starts beside it (seen: a switch and back in the first seconds, the
+    // dnsload p99 at 1.5 s), which is the probes doing their job, not what this cell checks.
+    let settled = agent.wait_route("local", ROUTE)["transitions"].as_u64().expect("a count");
 
     node.signal("cache-kill");
     agent.wait_route("upstream", ROUTE);
@@ -195,7 +204,8 @@ fn cell(kube_proxy: &str, dataplane: &str) {
         );
     }
     let st = agent.state().expect("state");
-    assert_eq!(st["transitions"], 4, "kill and hang: two round trips: {st}");
+    let transitions = st["transitions"].as_u64().expect("a count") - settled;
+    assert_eq!(transitions, 4, "kill and hang: two round trips: {st}");
 
     node.tear_down(agent);
 }
