@@ -9,6 +9,9 @@
 //! socket of the cache, looking every [`Bounds::look_idle`] while the queues are empty and every
 //! [`LOOK_BUSY`] while one is not.
 //!
+//! * A socket is judged only once it has been seen reading: its queue empty, or lower than at
+//!   the look before. A cache that binds its sockets and takes a moment to start reading them
+//!   (a restart under traffic) has not *stopped*; the probes judge one that never starts.
 //! * A *window* opens at a look that finds the queue non-empty. It starts over at a look that
 //!   finds less than the look before (the cache read something) and closes at an empty queue.
 //! * A window [`Bounds::suspect`] old asks for one confirm probe, which waits
@@ -87,6 +90,8 @@ struct Window {
 #[derive(Clone, Debug)]
 pub struct Detector {
     bounds: Bounds,
+    /// The socket has been seen reading (see the module's doc).
+    armed: bool,
     /// The queue at the last look, in bytes.
     last: u32,
     window: Option<Window>,
@@ -94,14 +99,15 @@ pub struct Detector {
 
 impl Detector {
     pub fn new(bounds: Bounds) -> Detector {
-        Detector { bounds, last: 0, window: None }
+        Detector { bounds, armed: false, last: 0, window: None }
     }
 
     /// A look at `now` found `queued` bytes waiting.
     pub fn look(&mut self, now: Instant, queued: u32) -> Verdict {
         let drained = queued < self.last;
         self.last = queued;
-        if queued == 0 {
+        self.armed |= queued == 0 || drained;
+        if queued == 0 || !self.armed {
             self.window = None;
             return Verdict::Quiet;
         }

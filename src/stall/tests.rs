@@ -20,6 +20,8 @@ fn replay(
 ) -> (Vec<Duration>, u32) {
     let start = Instant::now();
     let mut detector = Detector::new(BOUNDS);
+    // Seen reading before the trace begins (an empty queue).
+    assert_eq!(detector.look(start - LOOK_BUSY, 0), Verdict::Quiet);
     let mut stalls = Vec::new();
     let mut asked = 0;
     // The outstanding confirm probe: when it was sent, when its outcome comes, and whether it
@@ -112,9 +114,24 @@ fn a_stall_is_reported_once_per_window_and_again_after_a_recovery() {
 }
 
 #[test]
+fn a_socket_never_seen_reading_is_left_to_the_probes() {
+    // A cache that has bound its socket and not started reading it (a restart under traffic):
+    // its backlog grows, a stall it is not.
+    let (start, mut detector) = (Instant::now(), Detector::new(BOUNDS));
+    for n in 0..50u32 {
+        let verdict = detector.look(start + ms(u64::from(n) * 2), (n + 1) * QUERY);
+        assert_eq!(verdict, Verdict::Quiet, "at {} ms", n * 2);
+    }
+    // It reads (the queue goes down): from now on it is judged.
+    assert_eq!(detector.look(start + ms(100), QUERY), Verdict::Quiet);
+    assert_eq!(detector.look(start + ms(110), 2 * QUERY), Verdict::Confirm);
+}
+
+#[test]
 fn a_late_outcome_for_a_window_that_started_over_is_ignored() {
     let start = Instant::now();
     let mut detector = Detector::new(BOUNDS);
+    assert_eq!(detector.look(start - ms(2), 0), Verdict::Quiet);
     assert_eq!(detector.look(start, QUERY), Verdict::Quiet);
     assert_eq!(detector.look(start + ms(10), 2 * QUERY), Verdict::Confirm);
     // The cache read something: a new window, which has asked nothing yet.
