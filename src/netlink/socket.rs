@@ -1,11 +1,14 @@
 //! Netlink sockets: opened in the current network namespace, bound to multicast groups, and for
 //! the watches that wait on the kernel's announcements, driven by tokio's reactor.
 //!
-//! [`AsyncSocket::register`] is the one place in the crate that hands a descriptor to tokio, and
-//! the reason this module may use `unsafe`: tokio deprecated its safe `AsyncFd` constructors as
-//! unsound (an arbitrary `AsRawFd` may return another descriptor, or a closed one, while it is
-//! registered) and left `AsyncFd::register`, which is `unsafe`. Here the `AsyncFd` owns an
-//! `OwnedFd`, which cannot do either, so the promise `register` asks for holds.
+//! This module may use `unsafe`, in two places:
+//! * [`AsyncSocket::register`] is the one place in the crate that hands a descriptor to tokio:
+//!   tokio deprecated its safe `AsyncFd` constructors as unsound (an arbitrary `AsRawFd` may
+//!   return another descriptor, or a closed one, while it is registered) and left
+//!   `AsyncFd::register`, which is `unsafe`. Here the `AsyncFd` owns an `OwnedFd`, which cannot
+//!   do either, so the promise `register` asks for holds.
+//! * [`keep_only_u16`] attaches a socket filter (`SO_ATTACH_FILTER`), which neither nix nor std
+//!   wraps: `setsockopt` with a pointer to a program the kernel copies during the call.
 
 use std::fmt;
 use std::io;
@@ -28,6 +31,40 @@ pub fn open(protocol: SockProtocol) -> nix::Result<OwnedFd> {
 pub fn bind(fd: &OwnedFd, groups: &[u32]) -> nix::Result<()> {
     let mask = groups.iter().fold(0u32, |mask, group| mask | 1 << (group - 1));
     socket::bind(fd.as_raw_fd(), &NetlinkAddr::new(0, mask))
+}
+
+/// Has the kernel drop, before they reach `fd` (and wake its reader), the datagrams whose 16-bit
+/// field at byte `offset` is not `value` (both in network order), with a classic BPF program. A
+/// datagram too short to hold the field is dropped too.
+pub fn keep_only_u16(fd: BorrowedFd<'_>, offset: u32, value: u16) -> io::Result<()> {
+    use libc::{sock_filter, sock_fprog};
+    let op = |code: u32, jt: u8, jf: u8, k: u32| sock_filter { code: code as u16, jt, jf, k };
+    let program = [
+        // A = the field (loads are in network order).
+        op(libc::BPF_LD | libc::BPF_H | libc::BPF_ABS, 0, 0, offset),
+        // A == value: keep the whole datagram, else none of it.
+        op(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, 0, 1, u32::from(value)),
+        op(libc::BPF_RET | libc::BPF_K, 0, 0, u32::MAX),
+        op(libc::BPF_RET | libc::BPF_K, 0, 0, 0),
+    ];
+    let fprog = sock_fprog { len: program.len() as u16, filter: program.as_ptr().cast_mut() };
+    // SAFETY: `fprog` and the `program` it points to are alive and unchanged for the whole call,
+    // its length is the program's, and the kernel only reads them (it copies the program); the
+    // option's size is `sock_fprog`'s. A descriptor that is not a socket is refused (ENOTSOCK).
+    let rc = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_ATTACH_FILTER,
+            std::ptr::from_ref(&fprog).cast(),
+            std::mem::size_of::<sock_fprog>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// Whether a receive error means the kernel dropped messages for this socket because its

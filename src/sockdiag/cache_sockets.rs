@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use tokio::sync::Notify;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::SocketWatch;
 use crate::ruleset::DNS_PORT;
@@ -21,6 +21,9 @@ pub(crate) async fn watch_cache_sockets(addrs: Vec<IpAddr>, wake: [Arc<Notify>; 
             return std::future::pending().await;
         }
     };
+    if let Err(e) = watch.keep_only_port(DNS_PORT) {
+        debug!(error = %e, "cannot filter socket-destroy notifications in the kernel; filtering here");
+    }
     loop {
         match watch.next().await {
             Ok(closed) => {

@@ -119,6 +119,10 @@ pub(super) fn dump_request(family: u8, protocol: u8, states: u32) -> Vec<u8> {
     Message { kind: SOCK_DIAG_BY_FAMILY, flags, seq: 1, portid: 0, payload: &request }.encode()
 }
 
+/// Where a message's `idiag_sport` (the socket's local port, network order) is, counted from
+/// its `nlmsghdr` (16 bytes): after family, state, timer and retrans (4 bytes).
+pub(super) const SPORT_IN_MESSAGE: u32 = 20;
+
 /// `idiag_rqueue`'s offset in an `inet_diag_msg`: after family, state, timer and retrans (4
 /// bytes), the socket id (48) and `idiag_expires` (4).
 const RQUEUE_AT: usize = 56;

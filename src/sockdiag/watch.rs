@@ -1,9 +1,11 @@
 //! The socket-destroy watch: a subscription to the kernel's announcements of freed TCP and UDP
 //! sockets, read on tokio's reactor.
 
+use std::os::fd::AsFd;
+
 use nix::sys::socket::{setsockopt, sockopt, SockProtocol};
 
-use super::inet_diag::parse;
+use super::inet_diag::{parse, SPORT_IN_MESSAGE};
 use super::{ClosedSocket, SockDiagError, DATAGRAM_BYTES};
 use crate::netlink::socket::{self as netlink_socket, AsyncSocket};
 
@@ -49,6 +51,14 @@ impl SocketWatch {
         netlink_socket::bind(&fd, &groups).map_err(SockDiagError::Subscribe)?;
         let socket = AsyncSocket::register(fd).map_err(SockDiagError::Register)?;
         Ok(SocketWatch { socket, buf: vec![0u8; DATAGRAM_BYTES] })
+    }
+
+    /// From now on, hears only of sockets whose local port is `port`: the kernel drops the
+    /// others' announcements before they wake the watch (every short-lived socket of the node
+    /// would, the agent's own probes' among them). Failing that, all are heard, and sorted
+    /// here, as before.
+    pub fn keep_only_port(&self, port: u16) -> std::io::Result<()> {
+        netlink_socket::keep_only_u16(self.socket.as_fd(), SPORT_IN_MESSAGE, port)
     }
 
     /// Waits for the next announcement datagram and returns the sockets it reports (usually
@@ -273,6 +283,24 @@ mod tests {
                     wait_for(&mut watch, closed_at, |s| s.local.port() == port).await;
                 println!("udp6 close announced after {latency:?}: {socket:?}");
                 assert!(socket.is_listener_on(&["::1".parse().unwrap()], port));
+
+                // Filtered to port 53, a watch hears nothing of another port: of an ephemeral
+                // socket closed first and a port-53 one closed after it, the port-53 one is the
+                // first it hears.
+                let mut dns_only = SocketWatch::open().expect("a second watch");
+                dns_only.keep_only_port(53).expect("SO_ATTACH_FILTER");
+                let other = UdpSocket::bind((TEST_ADDR, 0)).expect("bind UDP");
+                let other_port = other.local_addr().unwrap().port();
+                let dns = UdpSocket::bind((TEST_ADDR, 53)).expect("bind UDP :53");
+                drop(other);
+                let closed_at = Instant::now();
+                drop(dns);
+                let (socket, _) = wait_for(&mut dns_only, closed_at, |s| {
+                    assert_ne!(s.local.port(), other_port, "the filter let port {other_port} by");
+                    s.local.port() == 53
+                })
+                .await;
+                assert_eq!(socket.local, SocketAddr::new(cache[0], 53));
             });
         }
     }
