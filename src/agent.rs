@@ -17,6 +17,7 @@ use std::time::{Instant, SystemTime};
 
 use tracing::{debug, info, warn};
 
+use crate::blocking::blocking;
 use crate::config::AgentConfig;
 use crate::dataplane::{self, Dataplane, TableRef};
 use crate::firewall::Blocking;
@@ -415,7 +416,7 @@ impl Agent {
         }
         let notes = &mut self.leftover_notes;
         self.leftovers.retain_mut(|part| {
-            let (keep, note) = match part.remove() {
+            let (keep, note) = match blocking(|| part.remove()) {
                 Ok(()) => {
                     info!(backend = part.name(), "removed an earlier agent's rules");
                     (false, format!("{}: found and removed", part.name()))

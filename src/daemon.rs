@@ -21,10 +21,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::{mpsc, Notify};
-use tokio::task::block_in_place;
 use tracing::{error, info, warn};
 
 use crate::agent::{Agent, CheckDone, CheckJob, Notes};
+use crate::beat::Beat;
+use crate::blocking::blocking;
 use crate::config::{AgentConfig, Cadence};
 use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
@@ -64,6 +65,9 @@ pub enum AgentError {
     /// The link-local forwarder cannot listen.
     #[error(transparent)]
     Forwarder(#[from] crate::forwarder::Error),
+    /// The link-local forwarders' runtime cannot start (threads, an epoll instance).
+    #[error("cannot start the link-local forwarders' runtime: {0}")]
+    ForwarderRuntime(#[source] std::io::Error),
     /// The kernel refuses the link-local fallback's rules (tried before anything is installed).
     #[error(
         "the kernel refuses the link-local fallback's rules: {0} (it needs nft_tproxy and \
@@ -86,7 +90,8 @@ const LIVENESS_SILENCE: Duration = Duration::from_secs(30);
 
 /// Makes the prober of one stream: its query name, its timeout, and whether it probes the cache
 /// (from the loopback address, see [`Probe::from_loopback`]) or the upstream.
-type MakeProber = Box<dyn Fn(&str, Duration, Target) -> Result<Arc<dyn Prober>, ProbeError> + Send>;
+type MakeProber =
+    Box<dyn Fn(&str, Duration, Target) -> Result<Arc<dyn Prober>, ProbeError> + Send + Sync>;
 
 /// What a probe stream probes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,17 +143,6 @@ fn now() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
-/// Runs `f`, which blocks (an apply: milliseconds, seconds at worst), on the loop's thread: in
-/// `block_in_place` on a multi-threaded runtime, so the probes go on meanwhile; as it is on a
-/// current-thread runtime (a paused clock's, in tests), where `block_in_place` panics.
-fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    match Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(RuntimeFlavor::MultiThread) => block_in_place(f),
-        _ => f(),
-    }
-}
-
 /// Runs `job` (if any) on a blocking thread; its result comes back on `done`.
 fn start_check(job: Option<CheckJob>, done: &mpsc::Sender<CheckDone>) {
     if let Some(job) = job {
@@ -180,7 +174,7 @@ fn start_link_local(
     cfg: &AgentConfig,
     dataplane: &mut dyn Dataplane,
     tasks: &mut Tasks,
-) -> Result<Vec<Arc<crate::forwarder::Counters>>, AgentError> {
+) -> Result<link_local::Forwarding, AgentError> {
     // What would be installed (the fast path off takes the socket guard out of the fallback too).
     let shape = crate::dataplane::Shape { link_local: true, ..cfg.shape };
     let rules = crate::dataplane::plan(&cfg.addrs, crate::ruleset::Route::Local, shape);
@@ -218,9 +212,10 @@ async fn with_grace<T, E>(
     }
 }
 
-/// Runs the agent on the node until `shutdown` completes. Wants a multi-threaded runtime:
-/// applies block (milliseconds, seconds at worst) and run in `block_in_place` so probes go on
-/// meanwhile; checks run on blocking threads, beside the loop.
+/// Runs the agent on the node until `shutdown` completes. Wants a multi-threaded runtime, and
+/// to be spawned on it rather than run by `block_on` (a probe's report then wakes no other
+/// thread): applies block (milliseconds, seconds at worst) and run in `block_in_place`
+/// ([`blocking`]) so probes go on meanwhile; checks run on blocking threads, beside the loop.
 pub async fn run(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
@@ -301,9 +296,9 @@ async fn run_with(
     let mut cfg = cfg;
     let mut dataplane = dataplane;
     let mut link_local_off = None;
-    let forwarders = if watch_node && cfg.shape.link_local {
+    let forwarding = if watch_node && cfg.shape.link_local {
         match start_link_local(&cfg, dataplane.as_mut(), &mut tasks) {
-            Ok(counters) => counters,
+            Ok(forwarding) => Some(forwarding),
             // In the ClusterIP shape, the cluster-DNS IP's failover needs neither the forwarder
             // nor TPROXY: run without the link-local one (no fallback chain), and say so,
             // rather than exit where an older DaemonSet gives no CAP_NET_BIND_SERVICE or the
@@ -312,13 +307,14 @@ async fn run_with(
                 error!(error = %e, "link-local failover is off");
                 link_local_off = Some(e.to_string());
                 cfg.shape.link_local = false;
-                Vec::new()
+                None
             }
             Err(e) => return Err(e),
         }
     } else {
-        Vec::new()
+        None
     };
+    let forwarders = forwarding.as_ref().map_or_else(Vec::new, |f| f.counters.clone());
     if !forwarders.is_empty() {
         metrics.set_forwarders(forwarders.clone());
     }
@@ -337,10 +333,12 @@ async fn run_with(
     let write_state = |agent: &Agent| state_file.submit(agent.state(now(), SystemTime::now()));
     write_state(&agent);
 
+    // Every cadence on one grid (one wake-up for all that fall on an instant).
+    let beat = Beat::start();
     let (tx, mut rx) = mpsc::channel(64);
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
     let target = cfg.cache_target();
-    let every = cfg.cache_udp.interval;
+    let every = beat.every(cfg.cache_udp.interval);
     let wake = cache_wakes[0].clone();
     tasks.spawn(
         "cache UDP probe",
@@ -356,7 +354,7 @@ async fn run_with(
     );
     if let Some((cadence, tcp)) = cache_tcp {
         let wake = cache_wakes[1].clone();
-        let every = cadence.interval;
+        let every = beat.every(cadence.interval);
         tasks.spawn(
             "cache TCP probe",
             probe::probe_stream(
@@ -371,10 +369,14 @@ async fn run_with(
         );
     }
     if let (true, Some((bounds, confirm))) = (watch_node, confirm) {
-        let stalls = stall::watch_stalls(bounds, listen.clone(), confirm, tx.clone());
+        // Each cache probe and its answer, each upstream probe: the node's UDP datagrams the
+        // agent accounts for.
+        let per_sec = |every: Duration| 1.0 / every.as_secs_f64();
+        let own = 2.0 * per_sec(cfg.cache_udp.interval) + per_sec(cfg.upstream_probe.interval);
+        let stalls = stall::watch_stalls(bounds, beat, listen.clone(), own, confirm, tx.clone());
         tasks.spawn("stall watch", stalls);
     }
-    let (target, every) = (cfg.upstream_target(), cfg.upstream_probe.interval);
+    let (target, every) = (cfg.upstream_target(), beat.every(cfg.upstream_probe.interval));
     let wake = Arc::new(Notify::new());
     let upstream =
         probe::probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx);
@@ -442,12 +444,14 @@ async fn run_with(
         });
     }
 
-    let mut resync = tokio::time::interval(cfg.cache_udp.interval);
-    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut state_tick = tokio::time::interval(Duration::from_secs(1));
-    state_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut resync = beat.every(cfg.cache_udp.interval);
+    let mut state_tick = beat.every(Duration::from_secs(1));
     let mut drain: Option<maintenance::Drain> = None;
     let override_file = overrides::path(&cfg.state_dir);
+    // The agent writes the record on a request (at start, an earlier agent's may be there), and
+    // anyone may write garbage there: it is looked for at start, after each request and once a
+    // second, not on every turn (a stat per probe report).
+    let mut maybe_recorded = true;
     let mut record_stuck = false;
     // Hooks run one at a time, in order, beside the loop.
     let hooks = cfg.on_transition.clone().map(|path| {
@@ -464,10 +468,13 @@ async fn run_with(
         tokio::select! {
             biased;
             _ = &mut shutdown => break Ok(()),
-            Some(report) = rx.recv() => blocking(|| agent.on_probe(&report, now())),
-            Some(incoming) = requests.recv() => blocking(|| {
-                maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, now())
-            }),
+            Some(report) = rx.recv() => agent.on_probe(&report, now()),
+            Some(incoming) = requests.recv() => {
+                maybe_recorded = true;
+                blocking(|| {
+                    maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, now())
+                })
+            }
             _ = nft_changed.notified() => {
                 let tables = announced
                     .lock()
@@ -485,20 +492,18 @@ async fn run_with(
                 start_check(job, &checks_tx);
             }
             _ = resync.tick() => {
-                let job = blocking(|| {
-                    let now = now();
-                    agent.expire(now);
-                    if watch_node {
-                        maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
-                    }
-                    let job = agent.poll(now, hearing.load(Ordering::Relaxed));
-                    agent.remove_leftovers();
-                    drain = drain.take().and_then(|d| d.progress(&mut agent, now));
-                    job
-                });
+                let now = now();
+                agent.expire(now);
+                if watch_node {
+                    maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
+                }
+                let job = agent.poll(now, hearing.load(Ordering::Relaxed));
+                agent.remove_leftovers();
+                drain = drain.take().and_then(|d| d.progress(&mut agent, now));
                 start_check(job, &checks_tx);
             }
             _ = state_tick.tick() => {
+                maybe_recorded = true;
                 if !forwarders.is_empty() {
                     agent.set_forwarded(link_local::forwarded(&forwarders));
                 }
@@ -514,9 +519,9 @@ async fn run_with(
         // too (with or without a route change), so a restart cannot bring it back.
         // If it cannot be removed (a directory in its place), that is said once, not on every
         // turn of the loop.
-        if agent.forced().is_none() && override_file.exists() {
+        if maybe_recorded && agent.forced().is_none() {
             match overrides::clear(&cfg.state_dir) {
-                Ok(()) => record_stuck = false,
+                Ok(()) => (maybe_recorded, record_stuck) = (false, false),
                 Err(e) if !record_stuck => {
                     record_stuck = true;
                     warn!(

@@ -21,6 +21,10 @@ pub mod agent;
 #[forbid(unsafe_code)]
 mod atomic_file;
 #[forbid(unsafe_code)]
+mod beat;
+#[forbid(unsafe_code)]
+mod blocking;
+#[forbid(unsafe_code)]
 pub mod cli;
 #[forbid(unsafe_code)]
 pub mod config;

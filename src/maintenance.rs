@@ -11,6 +11,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn};
 
 use crate::agent::Agent;
+use crate::blocking::blocking;
 use crate::control::{Incoming, Request, Response};
 use crate::health::{ForceKind, Forced};
 use crate::overrides::{self, Moment, Override, DRAIN_HOLD_MAX};
@@ -100,7 +101,7 @@ pub fn end_drain_if_its_cache_is_gone(agent: &mut Agent, now: Instant) {
     else {
         return;
     };
-    let open = match sockdiag::listeners(&agent.listen_ips(), DNS_PORT) {
+    let open = match blocking(|| sockdiag::listeners(&agent.listen_ips(), DNS_PORT)) {
         Ok(found) => found.iter().map(|l| l.cookie).collect::<Vec<_>>(),
         Err(e) => {
             debug!(error = %e, "cannot list the cache's sockets; the drain goes on");

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
 
+use crate::blocking::blocking;
 use crate::dataplane::TableRef;
 use crate::dataplane::{self, Check, Dataplane, POLL_ANNOUNCED};
 use crate::metrics::Metrics;
@@ -268,7 +269,7 @@ impl Reconciler {
         let started = Instant::now();
         // Whatever a check in flight reads now may predate this apply, or mix both.
         self.generation += 1;
-        let result = self.dataplane.apply(&self.desired);
+        let result = blocking(|| self.dataplane.apply(&self.desired));
         self.metrics.apply(started.elapsed(), result.is_ok());
         match result {
             Ok(()) => {
@@ -331,6 +332,6 @@ impl Reconciler {
 
     /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
     pub fn reply_packets(&mut self) -> Result<Option<u64>, dataplane::Error> {
-        self.dataplane.reply_packets()
+        blocking(|| self.dataplane.reply_packets())
     }
 }

@@ -7,7 +7,7 @@
 //! [`Detector`] is the pure half: fed looks at one socket's queue and the outcomes of the
 //! confirm probes it asks for, it says when that socket has stalled. `watch` runs one per UDP
 //! socket of the cache, looking every [`Bounds::look_idle`] while the queues are empty and every
-//! [`LOOK_BUSY`] while one is not.
+//! [`LOOK_BUSY`] while one is not; on a node without DNS traffic, every 100 ms (`traffic`).
 //!
 //! * A socket is judged only once it has been seen reading: its queue empty, or lower than at
 //!   the look before. A cache that binds its sockets and takes a moment to start reading them
@@ -24,6 +24,7 @@
 //! A stall counts at once, as a refusal does (`crate::health`); the probes stay the backstop
 //! (a hang with no traffic, a reuseport group) and the way back.
 
+mod traffic;
 mod watch;
 
 use std::time::{Duration, Instant};

@@ -11,6 +11,15 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use testkit::*;
 
+/// What the watch logs when it goes to its quiet pace (a node without DNS traffic), and back.
+const QUIET: &str = "stall watch: looking traffic=false";
+const TRAFFIC: &str = "stall watch: looking traffic=true";
+
+/// Whether the agent logged `line` after `mark` (from [`Agent::log_mark`]).
+fn said(agent: &Agent, line: &str, mark: usize) -> Option<()> {
+    agent.log_text().get(mark..).is_some_and(|since| since.contains(line)).then_some(())
+}
+
 /// A hang with no client traffic: the probes' own queries wait unread in the hung cache's
 /// socket, so the stall watch still sees it before the probes' `fall`-th failure (acceptance 2:
 /// within `fall × interval + timeout`, by the agent's counts). The change says why, with the
@@ -20,6 +29,9 @@ fn a_hang_without_traffic_is_seen_within_the_probe_bound() {
     let node = SimNode::up();
     let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms"]);
     assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER);
+    // Only the agent's own datagrams on the node's counters: the watch looks at its quiet pace,
+    // and still sees the hang first.
+    wait_for("the quiet pace", Duration::from_secs(5), || said(&agent, QUIET, 0));
     let mark = agent.log_mark();
     node.signal("cache-stop");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
@@ -54,9 +66,13 @@ fn a_hang_without_traffic_is_seen_within_the_probe_bound() {
 fn pauses_below_the_bound_are_not_stalls() {
     let node = SimNode::up();
     let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms", "--stall-bound", "90ms"]);
+    wait_for("the quiet pace", Duration::from_secs(5), || said(&agent, QUIET, 0));
+    let mark = agent.log_mark();
     let args = ["--rate", "500", "--duration", "30s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
     pod.wait_cache_answers();
+    // The pods' queries show on the node's counters: back to the faster pace.
+    wait_for("the traffic pace", Duration::from_secs(5), || said(&agent, TRAFFIC, mark));
     let pid = node.script(&["cache-pid"]).trim().parse().expect("the cache's pid");
     let cache = Pid::from_raw(pid);
     let mut longest = Duration::ZERO;
@@ -66,7 +82,10 @@ fn pauses_below_the_bound_are_not_stalls() {
         std::thread::sleep(Duration::from_millis(40));
         kill(cache, Signal::SIGCONT).expect("SIGCONT the cache");
         longest = longest.max(stopped.elapsed());
-        std::thread::sleep(Duration::from_millis(60));
+        // A cycle of 97 ms, no multiple of the watch's 20 ms looks: the pauses begin at every
+        // phase of them (a pause that begins just after a look is seen 20 ms late, too late to
+        // reach a confirm probe).
+        std::thread::sleep(Duration::from_millis(57));
     }
     println!("longest pause: {longest:?}");
     let summary = pod.interrupt();

@@ -21,32 +21,70 @@ use crate::ruleset::{forwarder_for, DNS_PORT};
 /// How often the copies on lo are checked (one netlink dump of the namespace's addresses).
 const COPIES_PERIOD: Duration = Duration::from_secs(1);
 
+/// The forwarders' own runtime, two threads apart from the agent's: a saturated fallback (every
+/// query of the node through it) cannot delay a probe or a decision, and the agent's control
+/// thread wakes for nothing of theirs. Shut down without waiting when dropped (dropping a
+/// runtime from within another one may not block).
+pub(super) struct Forwarding {
+    runtime: Option<tokio::runtime::Runtime>,
+    /// The forwarders' counters, live.
+    pub counters: Vec<Arc<Counters>>,
+}
+
+impl Drop for Forwarding {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
 /// Binds a forwarder for each family of `local` (to the upstream of that family, else the
-/// first) and spawns it, then puts the copies of `local` on lo and spawns their keeper. A
-/// forwarder that cannot bind is an error: the agent would TPROXY queries to nobody. One whose
-/// socket fails for good ends its task, and so the agent, to be restarted with a fresh one.
-/// Copies that cannot be added now are said and retried by the keeper. Returns the forwarders'
-/// counters.
+/// first) and starts it on a runtime of its own ([`Forwarding`]), then puts the copies of
+/// `local` on lo and spawns their keeper. A forwarder that cannot bind is an error: the agent
+/// would TPROXY queries to nobody. One whose socket fails for good ends its task in `tasks`, and
+/// so the agent, to be restarted with a fresh one. Copies that cannot be added now are said and
+/// retried by the keeper.
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &[IpAddr],
     tasks: &mut Tasks,
-) -> Result<Vec<Arc<Counters>>, AgentError> {
+) -> Result<Forwarding, AgentError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("forwarder")
+        .enable_all()
+        .build()
+        .map_err(AgentError::ForwarderRuntime)?;
+    // Held from here, so that a failed bind below drops it without blocking.
+    let mut forwarding = Forwarding { runtime: Some(runtime), counters: Vec::new() };
+    let runtime = forwarding.runtime.as_ref().expect("just put there");
     let mut forwarders = Vec::new();
-    for &ip in local {
-        let to = upstream.iter().find(|u| u.is_ipv4() == ip.is_ipv4()).or(upstream.first());
-        let Some(&to) = to else { continue };
-        let to = SocketAddr::new(to, DNS_PORT);
-        let forwarder = Forwarder::bind(forwarder_for(ip), to, forwarder::Options::default())?;
-        info!(listen = %forwarder.listen(), upstream = %to, "link-local forwarder bound");
-        forwarders.push(forwarder);
+    {
+        // Binding registers the sockets with the runtime they are in.
+        let _in_its_runtime = runtime.enter();
+        for &ip in local {
+            let to = upstream.iter().find(|u| u.is_ipv4() == ip.is_ipv4()).or(upstream.first());
+            let Some(&to) = to else { continue };
+            let to = SocketAddr::new(to, DNS_PORT);
+            let forwarder = Forwarder::bind(forwarder_for(ip), to, forwarder::Options::default())?;
+            info!(listen = %forwarder.listen(), upstream = %to, "link-local forwarder bound");
+            forwarders.push(forwarder);
+        }
     }
-    let counters = forwarders.iter().map(Forwarder::counters).collect();
+    forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
     for forwarder in forwarders {
+        let listen = forwarder.listen();
+        let serving = runtime.spawn(forwarder.run());
         tasks.spawn("link-local forwarder", async move {
-            let listen = forwarder.listen();
-            let Err(e) = forwarder.run().await;
-            tracing::error!(%listen, error = %e, "the link-local forwarder stopped");
+            match serving.await {
+                Ok(Err(e)) => {
+                    tracing::error!(%listen, error = %e, "the link-local forwarder stopped")
+                }
+                Err(e) => {
+                    tracing::error!(%listen, error = %e, "the link-local forwarder's task ended")
+                }
+            }
         });
     }
     match addresses::ensure(local) {
@@ -57,7 +95,7 @@ pub(super) fn start(
         Err(e) => warn!(error = %e, "cannot put the copies of the link-local IPs on lo; retrying"),
     }
     tasks.spawn("link-local address copies", keep_copies(local.to_vec()));
-    Ok(counters)
+    Ok(forwarding)
 }
 
 /// What the forwarders have done, summed, for `status`.

@@ -8,9 +8,8 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
-
 use tokio::sync::{mpsc, Notify};
+use tokio::time::Interval;
 
 use super::{Probe, ProbeResult, Transport};
 use crate::health::Stream;
@@ -43,18 +42,16 @@ impl Prober for Probe {
     }
 }
 
-/// Probes `target` every `cadence.interval`, and at once when `wake` is notified.
+/// Probes `target` at each tick of `ticker`, and at once when `wake` is notified.
 pub(crate) async fn probe_stream(
     probe: Arc<dyn Prober>,
     target: std::net::SocketAddr,
     transport: Transport,
     stream: Stream,
-    interval: Duration,
+    mut ticker: Interval,
     wake: Arc<Notify>,
     tx: mpsc::Sender<Report>,
 ) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = ticker.tick() => {}

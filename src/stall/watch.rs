@@ -1,7 +1,8 @@
 //! The stall watch on the node: the cache's UDP sockets found with a dump, their queues looked
 //! at with exact requests ([`QueueReader`]), one [`Detector`] each, confirm probes sent to the
 //! suspected socket's own address through the cache's prober, and a stall reported to the
-//! control loop as a probe outcome of the cache's UDP stream ([`Outcome::Stalled`]).
+//! control loop as a probe outcome of the cache's UDP stream ([`Outcome::Stalled`]). On a node
+//! without traffic ([`Traffic`]) it looks every [`QUIET_LOOK`] instead of every `look_idle`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -12,7 +13,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
+use super::traffic::{datagrams_sent, Traffic, QUIET_LOOK};
 use super::{Bounds, Detector, Verdict, LOOK_BUSY};
+use crate::beat::Beat;
 use crate::health::Stream;
 use crate::probe::{Outcome, ProbeResult, Prober, Report, Transport};
 use crate::ruleset::DNS_PORT;
@@ -32,12 +35,16 @@ struct Watched {
 }
 
 /// Watches the cache's UDP sockets on `addrs` for stalls, confirming with `confirm` (a probe
-/// with [`Bounds::confirm`] as its timeout) and reporting each stall on `tx`. Runs until the
-/// control loop is gone; if the kernel's socket diagnostics are unavailable it says so once and
-/// leaves hang detection to the probes.
+/// with [`Bounds::confirm`] as its timeout) and reporting each stall on `tx`, looking on the
+/// agent's grid (`beat`) while no queue holds; `own_per_sec` is
+/// how many UDP datagrams a second the agent's probes make the node send ([`Traffic`]). Runs
+/// until the control loop is gone; if the kernel's socket diagnostics are unavailable it says
+/// so once and leaves hang detection to the probes.
 pub(crate) async fn watch_stalls(
     bounds: Bounds,
+    beat: Beat,
     addrs: Vec<IpAddr>,
+    own_per_sec: f64,
     confirm: Arc<dyn Prober>,
     tx: mpsc::Sender<Report>,
 ) {
@@ -55,6 +62,10 @@ pub(crate) async fn watch_stalls(
     let mut error_said = false;
     // Confirm probes in flight: the socket's cookie, when sent, the outcome.
     let mut probes: JoinSet<(u64, Instant, ProbeResult)> = JoinSet::new();
+    let v6 = addrs.iter().any(IpAddr::is_ipv6);
+    let mut traffic = Traffic::new(own_per_sec, Instant::now());
+    let (mut read_due, mut was_seen) = (Instant::now(), true);
+    let quiet = bounds.look_idle.max(QUIET_LOOK);
     let mut next = tokio::time::Instant::now();
     loop {
         tokio::select! {
@@ -71,6 +82,15 @@ pub(crate) async fn watch_stalls(
             }
         }
         let now = Instant::now();
+        if now >= read_due {
+            read_due = now + QUIET_LOOK;
+            traffic.read(now, datagrams_sent(v6));
+            if traffic.seen(now) != was_seen {
+                was_seen = !was_seen;
+                let every = if was_seen { bounds.look_idle } else { quiet };
+                debug!(traffic = was_seen, ?every, "stall watch: looking");
+            }
+        }
         if now >= list_due && !covered(&addrs, &watched) {
             list_due = now + RELIST;
             let found = udp_sockets(&addrs, &mut said).await;
@@ -148,11 +168,18 @@ pub(crate) async fn watch_stalls(
         if lost {
             list_due = now;
         }
-        let busy = watched.iter().any(|w| w.detector.busy());
-        let step = if busy { LOOK_BUSY } else { bounds.look_idle };
-        // On absolute deadlines, but never catching up a backlog of looks; with nothing to
-        // watch (the cache is down), not before the next listing.
-        next = (next + step).max(tokio::time::Instant::now());
+        let step = if watched.iter().any(|w| w.detector.busy()) {
+            LOOK_BUSY
+        } else if traffic.seen(now) {
+            bounds.look_idle
+        } else {
+            quiet
+        };
+        // On the grid (with the probes' ticks) unless a queue holds; never catching up a
+        // backlog of looks; with nothing to watch (the cache is down), not before the next
+        // listing.
+        let now = tokio::time::Instant::now();
+        next = if step == LOOK_BUSY { now + step } else { beat.next(now, step) };
         if watched.is_empty() {
             next = next.max(list_due.into());
         }

@@ -138,10 +138,15 @@ fn run(command: Command) -> Result<(), Failure> {
             cfg.shape.accepts = dataplane.has_accepts();
             let leftovers = leftovers(&dataplane, &cfg.addrs, xtables_wait);
             let dataplane = Box::new(dataplane);
+            // The loop runs as a task on the workers, beside the probes and watches, not on
+            // this thread: each report would otherwise wake one more thread.
             runtime()?.block_on(async {
-                daemon::run(cfg, dataplane, notes, leftovers, shutdown_signal())
-                    .await
-                    .map_err(|e| Failure::runtime(with_causes(&e)))
+                let shutdown = shutdown_signal();
+                let agent = daemon::run(cfg, dataplane, notes, leftovers, shutdown);
+                match tokio::spawn(agent).await {
+                    Ok(outcome) => outcome.map_err(|e| Failure::runtime(with_causes(&e))),
+                    Err(e) => Err(Failure::runtime(format!("the agent's loop panicked: {e}"))),
+                }
             })
         }
         Command::Status(args) => status(&args),
@@ -227,9 +232,13 @@ pub(crate) fn millis(flag: &str, d: Duration) -> Result<u64, Failure> {
     u64::try_from(d.as_millis()).map_err(|_| Failure::usage(format!("{flag} is too long")))
 }
 
+/// One worker: the agent's tasks wait nearly all the time, and a second worker is woken, at a
+/// cost, to share what one does at each tick. Multi-threaded all the same, for
+/// `block_in_place`: a blocking apply hands the worker over, so the probes go on. The
+/// link-local forwarders run on a runtime of their own.
 fn runtime() -> Result<tokio::runtime::Runtime, Failure> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(1)
         .enable_all()
         .build()
         .map_err(|e| Failure::runtime(format!("cannot start the async runtime: {e}")))
