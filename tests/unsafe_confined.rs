@@ -1,7 +1,7 @@
 //! `unsafe` lives in two small reviewed modules: `src/dataplane/nftables/ffi.rs` (the netlink
 //! expressions libnftnl lacks) and `src/netlink/socket.rs` (handing a netlink socket to tokio's
 //! reactor, which tokio allows only in an `unsafe` call since it deprecated its safe
-//! constructors as unsound). The compiler enforces it (`deny` at the crate root, `forbid` on
+//! constructors as unsound; attaching a socket filter, which neither nix nor std wraps). The compiler enforces it (`deny` at the crate root, `forbid` on
 //! every other module, in each binary and in the workspace's other crates); this test keeps
 //! anyone from quietly widening it.
 
