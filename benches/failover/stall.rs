@@ -41,9 +41,15 @@ fn confirm_probes(agent: &Agent) -> usize {
 }
 
 /// One trial: a pod's glibc-like client (timeout 5 s, 2 attempts) at `rate` lookups/s to the
-/// cluster-DNS IP, the cache hung for [`HANG_MS`] after [`PRE_MS`].
+/// cluster-DNS IP, the cache hung for [`HANG_MS`] after [`PRE_MS`] + `phase_ms`.
 /// Also returns when the agent's route moved, in ms after the signal.
-fn hang_trial(node: &SimNode, agent: &Agent, rate: u32, n: usize) -> (FaultRun, Option<u64>) {
+fn hang_trial(
+    node: &SimNode,
+    agent: &Agent,
+    rate: u32,
+    n: usize,
+    phase_ms: u64,
+) -> (FaultRun, Option<u64>) {
     let out_dir = node.dir.join("load");
     std::fs::create_dir_all(&out_dir).expect("load dir");
     let lookups_path = out_dir.join(format!("lookups-stall-{n}.txt"));
@@ -59,7 +65,7 @@ fn hang_trial(node: &SimNode, agent: &Agent, rate: u32, n: usize) -> (FaultRun, 
         .stdout(std::fs::File::create(&stdout_path).expect("stdout file"))
         .stderr(Stdio::inherit());
     let load = Proc::spawn(&mut cmd);
-    sleep_until_ms(now_ms() + PRE_MS);
+    sleep_until_ms(now_ms() + PRE_MS + phase_ms);
     let fault_at = node.signal("cache-stop");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
     let switch_ms = up["since_unix_ms"].as_u64().map(|at| at.saturating_sub(fault_at));
@@ -98,10 +104,15 @@ pub(super) fn hang_detection(node: &SimNode, rate: u32) -> Value {
     let mut rows: Vec<Value> =
         VARIANTS.iter().map(|(key, _)| json!({ "variant": key, "trials": [] })).collect();
     for trial in 0..trials {
+        // The agent looks on a 20 ms grid counted from its start; a hang at a fixed time after
+        // that start would meet the same point of the grid in every trial (up to 20 ms of
+        // difference in every figure). Spread over one step, the trials meet every point of it.
+        let phase_ms = (trial * 20 / trials) as u64;
         for (i, (key, flags)) in VARIANTS.iter().enumerate() {
             eprintln!("bench: hang detection, trial {}, {key}", trial + 1);
             let agent = start_agent(node, flags);
-            let (run, switch_ms) = hang_trial(node, &agent, rate, trial * VARIANTS.len() + i);
+            let n = trial * VARIANTS.len() + i;
+            let (run, switch_ms) = hang_trial(node, &agent, rate, n, phase_ms);
             settle(&agent, "local");
             let stalled = agent.log_text().contains("cache socket stalled");
             let row = json!({
