@@ -1,7 +1,7 @@
 //! Hang detection (issue 14), side by side in one run: a hung cache (SIGSTOP) under a pod's
 //! lookups, left by the stall watch (defaults) or by the probes alone (`--stall-bound 0s`),
 //! trial after trial, alternating; then two runs in which a stall switch would be a false one:
-//! dnsperf saturating a healthy cache, and a cache paused 15 ms every 100 ms (a CPU-throttled
+//! dnsperf saturating a healthy cache, and a cache paused 15 ms every 101 ms (a CPU-throttled
 //! one). `NLHA_BENCH_STALL_TRIALS` (default 10) and `NLHA_BENCH_STALL_SECS` (of each of the two
 //! runs, default 60) set their lengths.
 
@@ -169,8 +169,11 @@ pub(super) fn hang_detection(node: &SimNode, rate: u32) -> Value {
         row
     });
 
-    // Paused 15 ms every 100 ms, at `rate` lookups/s.
-    eprintln!("bench: hang detection, 15 ms pauses every 100 ms for {secs} s");
+    // Paused 15 ms every 101 ms, at `rate` lookups/s. Not every 100: a cycle that is a
+    // multiple of the agent's 20 ms looks meets them at the same point of each pause (seen: no
+    // pause ever reached a confirm probe in 600); drifting 1 ms a cycle, the pauses meet every
+    // point of the looks every 20 cycles.
+    eprintln!("bench: hang detection, 15 ms pauses every 101 ms for {secs} s");
     let agent = start_agent(node, &[]);
     let mut cmd = node.cmd("pod1", dnsload_exe());
     cmd.args(["--server", CLUSTER_DNS_IP, "--timeout", "5s", "--attempts", "2"])
@@ -192,7 +195,7 @@ pub(super) fn hang_detection(node: &SimNode, rate: u32) -> Value {
         kill(cache, Signal::SIGCONT).expect("SIGCONT the cache");
         longest = longest.max(stopped.elapsed());
         pauses += 1;
-        next += Duration::from_millis(100);
+        next += Duration::from_millis(101);
         std::thread::sleep(next.saturating_duration_since(Instant::now()));
     }
     let output = load.into_child().wait_with_output().expect("dnsload's output");
@@ -262,7 +265,7 @@ pub(super) fn table(h: &Value) -> String {
     }
     let p = &h["pulses"];
     md += &format!(
-        " The cache paused 15 ms every 100 ms for {} s ({} pauses, the longest {} ms) at {} \
+        " The cache paused 15 ms every 101 ms for {} s ({} pauses, the longest {} ms) at {} \
          lookups/s: {} route changes, {} confirm probes sent, {} lookups failed, {} first \
          attempts lost.\n",
         p["seconds"],
