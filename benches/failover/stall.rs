@@ -148,7 +148,10 @@ pub(super) fn hang_detection(node: &SimNode, rate: u32) -> Value {
         rows[0]["first_attempts_lost_median"].as_f64(),
         rows[1]["first_attempts_lost_median"].as_f64(),
     ) {
-        (Some(watch), Some(probes)) if probes > 0.0 => Some(round1(100.0 * watch / probes) / 100.0),
+        // Three places, divided last: 13.7 / 100 prints as 0.13699999999999998.
+        (Some(watch), Some(probes)) if probes > 0.0 => {
+            Some((1000.0 * watch / probes).round() / 1000.0)
+        }
         _ => None,
     };
 
