@@ -3,8 +3,9 @@
 //! from that address.
 //!
 //! Queries come in and go out in batches: one `recvmmsg` takes every query waiting, up to
-//! [`BATCH`], and one `sendmmsg` sends them all on one socket of the pool. Under load a wake-up
-//! and two system calls serve a batch where they served one query; idle, a batch is one query.
+//! [`BATCH`], and one `sendmmsg` sends them all on one socket of the pool; their answers go back
+//! a batch per `sendmmsg` too ([`send_answers`]). Under load a wake-up and two system calls
+//! serve a batch where they served one query; idle, a batch is one query.
 //! (The kernel's work per packet stays: it is most of the forwarder's CPU; see README,
 //! Figures.)
 
@@ -17,8 +18,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use nix::sys::socket::{
-    recvmmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn,
-    SockaddrIn6, SockaddrStorage,
+    recvmmsg, sendmmsg, ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders,
+    SockaddrStorage,
 };
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
@@ -208,32 +209,49 @@ pub(super) fn answer_source_v6(source: Ipv6Addr) -> libc::in6_pktinfo {
     libc::in6_pktinfo { ipi6_addr: libc::in6_addr { s6_addr: source.octets() }, ipi6_ifindex: 0 }
 }
 
-/// Sends `answer` to `client` from `source` (and the socket's own port, 53).
-pub(super) fn send_answer(
-    fd: RawFd,
-    answer: &[u8],
-    client: SocketAddr,
-    source: IpAddr,
-) -> io::Result<()> {
-    let iov = [IoSlice::new(answer)];
+/// An answer of a batch, to go back to its client.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Reply {
+    /// Its slot in the batch's buffers (under the client's id already).
+    pub(super) slot: usize,
+    /// Its length.
+    pub(super) len: usize,
+    /// Who asked.
+    pub(super) client: SocketAddr,
+    /// The address the client asked: the answer's source.
+    pub(super) source: IpAddr,
+}
+
+/// Sends `replies` (their bytes in `buffers`), which share one source, on `fd` in one system
+/// call; returns how many the kernel took (the first, at least). The source is the socket's
+/// port and the pktinfo given once for all of them, so a batch has one source address (a
+/// forwarder's clients all ask the link-local IP of its family).
+pub(super) fn send_answers(fd: RawFd, buffers: &Buffers, replies: &[Reply]) -> io::Result<usize> {
+    let replies = &replies[..replies.len().min(BATCH)];
+    let Some(first) = replies.first() else { return Ok(0) };
+    let slices: Vec<[IoSlice<'_>; 1]> =
+        replies.iter().map(|r| [IoSlice::new(&buffers.slot(r.slot)[..r.len])]).collect();
+    let clients: Vec<Option<SockaddrStorage>> =
+        replies.iter().map(|r| Some(SockaddrStorage::from(r.client))).collect();
     let flags = MsgFlags::empty();
-    let sent = match (client, source) {
-        (SocketAddr::V4(client), IpAddr::V4(source)) => {
+    // Each header's control buffer is exactly one pktinfo long: the kernel reads no further.
+    let sent = match first.source {
+        IpAddr::V4(source) => {
             let info = answer_source_v4(source);
             let control = [ControlMessage::Ipv4PacketInfo(&info)];
-            sendmsg(fd, &iov, &control, flags, Some(&SockaddrIn::from(client)))
+            let space = nix::cmsg_space!(libc::in_pktinfo);
+            let mut headers = MultiHeaders::preallocate(slices.len(), Some(space));
+            sendmmsg(fd, &mut headers, &slices, &clients, control, flags).map(|s| s.count())
         }
-        (SocketAddr::V6(client), IpAddr::V6(source)) => {
+        IpAddr::V6(source) => {
             let info = answer_source_v6(source);
             let control = [ControlMessage::Ipv6PacketInfo(&info)];
-            sendmsg(fd, &iov, &control, flags, Some(&SockaddrIn6::from(client)))
-        }
-        _ => {
-            let why = format!("client {client} and destination {source} differ in family");
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, why));
+            let space = nix::cmsg_space!(libc::in6_pktinfo);
+            let mut headers = MultiHeaders::preallocate(slices.len(), Some(space));
+            sendmmsg(fd, &mut headers, &slices, &clients, control, flags).map(|s| s.count())
         }
     };
-    sent.map(drop).map_err(io::Error::from)
+    sent.map_err(io::Error::from)
 }
 
 /// A datagram's source as a [`SocketAddr`].

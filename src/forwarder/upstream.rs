@@ -12,8 +12,9 @@
 //!
 //! The listening socket's task sends each batch of queries on the next socket of the pool, in
 //! turn, in one `sendmmsg`; one task per socket reads its answers, a batch per `recvmmsg`, sends
-//! each back to its client through the listening socket, and every [`SWEEP_PERIOD`] takes out the queries past [`Options::upstream_timeout`]
-//! (so a query expires up to that much later than its timeout). No task per query, no timer per
+//! the batch back to its clients through the listening socket in one `sendmmsg`, and every
+//! [`SWEEP_PERIOD`] takes out the queries past [`Options::upstream_timeout`] (so a query expires
+//! up to that much later than its timeout). No task per query, no timer per
 //! query.
 //!
 //! `IP_RECVERR` / `IPV6_RECVERR`: an ICMP error (the upstream's port unreachable, or kube-proxy
@@ -42,7 +43,7 @@ use tokio::sync::Notify;
 use tokio::time::MissedTickBehavior;
 
 use super::ids::{Answered, Pending, HEADER_LEN};
-use super::udp::{send_answer, Buffers, BATCH};
+use super::udp::{send_answers, Buffers, Reply, BATCH};
 use super::{count, Counters};
 
 /// How many sockets the pool has, each with a task to read its answers and a conntrack entry on
@@ -279,15 +280,26 @@ impl Upstream {
     async fn take_answers(&self, buffers: &mut Buffers, listener: &UdpSocket, counters: &Counters) {
         let fd = self.socket.as_raw_fd();
         let mut lengths = Vec::with_capacity(BATCH);
+        let mut replies = Vec::with_capacity(BATCH);
         for _ in 0..ROUNDS {
             match self
                 .socket
                 .try_io(Interest::READABLE, || receive_batch(fd, buffers, &mut lengths))
             {
                 Ok(()) => {
+                    replies.clear();
                     for (slot, &len) in lengths.iter().enumerate() {
-                        self.deliver(&mut buffers.slot_mut(slot)[..len], listener, counters).await;
+                        let answer = &mut buffers.slot_mut(slot)[..len];
+                        replies.extend(
+                            self.reply(answer, counters).map(|(client, source)| Reply {
+                                slot,
+                                len,
+                                client,
+                                source,
+                            }),
+                        );
                     }
+                    send_replies(listener, buffers, &replies, counters).await;
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
                 // An ICMP error, reported once; its query is in the error queue.
@@ -296,29 +308,17 @@ impl Upstream {
         }
     }
 
-    /// Sends `answer` back to its query's client, under the client's id and from the address
-    /// the client asked; an answer to no pending query is dropped.
-    async fn deliver(&self, answer: &mut [u8], listener: &UdpSocket, counters: &Counters) {
+    /// Makes `answer` its query's client's again (the client's id) and says who that is and
+    /// which address it asked; an answer to no pending query is counted and dropped.
+    fn reply(&self, answer: &mut [u8], counters: &Counters) -> Option<(SocketAddr, IpAddr)> {
         let taken = if answer.len() < HEADER_LEN { Answered::Unknown } else { self.take(answer) };
         let Answered::Query(origin) = taken else {
             count(&counters.stray_answers);
             tracing::debug!(answer = ?taken, "dropped a datagram that answers no pending query");
-            return;
+            return None;
         };
         answer[..2].copy_from_slice(&origin.id.to_be_bytes());
-        let (client, source) = (origin.client, origin.destination);
-        let sent = listener
-            .async_io(Interest::WRITABLE, || {
-                send_answer(listener.as_raw_fd(), answer, client, source)
-            })
-            .await;
-        match sent {
-            Ok(()) => count(&counters.udp_answers),
-            Err(error) => {
-                count(&counters.answer_failures);
-                tracing::debug!(%client, from = %source, %error, "sending an answer failed");
-            }
-        }
+        Some((origin.client, origin.destination))
     }
 
     /// Fails the queries the kernel's error queue names (their ICMP errors quote them).
@@ -364,6 +364,35 @@ impl Upstream {
     /// The table. Nothing panics while holding it, so a poisoned lock is still consistent.
     fn pending(&self) -> MutexGuard<'_, Pending<Origin>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Sends `replies` back through `listener`, a `sendmmsg` per run of replies from one address
+/// (in practice one run: a forwarder's clients ask the link-local IP of its family), waiting
+/// while the socket's buffer is full. A reply the kernel refuses is counted and left out.
+async fn send_replies(
+    listener: &UdpSocket,
+    buffers: &Buffers,
+    replies: &[Reply],
+    counters: &Counters,
+) {
+    let fd = listener.as_raw_fd();
+    let mut next = 0;
+    while let Some(rest) = replies.get(next..).filter(|rest| !rest.is_empty()) {
+        let run = rest.iter().take_while(|r| r.source == rest[0].source).count();
+        let rest = &rest[..run];
+        match listener.async_io(Interest::WRITABLE, || send_answers(fd, buffers, rest)).await {
+            Ok(sent) => {
+                counters.udp_answers.fetch_add(sent as u64, Ordering::Relaxed);
+                next += sent;
+            }
+            Err(error) => {
+                count(&counters.answer_failures);
+                let (client, source) = (rest[0].client, rest[0].source);
+                tracing::debug!(%client, from = %source, %error, "sending an answer failed");
+                next += 1;
+            }
+        }
     }
 }
 
