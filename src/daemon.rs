@@ -337,6 +337,8 @@ async fn run_with(
     let beat = Beat::start();
     let (tx, mut rx) = mpsc::channel(64);
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
+    // Told of every cache probe answered: the stall watch lists a restarted cache's sockets then.
+    let cache_answered = Arc::new(Notify::new());
     let target = cfg.cache_target();
     let every = beat.every(cfg.cache_udp.interval);
     let wake = cache_wakes[0].clone();
@@ -373,7 +375,9 @@ async fn run_with(
         // agent accounts for.
         let per_sec = |every: Duration| 1.0 / every.as_secs_f64();
         let own = 2.0 * per_sec(cfg.cache_udp.interval) + per_sec(cfg.upstream_probe.interval);
-        let stalls = stall::watch_stalls(bounds, beat, listen.clone(), own, confirm, tx.clone());
+        let answered = cache_answered.clone();
+        let stalls =
+            stall::watch_stalls(bounds, beat, listen.clone(), own, confirm, answered, tx.clone());
         tasks.spawn("stall watch", stalls);
     }
     let (target, every) = (cfg.upstream_target(), beat.every(cfg.upstream_probe.interval));
@@ -468,7 +472,12 @@ async fn run_with(
         tokio::select! {
             biased;
             _ = &mut shutdown => break Ok(()),
-            Some(report) = rx.recv() => agent.on_probe(&report, now()),
+            Some(report) = rx.recv() => {
+                if report.stream == Stream::CacheUdp && report.result.outcome.is_good() {
+                    cache_answered.notify_one();
+                }
+                agent.on_probe(&report, now())
+            }
             Some(incoming) = requests.recv() => {
                 maybe_recorded = true;
                 blocking(|| {

@@ -67,6 +67,11 @@ fn auto_choice(kube_proxy: &str) -> &'static str {
     }
 }
 
+/// The agent's `--min-hold` in every cell (2 s by default): a cell waits it out twice, and what
+/// it checks is not how long the route stays.
+const MIN_HOLD: &str = "500ms";
+
+/// One ClusterIP cell: the clients run until the last phase is over, then are interrupted.
 fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
     let (local, cluster_dns, upstream) = family.addrs();
@@ -74,7 +79,16 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
         local,
         cluster_dns,
         upstream,
-        &["--dataplane", dataplane, "--interval", "100ms", "--timeout", "80ms"],
+        &[
+            "--dataplane",
+            dataplane,
+            "--interval",
+            "100ms",
+            "--timeout",
+            "80ms",
+            "--min-hold",
+            MIN_HOLD,
+        ],
     );
     let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
     let st = agent.state().expect("state");
@@ -82,7 +96,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
 
     let (server, qtype) = family.server();
     let args =
-        ["--rate", "200", "--duration", "7s", "--report-interval", "100ms", "--qtype", qtype];
+        ["--rate", "200", "--duration", "60s", "--report-interval", "100ms", "--qtype", qtype];
     let mut pod = node.load("pod1", server, &args);
     let mut host = node.load("node", server, &args);
     for load in [&mut pod, &mut host] {
@@ -119,11 +133,11 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
         });
     }
 
-    let summary = pod.finish();
+    let summary = pod.interrupt();
     println!("{kube_proxy} × {dataplane} pod: {summary}");
     assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
     assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
-    let (summary, lookups) = host.finish_recorded();
+    let (summary, lookups) = host.interrupt_recorded();
     println!("{kube_proxy} × {dataplane} host: {summary}");
     // Host clients (no fast path) may lose the lookups refused between the kill and the switch,
     // and only those: none sent once the client has seen CoreDNS answer.
@@ -164,7 +178,16 @@ fn fixed_port_answer(node: &SimNode, family: Family) -> String {
 fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
     let (local, _, upstream) = family.addrs();
-    let args = ["--dataplane", dataplane, "--interval", "100ms", "--timeout", "80ms"];
+    let args = [
+        "--dataplane",
+        dataplane,
+        "--interval",
+        "100ms",
+        "--timeout",
+        "80ms",
+        "--min-hold",
+        MIN_HOLD,
+    ];
     let agent = node.agent_for(local, "", upstream, &args);
     let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
     let st = agent.state().expect("state");
@@ -173,7 +196,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
 
     let (server, qtype) = (family.link_local_server(), family.server().1);
     let args =
-        ["--rate", "200", "--duration", "8s", "--report-interval", "100ms", "--qtype", qtype];
+        ["--rate", "200", "--duration", "60s", "--report-interval", "100ms", "--qtype", qtype];
     let mut pod = node.load("pod1", server, &args);
     let mut host = node.load("node", server, &args);
     for load in [&mut pod, &mut host] {

@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
@@ -22,7 +22,8 @@ use crate::ruleset::DNS_PORT;
 use crate::sockdiag::{listeners, Listener, QueueReader, Queued};
 
 /// How often the sockets are listed again while a listen address has none watched (the cache
-/// is down or restarting, or a socket could not be read).
+/// is down or restarting, or a socket could not be read). A cache probe answered meanwhile
+/// (`answered`) lists them at once: a restarted cache is watched from its first answer.
 const RELIST: Duration = Duration::from_secs(1);
 
 /// One watched socket, and where its confirm probes go.
@@ -37,15 +38,17 @@ struct Watched {
 /// Watches the cache's UDP sockets on `addrs` for stalls, confirming with `confirm` (a probe
 /// with [`Bounds::confirm`] as its timeout) and reporting each stall on `tx`, looking on the
 /// agent's grid (`beat`) while no queue holds; `own_per_sec` is
-/// how many UDP datagrams a second the agent's probes make the node send ([`Traffic`]). Runs
-/// until the control loop is gone; if the kernel's socket diagnostics are unavailable it says
-/// so once and leaves hang detection to the probes.
+/// how many UDP datagrams a second the agent's probes make the node send ([`Traffic`]);
+/// `answered` is told of every cache probe answered. Runs until the control loop is gone; if
+/// the kernel's socket diagnostics are unavailable it says so once and leaves hang detection
+/// to the probes.
 pub(crate) async fn watch_stalls(
     bounds: Bounds,
     beat: Beat,
     addrs: Vec<IpAddr>,
     own_per_sec: f64,
     confirm: Arc<dyn Prober>,
+    answered: Arc<Notify>,
     tx: mpsc::Sender<Report>,
 ) {
     let mut reader = match QueueReader::open() {
@@ -68,8 +71,11 @@ pub(crate) async fn watch_stalls(
     let quiet = bounds.look_idle.max(QUIET_LOOK);
     let mut next = tokio::time::Instant::now();
     loop {
+        let uncovered = !covered(&addrs, &watched);
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
+            // The cache answers where no socket is watched: it is back, list its sockets now.
+            () = answered.notified(), if uncovered => list_due = Instant::now(),
             Some(Ok((cookie, sent, result))) = probes.join_next(), if !probes.is_empty() => {
                 // Any reply shows the cache read the query; only silence is a stall's.
                 let answered = !matches!(result.outcome, Outcome::Timeout | Outcome::Error { .. });
