@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use crate::blocking::blocking;
 use crate::config::AgentConfig;
 use crate::dataplane::{self, Dataplane, TableRef};
+use crate::detect::NodeProblems;
 use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stall, Stream, Transition};
 use crate::metrics::Metrics;
@@ -251,6 +252,9 @@ impl Agent {
                 warn!(route = %self.machine.route(), reason = %held, "route held");
             }
         }
+        if held_before != self.machine.held().is_some() {
+            self.metrics.set_held(!held_before);
+        }
         self.metrics.probe(report.stream, outcome.label(), report.result.latency);
         if let Some(t) = transition {
             self.switched(t, now);
@@ -466,8 +470,11 @@ impl Agent {
         self.notes = notes;
     }
 
-    /// Replaces the warnings about the node (logged when they change).
-    pub fn set_warnings(&mut self, warnings: Vec<String>) {
+    /// Replaces the warnings about the node (logged when they change), and counts its foreign
+    /// NOTRACK rules in the metrics.
+    pub fn set_problems(&mut self, problems: NodeProblems) {
+        let NodeProblems { foreign_notrack, warnings } = problems;
+        self.metrics.set_foreign_notrack(foreign_notrack);
         if warnings != self.warnings {
             for w in warnings.iter().filter(|w| !self.warnings.contains(w)) {
                 warn!(warning = %w, "node problem");

@@ -518,7 +518,7 @@ async fn run_with(
                 }
                 write_state(&agent)
             }
-            Some(found) = warnings.recv() => agent.set_warnings(found),
+            Some(found) = warnings.recv() => agent.set_problems(found),
             Some(found) = firewall_found.recv() => blocking(|| agent.set_firewall(found, now())),
             // The agent can no longer see what it should. Exit, leaving the current ruleset;
             // the DaemonSet restarts us.

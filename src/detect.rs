@@ -33,7 +33,7 @@ use std::process::Command;
 
 use crate::dataplane::iptables::{Flavour, Tool};
 
-pub(crate) use foreign::{watch_foreign_rules, FOREIGN_RULES_PERIOD};
+pub(crate) use foreign::{watch_foreign_rules, NodeProblems, FOREIGN_RULES_PERIOD};
 
 /// Where the switching rules go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,8 +8,9 @@
 //! [`serve`] exposes both over HTTP (`/metrics`, `/healthz`, `/readyz`).
 //!
 //! Families whose labels come from a closed set (routes, probe streams and outcomes, hook
-//! results) are created at zero up front, so a series exists before its first event and
-//! `increase()` counts that event.
+//! results), and the route changes the agent makes by itself, are created at zero up front, so
+//! a series exists before its first event and `increase()` counts that event (the alerting
+//! rules' flapping alert counts on it).
 //!
 //! | metric | type | labels |
 //! |---|---|---|
@@ -22,6 +23,8 @@
 //! | `nodelocaldns_ha_dataplane_check_duration_seconds` | histogram | |
 //! | `nodelocaldns_ha_drift_repairs_total` | counter | |
 //! | `nodelocaldns_ha_override_active` | gauge | `route` |
+//! | `nodelocaldns_ha_route_held` | gauge | |
+//! | `nodelocaldns_ha_foreign_notrack_rules` | gauge | |
 //! | `nodelocaldns_ha_transition_hook_runs_total` | counter | `result` |
 //! | `nodelocaldns_ha_forwarder_udp_queries_total` | counter | |
 //! | `nodelocaldns_ha_forwarder_udp_answers_total` | counter | |
@@ -34,6 +37,7 @@
 //! read at each scrape; there are none where the agent runs no forwarder.
 
 mod http;
+mod text;
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -82,6 +86,16 @@ const PROBE_OUTCOMES: [&str; 5] = ["answered", "servfail", "timeout", "refused",
 const HOOK_RESULTS: [&str; 4] = ["ok", "failed", "timeout", "dropped"];
 
 const ROUTES: [Route; 2] = [Route::Local, Route::Upstream];
+
+/// The route changes the agent makes by itself when a cache fails and comes back (`from`, `to`,
+/// `health::Reason::kind`), created at zero. Forced changes (flip, drain) and rarer reasons are
+/// created when they first happen.
+const AUTOMATIC_TRANSITIONS: [(Route, Route, &str); 4] = [
+    (Route::Local, Route::Upstream, "cache_failing"),
+    (Route::Local, Route::Upstream, "cache_stalled"),
+    (Route::Local, Route::Upstream, "cache_refused"),
+    (Route::Upstream, Route::Local, "cache_recovered"),
+];
 const STREAMS: [Stream; 3] = [Stream::CacheUdp, Stream::CacheTcp, Stream::Upstream];
 
 /// What a probe asks: the node-local cache or the upstream (CoreDNS).
@@ -234,6 +248,8 @@ pub struct Metrics {
     check_duration: Histogram,
     repairs: Counter,
     override_active: Family<RouteLabels, Gauge>,
+    held: Gauge,
+    foreign_notrack: Gauge,
     hook_runs: Family<HookLabels, Counter>,
     forwarders: Arc<Forwarders>,
 }
@@ -258,6 +274,8 @@ impl Metrics {
             check_duration: Histogram::new(APPLY_BUCKETS),
             repairs: Counter::default(),
             override_active: Family::default(),
+            held: Gauge::default(),
+            foreign_notrack: Gauge::default(),
             hook_runs: Family::default(),
             forwarders: Arc::default(),
         };
@@ -265,6 +283,9 @@ impl Metrics {
         for route in ROUTES {
             drop(metrics.route.get_or_create(&RouteLabels { route }));
             drop(metrics.override_active.get_or_create(&RouteLabels { route }));
+        }
+        for (from, to, reason) in AUTOMATIC_TRANSITIONS {
+            drop(metrics.transitions.get_or_create(&TransitionLabels { from, to, reason }));
         }
         for stream in STREAMS {
             let StreamLabels { target, protocol } = StreamLabels::of(stream);
@@ -332,6 +353,16 @@ impl Metrics {
             self.override_active.clone(),
         );
         r.register(
+            "route_held",
+            "1 while the route stays where it is although its resolver fails, because the other fails too (cache and upstream both failing)",
+            self.held.clone(),
+        );
+        r.register(
+            "foreign_notrack_rules",
+            "NOTRACK rules of others for the cluster-DNS IP found at the last look (node-cache without -setupiptables=false): while any exists, the Upstream route cannot take effect",
+            self.foreign_notrack.clone(),
+        );
+        r.register(
             "transition_hook_runs",
             "Runs of the transition hook, by result (ok, failed, timeout; dropped: not run, the hook too far behind)",
             self.hook_runs.clone(),
@@ -389,6 +420,16 @@ impl Metrics {
         }
     }
 
+    /// Whether the route is held against its failing resolver (`health::Machine::held`).
+    pub fn set_held(&self, held: bool) {
+        self.held.set(i64::from(held));
+    }
+
+    /// How many NOTRACK rules of others the last look found for the cluster-DNS IPs.
+    pub fn set_foreign_notrack(&self, rules: usize) {
+        self.foreign_notrack.set(i64::try_from(rules).unwrap_or(i64::MAX));
+    }
+
     /// Counts one run of the transition hook: `result` is `ok`, `failed` or `timeout`, or
     /// `dropped` for a route change the hook was too far behind to be given.
     pub fn hook(&self, result: &'static str) {
@@ -408,6 +449,12 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut text, &self.registry)
             .expect("encoding metrics into a String");
         text
+    }
+
+    /// Every metric in the Prometheus text format 0.0.4 (for clients that do not ask for
+    /// OpenMetrics).
+    pub fn encode_text(&self) -> String {
+        text::from_openmetrics(&self.encode())
     }
 }
 

@@ -222,3 +222,40 @@ fn state_reports_since_on_the_wall_clock() {
     assert_eq!(st.since_unix_ms, 97_000);
     assert_eq!(st.route, Route::Upstream);
 }
+
+/// A route held (the cache and the upstream both failing) and others' NOTRACK rules are in the
+/// metrics the alerting rules read: `route_held` 1 while held, 0 again once the upstream answers
+/// and the agent leaves; `foreign_notrack_rules` as the last look counted.
+#[test]
+fn a_held_route_and_foreign_rules_show_in_the_metrics() {
+    use hickory_proto::op::ResponseCode;
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    let metrics = Arc::new(Metrics::new());
+    let mut agent =
+        Agent::start(&cfg(), Box::new(fake.clone()), metrics.clone(), None, Vec::new(), t0)
+            .unwrap();
+    let held = || metrics.encode().contains("\nnodelocaldns_ha_route_held 1\n");
+    let servfail = Outcome::ServerFailure { rcode: ResponseCode::ServFail };
+    let fall = cfg().thresholds.fall;
+    let mut at = t0;
+    for stream in [Stream::Upstream, Stream::CacheUdp] {
+        for _ in 0..fall {
+            at += Duration::from_millis(100);
+            agent.on_probe(&report(stream, servfail.clone()), at);
+        }
+    }
+    assert_eq!(agent.route(), Route::Local);
+    assert!(held(), "{}", metrics.encode());
+    at += Duration::from_millis(100);
+    let answered = Outcome::Answered { rcode: ResponseCode::NoError };
+    agent.on_probe(&report(Stream::Upstream, answered), at);
+    assert_eq!(agent.route(), Route::Upstream);
+    assert!(!held(), "{}", metrics.encode());
+
+    let problems = NodeProblems { foreign_notrack: 2, warnings: vec!["foreign NOTRACK".into()] };
+    agent.set_problems(problems);
+    assert!(metrics.encode().contains("\nnodelocaldns_ha_foreign_notrack_rules 2\n"));
+    agent.set_problems(NodeProblems::default());
+    assert!(metrics.encode().contains("\nnodelocaldns_ha_foreign_notrack_rules 0\n"));
+}

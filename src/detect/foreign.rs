@@ -11,6 +11,15 @@ use tokio::sync::mpsc;
 
 use crate::dataplane::POLL_ANNOUNCED;
 
+/// What one look at the node found that only an operator can fix.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeProblems {
+    /// NOTRACK rules of others for the cluster-DNS IPs.
+    pub foreign_notrack: usize,
+    /// Each problem in words, the foreign rules' first: for `status` and the log.
+    pub warnings: Vec<String>,
+}
+
 /// How often the node is searched for NOTRACK rules of others on the listen addresses.
 pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 
@@ -29,7 +38,7 @@ pub(crate) async fn watch_foreign_rules(
     period: Duration,
     raw_changed: Arc<AtomicBool>,
     hearing: Arc<AtomicBool>,
-    tx: mpsc::Sender<Vec<String>>,
+    tx: mpsc::Sender<NodeProblems>,
 ) {
     use crate::dataplane::iptables::Flavour;
     use crate::detect::{gather_builtin_chains, gather_flavour, Facts, SaveFacts};
@@ -64,6 +73,7 @@ pub(crate) async fn watch_foreign_rules(
             unreadable,
         };
         let found = crate::detect::decide(&facts);
+        let foreign_notrack = found.foreign_notrack.len();
         let foreign = found.foreign_notrack.into_iter().map(|rule| {
             format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
         });
@@ -74,7 +84,7 @@ pub(crate) async fn watch_foreign_rules(
             )
         });
         let warnings = foreign.chain(unreadable).collect();
-        if tx.send(warnings).await.is_err() {
+        if tx.send(NodeProblems { foreign_notrack, warnings }).await.is_err() {
             return;
         }
     }

@@ -65,7 +65,7 @@ fn every_name_has_the_prefix_help_and_a_type() {
     let m = Metrics::new();
     m.transition(Route::Local, Route::Upstream, "cache_refused");
     let s = Scrape::of(&m);
-    assert_eq!(s.types.len(), 10, "{:?}", s.types.keys());
+    assert_eq!(s.types.len(), 12, "{:?}", s.types.keys());
     for name in s.types.keys().chain(s.samples.keys()) {
         assert!(name.starts_with("nodelocaldns_ha_"), "{name}");
     }
@@ -74,7 +74,8 @@ fn every_name_has_the_prefix_help_and_a_type() {
 
 /// Every series a scrape shows before anything happened: a dashboard's `increase()` counts
 /// the first event of each only if its series was there, at zero, before it. Route changes
-/// alone show up as they happen (their reasons are too many to create up front).
+/// other than the automatic ones show up as they happen (their reasons are too many to create
+/// up front).
 #[test]
 fn every_series_exists_from_the_start() {
     let s = Scrape::of(&Metrics::new());
@@ -95,6 +96,7 @@ fn every_series_exists_from_the_start() {
         "nodelocaldns_ha_dataplane_check_duration_seconds_count",
         "nodelocaldns_ha_dataplane_check_duration_seconds_sum",
         "nodelocaldns_ha_drift_repairs_total",
+        "nodelocaldns_ha_foreign_notrack_rules",
         r#"nodelocaldns_ha_override_active{route="local"}"#,
         r#"nodelocaldns_ha_override_active{route="upstream"}"#,
         r#"nodelocaldns_ha_probe_duration_seconds_count{target="cache",protocol="tcp"}"#,
@@ -105,6 +107,11 @@ fn every_series_exists_from_the_start() {
         r#"nodelocaldns_ha_probe_duration_seconds_sum{target="upstream",protocol="udp"}"#,
         r#"nodelocaldns_ha_route{route="local"}"#,
         r#"nodelocaldns_ha_route{route="upstream"}"#,
+        "nodelocaldns_ha_route_held",
+        r#"nodelocaldns_ha_route_transitions_total{from="local",to="upstream",reason="cache_failing"}"#,
+        r#"nodelocaldns_ha_route_transitions_total{from="local",to="upstream",reason="cache_refused"}"#,
+        r#"nodelocaldns_ha_route_transitions_total{from="local",to="upstream",reason="cache_stalled"}"#,
+        r#"nodelocaldns_ha_route_transitions_total{from="upstream",to="local",reason="cache_recovered"}"#,
         r#"nodelocaldns_ha_transition_hook_runs_total{result="dropped"}"#,
         r#"nodelocaldns_ha_transition_hook_runs_total{result="failed"}"#,
         r#"nodelocaldns_ha_transition_hook_runs_total{result="ok"}"#,
@@ -140,18 +147,24 @@ fn route_gauge_follows_set_route() {
 #[test]
 fn transitions_are_counted_by_from_to_and_reason() {
     let m = Metrics::new();
-    // No reason is known up front: the family shows once something happened.
-    assert!(!m.encode().contains("route_transitions"));
-    m.transition(Route::Local, Route::Upstream, "cache_refused");
-    m.transition(Route::Upstream, Route::Local, "cache_recovered");
-    m.transition(Route::Local, Route::Upstream, "cache_refused");
-    let s = Scrape::of(&m);
-    s.family("nodelocaldns_ha_route_transitions", "counter");
     let series = |from, to, reason| {
         format!(
             r#"nodelocaldns_ha_route_transitions_total{{from="{from}",to="{to}",reason="{reason}"}}"#
         )
     };
+    // The automatic changes are there at zero, so that `increase()` counts the first of each
+    // (the flapping alert); a forced one appears when it first happens.
+    let s = Scrape::of(&m);
+    assert_eq!(s.value(&series("local", "upstream", "cache_failing")), 0.0);
+    assert_eq!(s.value(&series("upstream", "local", "cache_recovered")), 0.0);
+    assert!(!m.encode().contains("manual"));
+    m.transition(Route::Upstream, Route::Local, "manual");
+    assert_eq!(Scrape::of(&m).value(&series("upstream", "local", "manual")), 1.0);
+    m.transition(Route::Local, Route::Upstream, "cache_refused");
+    m.transition(Route::Upstream, Route::Local, "cache_recovered");
+    m.transition(Route::Local, Route::Upstream, "cache_refused");
+    let s = Scrape::of(&m);
+    s.family("nodelocaldns_ha_route_transitions", "counter");
     assert_eq!(s.value(&series("local", "upstream", "cache_refused")), 2.0);
     assert_eq!(s.value(&series("upstream", "local", "cache_recovered")), 1.0);
 }
@@ -357,4 +370,21 @@ fn forwarder_counters_appear_with_the_forwarders_summed() {
     // Read at each scrape.
     bump(&v4.udp_queries, 1);
     assert_eq!(Scrape::of(&m).value("nodelocaldns_ha_forwarder_udp_queries_total"), 8.0);
+}
+
+#[test]
+fn a_held_route_and_foreign_rules_are_gauges_from_zero() {
+    let m = Metrics::new();
+    let s = Scrape::of(&m);
+    s.family("nodelocaldns_ha_route_held", "gauge");
+    s.family("nodelocaldns_ha_foreign_notrack_rules", "gauge");
+    assert_eq!(s.value("nodelocaldns_ha_route_held"), 0.0);
+    assert_eq!(s.value("nodelocaldns_ha_foreign_notrack_rules"), 0.0);
+    m.set_held(true);
+    m.set_foreign_notrack(2);
+    let s = Scrape::of(&m);
+    assert_eq!(s.value("nodelocaldns_ha_route_held"), 1.0);
+    assert_eq!(s.value("nodelocaldns_ha_foreign_notrack_rules"), 2.0);
+    m.set_held(false);
+    assert_eq!(Scrape::of(&m).value("nodelocaldns_ha_route_held"), 0.0);
 }

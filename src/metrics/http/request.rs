@@ -1,5 +1,6 @@
-//! The request, from bytes: where the head ends, and the two things the endpoints look at in its
-//! request line (the method and the path). The headers are never parsed: no endpoint reads one.
+//! The request, from bytes: where the head ends, the two things the endpoints look at in its
+//! request line (the method and the path), and whether an `Accept` header asks for OpenMetrics.
+//! No other header is read.
 
 /// Where the head ends (after its blank line: CRLF CRLF, or a lenient LF LF), if it does.
 pub(super) fn head_end(bytes: &[u8]) -> Option<usize> {
@@ -21,9 +22,12 @@ pub(super) struct Request<'a> {
     pub(super) method: &'a str,
     /// The target less its query.
     pub(super) path: &'a str,
+    /// An `Accept` header names OpenMetrics (as Prometheus's scrapes do).
+    pub(super) openmetrics: bool,
 }
 
-/// Parses the request line; the headers are not needed. The error says what is wrong.
+/// Parses the request line and looks for an `Accept` header naming OpenMetrics; no other
+/// header is needed. The error says what is wrong.
 pub(super) fn parse(head: &[u8]) -> Result<Request<'_>, &'static str> {
     let line_end = head.iter().position(|&b| b == b'\n').unwrap_or(head.len());
     let line =
@@ -45,7 +49,11 @@ pub(super) fn parse(head: &[u8]) -> Result<Request<'_>, &'static str> {
         return Err("the version is not HTTP/1.0 or HTTP/1.1");
     }
     let path = target.split_once('?').map_or(target, |(path, _query)| path);
-    Ok(Request { method, path })
+    let openmetrics = head[line_end..].split(|&b| b == b'\n').any(|header| {
+        let header = String::from_utf8_lossy(header).to_ascii_lowercase();
+        header.strip_prefix("accept:").is_some_and(|v| v.contains("application/openmetrics-text"))
+    });
+    Ok(Request { method, path, openmetrics })
 }
 
 /// RFC 9110's `tchar`.
@@ -67,7 +75,10 @@ mod tests {
     #[test]
     fn the_request_line_is_parsed() {
         let req = parse(b"GET /metrics?a=b HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
-        assert_eq!(req, Request { method: "GET", path: "/metrics" });
+        assert_eq!(req, Request { method: "GET", path: "/metrics", openmetrics: false });
+        let prometheus = b"GET /metrics HTTP/1.1\r\nACCEPT: application/openmetrics-text;\
+                           version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n\r\n";
+        assert!(parse(prometheus).unwrap().openmetrics);
         assert_eq!(parse(b"\r\n\r\n"), Err("the request line is not METHOD /PATH HTTP/1.1"));
     }
 }

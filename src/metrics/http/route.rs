@@ -10,6 +10,9 @@ use super::State;
 /// The content type of an OpenMetrics text exposition.
 pub(super) const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The content type of the Prometheus text format.
+pub(super) const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
 /// The endpoints.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Endpoint {
@@ -46,7 +49,11 @@ pub(super) fn answer(
         }
     };
     let response = match endpoint {
-        Endpoint::Metrics => Response::new(Status::Ok, OPENMETRICS, state.metrics.encode()),
+        // Prometheus asks for OpenMetrics; curl, promtool and older collectors get text 0.0.4.
+        Endpoint::Metrics if request.openmetrics => {
+            Response::new(Status::Ok, OPENMETRICS, state.metrics.encode())
+        }
+        Endpoint::Metrics => Response::new(Status::Ok, TEXT_FORMAT, state.metrics.encode_text()),
         Endpoint::Healthz if state.health.live(now, state.max_silence) => {
             Response::new(Status::Ok, PLAIN, "ok\n".into())
         }

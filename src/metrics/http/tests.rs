@@ -8,7 +8,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
 
-use super::route::OPENMETRICS;
+use super::route::{OPENMETRICS, TEXT_FORMAT};
 use super::*;
 use crate::ruleset::Route;
 
@@ -98,15 +98,22 @@ async fn get(addr: SocketAddr, path: &str) -> Reply {
 }
 
 #[tokio::test]
-async fn metrics_are_served_as_openmetrics() {
+async fn metrics_are_served_as_openmetrics_to_who_asks_and_as_text_to_others() {
     let server = start(LIMITS).await;
     server.metrics.set_route(Route::Upstream);
-    let reply = get(server.addr, "/metrics").await;
+    let accept = "Accept: application/openmetrics-text;version=1.0.0,text/plain;q=0.5";
+    let asked = format!("GET /metrics HTTP/1.1\r\n{accept}\r\n\r\n");
+    let reply = send(server.addr, asked.as_bytes()).await;
     assert_eq!(reply.status, 200, "{reply:?}");
     assert_eq!(reply.header("Content-Type"), Some(OPENMETRICS));
     assert_eq!(reply.header("Connection"), Some("close"));
     assert!(reply.body.contains("\nnodelocaldns_ha_route{route=\"upstream\"} 1\n"));
     assert!(reply.body.ends_with("# EOF\n"));
+    let text = get(server.addr, "/metrics").await;
+    assert_eq!(text.header("Content-Type"), Some(TEXT_FORMAT));
+    assert!(text.body.contains("\nnodelocaldns_ha_route{route=\"upstream\"} 1\n"));
+    assert!(text.body.contains("\n# TYPE nodelocaldns_ha_probes_total counter\n"), "{text:?}");
+    assert!(!text.body.contains("# EOF"));
     // A query string is ignored; HEAD gets the head alone.
     assert_eq!(get(server.addr, "/metrics?x=1").await.status, 200);
     let head = send(server.addr, b"HEAD /metrics HTTP/1.1\r\n\r\n").await;
