@@ -8,6 +8,7 @@ packages=(
   unbound dnsmasq-base dnsutils          # the cache, "CoreDNS", dig
   libnftnl-dev libmnl-dev pkg-config     # build nftnl
   libcap2-bin util-linux                 # capsh, setpriv (privilege tests)
+  prometheus                             # promtool and a real server (tests/alerts.rs)
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -17,7 +18,7 @@ if ((${#missing[@]})); then
   echo "ci/deps.sh: installing ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -q
-  # unbound's package starts a service where an init system runs; none does here, and
+  # unbound's and prometheus's packages start a service where an init system runs; none does here, and
   # policy-rc.d keeps it that way on machines that have one.
   printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
   apt-get install -y -q --no-install-recommends "${missing[@]}"

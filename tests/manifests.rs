@@ -69,6 +69,12 @@ const LINK_LOCAL_IP: &str = "169.254.25.10";
 /// The placeholders node-cache fills itself when it writes its Corefile (its upstream's
 /// ClusterIP, the node's resolvers): left as they are by every fill here.
 const NODE_CACHE_FILLS: [&str; 2] = ["__PILLAR__CLUSTER__DNS__", "__PILLAR__UPSTREAM__SERVERS__"];
+/// The kustomize components under manifests/ (`kind: Component`): the alerting rules as a
+/// PrometheusRule, whose resources the document check reads.
+const COMPONENTS: [&str; 1] = ["monitoring"];
+/// Prometheus's own files under manifests/, checked by promtool (tests/alerts.rs): the rules
+/// and their unit tests.
+const PROMETHEUS_FILES: [&str; 2] = ["monitoring/alerts.yaml", "monitoring/alerts_test.yaml"];
 /// Every kustomization under manifests/: the ClusterIP shape (the base and the overlay on
 /// node-local-dns) and the link-local shape (an overlay of each).
 const KUSTOMIZATIONS: [&str; 4] = [
@@ -730,6 +736,9 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
     assert!(files.len() >= 6, "manifests/: {files:?}");
     let mut kinds = BTreeSet::new();
     for file in &files {
+        if PROMETHEUS_FILES.iter().any(|f| file.ends_with(f)) {
+            continue;
+        }
         for (i, doc) in file_docs(file).iter().enumerate() {
             let origin = format!("{} (document {})", shown(file), i + 1);
             if let Value::Array(ops) = doc {
@@ -754,12 +763,35 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
                 "Kustomization" => {
                     Kustomization::load(file.parent().unwrap());
                 }
+                // Its spec is the rules file's (tests/alerts.rs).
+                "PrometheusRule" => {
+                    assert_eq!(str_at(doc, "/apiVersion"), Some("monitoring.coreos.com/v1"));
+                    assert_eq!(str_at(doc, "/metadata/name"), Some(AGENT), "{origin}");
+                    assert_eq!(str_at(doc, "/metadata/namespace"), Some(NAMESPACE), "{origin}");
+                }
+                "Component" => {
+                    let api = str_at(doc, "/apiVersion");
+                    assert_eq!(api, Some("kustomize.config.k8s.io/v1alpha1"), "{origin}");
+                    for resource in list(doc, "/resources", &origin) {
+                        let resource = resource.as_str().expect("a resource path");
+                        let path = file.parent().unwrap().join(resource);
+                        assert!(!file_docs(&path).is_empty(), "{origin}: {resource}");
+                    }
+                }
                 other => panic!("{origin}: kind {other} is not expected here"),
             }
             kinds.insert(kind.to_owned());
         }
     }
-    let expected = ["DaemonSet", "JSON patch", "Kustomization", "Service", "ServiceAccount"];
+    let expected = [
+        "Component",
+        "DaemonSet",
+        "JSON patch",
+        "Kustomization",
+        "PrometheusRule",
+        "Service",
+        "ServiceAccount",
+    ];
     assert_eq!(kinds, expected.iter().map(|k| k.to_string()).collect());
 }
 
@@ -785,7 +817,8 @@ fn every_kustomization_is_one_these_tests_check() {
         .filter(|f| f.file_name().is_some_and(|n| n == "kustomization.yaml"))
         .map(|f| f.parent().unwrap().strip_prefix(&root).unwrap().display().to_string())
         .collect();
-    let known: BTreeSet<String> = KUSTOMIZATIONS.iter().map(|k| k.to_string()).collect();
+    let known: BTreeSet<String> =
+        KUSTOMIZATIONS.iter().chain(&COMPONENTS).map(|k| k.to_string()).collect();
     assert_eq!(found, known, "a kustomization these tests do not know of, or one gone");
 }
 
