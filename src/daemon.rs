@@ -173,6 +173,7 @@ const STARTUP_GRACE: Duration = Duration::from_secs(2);
 fn start_link_local(
     cfg: &AgentConfig,
     dataplane: &mut dyn Dataplane,
+    beat: Beat,
     tasks: &mut Tasks,
 ) -> Result<link_local::Forwarding, AgentError> {
     // What would be installed (the fast path off takes the socket guard out of the fallback too).
@@ -183,7 +184,7 @@ fn start_link_local(
         Err(e) => warn!(error = %e, "could not try the link-local fallback's rules on the kernel"),
         Ok(()) => {}
     }
-    link_local::start(&cfg.addrs.local, &cfg.upstream, tasks)
+    link_local::start(&cfg.addrs.local, &cfg.upstream, beat, tasks)
 }
 
 /// Whether the ClusterIP shape runs on without the link-local failover after `error`: the
@@ -293,11 +294,13 @@ async fn run_with(
     };
     // The forwarder and the copies of the link-local IPs before the rules that need them, once
     // the kernel has taken those rules on trial.
+    // Every cadence on one grid (one wake-up for all that fall on an instant).
+    let beat = Beat::start();
     let mut cfg = cfg;
     let mut dataplane = dataplane;
     let mut link_local_off = None;
     let forwarding = if watch_node && cfg.shape.link_local {
-        match start_link_local(&cfg, dataplane.as_mut(), &mut tasks) {
+        match start_link_local(&cfg, dataplane.as_mut(), beat, &mut tasks) {
             Ok(forwarding) => Some(forwarding),
             // In the ClusterIP shape, the cluster-DNS IP's failover needs neither the forwarder
             // nor TPROXY: run without the link-local one (no fallback chain), and say so,
@@ -333,8 +336,6 @@ async fn run_with(
     let write_state = |agent: &Agent| state_file.submit(agent.state(now(), SystemTime::now()));
     write_state(&agent);
 
-    // Every cadence on one grid (one wake-up for all that fall on an instant).
-    let beat = Beat::start();
     let (tx, mut rx) = mpsc::channel(64);
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
     // Told of every cache probe answered: the stall watch lists a restarted cache's sockets then.

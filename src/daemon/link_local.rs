@@ -15,6 +15,8 @@ use tracing::{info, warn};
 use super::tasks::Tasks;
 use super::AgentError;
 use crate::addresses;
+use crate::beat::Beat;
+use crate::blocking::blocking;
 use crate::forwarder::{self, Counters, Forwarder};
 use crate::ruleset::{forwarder_for, DNS_PORT};
 
@@ -48,6 +50,7 @@ impl Drop for Forwarding {
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &[IpAddr],
+    beat: Beat,
     tasks: &mut Tasks,
 ) -> Result<Forwarding, AgentError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -94,7 +97,7 @@ pub(super) fn start(
         Ok(_) => {}
         Err(e) => warn!(error = %e, "cannot put the copies of the link-local IPs on lo; retrying"),
     }
-    tasks.spawn("link-local address copies", keep_copies(local.to_vec()));
+    tasks.spawn("link-local address copies", keep_copies(local.to_vec(), beat));
     Ok(forwarding)
 }
 
@@ -110,29 +113,26 @@ pub(super) fn forwarded(counters: &[Arc<Counters>]) -> crate::state::Forwarded {
     }
 }
 
-/// Puts back any copy someone removed, every [`COPIES_PERIOD`]; level-triggered, so a failure
-/// is only said and tried again.
-async fn keep_copies(local: Vec<IpAddr>) {
-    let mut tick = tokio::time::interval(COPIES_PERIOD);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// Puts back any copy someone removed, every [`COPIES_PERIOD`] on the agent's grid (`beat`);
+/// level-triggered, so a failure is only said and tried again.
+async fn keep_copies(local: Vec<IpAddr>, beat: Beat) {
+    let mut tick = beat.every(COPIES_PERIOD);
     loop {
         tick.tick().await;
-        let ips = local.clone();
-        let checked = tokio::task::spawn_blocking(move || {
-            let missing = addresses::missing(&ips)?;
+        // One netlink dump, and a request per missing copy: short, but blocking.
+        let checked = blocking(|| {
+            let missing = addresses::missing(&local)?;
             if missing.is_empty() {
                 return Ok(missing);
             }
             addresses::ensure(&missing).map(|_| missing)
-        })
-        .await;
+        });
         match checked {
-            Ok(Ok(missing)) if !missing.is_empty() => {
+            Ok(missing) if !missing.is_empty() => {
                 warn!(restored = ?missing, "a copy of a link-local IP was gone from lo; put back")
             }
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => warn!(error = %e, "cannot check the copies of the link-local IPs on lo"),
-            Err(e) => warn!(error = %e, "the check of the copies on lo did not finish"),
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "cannot check the copies of the link-local IPs on lo"),
         }
     }
 }

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use super::traffic::{datagrams_sent, Traffic, QUIET_LOOK};
+use super::traffic::{DatagramsSent, Traffic, QUIET_LOOK};
 use super::{Bounds, Detector, Verdict, LOOK_BUSY};
 use crate::beat::Beat;
 use crate::health::Stream;
@@ -67,6 +67,7 @@ pub(crate) async fn watch_stalls(
     let mut probes: JoinSet<(u64, Instant, ProbeResult)> = JoinSet::new();
     let v6 = addrs.iter().any(IpAddr::is_ipv6);
     let mut traffic = Traffic::new(own_per_sec, Instant::now());
+    let mut sent = DatagramsSent::open(v6);
     let (mut read_due, mut was_seen) = (Instant::now(), true);
     let quiet = bounds.look_idle.max(QUIET_LOOK);
     let mut next = tokio::time::Instant::now();
@@ -90,7 +91,7 @@ pub(crate) async fn watch_stalls(
         let now = Instant::now();
         if now >= read_due {
             read_due = now + QUIET_LOOK;
-            traffic.read(now, datagrams_sent(v6));
+            traffic.read(now, sent.read());
             if traffic.seen(now) != was_seen {
                 was_seen = !was_seen;
                 let every = if was_seen { bounds.look_idle } else { quiet };
