@@ -444,7 +444,7 @@ impl AgentConfig {
         let min_hold = duration_flag("--min-hold", &raw.min_hold)?;
         let metrics_addr = match raw.metrics_addr.trim() {
             "off" => None,
-            text => Some(text.parse().map_err(|_| ConfigError::BadAddress {
+            text => Some(listen_addr(text).ok_or_else(|| ConfigError::BadAddress {
                 flag: "--metrics-addr",
                 value: text.to_owned(),
             })?),
@@ -499,6 +499,18 @@ impl AgentConfig {
             self.upstream.iter().find(|ip| ip.is_ipv4() == family_v4).unwrap_or(&self.upstream[0]);
         SocketAddr::new(*ip, DNS_PORT)
     }
+}
+
+/// `IP:PORT`, `[IPv6]:PORT`, or `[IPv4]:PORT` as Go writes it: the DaemonSet's
+/// `[$(HOST_IP)]:9254` holds for the node's address of either family (the downward API gives
+/// it bare).
+fn listen_addr(text: &str) -> Option<SocketAddr> {
+    if let Ok(addr) = text.parse() {
+        return Some(addr);
+    }
+    let (ip, port) = text.strip_prefix('[')?.split_once("]:")?;
+    let ip: std::net::Ipv4Addr = ip.parse().ok()?;
+    Some(SocketAddr::new(ip.into(), port.parse().ok()?))
 }
 
 /// Valid `run` settings for tests: one IPv4 address of each kind, the command line's defaults

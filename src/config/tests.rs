@@ -91,6 +91,8 @@ fn bad_input_is_refused_with_the_value_named() {
         (Box::new(|r| r.upstream_interval = "0s".into()), "--upstream-interval=\"0s\" must be"),
         (Box::new(|r| r.metrics_addr = "127.0.0.1".into()), "--metrics-addr \"127.0.0.1\""),
         (Box::new(|r| r.metrics_addr = "".into()), "--metrics-addr \"\""),
+        (Box::new(|r| r.metrics_addr = "[10.0.0.1]".into()), "--metrics-addr \"[10.0.0.1]\""),
+        (Box::new(|r| r.metrics_addr = "[10.0.0.1]:x".into()), "--metrics-addr \"[10.0.0.1]:x\""),
         (Box::new(|r| r.local_ip = ips(&["0.0.0.0"])), "--local-ip 0.0.0.0 is not a unicast"),
         (Box::new(|r| r.cluster_dns_ip = ips(&["224.0.0.1"])), "224.0.0.1 is not a unicast"),
         (Box::new(|r| r.upstream_ip = ips(&["255.255.255.255"])), "not a unicast"),
@@ -194,4 +196,18 @@ fn without_a_cluster_dns_ip_the_link_local_shape_is_taken() {
     r.upstream_ip = ips(&["169.254.20.10"]);
     let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
     assert!(err.contains("is also --local-ip"), "{err}");
+}
+
+/// The DaemonSet's `[$(HOST_IP)]:9254` holds for a node address of either family.
+#[test]
+fn the_metrics_address_may_bracket_an_ipv4_address_as_go_does() {
+    for (text, expected) in [
+        ("[10.0.0.1]:9254", "10.0.0.1:9254"),
+        ("[fd00::1]:9254", "[fd00::1]:9254"),
+        ("127.0.0.1:9254", "127.0.0.1:9254"),
+    ] {
+        let raw = RawRun { metrics_addr: text.into(), ..test_raw() };
+        let cfg = AgentConfig::from_args(&raw, |_| None).unwrap();
+        assert_eq!(cfg.metrics_addr, Some(expected.parse().unwrap()), "{text}");
+    }
 }
