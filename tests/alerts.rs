@@ -12,6 +12,9 @@
 //!   evaluates the shipped rules, their durations divided by [`SCALE`] (a 10-minute `for:`
 //!   becomes 5 s): the agent-down, bypassed and flapping alerts each go pending, firing and
 //!   resolved as the agent and the cache fail and recover.
+//! * Seen from the cluster (issue 19): a Prometheus in a pod's namespace scrapes the agent where
+//!   the DaemonSet puts it, through the PodMonitor's endpoint; the node-local IPs refuse a
+//!   scrape; the Grafana dashboard's queries parse and return data.
 
 use std::collections::BTreeSet;
 use std::io::Write;
@@ -213,9 +216,11 @@ fn scaling_divides_fors_and_ranges() {
     );
 }
 
-/// A Prometheus server in the node's namespace, on its loopback; killed on drop.
+/// A Prometheus server in a namespace of the simulated node (`role`), on its loopback; killed on
+/// drop.
 struct Prometheus<'a> {
     node: &'a SimNode,
+    role: &'static str,
     child: Child,
     dir: PathBuf,
 }
@@ -225,24 +230,37 @@ const JOB: &str = "kube-system/nodelocaldns-ha";
 const NODE: &str = "sim-node";
 
 impl<'a> Prometheus<'a> {
-    /// Scraping the agent's `/metrics` every second (job [`JOB`], label `node` [`NODE`]),
-    /// evaluating `rules` every second.
+    /// In the node's namespace, scraping the agent's `/metrics` on loopback every second (job
+    /// [`JOB`], label `node` [`NODE`]), evaluating `rules` every second.
     fn start(node: &'a SimNode, rules: &str) -> Prometheus<'a> {
-        let dir = std::env::temp_dir().join(format!("{}-prometheus", node.ns("node")));
+        let scrape = format!(
+            "- job_name: {JOB}\n  \
+               static_configs: [{{targets: ['127.0.0.1:9254'], labels: {{node: {NODE}}}}}]\n"
+        );
+        Prometheus::start_in(node, "node", &scrape, rules)
+    }
+
+    /// In `role`'s namespace, with `scrape` as its scrape configs (scraping every second; one of
+    /// them job [`JOB`], which it waits to see up) and `rules`.
+    fn start_in(
+        node: &'a SimNode,
+        role: &'static str,
+        scrape: &str,
+        rules: &str,
+    ) -> Prometheus<'a> {
+        let dir = std::env::temp_dir().join(format!("{}-prometheus", node.ns(role)));
         std::fs::create_dir_all(&dir).expect("Prometheus's directory");
         std::fs::write(dir.join("alerts.yaml"), rules).expect("write the rules");
         let config = format!(
             "global: {{scrape_interval: 1s, scrape_timeout: 900ms, evaluation_interval: 1s}}\n\
              rule_files: [{rules}]\n\
-             scrape_configs:\n\
-             - job_name: {JOB}\n  \
-               static_configs: [{{targets: ['127.0.0.1:9254'], labels: {{node: {NODE}}}}}]\n",
+             scrape_configs:\n{scrape}",
             rules = dir.join("alerts.yaml").display(),
         );
         std::fs::write(dir.join("prometheus.yml"), config).expect("write the config");
         let log = std::fs::File::create(dir.join("log")).expect("Prometheus's log");
         let child = node
-            .cmd("node", "prometheus")
+            .cmd(role, "prometheus")
             .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
             .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
             .arg(format!("--web.listen-address={PROMETHEUS}"))
@@ -251,7 +269,7 @@ impl<'a> Prometheus<'a> {
             .stderr(log)
             .spawn()
             .expect("start prometheus (Debian's package prometheus: ci/deps.sh)");
-        let prometheus = Prometheus { node, child, dir };
+        let prometheus = Prometheus { node, role, child, dir };
         wait_for("Prometheus to scrape the agent", Duration::from_secs(30), || {
             let up = prometheus.get(&format!("/api/v1/query?query=up%7Bjob%3D%22{JOB}%22%7D"))?;
             let result = up["data"]["result"].as_array()?.first()?.clone();
@@ -265,9 +283,17 @@ impl<'a> Prometheus<'a> {
         let script = format!(
             "exec 3<>/dev/tcp/127.0.0.1/9090 && printf '%s\\r\\n\\r\\n' 'GET {path} HTTP/1.0' >&3 && cat <&3"
         );
-        let out = self.node.run("node", "bash", &["-c", &script]);
+        let out = self.node.run(self.role, "bash", &["-c", &script]);
         let text = String::from_utf8_lossy(&out.stdout);
         serde_json::from_str(text.split_once("\r\n\r\n")?.1).ok()
+    }
+
+    /// The result of an instant query of `expr` (its series, maybe none).
+    fn query(&self, expr: &str) -> Vec<Value> {
+        let path = format!("/api/v1/query?query={}", percent_encoded(expr));
+        let answer = self.get(&path).unwrap_or_else(|| panic!("no answer to {expr}"));
+        assert_eq!(answer["status"], "success", "{expr}: {answer}");
+        answer["data"]["result"].as_array().cloned().unwrap_or_default()
     }
 
     /// The state of `alert` for this node: `pending`, `firing`, or `inactive`.
@@ -371,4 +397,147 @@ fn alerts_fire_and_resolve_in_a_real_prometheus() {
     assert_eq!(prometheus.state("NodeLocalDNSBypassed").map(|s| s.0).as_deref(), Some("inactive"));
     drop(prometheus);
     node.tear_down(agent);
+}
+
+/// `text` for a URL's query: every byte but an unreserved one as `%XX`.
+fn percent_encoded(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The node's address on the pods' side in the simulated node (10.244.0.1 on each pod's veth),
+/// where the DaemonSet's `[$(HOST_IP)]:9254` puts the agent.
+const NODE_ADDRESS: &str = "10.244.0.1";
+
+/// The dashboard's panels: (title, expressions), its variables as this test's Prometheus has
+/// them (every node; a rate interval of 4 scrapes; a range of a minute).
+fn dashboard_queries() -> Vec<(String, Vec<String>)> {
+    let map = yaml(&read("grafana-dashboard.yaml"), "grafana-dashboard.yaml");
+    let json = map["data"]["nodelocaldns-ha.json"].as_str().expect("the dashboard's JSON");
+    let dashboard: Value = serde_json::from_str(json).expect("dashboard JSON");
+    let panels = dashboard["panels"].as_array().expect("panels");
+    panels
+        .iter()
+        .map(|panel| {
+            let title = panel["title"].as_str().expect("a title").to_owned();
+            let exprs = panel["targets"].as_array().expect("targets").iter().map(|t| {
+                let expr = t["expr"].as_str().expect("expr");
+                expr.replace("$__rate_interval", "4s")
+                    .replace("$__range", "1m")
+                    .replace("$node", ".*")
+            });
+            (title, exprs.collect())
+        })
+        .collect()
+}
+
+/// Issue 19. A Prometheus in a pod's namespace, reaching the node only over its veth, scrapes
+/// the agent where the DaemonSet puts it (the node's address, port `metrics`) through the
+/// shipped PodMonitor's endpoint rendered to a scrape config, and sees `up == 1` with the node
+/// label; the node-local IPs, which every pod queries, refuse a scrape. Every dashboard query
+/// parses (promtool) and, after a cache kill and recovery, returns data but those that read
+/// node-local-dns's own metrics (`coredns_*`, which the simulated node's cache, unbound, does
+/// not serve): the test lists each empty one.
+#[test]
+fn the_cluster_s_prometheus_scrapes_the_agent_on_the_node_s_address_only() {
+    let node = SimNode::up();
+    // The DaemonSet's address, `$(HOST_IP)` being the node's.
+    let daemonset = Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/base/daemonset.yaml");
+    let daemonset = yaml(&std::fs::read_to_string(daemonset).unwrap(), "daemonset.yaml");
+    let agent_spec = &daemonset["spec"]["template"]["spec"]["containers"][0];
+    let vars = agent_spec["env"].as_array().expect("env");
+    let addr = vars.iter().find(|v| v["name"] == "NODELOCALDNS_HA_METRICS_ADDR").expect("set");
+    let addr = addr["value"].as_str().unwrap().replace("$(HOST_IP)", NODE_ADDRESS);
+    let args = ["--metrics-addr", &addr, "--interval", "100ms", "--min-hold", "500ms"];
+    let agent = node.agent(&args);
+
+    // The PodMonitor's endpoint: the DaemonSet's port of that name, its path, job
+    // `<namespace>/<name>` as prometheus-operator names it, the node relabelling's label.
+    let monitor = yaml(&read("podmonitor.yaml"), "podmonitor.yaml");
+    let endpoint = &monitor["spec"]["podMetricsEndpoints"][0];
+    let ports = &agent_spec["ports"];
+    let port = ports.as_array().unwrap().iter().find(|p| p["name"] == endpoint["port"]);
+    let port = port.expect("the PodMonitor's port in the DaemonSet")["containerPort"].clone();
+    let job = format!(
+        "{}/{}",
+        monitor["metadata"]["namespace"].as_str().unwrap(),
+        monitor["metadata"]["name"].as_str().unwrap()
+    );
+    assert_eq!(job, JOB);
+    let relabel = &endpoint["relabelings"][0];
+    assert_eq!(relabel["targetLabel"], "node");
+    let scrape = format!(
+        "- job_name: {job}\n  metrics_path: {path}\n  \
+           static_configs: [{{targets: ['{NODE_ADDRESS}:{port}'], labels: {{node: {NODE}}}}}]\n",
+        path = endpoint["path"].as_str().unwrap(),
+    );
+    let prometheus = Prometheus::start_in(&node, "pod2", &scrape, "groups: []\n");
+    let up = prometheus.query("up");
+    assert_eq!(up.len(), 1, "{up:?}");
+    assert_eq!(up[0]["metric"]["node"], NODE, "{up:?}");
+
+    // From the same pod, the node-local IPs refuse what the node's address answers.
+    let connects = |ip: &str| {
+        let script = format!("exec 3<>/dev/tcp/{ip}/9254");
+        node.run("pod2", "timeout", &["2", "bash", "-c", &script]).status.success()
+    };
+    assert!(connects(NODE_ADDRESS), "the node's address");
+    for ip in [LOCAL_IP, CLUSTER_DNS_IP] {
+        assert!(!connects(ip), "{ip}:9254 answered a pod");
+    }
+
+    // Every query parses: promtool checks them as recording rules.
+    let queries = dashboard_queries();
+    let mut rules = String::from("groups:\n- name: dashboard\n  rules:\n");
+    for (i, (_, exprs)) in queries.iter().enumerate() {
+        for (j, expr) in exprs.iter().enumerate() {
+            rules.push_str(&format!("  - record: panel_{i}_{j}\n    expr: {}\n", json_str(expr)));
+        }
+    }
+    let out = promtool(&["check", "rules", "/dev/stdin"], &rules);
+    assert!(out.status.success(), "a dashboard query does not parse: {}\n{rules}", describe(&out));
+
+    node.kill("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(10));
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    // The change and the recovery scraped, then the rate window filled.
+    wait_for("the switch and the return scraped", Duration::from_secs(30), || {
+        let changes = prometheus.query("sum(nodelocaldns_ha_route_transitions_total) >= 2");
+        let local = prometheus.query(r#"nodelocaldns_ha_route{route="local"} == 1"#);
+        (!changes.is_empty() && !local.is_empty()).then_some(())
+    });
+    // Until every query of the agent's metrics has data (the rate windows filled), or 30 s.
+    let empty_queries = || {
+        let mut empty = Vec::new();
+        for (title, exprs) in &queries {
+            for expr in exprs {
+                if prometheus.query(expr).is_empty() {
+                    empty.push(format!("{title}: {expr}"));
+                }
+            }
+        }
+        empty
+    };
+    let mut empty = Vec::new();
+    let settled = poll(Duration::from_secs(30), || {
+        empty = empty_queries();
+        empty.iter().all(|q| q.contains("coredns_")).then_some(())
+    });
+    println!("dashboard queries with no data: {empty:#?}");
+    assert!(settled.is_some(), "queries of the agent's metrics without data: {empty:#?}");
+    assert_eq!(empty.len(), 1, "only node-local-dns's own request rate: {empty:#?}");
+    drop(prometheus);
+    node.tear_down(agent);
+}
+
+/// `text` as a double-quoted YAML (and JSON) string.
+fn json_str(text: &str) -> String {
+    serde_json::to_string(text).expect("a string")
 }

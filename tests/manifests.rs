@@ -71,7 +71,7 @@ const LINK_LOCAL_IP: &str = "169.254.25.10";
 const NODE_CACHE_FILLS: [&str; 2] = ["__PILLAR__CLUSTER__DNS__", "__PILLAR__UPSTREAM__SERVERS__"];
 /// The kustomize components under manifests/ (`kind: Component`): the alerting rules as a
 /// PrometheusRule, whose resources the document check reads.
-const COMPONENTS: [&str; 1] = ["monitoring"];
+const COMPONENTS: [&str; 2] = ["monitoring", "monitoring/node-local-dns"];
 /// Prometheus's own files under manifests/, checked by promtool (tests/alerts.rs): the rules
 /// and their unit tests.
 const PROMETHEUS_FILES: [&str; 2] = ["monitoring/alerts.yaml", "monitoring/alerts_test.yaml"];
@@ -149,6 +149,10 @@ spec:
           image: registry.k8s.io/dns/k8s-dns-node-cache:1.26.4
           args: ["-localip", "__PILLAR__LOCAL__DNS__,__PILLAR__DNS__SERVER__", "-conf",
                  "/etc/Corefile", "-upstreamsvc", "kube-dns-upstream"]
+          ports:
+            - {containerPort: 53, name: dns, protocol: UDP}
+            - {containerPort: 53, name: dns-tcp, protocol: TCP}
+            - {containerPort: 9253, name: metrics, protocol: TCP}
           livenessProbe:
             httpGet:
               host: __PILLAR__LOCAL__DNS__
@@ -763,6 +767,14 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
                 "Kustomization" => {
                     Kustomization::load(file.parent().unwrap());
                 }
+                "ConfigMap" => {
+                    let _: ConfigMap = typed(doc, &origin);
+                }
+                // Checked against the DaemonSets they select (below).
+                "PodMonitor" => {
+                    assert_eq!(str_at(doc, "/apiVersion"), Some("monitoring.coreos.com/v1"));
+                    assert_eq!(str_at(doc, "/metadata/namespace"), Some(NAMESPACE), "{origin}");
+                }
                 // Its spec is the rules file's (tests/alerts.rs).
                 "PrometheusRule" => {
                     assert_eq!(str_at(doc, "/apiVersion"), Some("monitoring.coreos.com/v1"));
@@ -785,9 +797,11 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
     }
     let expected = [
         "Component",
+        "ConfigMap",
         "DaemonSet",
         "JSON patch",
         "Kustomization",
+        "PodMonitor",
         "PrometheusRule",
         "Service",
         "ServiceAccount",
@@ -993,11 +1007,29 @@ fn the_service_account_carries_no_token() {
     );
 }
 
-/// The metrics address the agent is given, explicitly.
+/// A node address for `$(HOST_IP)`, which the kubelet fills from `status.hostIP`.
+const NODE_IP: &str = "10.0.0.7";
+
+/// The metrics address the agent is given, explicitly, with `$(HOST_IP)` (which must come from
+/// the downward API's `status.hostIP`, defined before it) as [`NODE_IP`], parsed as the agent
+/// parses it.
 fn metrics_addr(agent: &Container) -> SocketAddr {
     let addr = setting(agent, "--metrics-addr", "NODELOCALDNS_HA_METRICS_ADDR")
         .expect("the manifest sets the metrics address that its probes rely on");
-    addr.parse().unwrap_or_else(|e| panic!("metrics address {addr:?}: {e}"))
+    if addr.contains("$(HOST_IP)") {
+        let vars = agent.env.as_deref().unwrap_or_default();
+        let host_ip = vars.iter().position(|v| v.name == "HOST_IP").expect("HOST_IP defined");
+        let metrics = vars.iter().position(|v| v.name == "NODELOCALDNS_HA_METRICS_ADDR").unwrap();
+        assert!(host_ip < metrics, "HOST_IP is defined after the address that uses it");
+        let field = vars[host_ip].value_from.as_ref().and_then(|f| f.field_ref.as_ref());
+        assert_eq!(field.map(|f| f.field_path.as_str()), Some("status.hostIP"));
+    }
+    let addr = addr.replace("$(HOST_IP)", NODE_IP);
+    // `[IPv4]:PORT` as Go writes it, which the agent takes too.
+    let bare = addr.strip_prefix('[').and_then(|a| a.split_once("]:"));
+    let bare = bare.map(|(ip, port)| format!("{ip}:{port}"));
+    let text = bare.filter(|b| b.parse::<SocketAddr>().is_ok()).unwrap_or(addr.clone());
+    text.parse().unwrap_or_else(|e| panic!("metrics address {addr:?}: {e}"))
 }
 
 /// Checks that `probe` is an HTTP GET of `path` that reaches `addr` from the kubelet.
@@ -1021,9 +1053,11 @@ fn check_probe(
         }
     };
     assert_eq!(port, i32::from(addr.port()), "{which}: the metrics port");
-    // The kubelet probes from the host's network namespace, the pod IP being the node IP: an
-    // agent bound to one address is reached only with `host` set to it.
-    if !addr.ip().is_unspecified() {
+    // The kubelet probes the pod IP, the node IP with hostNetwork, unless `host` says otherwise:
+    // an agent bound to another address is reached only with `host` set to it.
+    if addr.ip().to_string() == NODE_IP {
+        assert_eq!(get.host, None, "{which}: the pod IP is the node's address");
+    } else if !addr.ip().is_unspecified() {
         assert_eq!(get.host.as_deref(), Some(addr.ip().to_string().as_str()), "{which}: host");
     }
 }
@@ -1033,7 +1067,11 @@ fn the_probes_reach_the_metrics_address() {
     let ds = agent_daemonset();
     let agent = container(pod_spec(&ds), "agent");
     let addr = metrics_addr(agent);
-    assert!(addr.ip().is_loopback(), "{addr}: metrics stay off the node's network");
+    // The node's own address (issue 19), where the cluster's Prometheus scrapes it; never the
+    // wildcard, which would answer on the node-local IPs too.
+    assert_eq!(addr, SocketAddr::new(NODE_IP.parse().unwrap(), 9254), "the node's address");
+    let metrics = agent.ports.iter().flatten().find(|p| p.name.as_deref() == Some("metrics"));
+    assert_eq!(metrics.map(|p| p.container_port), Some(9254), "a port named metrics");
     check_probe("liveness", agent.liveness_probe.as_ref(), agent, addr, "/healthz");
     check_probe("readiness", agent.readiness_probe.as_ref(), agent, addr, "/readyz");
 }
@@ -1273,9 +1311,23 @@ fn agent_config(agent: &Container) -> Result<nodelocaldns_ha::config::AgentConfi
     let mut argv = vec![AGENT.to_owned()];
     argv.extend(agent.args.iter().flatten().cloned());
     let flags = run_flags();
-    for var in agent.env.iter().flatten().filter(|v| v.name.starts_with("NODELOCALDNS_HA_")) {
-        let (long, _) = &flags[&var.name];
-        argv.extend([format!("--{long}"), var.value.clone().unwrap_or_default()]);
+    // As the kubelet sets them: `status.hostIP` is the node's address ([`NODE_IP`]), and
+    // `$(NAME)` in a value is an earlier variable's.
+    let mut set: Vec<(String, String)> = Vec::new();
+    for var in agent.env.iter().flatten() {
+        let field = var.value_from.as_ref().and_then(|f| f.field_ref.as_ref());
+        let mut value = match field.map(|f| f.field_path.as_str()) {
+            Some("status.hostIP") => NODE_IP.to_owned(),
+            _ => var.value.clone().unwrap_or_default(),
+        };
+        for (name, earlier) in &set {
+            value = value.replace(&format!("$({name})"), earlier);
+        }
+        if var.name.starts_with("NODELOCALDNS_HA_") {
+            let (long, _) = &flags[&var.name];
+            argv.extend([format!("--{long}"), value.clone()]);
+        }
+        set.push((var.name.clone(), value));
     }
     let cli = Cli::try_parse_from(&argv).map_err(|e| format!("`{}`: {e}", argv.join(" ")))?;
     let nodelocaldns_ha::cli::Command::Run(run) = cli.command else {
@@ -1785,5 +1837,82 @@ fn the_agent_probes_a_name_in_the_clusters_own_domain() {
             text.contains("s/__PILLAR__DNS__DOMAIN__/"),
             "{file} does not say how to fill in the cluster's domain"
         );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Seen from the cluster (issue 19)
+
+/// The first document of manifests/`path`.
+fn monitoring_doc(path: &str) -> Value {
+    file_docs(&repo().join("manifests").join(path)).remove(0)
+}
+
+/// Checks that `monitor` selects `daemonset`'s pods, and that each endpoint names a port of its
+/// container `name`; returns those ports' numbers.
+fn scraped_ports(monitor: &Value, daemonset: &DaemonSet, name: &str) -> Vec<i32> {
+    let template = daemonset.spec.as_ref().unwrap().template.metadata.as_ref().unwrap();
+    let labels = template.labels.clone().unwrap_or_default();
+    let wanted = monitor["spec"]["selector"]["matchLabels"].as_object().expect("matchLabels");
+    assert!(!wanted.is_empty());
+    for (key, value) in wanted {
+        assert_eq!(labels.get(key).map(String::as_str), value.as_str(), "selector {key}");
+    }
+    let container = container(pod_spec(daemonset), name);
+    let endpoints = monitor["spec"]["podMetricsEndpoints"].as_array().expect("endpoints");
+    endpoints
+        .iter()
+        .map(|endpoint| {
+            let port = endpoint["port"].as_str().expect("a port name");
+            let relabel = endpoint["relabelings"].as_array().expect("relabelings");
+            let node = relabel.iter().any(|r| {
+                r["targetLabel"] == "node"
+                    && r["sourceLabels"] == json!(["__meta_kubernetes_pod_node_name"])
+            });
+            assert!(node, "every series says its node: {endpoint}");
+            let ports = container.ports.as_deref().unwrap_or_default();
+            let found = ports.iter().find(|p| p.name.as_deref() == Some(port));
+            found.unwrap_or_else(|| panic!("no port {port} in {name}")).container_port
+        })
+        .collect()
+}
+
+#[test]
+fn the_pod_monitors_select_their_daemonsets_and_scrape_where_they_listen() {
+    let ds = agent_daemonset();
+    let agent = container(pod_spec(&ds), "agent");
+    let addr = metrics_addr(agent);
+    let monitor = monitoring_doc("monitoring/podmonitor.yaml");
+    let ports = scraped_ports(&monitor, &ds, "agent");
+    assert_eq!(ports, [i32::from(addr.port())], "the port the agent listens on");
+    // The annotations of a Prometheus without the operator say the same.
+    let template = ds.spec.as_ref().unwrap().template.metadata.clone().unwrap();
+    let annotations = template.annotations.unwrap_or_default();
+    assert_eq!(annotations.get("prometheus.io/scrape").map(String::as_str), Some("true"));
+    assert_eq!(
+        annotations.get("prometheus.io/port").map(String::as_str),
+        Some(addr.port().to_string().as_str())
+    );
+    // node-local-dns's: its 9253, twice (the second endpoint moved to 9353).
+    let stock: DaemonSet = typed(&stock_daemonset(), "stock node-local-dns");
+    let monitor = monitoring_doc("monitoring/node-local-dns/podmonitor.yaml");
+    assert_eq!(scraped_ports(&monitor, &stock, NODE_CACHE), [9253, 9253]);
+    let moved = &monitor["spec"]["podMetricsEndpoints"][1]["relabelings"][0];
+    assert_eq!(moved["targetLabel"], "__address__");
+    assert_eq!(moved["replacement"], "$1:9353");
+}
+
+#[test]
+fn the_dashboard_is_a_grafana_configmap_of_panels_with_queries() {
+    let map: ConfigMap = typed(&monitoring_doc("monitoring/grafana-dashboard.yaml"), "dashboard");
+    let labels = map.metadata.labels.unwrap_or_default();
+    assert_eq!(labels.get("grafana_dashboard").map(String::as_str), Some("1"));
+    let data = map.data.unwrap_or_default();
+    let json: Value = serde_json::from_str(&data["nodelocaldns-ha.json"]).expect("dashboard JSON");
+    let panels = json["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 8, "{}", panels.len());
+    for panel in panels {
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty() && targets.iter().all(|t| t["expr"].is_string()), "{panel}");
     }
 }
