@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Fuzzes every parser that reads outside input (src/fuzzing.rs names them), each target for
-# SECONDS (default 10, as in CI; run longer by hand, e.g. `ci/fuzz.sh 600`), starting from the
+# SECONDS (default 10; CI runs 5; run longer by hand, e.g. `ci/fuzz.sh 600`), starting from the
 # seeds in fuzz/seeds/<target> (real kernel dumps, iptables-save output, DNS replies, requests).
 # New inputs go to a corpus outside the tree; a crash stops the run with the input saved under
 # fuzz/artifacts/<target>/ and a non-zero exit. Stable Rust: no sanitizer (`-s none`), so
 # libFuzzer finds panics, aborts and hangs, which is what these parsers must never do.
 #   FUZZ_TARGETS="dns_reply sock_diag" ci/fuzz.sh 60    # some targets only
-#   FUZZ_PROFILE=dev ci/fuzz.sh 10     # unoptimised: builds in half the time (CI), runs slower
+#   FUZZ_PROFILE=dev ci/fuzz.sh 5      # unoptimised: builds in half the time (CI), runs slower
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

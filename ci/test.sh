@@ -36,4 +36,4 @@ cargo test --locked --workspace --lib --bins --tests
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
 cargo test --locked --test e2e_vm -- --test-threads 2
 # Every parser of outside input, fuzzed briefly (ci/fuzz.sh 600 by hand for longer).
-FUZZ_PROFILE=dev ci/fuzz.sh 10
+FUZZ_PROFILE=dev ci/fuzz.sh 5
