@@ -71,25 +71,16 @@ fn auto_choice(kube_proxy: &str) -> &'static str {
 /// it checks is not how long the route stays.
 const MIN_HOLD: &str = "500ms";
 
+/// The agent's flags in every cell: `dataplane`, probes every 100 ms, [`MIN_HOLD`].
+fn agent_args(dataplane: &str) -> [&str; 8] {
+    ["--dataplane", dataplane, "--interval", "100ms", "--timeout", "80ms", "--min-hold", MIN_HOLD]
+}
+
 /// One ClusterIP cell: the clients run until the last phase is over, then are interrupted.
 fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
     let (local, cluster_dns, upstream) = family.addrs();
-    let agent = node.agent_for(
-        local,
-        cluster_dns,
-        upstream,
-        &[
-            "--dataplane",
-            dataplane,
-            "--interval",
-            "100ms",
-            "--timeout",
-            "80ms",
-            "--min-hold",
-            MIN_HOLD,
-        ],
-    );
+    let agent = node.agent_for(local, cluster_dns, upstream, &agent_args(dataplane));
     let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
     let st = agent.state().expect("state");
     assert_eq!(st["dataplane"], expected, "{st}");
@@ -178,17 +169,7 @@ fn fixed_port_answer(node: &SimNode, family: Family) -> String {
 fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
     let (local, _, upstream) = family.addrs();
-    let args = [
-        "--dataplane",
-        dataplane,
-        "--interval",
-        "100ms",
-        "--timeout",
-        "80ms",
-        "--min-hold",
-        MIN_HOLD,
-    ];
-    let agent = node.agent_for(local, "", upstream, &args);
+    let agent = node.agent_for(local, "", upstream, &agent_args(dataplane));
     let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
     let st = agent.state().expect("state");
     assert_eq!(st["dataplane"], expected, "{st}");
