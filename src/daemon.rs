@@ -292,10 +292,10 @@ async fn run_with(
     } else {
         Vec::new()
     };
-    // The forwarder and the copies of the link-local IPs before the rules that need them, once
-    // the kernel has taken those rules on trial.
     // Every cadence on one grid (one wake-up for all that fall on an instant).
     let beat = Beat::start();
+    // The forwarder and the copies of the link-local IPs before the rules that need them, once
+    // the kernel has taken those rules on trial.
     let mut cfg = cfg;
     let mut dataplane = dataplane;
     let mut link_local_off = None;
