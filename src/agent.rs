@@ -19,7 +19,7 @@ use tracing::{debug, info, warn};
 
 use crate::blocking::blocking;
 use crate::config::AgentConfig;
-use crate::dataplane::{self, Dataplane, TableRef};
+use crate::dataplane::{self, Dataplane, TableRef, TableWatch};
 use crate::detect::NodeProblems;
 use crate::firewall::Blocking;
 use crate::health::{Forced, Machine, Sample, Stall, Stream, Transition};
@@ -347,7 +347,7 @@ impl Agent {
 
     /// What the dataplane's checks read, when the kernel announces its changes
     /// ([`Dataplane::announced_tables`]).
-    pub fn announced_tables(&self) -> Option<Vec<TableRef>> {
+    pub fn announced_tables(&self) -> Option<Vec<TableWatch>> {
         self.reconciler.dataplane().announced_tables()
     }
 

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use super::{Check, Dataplane, Error, TableRef};
+use super::{Check, Dataplane, Error, TableRef, TableWatch};
 use crate::ruleset::RuleSet;
 
 /// What the fake kernel holds, and knobs for tests.
@@ -129,8 +129,9 @@ impl Dataplane for FakeDataplane {
         })
     }
 
-    fn announced_tables(&self) -> Option<Vec<TableRef>> {
-        self.kernel().announces.then(|| vec![TableRef { family: 1, name: "fake".to_owned() }])
+    fn announced_tables(&self) -> Option<Vec<TableWatch>> {
+        let fake = TableRef { family: 1, name: "fake".to_owned() };
+        self.kernel().announces.then(|| vec![TableWatch::whole(fake)])
     }
 
     fn remove(&mut self) -> Result<(), Error> {

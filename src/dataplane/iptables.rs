@@ -63,7 +63,7 @@ use std::path::{Path, PathBuf};
 
 use std::time::Duration;
 
-use super::{Check, Dataplane, TableRef};
+use super::{Check, Dataplane, TableRef, TableWatch};
 use crate::ruleset::RuleSet;
 use command::{Finished, RunError};
 use table::{describe, Family};
@@ -450,7 +450,7 @@ impl Dataplane for Iptables {
     }
 
     /// iptables-legacy's tables announce nothing.
-    fn announced_tables(&self) -> Option<Vec<TableRef>> {
+    fn announced_tables(&self) -> Option<Vec<TableWatch>> {
         (self.flavour == Flavour::Nft).then(|| self.role.nft_tables())
     }
 

@@ -73,6 +73,26 @@ pub struct TableRef {
     pub name: String,
 }
 
+/// A table whose announced changes call for a read-back ([`Dataplane::announced_tables`]): every
+/// change of it (`chains: None`), or only those that may touch `chains`, the chains a check
+/// lists: a change to their rules, or any change not confined to one chain's rules (the table,
+/// a chain made, renamed or deleted, a set). kube-proxy rewriting its own chains of iptables-nft's
+/// filter table every second then costs no read-back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TableWatch {
+    /// The table.
+    pub table: TableRef,
+    /// The only chains whose rules matter, when not all do.
+    pub chains: Option<Vec<&'static str>>,
+}
+
+impl TableWatch {
+    /// Every change of `table` matters.
+    pub fn whole(table: TableRef) -> TableWatch {
+        TableWatch { table, chains: None }
+    }
+}
+
 /// How the installed state compares with the wanted one.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Check {
@@ -125,11 +145,12 @@ pub trait Dataplane: Send {
     fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
         Ok(None)
     }
-    /// The nftables tables [`Dataplane::check`] reads, when they are all it reads: the kernel
-    /// announces every change to them, so the agent checks when one is announced instead of on
-    /// every tick. `None` (the default) when a check must be polled: iptables-legacy's tables
-    /// announce nothing.
-    fn announced_tables(&self) -> Option<Vec<TableRef>> {
+    /// The nftables tables [`Dataplane::check`] reads, when they are all it reads, each with the
+    /// chains it lists when it does not read the whole table: the kernel announces every change
+    /// to them, so the agent checks when one that matters is announced instead of on every
+    /// tick. `None` (the default) when a check must be polled: iptables-legacy's tables announce
+    /// nothing.
+    fn announced_tables(&self) -> Option<Vec<TableWatch>> {
         None
     }
 }
@@ -265,7 +286,7 @@ impl Dataplane for Layered {
         result
     }
 
-    fn announced_tables(&self) -> Option<Vec<TableRef>> {
+    fn announced_tables(&self) -> Option<Vec<TableWatch>> {
         let mut all = Vec::new();
         for part in std::iter::once(&self.switch).chain(&self.accepts) {
             all.extend(part.announced_tables()?);
@@ -284,7 +305,9 @@ impl Dataplane for Layered {
         let checks = self
             .parts()
             .map(|p| match p.announced_tables() {
-                Some(tables) if !tables.iter().any(|t| changed.contains(t)) => Ok(Check::Matches),
+                Some(tables) if !tables.iter().any(|t| changed.contains(&t.table)) => {
+                    Ok(Check::Matches)
+                }
                 _ => p.check_changed(rules, changed),
             })
             .collect::<Result<Vec<_>, _>>()?;

@@ -45,7 +45,7 @@ use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, MsgFlags, NetlinkAddr, SockProtocol};
 use nix::sys::time::TimeVal;
 
-use super::{Check, Dataplane, TableRef};
+use super::{Check, Dataplane, TableRef, TableWatch};
 use crate::netlink::{
     self, Message, NLMSG_DONE, NLMSG_ERROR, NLM_F_DUMP, NLM_F_DUMP_INTR, NLM_F_REQUEST,
 };
@@ -521,8 +521,8 @@ impl Dataplane for Nftables {
         "nftables"
     }
 
-    fn announced_tables(&self) -> Option<Vec<TableRef>> {
-        Some(vec![TableRef { family: FAMILY, name: ruleset::TABLE.to_owned() }])
+    fn announced_tables(&self) -> Option<Vec<TableWatch>> {
+        Some(vec![TableWatch::whole(TableRef { family: FAMILY, name: ruleset::TABLE.to_owned() })])
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {

@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use super::text::Hooked;
-use crate::dataplane::TableRef;
+use crate::dataplane::{TableRef, TableWatch};
 
 /// An address family, and so a pair of binaries (`iptables-*` or `ip6tables-*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -149,9 +149,18 @@ impl Role {
         }
     }
 
-    /// The nftables tables iptables-nft keeps its tables in.
-    pub fn nft_tables(self) -> Vec<TableRef> {
-        self.tables().iter().flat_map(|t| t.nft_tables()).collect()
+    /// The nftables tables iptables-nft keeps its tables in, each with the chains a read-back
+    /// lists ([`Table::hooks`]): a change to any other chain's rules cannot change what it finds.
+    pub fn nft_tables(self) -> Vec<TableWatch> {
+        let watch = |table: &Table| {
+            let chains: Vec<&'static str> =
+                table.hooks().iter().flat_map(|h| [h.builtin, h.own]).collect();
+            table
+                .nft_tables()
+                .into_iter()
+                .map(move |t| TableWatch { table: t, chains: Some(chains.clone()) })
+        };
+        self.tables().iter().flat_map(watch).collect()
     }
 }
 

@@ -4,13 +4,14 @@
 //! the agent re-checks its own table at once when another tool touches it, and notices changes to
 //! kube-proxy's, iptables-nft's and the node firewall's tables.
 
+use std::collections::BTreeSet;
 use std::fmt;
 
 use nix::sys::socket::SockProtocol;
 
-use super::objects::{self, nft_body, nft_type};
+use super::objects::{self, nft_body, nft_type, NFT_MSG_NEWRULE};
 use super::{Error, RECV_BUFFER};
-use crate::dataplane::TableRef;
+use crate::dataplane::{TableRef, TableWatch};
 use crate::netlink::socket::{self, AsyncSocket};
 use crate::netlink::{attributes, messages, string};
 
@@ -22,12 +23,22 @@ const NFT_MSG_NEWGEN: u16 = 16;
 /// The table's name in every object's message: `NFTA_TABLE_NAME`, `NFTA_CHAIN_TABLE`,
 /// `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, … are all attribute 1.
 const OBJECT_TABLE: u16 = objects::NFTA_TABLE_NAME;
+/// The chain in a rule's message.
+const RULE_CHAIN: u16 = objects::NFTA_RULE_CHAIN;
+/// `NFT_MSG_DELRULE`; `NFT_MSG_NEWRULE` is [`objects`]'.
+const NFT_MSG_DELRULE: u16 = 8;
 
 /// What change announcements said, merged over any number of reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Announced {
     /// The tables changed, each once, sorted.
     pub tables: Vec<TableRef>,
+    /// Of those, the ones changed otherwise than in their chains' rules (the table itself, a
+    /// chain, a set, …), each once, sorted.
+    pub whole: Vec<TableRef>,
+    /// The chains whose rules changed, by table. kube-proxy's sync of 50,000 rules names some
+    /// 25,000 chains: a set, not a sorted vector.
+    pub rules: BTreeSet<(TableRef, String)>,
     /// Something changed that could not be read (or announcements were lost): any table may
     /// have changed.
     pub unknown: bool,
@@ -44,10 +55,26 @@ impl Announced {
         self.unknown || self.tables.iter().any(|t| tables.contains(t))
     }
 
+    /// Whether a change that matters to `watch` may have been announced: any change of its
+    /// table, or only one that may touch its chains.
+    pub fn concerns(&self, watch: &TableWatch) -> bool {
+        let table = &watch.table;
+        if self.unknown || self.whole.contains(table) {
+            return true;
+        }
+        let Some(chains) = &watch.chains else { return self.tables.contains(table) };
+        let from = (table.clone(), String::new());
+        self.rules
+            .range(from..)
+            .take_while(|(t, _)| t == table)
+            .any(|(_, chain)| chains.contains(&chain.as_str()))
+    }
+
     /// Adds what `buf` (as received on the `NFNLGRP_NFTABLES` group) announces of the changes
     /// made by any socket but `ignore_portid`. Every nf_tables change message (of a table, a
-    /// chain, a rule, a set, an object, …) carries its table's name ([`OBJECT_TABLE`]); a
-    /// message that cannot be read makes the announcement `unknown`.
+    /// chain, a rule, a set, an object, …) carries its table's name ([`OBJECT_TABLE`]), a
+    /// rule's also its chain's ([`RULE_CHAIN`]); a message that cannot be read makes the
+    /// announcement `unknown`.
     pub fn add(&mut self, buf: &[u8], ignore_portid: Option<u32>) {
         for message in messages(buf) {
             let Ok(message) = message else {
@@ -59,22 +86,34 @@ impl Announced {
                 continue;
             }
             let family = message.payload.first().copied();
-            let name = nft_body(&message).ok().and_then(|(_, attrs)| {
-                attributes(attrs)
-                    .map_while(Result::ok)
-                    .find(|a| a.kind == OBJECT_TABLE)
-                    .map(|a| string(a.value))
-            });
-            match (family, name) {
-                (Some(family), Some(name)) => {
-                    let table = TableRef { family, name };
-                    if let Err(at) = self.tables.binary_search(&table) {
-                        self.tables.insert(at, table);
-                    }
+            let attrs = nft_body(&message).map(|(_, attrs)| attrs).unwrap_or_default();
+            let find = |kind: u16| {
+                attributes(attrs).map_while(Result::ok).find(|a| a.kind == kind).map(|a| a.value)
+            };
+            let (Some(family), Some(name)) = (family, find(OBJECT_TABLE)) else {
+                self.unknown = true;
+                continue;
+            };
+            let table = TableRef { family, name: string(name) };
+            let chain = [NFT_MSG_NEWRULE, NFT_MSG_DELRULE]
+                .contains(&kind)
+                .then(|| find(RULE_CHAIN))
+                .flatten();
+            match chain {
+                Some(chain) => {
+                    self.rules.insert((table.clone(), string(chain)));
                 }
-                _ => self.unknown = true,
+                None => insert(&mut self.whole, &table),
             }
+            insert(&mut self.tables, &table);
         }
+    }
+}
+
+/// Adds `table` to the sorted `tables` unless it is there.
+fn insert(tables: &mut Vec<TableRef>, table: &TableRef) {
+    if let Err(at) = tables.binary_search(table) {
+        tables.insert(at, table.clone());
     }
 }
 
@@ -174,7 +213,9 @@ mod tests {
         assert_eq!(announced(&ours, None).tables, std::slice::from_ref(&ours_ref));
         let all = [ours.clone(), ip6, theirs.clone(), again, generation.clone()].concat();
         let seen = announced(&all, Some(4242));
-        assert_eq!(seen, Announced { tables: vec![raw(2), raw(10)], unknown: false });
+        assert_eq!(seen.tables, [raw(2), raw(10)]);
+        // Those rules name no chain: they may be any chain's.
+        assert_eq!((&seen.whole, seen.unknown), (&seen.tables, false));
         assert!(seen.touches(&[raw(10)]));
         assert!(!seen.touches(&[ours_ref.clone(), raw(7)]));
         // A batch's end names no table and is not a change by itself.
@@ -185,5 +226,42 @@ mod tests {
         let nameless = message(kind(NFT_MSG_NEWRULE), 99, &[2, 0, 0, 0]);
         assert!(announced(&nameless, None).unknown);
         assert!(!announced(&[], None).any());
+    }
+
+    #[test]
+    fn a_watch_with_chains_is_concerned_only_by_what_may_touch_them() {
+        let kind = |msg| (NFNL_SUBSYS_NFTABLES << 8) | msg;
+        let rule = |msg, chain: &[u8]| {
+            let body = [vec![2, 0, 0, 0], attr(1, b"filter\0"), attr(2, chain)].concat();
+            message(kind(msg), 99, &body)
+        };
+        let filter = TableRef { family: 2, name: "filter".to_owned() };
+        let watch = TableWatch { table: filter.clone(), chains: Some(vec!["INPUT", "OURS"]) };
+        let everything = TableWatch::whole(filter.clone());
+        // kube-proxy rewriting its chain: the table changed, nothing the watch reads.
+        let churn = [rule(NFT_MSG_DELRULE, b"KUBE-FORWARD\0"), rule(NFT_MSG_NEWRULE, b"KUBE-A\0")];
+        let seen = announced(&churn.concat(), None);
+        assert_eq!(seen.tables, std::slice::from_ref(&filter));
+        assert!(!seen.concerns(&watch) && seen.concerns(&everything));
+        // A rule of a chain it reads, added or deleted.
+        for msg in [NFT_MSG_NEWRULE, NFT_MSG_DELRULE] {
+            let seen = announced(&[churn.concat(), rule(msg, b"INPUT\0")].concat(), None);
+            assert!(seen.concerns(&watch), "{msg}");
+        }
+        // A chain made, changed or deleted, whichever: it may be renamed to or from one of
+        // the watch's, or be a built-in chain's policy.
+        let chain = [vec![2, 0, 0, 0], attr(1, b"filter\0"), attr(3, b"KUBE-NEW\0")].concat();
+        let chain = message(kind(NFT_MSG_NEWCHAIN), 99, &chain);
+        assert!(announced(&chain, None).concerns(&watch));
+        // Another family's table of the same name, or a rule without its chain: the first is
+        // not the watch's, the second may be.
+        let ip6 = [vec![10, 0, 0, 0], attr(1, b"filter\0"), attr(2, b"INPUT\0")].concat();
+        assert!(!announced(&message(kind(NFT_MSG_NEWRULE), 99, &ip6), None).concerns(&watch));
+        let chainless = [vec![2, 0, 0, 0], attr(1, b"filter\0")].concat();
+        let chainless = message(kind(NFT_MSG_NEWRULE), 99, &chainless);
+        assert!(announced(&chainless, None).concerns(&watch));
+        // Lost announcements concern every watch.
+        let lost = Announced { unknown: true, ..Announced::default() };
+        assert!(lost.concerns(&watch));
     }
 }

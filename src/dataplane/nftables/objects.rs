@@ -33,6 +33,8 @@ pub const NFT_MSG_GETRULE: u16 = 7;
 pub const NFTA_TABLE_NAME: u16 = table::NAME;
 /// The table filter of a rule dump.
 pub const NFTA_RULE_TABLE: u16 = rule::TABLE;
+/// A rule's chain.
+pub const NFTA_RULE_CHAIN: u16 = rule::CHAIN;
 
 const NFGENMSG_LEN: usize = 4;
 /// `NFTNL_UDATA_RULE_COMMENT`: the comment in a rule's userdata.

@@ -409,6 +409,65 @@ mod kernel {
         });
     }
 
+    /// What iptables-nft's ACCEPTs in the filter table are read back for: kube-proxy
+    /// rewriting its own chains there (every sync, on a node with endpoint churn) is announced
+    /// but concerns them not; a rule put in front of their jump, a built-in chain's policy or
+    /// their own chain flushed does.
+    #[test]
+    fn iptables_nft_read_backs_follow_only_their_chains() {
+        use crate::dataplane::iptables::{Flavour, Iptables, Role};
+        in_netns("nft", test_path!(), |ns| {
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                const DEADLINE: Duration = Duration::from_secs(2);
+                let ipv4 = addrs(&["169.254.20.10"], &["10.96.0.10"]);
+                let rules = RuleSet::desired(&ipv4, Route::Local).with_accepts(&ipv4);
+                let mut accepts = Iptables::new(Flavour::Nft, Role::Accepts, DEADLINE).unwrap();
+                accepts.apply(&rules).unwrap();
+                let watches = accepts.announced_tables().expect("iptables-nft is announced");
+                let ipt = |args: &[&str]| {
+                    run("ip", &[&["netns", "exec", ns, "iptables-nft"], args].concat())
+                };
+                ipt(&["-N", "KUBE-FORWARD"]);
+                let mut watch = ChangeWatch::new().unwrap();
+                let mut next = async || {
+                    tokio::time::timeout(DEADLINE, watch.changed())
+                        .await
+                        .expect("a change is announced within 2 s")
+                        .unwrap()
+                };
+                let concerned =
+                    |announced: &Announced| watches.iter().any(|w| announced.concerns(w));
+
+                // kube-proxy's sync: `iptables-restore --noflush` of its chain, which flushes
+                // and refills it.
+                let mut restore = Command::new("ip")
+                    .args(["netns", "exec", ns, "iptables-nft-restore", "--noflush"])
+                    .stdin(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let script = "*filter\n:KUBE-FORWARD - [0:0]\n\
+                              -A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n\
+                              -A KUBE-FORWARD -j ACCEPT\nCOMMIT\n";
+                restore.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+                assert!(restore.wait().unwrap().success());
+                let churn = next().await;
+                let filter = TableRef { family: libc::NFPROTO_IPV4 as u8, name: "filter".into() };
+                assert!(churn.tables.contains(&filter), "{churn:?}");
+                assert!(!concerned(&churn), "{churn:?}");
+
+                ipt(&["-I", "INPUT", "1", "-j", "ACCEPT"]);
+                assert!(concerned(&next().await), "a rule in front of the jump");
+                ipt(&["-P", "INPUT", "DROP"]);
+                assert!(concerned(&next().await), "the built-in chain's policy");
+                ipt(&["-F", "NODELOCALDNS-HA-INPUT"]);
+                assert!(concerned(&next().await), "the agent's chain flushed");
+                assert!(matches!(accepts.check(&rules).unwrap(), Check::Differs(_)));
+            });
+        });
+    }
+
     #[test]
     fn host_firewall_reads_the_node_tables_only() {
         // The agent's, kube-proxy's and iptables-nft's tables are left out, and so is a table

@@ -10,7 +10,7 @@ use tracing::warn;
 
 use super::ChangeWatch;
 use crate::dataplane;
-use crate::dataplane::TableRef;
+use crate::dataplane::{TableRef, TableWatch};
 
 /// What besides the agent's own tables [`watch_nftables`] tells about.
 pub(crate) struct Watched {
@@ -20,12 +20,12 @@ pub(crate) struct Watched {
     pub(crate) firewall: Arc<Notify>,
 }
 
-/// Notifies `resync` whenever one of `tables` changes in this network namespace (any table when
-/// `None`), the agent's own changes included: the resync that follows finds them in order and
-/// does nothing. `hearing` is true while the announcements are heard; when they are not, the
+/// Notifies `resync` whenever a change that matters to one of `tables` is announced in this
+/// network namespace (any change when `None`), the agent's own changes included: the resync that
+/// follows finds them in order and does nothing. `changed` gathers the tables of those changes. `hearing` is true while the announcements are heard; when they are not, the
 /// agent checks on every tick.
 pub(crate) async fn watch_nftables(
-    tables: Option<Vec<TableRef>>,
+    tables: Option<Vec<TableWatch>>,
     resync: Arc<Notify>,
     changed: Arc<std::sync::Mutex<Option<Vec<TableRef>>>>,
     watched: Watched,
@@ -51,13 +51,21 @@ pub(crate) async fn watch_nftables(
                 if announced.unknown || announced.tables.iter().any(candidate) {
                     watched.firewall.notify_one();
                 }
-                if tables.as_ref().is_none_or(|t| announced.touches(t)) {
+                let concerned: Vec<TableRef> = match &tables {
+                    Some(tables) => tables
+                        .iter()
+                        .filter(|t| announced.concerns(t))
+                        .map(|t| t.table.clone())
+                        .collect(),
+                    None => announced.tables.clone(),
+                };
+                if announced.unknown || !concerned.is_empty() {
                     // Which of them, for the check; taken (and emptied) by the loop. `None`:
                     // unknown, check everything.
                     if let Ok(mut changed) = changed.lock() {
                         let next = match (changed.take(), announced.unknown) {
                             (Some(mut seen), false) => {
-                                seen.extend(announced.tables.iter().cloned());
+                                seen.extend(concerned);
                                 Some(seen)
                             }
                             _ => None,
