@@ -27,6 +27,10 @@ const OBJECT_TABLE: u16 = objects::NFTA_TABLE_NAME;
 const RULE_CHAIN: u16 = objects::NFTA_RULE_CHAIN;
 /// `NFT_MSG_DELRULE`; `NFT_MSG_NEWRULE` is [`objects`]'.
 const NFT_MSG_DELRULE: u16 = 8;
+/// How many chains' rule changes are kept per table; past that the table counts as changed
+/// whole. kube-proxy's full sync of 50,000 rules names some 25,000 chains of its nat table,
+/// which would be megabytes of names held for nothing.
+const CHAINS_PER_TABLE: usize = 64;
 
 /// What change announcements said, merged over any number of reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -36,8 +40,7 @@ pub struct Announced {
     /// Of those, the ones changed otherwise than in their chains' rules (the table itself, a
     /// chain, a set, …), each once, sorted.
     pub whole: Vec<TableRef>,
-    /// The chains whose rules changed, by table. kube-proxy's sync of 50,000 rules names some
-    /// 25,000 chains: a set, not a sorted vector.
+    /// The chains whose rules changed, by table, at most [`CHAINS_PER_TABLE`] each.
     pub rules: BTreeSet<(TableRef, String)>,
     /// Something changed that could not be read (or announcements were lost): any table may
     /// have changed.
@@ -63,11 +66,13 @@ impl Announced {
             return true;
         }
         let Some(chains) = &watch.chains else { return self.tables.contains(table) };
+        self.chains_of(table).any(|chain| chains.contains(&chain))
+    }
+
+    /// The chains of `table` whose rules changed.
+    fn chains_of<'a>(&'a self, table: &'a TableRef) -> impl Iterator<Item = &'a str> + 'a {
         let from = (table.clone(), String::new());
-        self.rules
-            .range(from..)
-            .take_while(|(t, _)| t == table)
-            .any(|(_, chain)| chains.contains(&chain.as_str()))
+        self.rules.range(from..).take_while(move |(t, _)| t == table).map(|(_, c)| c.as_str())
     }
 
     /// Adds what `buf` (as received on the `NFNLGRP_NFTABLES` group) announces of the changes
@@ -100,10 +105,14 @@ impl Announced {
                 .then(|| find(RULE_CHAIN))
                 .flatten();
             match chain {
-                Some(chain) => {
+                Some(_) if self.whole.contains(&table) => {}
+                Some(chain) if self.chains_of(&table).count() < CHAINS_PER_TABLE => {
                     self.rules.insert((table.clone(), string(chain)));
                 }
-                None => insert(&mut self.whole, &table),
+                _ => {
+                    self.rules.retain(|(t, _)| *t != table);
+                    insert(&mut self.whole, &table);
+                }
             }
             insert(&mut self.tables, &table);
         }
@@ -260,6 +269,12 @@ mod tests {
         let chainless = [vec![2, 0, 0, 0], attr(1, b"filter\0")].concat();
         let chainless = message(kind(NFT_MSG_NEWRULE), 99, &chainless);
         assert!(announced(&chainless, None).concerns(&watch));
+        // A rewrite of more chains than are kept: the table counts as changed whole.
+        let many: Vec<Vec<u8>> = (0..=CHAINS_PER_TABLE)
+            .map(|i| rule(NFT_MSG_NEWRULE, format!("KUBE-SEP-{i}\0").as_bytes()))
+            .collect();
+        let seen = announced(&many.concat(), None);
+        assert!(seen.rules.is_empty() && seen.concerns(&watch), "{seen:?}");
         // Lost announcements concern every watch.
         let lost = Announced { unknown: true, ..Announced::default() };
         assert!(lost.concerns(&watch));
