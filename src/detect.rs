@@ -224,10 +224,14 @@ pub fn ipvs_refusal(found: &Detection, cluster_dns: &[IpAddr]) -> Option<String>
 }
 
 /// Runs `iptables-<flavour>-save` and `ip6tables-<flavour>-save`; empty output when a binary is
-/// missing (a node without that flavour). Failures of binaries that exist go to `unreadable`.
+/// missing (a node without that flavour), and for iptables-legacy when the family has no table
+/// here ([`legacy_has_tables`]). Failures of binaries that exist go to `unreadable`.
 fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
     let mut text = String::new();
     for binary in flavour.binaries(Tool::Save) {
+        if flavour == Flavour::Legacy && !legacy_has_tables(binary) {
+            continue;
+        }
         match Command::new(binary).output() {
             Ok(out) if out.status.success() => text.push_str(&String::from_utf8_lossy(&out.stdout)),
             Ok(out) => unreadable.push(format!("{binary}: {}", complaint(&out.stderr))),
@@ -235,6 +239,16 @@ fn save_output(flavour: Flavour, unreadable: &mut Vec<String>) -> String {
         }
     }
     text
+}
+
+/// Whether iptables-legacy has a table of `binary`'s family (`ip6tables-…` or `iptables-…`) in
+/// this network namespace ([`legacy_tables`](crate::dataplane::iptables::legacy_tables); one
+/// whose list cannot be read counts as having some). Without a table a save prints nothing, so
+/// none is run: on a node whose iptables is nft that is two processes fewer every
+/// [`FOREIGN_RULES_PERIOD`](foreign::FOREIGN_RULES_PERIOD).
+fn legacy_has_tables(binary: &str) -> bool {
+    let ipv6 = binary.starts_with("ip6");
+    crate::dataplane::iptables::legacy_tables(ipv6).is_none_or(|tables| !tables.is_empty())
 }
 
 /// What a failed command said: the first line of `stderr` that is not blank, or `failed`.
@@ -455,5 +469,25 @@ COMMIT
         f.kube_ipvs0 = true;
         let ipvs = decide(&f).ipvs.expect("ipvs");
         assert!(ipvs.contains("kube-ipvs0") && ipvs.contains("iptables-legacy rules"), "{ipvs}");
+    }
+
+    /// In a namespace of its own: no legacy table, so no save is run, and a foreign NOTRACK
+    /// that iptables-legacy puts in raw is still found once the table exists.
+    #[test]
+    fn legacy_is_saved_only_where_it_has_tables() {
+        use crate::testutil::{in_netns, run, test_path};
+        in_netns("det", test_path!(), |ns| {
+            assert!(!legacy_has_tables("iptables-legacy-save"));
+            assert!(!legacy_has_tables("ip6tables-legacy-save"));
+            assert_eq!(gather_flavour(Flavour::Legacy, &addrs()).0, SaveFacts::default());
+            let notrack = "-d 10.96.0.10/32 -p udp -m udp --dport 53 -j NOTRACK";
+            let args = ["netns", "exec", ns, "iptables-legacy", "-t", "raw", "-I", "PREROUTING"];
+            run("ip", &[&args[..], &notrack.split(' ').collect::<Vec<_>>()].concat());
+            assert!(legacy_has_tables("iptables-legacy-save"));
+            assert!(!legacy_has_tables("ip6tables-legacy-save"));
+            let (facts, unreadable) = gather_flavour(Flavour::Legacy, &addrs());
+            assert!(unreadable.is_empty(), "{unreadable:?}");
+            assert_eq!(facts.foreign_notrack.len(), 1, "{facts:?}");
+        });
     }
 }

@@ -72,7 +72,7 @@ use text::{Saved, State};
 pub use error::Error;
 use error::{classify, summary};
 pub use flavour::{Flavour, Tool};
-pub use table::{Role, Table};
+pub use table::{legacy_tables, Role, Table};
 pub use text::ParseError;
 
 /// Where the binaries are looked for after `PATH` (a service's `PATH` may lack the sbin dirs).
@@ -214,8 +214,16 @@ impl Iptables {
         })
     }
 
-    /// `iptables-save -t <table>` for `family`, parsed.
+    /// `iptables-save -t <table>` for `family`, parsed. iptables-legacy's table is not named when
+    /// the kernel does not list it ([`legacy_tables`]): it holds nothing, and saving it would
+    /// create it.
     fn save(&self, family: Family, table: Table) -> Result<Saved, Error> {
+        if self.flavour == Flavour::Legacy
+            && legacy_tables(family == Family::V6)
+                .is_some_and(|t| !t.iter().any(|n| n == table.as_str()))
+        {
+            return Ok(Saved::default());
+        }
         let binary = &self.binaries(family).save;
         let name = table.as_str();
         let done = self.run(binary, &["-t", name], None, describe(&[table]))?;

@@ -7,6 +7,22 @@ use std::net::IpAddr;
 use super::text::Hooked;
 use crate::dataplane::{TableRef, TableWatch};
 
+/// The tables iptables-legacy has of one family (IPv6 when `ipv6`) in this network namespace,
+/// as the kernel names them in `/proc/net/ip_tables_names` (`ip6_tables_names`): none until
+/// something names one, and the file is missing while the module is not loaded. Naming a table
+/// to iptables-legacy, even to save it, makes the kernel create it, hooks and all (every packet
+/// of the node then passes it, and iptables-nft warns on each call that legacy tables are
+/// present): a table not listed holds nothing and is better left unnamed. `None` when the list
+/// cannot be read for another reason.
+pub fn legacy_tables(ipv6: bool) -> Option<Vec<String>> {
+    let path = if ipv6 { "/proc/net/ip6_tables_names" } else { "/proc/net/ip_tables_names" };
+    match std::fs::read_to_string(path) {
+        Ok(names) => Some(names.lines().map(str::to_owned).collect()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(Vec::new()),
+        Err(_) => None,
+    }
+}
+
 /// An address family, and so a pair of binaries (`iptables-*` or `ip6tables-*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Family {

@@ -700,12 +700,14 @@ pub(crate) mod kernel {
         let mut ipt_raw = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
         assert_eq!(ipt_raw.flavour(), flavour);
 
-        // Nothing there: Missing, and remove has nothing to do (and creates no table).
+        // Nothing there: Missing, and remove has nothing to do (and creates no table: a legacy
+        // table, once named, would stay, hooked into every packet's path).
         assert_eq!(ipt_raw.check(&local).unwrap(), Check::Missing);
         ipt_raw.remove().unwrap();
         if flavour == Flavour::Nft {
             assert_eq!(run("ip", &["netns", "exec", ns, "nft", "list", "ruleset"]), "");
         }
+        assert_eq!([legacy_tables(false), legacy_tables(true)], [Some(vec![]), Some(vec![])]);
 
         // Local, dual-stack: exactly the rendering, jumps first.
         ipt_raw.apply(&local).unwrap();
