@@ -214,14 +214,10 @@ impl Iptables {
         })
     }
 
-    /// `iptables-save -t <table>` for `family`, parsed. iptables-legacy's table is not named when
-    /// the kernel does not list it ([`legacy_tables`]): it holds nothing, and saving it would
-    /// create it.
+    /// `iptables-save -t <table>` for `family`, parsed. An iptables-legacy table the kernel does
+    /// not list ([`legacy_tables`]) holds nothing, and saving it would create it: not named.
     fn save(&self, family: Family, table: Table) -> Result<Saved, Error> {
-        if self.flavour == Flavour::Legacy
-            && legacy_tables(family == Family::V6)
-                .is_some_and(|t| !t.iter().any(|n| n == table.as_str()))
-        {
+        if self.flavour == Flavour::Legacy && table.unlisted_in_legacy(family) {
             return Ok(Saved::default());
         }
         let binary = &self.binaries(family).save;

@@ -116,6 +116,12 @@ impl Table {
         Family::ALL.map(|f| TableRef { family: f.nfproto(), name: name.to_owned() }).into()
     }
 
+    /// Whether iptables-legacy has no such table of `family` here ([`legacy_tables`]).
+    pub(super) fn unlisted_in_legacy(self, family: Family) -> bool {
+        let listed = |names: Vec<String>| names.iter().any(|n| n == self.as_str());
+        legacy_tables(family == Family::V6).is_some_and(|names| !listed(names))
+    }
+
     /// The built-in chains the agent jumps from, each with its chain.
     pub(super) fn hooks(self) -> &'static [Hooked] {
         const RAW: [Hooked; 2] = [
