@@ -22,8 +22,9 @@ pub(crate) struct Watched {
 
 /// Notifies `resync` whenever a change that matters to one of `tables` is announced in this
 /// network namespace (any change when `None`), the agent's own changes included: the resync that
-/// follows finds them in order and does nothing. `changed` gathers the tables of those changes. `hearing` is true while the announcements are heard; when they are not, the
-/// agent checks on every tick.
+/// follows finds them in order and does nothing. `changed` gathers the tables of those changes.
+/// `hearing` is true while the announcements are heard; when they are not, the agent checks on
+/// every tick.
 pub(crate) async fn watch_nftables(
     tables: Option<Vec<TableWatch>>,
     resync: Arc<Notify>,
