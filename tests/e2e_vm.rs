@@ -149,16 +149,12 @@ fn assert_dummy_layout(node: &SimNode) {
     );
 }
 
-/// The agent's state once it has settled on `Local`: its last [`SETTLED`] probes of the cache
-/// answered. In a guest starved by its host (TCG), the cache can miss `fall` probes while the
-/// agent starts beside it (seen: a switch and back in the first seconds, the dnsload p99 at
-/// 1.5 s, and once a second after the route had first reached `Local`), which is the probes
-/// doing their job, not what a test here checks: it counts from the settled state.
+/// The agent's state once it has settled on `Local` ([`Agent::wait_settled`]). In this starved
+/// guest the cache has missed `fall` probes while the agent started beside it (a switch and back
+/// in the first seconds, the dnsload p99 at 1.5 s, once a second after the route had first
+/// reached `Local`): the probes doing their job, not what a test here checks.
 fn settled(agent: &Agent) -> Value {
-    wait_for("the agent settled on local", ROUTE, || {
-        let good = |s: &Value| s["probes"]["cache_udp"]["streak_good"].as_u64() >= Some(SETTLED);
-        agent.state().filter(|s| s["route"] == "local" && good(s))
-    })
+    agent.wait_settled(SETTLED, ROUTE)
 }
 
 /// Good probes in a row that make the agent settled (2 s at [`AGENT_TIMING`]'s pace).

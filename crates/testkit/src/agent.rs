@@ -182,6 +182,18 @@ impl Agent {
         })
     }
 
+    /// Waits until the agent has settled on `Local`: its last `good` probes of the cache
+    /// answered; returns the state. A host that starves the agent and the cache while they
+    /// start (a TCG guest) can make the cache miss `fall` probes in the first seconds, a switch
+    /// and back that is the probes doing their job; a test that checks something else counts
+    /// from here.
+    pub fn wait_settled(&self, good: u64, deadline: Duration) -> Value {
+        wait_for("the agent settled on local", deadline, || {
+            let streak = |s: &Value| s["probes"]["cache_udp"]["streak_good"].as_u64();
+            self.state().filter(|s| s["route"] == "local" && streak(s) >= Some(good))
+        })
+    }
+
     /// Sends `signal` and waits for the exit status.
     pub fn stop(&mut self, signal: nix::sys::signal::Signal) -> std::process::ExitStatus {
         let mut child = self.child.take().expect("agent running");
@@ -302,6 +314,7 @@ pub fn fallback_refused(node: &SimNode, dataplane: &str, extra: &[&str], refusin
     // The ClusterIP failover works as ever: a crash (which the kernel fast path alone would
     // survive) and a hang (which only the agent's switch does).
     let route = Duration::from_secs(30);
+    agent.wait_settled(10, route);
     assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER);
     node.kill("cache-kill");
     agent.wait_route("upstream", route);
