@@ -4,7 +4,8 @@
 //! resolv.conf; the same in the link-local shape (issue 12: pods ask 169.254.20.10 itself) with
 //! node-cache alone, kubespray's second DaemonSet (two caches in one SO_REUSEPORT group, one of
 //! them killed or hung) and the agent; then the agent's drift repair, switch latency, data-path
-//! cost (dnsperf; and dnsperf through the link-local fallback against straight to CoreDNS) and
+//! cost (dnsperf; and dnsperf through the link-local fallback, and through a kernel DNAT for
+//! comparison, against straight to CoreDNS) and
 //! footprint; then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
 //! every second with filter churn, 0 and 50,000 nat rules): the agent's CPU with its children,
 //! and a host-network client across a cache SIGKILL.
@@ -1109,18 +1110,36 @@ fn machine_ticks() -> u64 {
     [0, 1, 2, 5, 6].iter().filter_map(|&i| fields.get(i)).sum()
 }
 
+/// The nft table of [`dnat_to_coredns`].
+const DNAT_TABLE: &str = "nlha-bench-dnat";
+
+/// What a kernel-only fallback would get, for comparison (docs/design/link-local.md, option B,
+/// not built): 169.254.20.10's UDP port 53 DNATed to simnode's two CoreDNS endpoints
+/// (testdata/simnode.sh's layout); no process between the pod and CoreDNS. Only without the
+/// agent, whose NOTRACK of the link-local IP (node-cache's too, on a real node) keeps NAT away.
+fn dnat_to_coredns() -> String {
+    format!(
+        "table ip {DNAT_TABLE} {{\n  chain pre {{\n    type nat hook prerouting priority -100;\n    \
+         ip daddr {LOCAL_IP} udp dport 53 dnat to numgen random mod 2 map \
+         {{ 0 : 10.244.1.2, 1 : 10.244.1.3 }}\n  }}\n}}\n"
+    )
+}
+
 /// Issue 12, acceptance 4: the link-local shape's fallback is not the bottleneck. Queries/s of
 /// `dnsperf` from a pod (the settings of [`dnsperf`]) to 169.254.20.10 with the agent running
 /// and the cache killed, so that TPROXY hands every query to the agent's forwarder, which asks
 /// kube-dns-upstream (10.96.0.11, kube-proxy's DNAT to CoreDNS); against `dnsperf` from the same
 /// pod straight to CoreDNS through that Service; alternating, `rounds` times `secs` s each.
+/// Then, the agent stopped, the same against [`dnat_to_coredns`], the kernel-only alternative.
 ///
-/// Twice: with every process free to run on any core (`shared`: the forwarder's CPU is taken
-/// from dnsperf's and CoreDNS's), and, on a machine of two cores or more, with the agent on a
-/// core of its own and dnsperf and CoreDNS on another (`agent-own-core`, taskset; the same
-/// pinning for both paths), as on a cluster's node, whose cores CoreDNS does not share. The
-/// CPU of CoreDNS (dnsmasq, one thread) and of the agent, and the agent's share of it spent in
-/// the kernel, say which one limits. None when dnsperf is not installed.
+/// In three arrangements: with every process free to run on any core (`shared`: the
+/// forwarder's CPU is taken from dnsperf's and CoreDNS's), and, on a machine of two cores or
+/// more, with the agent on a core of its own and dnsperf and CoreDNS on another
+/// (`agent-own-core`, taskset; the same pinning for both paths), as on a cluster's node, whose
+/// cores CoreDNS does not share, or CoreDNS on a core of its own and the client with the agent
+/// (`coredns-own-core`). The CPU of CoreDNS (dnsmasq, one thread) and of the agent, and the
+/// agent's share of it spent in the kernel, say which one limits. None when dnsperf is not
+/// installed.
 fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
     let queries = dnsperf_queries(node)?;
     let pid = |svc: &str| -> u32 {
@@ -1138,91 +1157,78 @@ fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
     assert_eq!(node.dig("pod1", UPSTREAM_IP), COREDNS_ANSWER, "CoreDNS answers");
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let every_core = format!("0-{}", cores - 1);
-    let pin = |pid: u32, cpus: &str| {
-        let out = Command::new("taskset").args(["-a", "-p", "-c", cpus, &pid.to_string()]).output();
-        let out = out.expect("run taskset");
-        assert!(out.status.success(), "taskset -a -p -c {cpus} {pid}: {}", describe(&out));
-    };
-    let mut rows = Vec::new();
     let variants: &[&str] =
         if cores >= 2 { &["shared", "agent-own-core", "coredns-own-core"] } else { &["shared"] };
+    // agent-own-core: the forwarder has a core; coredns-own-core: CoreDNS has one, as off the
+    // node, and the client shares the other with the agent, as pods do on a node.
+    let cpus = |variant: &str| match variant {
+        "agent-own-core" => ("0".to_string(), "1".to_string(), Some("1")),
+        "coredns-own-core" => ("0".to_string(), "1".to_string(), Some("0")),
+        _ => (every_core.clone(), every_core.clone(), None),
+    };
+    let mut rows = Vec::new();
     for &variant in variants {
-        // agent-own-core: the forwarder has a core; coredns-own-core: CoreDNS has one, as off
-        // the node, and the client shares the other with the agent, as pods do on a node.
-        let (agent_cpu, coredns_cpu, dnsperf_cpus) = match variant {
-            "agent-own-core" => ("0", "1", Some("1")),
-            "coredns-own-core" => ("0", "1", Some("0")),
-            _ => (every_core.as_str(), every_core.as_str(), None),
-        };
-        pin(agent_pid, agent_cpu);
-        pin(coredns, coredns_cpu);
-        for round in 0..rounds {
-            eprintln!(
-                "bench: dnsperf through the link-local fallback, {variant}, round {}",
-                round + 1
-            );
+        let (agent_cpu, coredns_cpu, dnsperf_cpus) = cpus(variant);
+        pin(agent_pid, &agent_cpu);
+        pin(coredns, &coredns_cpu);
+        for round in 1..=rounds {
+            eprintln!("bench: dnsperf through the link-local fallback, {variant}, round {round}");
             for (path, server) in [("coredns", UPSTREAM_IP), ("fallback", LOCAL_IP)] {
-                // The forwarder asks the Service from a few long-lived sockets: a conntrack
-                // entry each. (A socket per query, as it once had, left one per query, kept
-                // 30 s.) Each run starts from an empty table, so that the rounds compare.
-                let flushed = node.run("node", "conntrack", &["-F"]);
-                assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
-                let (t0, coredns0, agent0) =
-                    (Instant::now(), ticks_of(coredns), ticks_of(agent_pid));
-                let kernel0 = kernel_ticks(agent_pid).unwrap_or_default();
-                // dnsperf is this process's child once it is waited for; the machine's share is
-                // everyone's, this benchmark's and any other load's.
-                let (dnsperf0, machine0) = (children_ticks(), machine_ticks());
-                let run = dnsperf_run_on(node, server, &queries, secs, dnsperf_cpus);
-                let wall = t0.elapsed().as_secs_f64();
-                let mcpu = |from: u64, to: u64| {
-                    round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
-                };
-                let kernel1 = kernel_ticks(agent_pid).unwrap_or_default();
-                let kernel = kernel1.0.saturating_sub(kernel0.0);
-                let total = kernel1.1.saturating_sub(kernel0.1);
-                let agent_kernel_share =
-                    (total > 0).then(|| (kernel as f64 / total as f64 * 100.0).round());
-                let conntrack =
-                    node.run("node", "cat", &["/proc/sys/net/netfilter/nf_conntrack_count"]);
-                let conntrack: Option<u64> =
-                    String::from_utf8_lossy(&conntrack.stdout).trim().parse().ok();
-                rows.push(json!({
-                    "variant": variant,
-                    "round": round + 1,
-                    "path": path,
-                    "server": server,
-                    "qps": run.qps.round(),
-                    "lost": run.lost,
-                    "latency_ms_mean": (run.latency_ms * 100.0).round() / 100.0,
-                    "coredns_mcpu": mcpu(coredns0, ticks_of(coredns)),
-                    "agent_mcpu": mcpu(agent0, ticks_of(agent_pid)),
-                    "agent_kernel_percent": agent_kernel_share,
-                    "dnsperf_mcpu": mcpu(dnsperf0, children_ticks()),
-                    "machine_busy_mcpu": mcpu(machine0, machine_ticks()),
-                    "conntrack_entries_after": conntrack,
-                }));
+                let run = Run { variant, round, series: "fallback", path, server };
+                rows.push(run.measure(
+                    node,
+                    &queries,
+                    secs,
+                    dnsperf_cpus,
+                    coredns,
+                    Some(agent_pid),
+                ));
             }
         }
     }
-    pin(coredns, &every_core);
     let route = agent.state().map(|s| s["route"].clone()).unwrap_or(Value::Null);
     assert_eq!(route, "upstream", "the route stayed on the forwarder throughout");
     stop_agent(node, agent);
+    let file = node.dir.join("dnat.nft");
+    std::fs::write(&file, dnat_to_coredns()).expect("write the DNAT's ruleset");
+    let out = node.run("node", "nft", &["-f", &file.display().to_string()]);
+    assert!(out.status.success(), "nft -f {}: {}", file.display(), describe(&out));
+    assert_eq!(node.dig("pod1", LOCAL_IP), COREDNS_ANSWER, "the DNAT to CoreDNS answers");
+    for &variant in variants {
+        let (_, coredns_cpu, dnsperf_cpus) = cpus(variant);
+        pin(coredns, &coredns_cpu);
+        for round in 1..=rounds {
+            eprintln!("bench: dnsperf through a kernel DNAT, {variant}, round {round}");
+            for (path, server) in [("coredns", UPSTREAM_IP), ("dnat", LOCAL_IP)] {
+                let run = Run { variant, round, series: "dnat", path, server };
+                rows.push(run.measure(node, &queries, secs, dnsperf_cpus, coredns, None));
+            }
+        }
+    }
+    let out = node.run("node", "nft", &["delete", "table", "ip", DNAT_TABLE]);
+    assert!(out.status.success(), "{}", describe(&out));
+    pin(coredns, &every_core);
     node.script(&["cache-start"]);
     let summary: Vec<Value> = variants
         .iter()
         .map(|&variant| {
-            let qps = |path: &str| -> Vec<f64> {
-                let of = rows.iter().filter(|r| r["variant"] == variant && r["path"] == path);
+            let qps = |series: &str, path: &str| -> Vec<f64> {
+                let of = rows.iter().filter(|r| {
+                    r["variant"] == variant && r["series"] == series && r["path"] == path
+                });
                 of.map(|r| r["qps"].as_f64().unwrap_or(0.0)).collect()
             };
-            let (direct, fallback) = (qps("coredns"), qps("fallback"));
+            let over = |of: &[f64], to: &[f64]| (mean(of) / mean(to) * 1000.0).round() / 1000.0;
+            let (direct, fallback) = (qps("fallback", "coredns"), qps("fallback", "fallback"));
+            let (direct_b, dnat) = (qps("dnat", "coredns"), qps("dnat", "dnat"));
             json!({
                 "variant": variant,
                 "coredns_qps": direct,
                 "fallback_qps": fallback,
-                "fallback_over_coredns": (mean(&fallback) / mean(&direct) * 1000.0).round() / 1000.0,
+                "fallback_over_coredns": over(&fallback, &direct),
+                "coredns_qps_beside_dnat": direct_b,
+                "dnat_qps": dnat,
+                "dnat_over_coredns": over(&dnat, &direct_b),
             })
         })
         .collect();
@@ -1232,6 +1238,77 @@ fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
         "variants": summary,
         "runs": rows,
     }))
+}
+
+/// Pins every thread of `pid` to `cpus` (taskset's list).
+fn pin(pid: u32, cpus: &str) {
+    let out = Command::new("taskset").args(["-a", "-p", "-c", cpus, &pid.to_string()]).output();
+    let out = out.expect("run taskset");
+    assert!(out.status.success(), "taskset -a -p -c {cpus} {pid}: {}", describe(&out));
+}
+
+/// One dnsperf run of [`fallback_dnsperf`].
+struct Run<'a> {
+    variant: &'a str,
+    round: u32,
+    /// `fallback` (the agent running) or `dnat` (the agent stopped, [`dnat_to_coredns`]).
+    series: &'a str,
+    /// `coredns` (straight, through the Service), `fallback` or `dnat`.
+    path: &'a str,
+    server: &'a str,
+}
+
+impl Run<'_> {
+    /// Runs dnsperf to the run's server; its figures, with the CPU of CoreDNS, of the agent (if
+    /// it runs), of dnsperf and of the machine over the run.
+    fn measure(
+        &self,
+        node: &SimNode,
+        queries: &str,
+        secs: u32,
+        dnsperf_cpus: Option<&str>,
+        coredns: u32,
+        agent: Option<u32>,
+    ) -> Value {
+        // The forwarder asks the Service from a few long-lived sockets: a conntrack entry each.
+        // (A socket per query, as it once had, left one per query, kept 30 s.) Each run starts
+        // from an empty table, so that the rounds compare.
+        let flushed = node.run("node", "conntrack", &["-F"]);
+        assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
+        let (t0, coredns0, agent0) = (Instant::now(), ticks_of(coredns), agent.map(ticks_of));
+        let kernel0 = agent.and_then(kernel_ticks).unwrap_or_default();
+        // dnsperf is this process's child once it is waited for; the machine's share is
+        // everyone's, this benchmark's and any other load's.
+        let (dnsperf0, machine0) = (children_ticks(), machine_ticks());
+        let run = dnsperf_run_on(node, self.server, queries, secs, dnsperf_cpus);
+        let wall = t0.elapsed().as_secs_f64();
+        let mcpu = |from: u64, to: u64| {
+            round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
+        };
+        let kernel1 = agent.and_then(kernel_ticks).unwrap_or_default();
+        let kernel = kernel1.0.saturating_sub(kernel0.0);
+        let total = kernel1.1.saturating_sub(kernel0.1);
+        let agent_kernel_share =
+            (total > 0).then(|| (kernel as f64 / total as f64 * 100.0).round());
+        let conntrack = node.run("node", "cat", &["/proc/sys/net/netfilter/nf_conntrack_count"]);
+        let conntrack: Option<u64> = String::from_utf8_lossy(&conntrack.stdout).trim().parse().ok();
+        json!({
+            "variant": self.variant,
+            "round": self.round,
+            "series": self.series,
+            "path": self.path,
+            "server": self.server,
+            "qps": run.qps.round(),
+            "lost": run.lost,
+            "latency_ms_mean": (run.latency_ms * 100.0).round() / 100.0,
+            "coredns_mcpu": mcpu(coredns0, ticks_of(coredns)),
+            "agent_mcpu": agent.zip(agent0).map(|(pid, from)| mcpu(from, ticks_of(pid))),
+            "agent_kernel_percent": agent_kernel_share,
+            "dnsperf_mcpu": mcpu(dnsperf0, children_ticks()),
+            "machine_busy_mcpu": mcpu(machine0, machine_ticks()),
+            "conntrack_entries_after": conntrack,
+        })
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1497,22 +1574,25 @@ fn main() {
         );
     }
     if let Some(p) = &fallback_perf {
-        let list = |variant: &str, path: &str| {
+        let list = |variant: &str, series: &str, path: &str| {
             let runs = p["runs"].as_array().into_iter().flatten();
-            let runs = runs.filter(|r| r["variant"] == variant && r["path"] == path);
+            let runs = runs
+                .filter(|r| r["variant"] == variant && r["series"] == series && r["path"] == path);
             runs.map(|r| {
-                let kernel = match r["agent_kernel_percent"].as_f64() {
-                    Some(k) if path == "fallback" => format!(" ({k:.0} % of it in the kernel)"),
-                    _ => String::new(),
+                let agent = match (r["agent_mcpu"].as_f64(), r["agent_kernel_percent"].as_f64()) {
+                    (Some(a), Some(k)) if path == "fallback" => {
+                        format!(", agent {a:.0} ({k:.0} % of it in the kernel) mCPU")
+                    }
+                    (Some(a), _) => format!(", agent {a:.0} mCPU"),
+                    (None, _) => String::new(),
                 };
                 format!(
-                    "{:.0} ({:.2} ms mean latency; dnsperf {:.0}, CoreDNS {:.0}, agent {:.0}{kernel} \
-                     mCPU, the machine {:.0} mCPU busy; {} conntrack entries after)",
+                    "{:.0} ({:.2} ms mean latency; dnsperf {:.0}, CoreDNS {:.0}{agent}, \
+                     the machine {:.0} mCPU busy; {} conntrack entries after)",
                     r["qps"].as_f64().unwrap_or(0.0),
                     r["latency_ms_mean"].as_f64().unwrap_or(0.0),
                     r["dnsperf_mcpu"].as_f64().unwrap_or(0.0),
                     r["coredns_mcpu"].as_f64().unwrap_or(0.0),
-                    r["agent_mcpu"].as_f64().unwrap_or(0.0),
                     r["machine_busy_mcpu"].as_f64().unwrap_or(0.0),
                     r["conntrack_entries_after"],
                 )
@@ -1520,6 +1600,12 @@ fn main() {
             .collect::<Vec<_>>()
             .join(", ")
         };
+        let label = |variant: &str| match variant {
+            "shared" => "every process on either core",
+            "agent-own-core" => "the agent on a core of its own; dnsperf and CoreDNS on the other",
+            _ => "CoreDNS on a core of its own; dnsperf and the agent on the other",
+        };
+        let variants = || p["variants"].as_array().into_iter().flatten();
         let _ = writeln!(
             md,
             "\ndnsperf from a pod in the link-local shape ({} rounds of {} s each per \
@@ -1530,21 +1616,35 @@ fn main() {
             p["rounds"], p["seconds_per_round"],
         );
         let _ = writeln!(md, "| arrangement | straight to CoreDNS, queries/s | through the fallback, queries/s | ratio |\n|---|---|---|---|");
-        for v in p["variants"].as_array().into_iter().flatten() {
+        for v in variants() {
             let variant = v["variant"].as_str().unwrap_or("?");
-            let label = match variant {
-                "shared" => "every process on either core",
-                "agent-own-core" => {
-                    "the agent on a core of its own; dnsperf and CoreDNS on the other"
-                }
-                _ => "CoreDNS on a core of its own; dnsperf and the agent on the other",
-            };
             let _ = writeln!(
                 md,
-                "| {label} | {} | {} | **{}** |",
-                list(variant, "coredns"),
-                list(variant, "fallback"),
+                "| {} | {} | {} | **{}** |",
+                label(variant),
+                list(variant, "fallback", "coredns"),
+                list(variant, "fallback", "fallback"),
                 v["fallback_over_coredns"],
+            );
+        }
+        let _ = writeln!(
+            md,
+            "\nFor comparison, what a kernel-only fallback gets: the agent stopped (its NOTRACK \
+             of 169.254.20.10 with it, which on a real node node-cache's own would keep), \
+             169.254.20.10 DNATed straight to CoreDNS's two endpoints (option B of \
+             docs/design/link-local.md, not built: the README says why), against straight to \
+             CoreDNS, alternating, with the same pinning of CoreDNS and dnsperf:\n",
+        );
+        let _ = writeln!(md, "| arrangement | straight to CoreDNS, queries/s | through a kernel DNAT, queries/s | ratio |\n|---|---|---|---|");
+        for v in variants() {
+            let variant = v["variant"].as_str().unwrap_or("?");
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} |",
+                label(variant),
+                list(variant, "dnat", "coredns"),
+                list(variant, "dnat", "dnat"),
+                v["dnat_over_coredns"],
             );
         }
         let _ = writeln!(
@@ -1553,7 +1653,8 @@ fn main() {
              dnsmasq, one thread (1000 mCPU at most); the machine's figure counts every \
              process, other load included, out of 1000 mCPU per core. Straight, a query is two \
              packets through the kernel (the query, the answer); through the fallback it is \
-             four, and the forwarder's CPU is mostly the kernel's work on its two. With every \
+             four, and the forwarder's CPU is mostly the kernel's work on its two; through the \
+             DNAT it is two again, with a NAT per packet and no process between. With every \
              process on either core that CPU is taken from dnsperf and CoreDNS; with a core of \
              its own, as on a node whose cores CoreDNS does not share, it is not. Each run \
              starts from an empty conntrack table in the node's namespace; the forwarder's \
