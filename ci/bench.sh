@@ -9,7 +9,7 @@
 # CoreDNS, the agent's footprint, and a busy iptables-nft node (0 and 50,000 nat rules,
 # kube-proxy syncing every second): the agent's CPU and a host-network client across a cache
 # SIGKILL. Writes docs/bench.md (the tables), docs/bench.json and docs/failover.svg. Run as
-# root; about 16 minutes on a 2-core machine (963 s on 2026-11-27), plus the build. Everything
+# root; about 17 minutes on a 2-core machine (1031 s on 2026-11-27), plus the build. Everything
 # happens in network namespaces named $prefix-*, removed when it ends, also on failure.
 #
 # One part alone (as root, after the build below): NLHA_BENCH_PARTS=link-local,fallback-dnsperf
