@@ -1605,7 +1605,6 @@ fn main() {
             "agent-own-core" => "the agent on a core of its own; dnsperf and CoreDNS on the other",
             _ => "CoreDNS on a core of its own; dnsperf and the agent on the other",
         };
-        let variants = || p["variants"].as_array().into_iter().flatten();
         let _ = writeln!(
             md,
             "\ndnsperf from a pod in the link-local shape ({} rounds of {} s each per \
@@ -1615,18 +1614,25 @@ fn main() {
              {UPSTREAM_IP}); issue 12 asks for at least 0.8:\n",
             p["rounds"], p["seconds_per_round"],
         );
-        let _ = writeln!(md, "| arrangement | straight to CoreDNS, queries/s | through the fallback, queries/s | ratio |\n|---|---|---|---|");
-        for v in variants() {
-            let variant = v["variant"].as_str().unwrap_or("?");
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | **{}** |",
-                label(variant),
-                list(variant, "fallback", "coredns"),
-                list(variant, "fallback", "fallback"),
-                v["fallback_over_coredns"],
+        let table = |series: &str, through: &str, ratio: &str| {
+            let mut rows = format!(
+                "| arrangement | straight to CoreDNS, queries/s | through {through}, queries/s | \
+                 ratio |\n|---|---|---|---|\n"
             );
-        }
+            for v in p["variants"].as_array().into_iter().flatten() {
+                let variant = v["variant"].as_str().unwrap_or("?");
+                let _ = writeln!(
+                    rows,
+                    "| {} | {} | {} | **{}** |",
+                    label(variant),
+                    list(variant, series, "coredns"),
+                    list(variant, series, series),
+                    v[ratio],
+                );
+            }
+            rows
+        };
+        md += &table("fallback", "the fallback", "fallback_over_coredns");
         let _ = writeln!(
             md,
             "\nFor comparison, what a kernel-only fallback gets: the agent stopped (its NOTRACK \
@@ -1635,18 +1641,7 @@ fn main() {
              docs/design/link-local.md, not built: the README says why), against straight to \
              CoreDNS, alternating, with the same pinning of CoreDNS and dnsperf:\n",
         );
-        let _ = writeln!(md, "| arrangement | straight to CoreDNS, queries/s | through a kernel DNAT, queries/s | ratio |\n|---|---|---|---|");
-        for v in variants() {
-            let variant = v["variant"].as_str().unwrap_or("?");
-            let _ = writeln!(
-                md,
-                "| {} | {} | {} | {} |",
-                label(variant),
-                list(variant, "dnat", "coredns"),
-                list(variant, "dnat", "dnat"),
-                v["dnat_over_coredns"],
-            );
-        }
+        md += &table("dnat", "a kernel DNAT", "dnat_over_coredns");
         let _ = writeln!(
             md,
             "\nThe CPU figures (over each run) say which side limits a path: CoreDNS here is \
