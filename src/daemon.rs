@@ -184,7 +184,8 @@ fn start_link_local(
         Err(e) => warn!(error = %e, "could not try the link-local fallback's rules on the kernel"),
         Ok(()) => {}
     }
-    link_local::start(&cfg.addrs.local, &cfg.upstream, beat, tasks)
+    let leased = dataplane.fallback_leased();
+    link_local::start(&cfg.addrs.local, &cfg.upstream, leased, beat, tasks)
 }
 
 /// Whether the ClusterIP shape runs on without the link-local failover after `error`: the

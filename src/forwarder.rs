@@ -44,6 +44,7 @@
 //! query and connection in flight and closes the sockets.
 
 mod ids;
+pub mod lease;
 mod tcp;
 mod udp;
 mod upstream;

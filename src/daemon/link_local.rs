@@ -17,6 +17,7 @@ use super::AgentError;
 use crate::addresses;
 use crate::beat::Beat;
 use crate::blocking::blocking;
+use crate::forwarder::lease::{self, Lease};
 use crate::forwarder::{self, Counters, Forwarder};
 use crate::ruleset::{forwarder_for, DNS_PORT};
 
@@ -31,12 +32,19 @@ pub(super) struct Forwarding {
     runtime: Option<tokio::runtime::Runtime>,
     /// The forwarders' counters, live.
     pub counters: Vec<Arc<Counters>>,
+    /// The link-local IPs whose lease the forwarders' runtime renews (iptables), ended when the
+    /// forwarders stop.
+    leased: Vec<IpAddr>,
 }
 
 impl Drop for Forwarding {
     fn drop(&mut self) {
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
+        }
+        // The forwarders are gone: the cache gets the link-local queries now, not a second on.
+        if !self.leased.is_empty() {
+            Lease::new(&self.leased).release();
         }
     }
 }
@@ -46,10 +54,12 @@ impl Drop for Forwarding {
 /// `local` on lo and spawns their keeper. A forwarder that cannot bind is an error: the agent
 /// would TPROXY queries to nobody. One whose socket fails for good ends its task in `tasks`, and
 /// so the agent, to be restarted with a fresh one. Copies that cannot be added now are said and
-/// retried by the keeper.
+/// retried by the keeper. With `leased` (the iptables backends), the runtime also renews the
+/// forwarders' lease on the link-local IPs, without which their TPROXY rules do not match.
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &[IpAddr],
+    leased: bool,
     beat: Beat,
     tasks: &mut Tasks,
 ) -> Result<Forwarding, AgentError> {
@@ -60,7 +70,8 @@ pub(super) fn start(
         .build()
         .map_err(AgentError::ForwarderRuntime)?;
     // Held from here, so that a failed bind below drops it without blocking.
-    let mut forwarding = Forwarding { runtime: Some(runtime), counters: Vec::new() };
+    let mut forwarding =
+        Forwarding { runtime: Some(runtime), counters: Vec::new(), leased: Vec::new() };
     let runtime = forwarding.runtime.as_ref().expect("just put there");
     let mut forwarders = Vec::new();
     {
@@ -76,6 +87,10 @@ pub(super) fn start(
         }
     }
     forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
+    if leased {
+        runtime.spawn(lease::hold(Lease::new(local)));
+        forwarding.leased = local.to_vec();
+    }
     for forwarder in forwarders {
         let listen = forwarder.listen();
         let serving = runtime.spawn(forwarder.run());

@@ -485,6 +485,11 @@ impl Dataplane for Iptables {
         Ok(())
     }
 
+    /// Its mangle chain's TPROXY: xt_TPROXY drops a packet no socket takes.
+    fn fallback_leased(&self) -> bool {
+        self.role.tables().contains(&Table::Mangle)
+    }
+
     /// Every call runs its own child processes: a copy is a reader.
     fn reader(&self) -> Result<Box<dyn Dataplane>, super::Error> {
         Ok(Box::new(self.clone()))

@@ -134,6 +134,12 @@ pub trait Dataplane: Send {
         let _ = rules;
         Ok(())
     }
+    /// Whether its fallback's TPROXY rules match only while the forwarder renews its lease
+    /// ([`crate::forwarder::lease`]): iptables, whose TPROXY drops what no socket takes. The
+    /// default, nftables' `tproxy`, lets such a packet go on to the cache and needs none.
+    fn fallback_leased(&self) -> bool {
+        false
+    }
     /// A second handle on the same objects, for [`Dataplane::check`]s off the control loop: it
     /// shares nothing with this one but what the kernel holds (its own netlink socket), so a
     /// check can run on another thread while this one applies. Only `check` is called on it.
@@ -321,6 +327,10 @@ impl Dataplane for Layered {
     /// The fallback is the switching part's.
     fn trial(&mut self, rules: &RuleSet) -> Result<(), Error> {
         self.switch.trial(rules)
+    }
+
+    fn fallback_leased(&self) -> bool {
+        self.switch.fallback_leased()
     }
 
     fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {

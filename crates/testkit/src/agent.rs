@@ -134,7 +134,20 @@ impl SimNode {
     /// otherwise), without assuming its first route; returns once it has written its own state
     /// (a `pid` other than `previous`).
     pub fn agent_restarting(&self, extra: &[&str], previous: &Value) -> Agent {
-        let agent = self.spawn_agent(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, &[], false);
+        self.agent_restarting_for(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, extra, previous)
+    }
+
+    /// [`SimNode::agent_restarting`] for the given addresses (`cluster_dns` empty: the
+    /// link-local shape).
+    pub fn agent_restarting_for(
+        &self,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+        previous: &Value,
+    ) -> Agent {
+        let agent = self.spawn_agent(local, cluster_dns, upstream, extra, &[], false);
         wait_for("the restarted agent's state", Duration::from_secs(10), || {
             agent.state().filter(|s| s["pid"] != previous["pid"])
         });

@@ -18,6 +18,7 @@ use super::tests::kernel::{
 use super::tests::{addrs, dual_stack, ipv4, save_text, saved_of};
 use super::text::{combine, compare, parse_save, render_family, unstorable_comment, wanted, State};
 use super::*;
+use crate::forwarder::lease::Lease;
 use crate::ruleset::{Route, RuleSet, FORWARDER_V4};
 use crate::testutil::{in_netns, run, test_path};
 
@@ -47,9 +48,11 @@ fn the_fallback_goes_to_mangle_and_the_notrack_chains_to_raw() {
              --dport 53 -m comment --comment \"the agent\\'s probes to the cache\" -j ACCEPT",
             "-A NODELOCALDNS-HA-FALLBACK -d 169.254.20.10/32 -p udp -m udp --dport 53 -m addrtype \
              --dst-type LOCAL -m socket -m comment --comment \"to cache while it listens\" -j ACCEPT",
-            "-A NODELOCALDNS-HA-FALLBACK -d 169.254.20.10/32 -p udp -m udp --dport 53 -m comment \
-             --comment \"to the agent\\'s forwarder\" -j TPROXY --on-port 53 --on-ip 127.53.0.53 \
-             --tproxy-mark 0x0/0x0",
+            // Only under the forwarder's lease (xt_TPROXY drops what no socket takes).
+            "-A NODELOCALDNS-HA-FALLBACK -d 169.254.20.10/32 -p udp -m udp --dport 53 -m recent \
+             --rcheck --seconds 1 --name nodelocaldns-ha --mask 255.255.255.255 --rdest -m \
+             comment --comment \"to the agent\\'s forwarder\" -j TPROXY --on-port 53 --on-ip \
+             127.53.0.53 --tproxy-mark 0x0/0x0",
         ]
     );
     assert_eq!(mangle.len(), 6, "udp and tcp");
@@ -352,6 +355,10 @@ fn queries_follow_the_cache_socket_and_probes_never_reach_the_forwarder(
     let link_local = addrs(&["169.254.20.10"], &[]);
     let mut switch = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
     switch.apply(&RuleSet::desired(&link_local, Route::Local)).unwrap();
+    // The forwarder's lease, as its runtime renews it; each step below takes far less than
+    // its second.
+    let mut lease = Lease::new(&link_local.local);
+    assert!(lease.renew().unwrap(), "no lease table after the apply");
     let forwarder =
         UdpSocket::from(transparent(nix::sys::socket::SockType::Datagram, FORWARDER_V4));
     let (pod, probe) = (client("0.0.0.0:0"), client("127.0.0.1:0"));
@@ -386,6 +393,36 @@ fn queries_follow_the_cache_socket_and_probes_never_reach_the_forwarder(
     pod.send(b"pod").unwrap();
     assert_eq!(received(&cache).0, "pod");
     assert!(!has_mail(&forwarder));
+
+    // Upstream left behind by an agent that is gone (its forwarder's socket open or not): with
+    // the lease ended, the pod's query goes on to the cache, as nftables' `tproxy` lets it.
+    // Without the lease xt_TPROXY would take it (or drop it, once the forwarder has closed).
+    switch.apply(&RuleSet::desired(&link_local, Route::Upstream)).unwrap();
+    lease.release();
+    pod.send(b"pod").unwrap();
+    assert_eq!(received(&cache).0, "pod");
+    assert!(!has_mail(&forwarder), "TPROXY matched without the lease");
+    drop(forwarder);
+    pod.send(b"pod").unwrap();
+    assert_eq!(received(&cache).0, "pod", "the cache cut off once the forwarder was gone");
+    // And the kernel ends an unrenewed lease by itself: renewed, then left to lapse.
+    let forwarder =
+        UdpSocket::from(transparent(nix::sys::socket::SockType::Datagram, FORWARDER_V4));
+    assert!(lease.renew().unwrap());
+    pod.send(b"pod").unwrap();
+    assert_eq!(received(&forwarder).0, "pod");
+    // Queries until one reaches the cache: each arrives at the forwarder (taken there) or at
+    // the cache (done), within the second the lease has left.
+    let lapsed_by = std::time::Instant::now() + 5 * PATIENCE;
+    loop {
+        pod.send(b"pod").unwrap();
+        cache.set_read_timeout(Some(std::time::Duration::from_millis(20))).unwrap();
+        if cache.recv(&mut [0; 64]).is_ok() {
+            break;
+        }
+        assert_eq!(received(&forwarder).0, "pod", "the query reached neither socket");
+        assert!(std::time::Instant::now() < lapsed_by, "the unrenewed lease did not lapse");
+    }
 }
 
 /// `listener.accept()`, giving up after [`PATIENCE`] (Linux honours `SO_RCVTIMEO` there).
@@ -417,6 +454,7 @@ fn an_established_forwarder_connection_stays_when_the_cache_returns(ns: &str, fl
     let link_local = addrs(&["169.254.20.10"], &[]);
     let mut switch = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
     switch.apply(&RuleSet::desired(&link_local, Route::Local)).unwrap();
+    assert!(Lease::new(&link_local.local).renew().unwrap(), "no lease table after the apply");
     let forwarder = transparent(SockType::Stream, FORWARDER_V4);
     listen(&forwarder, Backlog::new(8).unwrap()).unwrap();
     let forwarder = TcpListener::from(forwarder);

@@ -4,11 +4,13 @@
 //!
 //! Rules are rendered exactly as `iptables-save` 1.8 prints them back (legacy and nft alike):
 //! `[-s 127.0.0.1/32] -d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m
-//! socket]] -m comment --comment "…" -j <target>`, the target `NOTRACK`, `ACCEPT` or `TPROXY
-//! --on-port 53 --on-ip 127.53.0.53 --tproxy-mark 0x0/0x0`, so read-back compares text lines,
-//! and the same lines are fed to `iptables-restore`.
+//! socket]] [-m recent …] -m comment --comment "…" -j <target>`, the target `NOTRACK`, `ACCEPT`
+//! or `TPROXY --on-port 53 --on-ip 127.53.0.53 --tproxy-mark 0x0/0x0` (whose rule has the
+//! forwarder's lease, `-m recent`), so read-back compares text lines, and the same lines are fed
+//! to `iptables-restore`.
 
 use super::table::{Family, Table};
+use crate::forwarder::lease;
 use crate::ruleset::{Action, FilterHook, Guard, Hook, Rule, RuleSet, Side};
 
 /// The comment on the agent's jumps.
@@ -163,6 +165,20 @@ fn rule_spec(rule: &Rule) -> String {
         Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
         Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket",
     });
+    // xt_TPROXY drops a packet no socket takes (nftables' `tproxy` lets it go on): TPROXY only
+    // while the forwarder holds its lease (`forwarder::lease`), so that a fallback chain left
+    // by an agent that is gone hands the queries to the cache a second later.
+    if let Action::Tproxy(_) = rule.action {
+        let mask = match family {
+            Family::V4 => "255.255.255.255",
+            Family::V6 => "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+        };
+        spec.push_str(&format!(
+            " -m recent --rcheck --seconds {} --name {} --mask {mask} --rdest",
+            lease::LEASE_SECONDS,
+            lease::NAME
+        ));
+    }
     spec.push_str(" -m comment --comment ");
     spec.push_str(&save_string(&rule.comment));
     spec
