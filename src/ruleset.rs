@@ -152,6 +152,10 @@ pub enum Guard {
     /// `ip saddr 127.0.0.1` (`ip6 saddr ::1`): sent from the loopback address, as the agent's
     /// own probes of the cache are, so they reach the cache itself and never the fallback.
     FromLoopback,
+    /// `iif "lo"` (`-i lo`): arrived on the loopback interface, so sent by a process of the node
+    /// itself. A packet from a pod or from the network arrives on another interface, whatever
+    /// source address it claims.
+    OnLoopback,
 }
 
 /// What a rule does with the packets it matches.
@@ -239,7 +243,8 @@ pub enum FilterHook {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Accept {
     pub hook: FilterHook,
-    /// The match; its guard is always `Guard::None`.
+    /// The match; its guard is `Guard::None`, or `Guard::OnLoopback` for the replies to host
+    /// clients.
     pub rule: Rule,
 }
 
@@ -314,13 +319,21 @@ impl RuleSet {
                 // Untracked packets are neither NEW nor ESTABLISHED, so a host firewall's
                 // "accept established" lets none of them through: queries in, replies out, and
                 // for host-network clients (over lo) the replies in and the queries out too.
-                for (hook, side, comment) in [
-                    (FilterHook::Input, Side::Destination, "queries to cache"),
-                    (FilterHook::Input, Side::Source, "cache replies to host clients"),
-                    (FilterHook::Output, Side::Source, "cache replies"),
-                    (FilterHook::Output, Side::Destination, "host queries to cache"),
+                // The replies coming in are the cache's only if they come in on lo: anyone can
+                // claim a listen IP's port 53 as a source, and an INPUT ACCEPT of that alone
+                // would let such a packet through the host firewall to any port.
+                for (hook, side, guard, comment) in [
+                    (FilterHook::Input, Side::Destination, Guard::None, "queries to cache"),
+                    (
+                        FilterHook::Input,
+                        Side::Source,
+                        Guard::OnLoopback,
+                        "cache replies to host clients",
+                    ),
+                    (FilterHook::Output, Side::Source, Guard::None, "cache replies"),
+                    (FilterHook::Output, Side::Destination, Guard::None, "host queries to cache"),
                 ] {
-                    let rule = Rule::dns(ip, side, proto, Guard::None, comment);
+                    let rule = Rule::dns(ip, side, proto, guard, comment);
                     self.accepts.push(Accept { hook, rule });
                 }
             }
@@ -437,6 +450,7 @@ impl fmt::Display for Rule {
                 IpAddr::V4(_) => f.write_str(" ip saddr 127.0.0.1")?,
                 IpAddr::V6(_) => f.write_str(" ip6 saddr ::1")?,
             },
+            Guard::OnLoopback => f.write_str(" iif \"lo\"")?,
         }
         f.write_str(" counter ")?;
         match self.action {

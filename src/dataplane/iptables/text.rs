@@ -140,10 +140,12 @@ fn rule_spec(rule: &Rule) -> String {
         (Guard::FromLoopback, Family::V6) => "-s ::1/128 ".to_owned(),
         _ => String::new(),
     };
-    spec.push_str(&format!(
-        "{addr} {}/{bits} -p {proto} -m {proto} {port} {}",
-        rule.addr, rule.port
-    ));
+    spec.push_str(&format!("{addr} {}/{bits} ", rule.addr));
+    if rule.guard == Guard::OnLoopback {
+        // iptables-save prints the interface after the addresses, before the protocol.
+        spec.push_str("-i lo ");
+    }
+    spec.push_str(&format!("-p {proto} -m {proto} {port} {}", rule.port));
     // xt_socket ignores sockets bound to 0.0.0.0 / :: (unless `--nowildcard`), as the nftables
     // rule's `socket wildcard 0` does: another DNS server of the node's on the wildcard address
     // must not take pods' queries for the cluster-DNS IP when the cache is gone.
@@ -161,7 +163,7 @@ fn rule_spec(rule: &Rule) -> String {
     // TIME_WAIT answers with an ACK, the client resets it and (Linux, at once) sends its SYN
     // again, which TPROXY takes (measured: 10 ms).
     spec.push_str(match rule.guard {
-        Guard::None | Guard::FromLoopback => "",
+        Guard::None | Guard::FromLoopback | Guard::OnLoopback => "",
         Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
         Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket",
     });

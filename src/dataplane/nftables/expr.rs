@@ -25,6 +25,8 @@ pub const NF_ACCEPT: u32 = 1;
 pub const NFT_META_NFPROTO: u32 = 15;
 /// `meta l4proto`: the transport protocol.
 pub const NFT_META_L4PROTO: u32 = 16;
+/// `NFT_META_IIF`: the input interface's index.
+pub const NFT_META_IIF: u32 = 4;
 /// `payload` from the network header (`enum nft_payload_bases`).
 pub const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
 /// `payload` from the transport header.
@@ -252,6 +254,10 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
             },
             Expr::cmp_eq(loopback),
         ]),
+        // lo is interface 1 in every network namespace.
+        Guard::OnLoopback => {
+            exprs.extend([Expr::Meta { key: NFT_META_IIF }, Expr::cmp_eq(1u32.to_ne_bytes())])
+        }
     }
     exprs.push(Expr::Counter);
     match rule.action {
