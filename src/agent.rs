@@ -95,8 +95,11 @@ fn blocked_path(addrs: &ListenAddrs, firewall: &[Blocking]) -> Option<String> {
 }
 
 impl Agent {
-    /// Adopts the route whose ruleset is installed (so a restart does not flip), or `Local`, and
-    /// makes sure its ruleset is installed.
+    /// Adopts the route whose ruleset is installed (so a restart does not flip), and makes sure
+    /// its ruleset is installed. When neither route's ruleset is there whole (an upgrade that
+    /// changed the rules' text, a kill between two transactions), the route the last agent
+    /// `recorded` in its state file, or else `Local`: an upgrade while the cache hangs stays
+    /// on `Upstream` rather than send pods back to the hung cache until the probes notice.
     ///
     /// A recorded override (`forced`) decides the first route instead, so a restart under an
     /// override never passes through another route.
@@ -115,6 +118,7 @@ impl Agent {
         mut dataplane: Box<dyn Dataplane>,
         metrics: Arc<Metrics>,
         forced: Option<Forced>,
+        recorded: Option<Route>,
         firewall: Vec<Blocking>,
         now: Instant,
     ) -> Result<Agent, dataplane::Error> {
@@ -127,7 +131,7 @@ impl Agent {
                 None
             });
         let forced_route = forced.as_ref().map(|f| f.route);
-        let mut route = forced_route.or(installed).unwrap_or(Route::Local);
+        let mut route = forced_route.or(installed).or(recorded).unwrap_or(Route::Local);
         if let (Some(why), Route::Local, None) = (&blocked, route, forced_route) {
             warn!(why = %why, "starting on upstream: pods could not reach the cache");
             route = Route::Upstream;

@@ -284,6 +284,8 @@ async fn run_with(
             None
         }
     };
+    // The last agent's route, for a start that finds neither route's ruleset whole.
+    let recorded = state::read(&cfg.state_dir).ok().map(|s| s.route);
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     let firewall = if watch_node {
         blocking(|| nftables::audit_firewall(&listen)).unwrap_or_else(|e| {
@@ -322,9 +324,10 @@ async fn run_with(
     if !forwarders.is_empty() {
         metrics.set_forwarders(forwarders.clone());
     }
-    let mut agent =
-        blocking(|| Agent::start(&cfg, dataplane, metrics.clone(), forced, firewall, now()))
-            .map_err(AgentError::Reader)?;
+    let mut agent = blocking(|| {
+        Agent::start(&cfg, dataplane, metrics.clone(), forced, recorded, firewall, now())
+    })
+    .map_err(AgentError::Reader)?;
     // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
     if !agent.is_dirty() {
         health.set_ready();

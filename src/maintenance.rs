@@ -228,7 +228,7 @@ mod tests {
         let raw = RawRun { state_dir: "/nonexistent".into(), ..test_raw() };
         let cfg = AgentConfig::from_args(&raw, |_| None).unwrap();
         let metrics = Arc::new(Metrics::new());
-        Agent::start(&cfg, Box::new(fake.clone()), metrics, None, Vec::new(), t0).unwrap()
+        Agent::start(&cfg, Box::new(fake.clone()), metrics, None, None, Vec::new(), t0).unwrap()
     }
 
     /// A drain begun at `t0` with `timeout`, as [`handle`] begins one (the route forced to

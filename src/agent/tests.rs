@@ -32,8 +32,16 @@ fn sync(agent: &mut Agent, now: Instant) {
 }
 
 fn start(fake: &FakeDataplane, t0: Instant) -> Agent {
-    Agent::start(&cfg(), Box::new(fake.clone()), Arc::new(Metrics::new()), None, Vec::new(), t0)
-        .unwrap()
+    Agent::start(
+        &cfg(),
+        Box::new(fake.clone()),
+        Arc::new(Metrics::new()),
+        None,
+        None,
+        Vec::new(),
+        t0,
+    )
+    .unwrap()
 }
 
 #[test]
@@ -52,6 +60,48 @@ fn adopts_the_installed_route_without_applying() {
     assert_eq!(fake.kernel().applies, 0);
 }
 
+/// Issue 30 (10): a start that recognises neither route's ruleset (the rules' text changed by an
+/// upgrade) installs the route the last agent recorded, not `Local`.
+#[test]
+fn a_ruleset_of_neither_route_gives_way_to_the_recorded_route() {
+    let mut other = RuleSet::desired(&cfg().addrs, Route::Upstream);
+    other.chains[0].rules[0].comment = "an older agent's text".into();
+    for (recorded, first) in [
+        (Some(Route::Upstream), Route::Upstream),
+        (Some(Route::Local), Route::Local),
+        (None, Route::Local),
+    ] {
+        let fake = FakeDataplane::holding(other.clone());
+        let metrics = Arc::new(Metrics::new());
+        let agent = Agent::start(
+            &cfg(),
+            Box::new(fake.clone()),
+            metrics,
+            None,
+            recorded,
+            Vec::new(),
+            Instant::now(),
+        )
+        .unwrap();
+        assert_eq!(agent.route(), first, "recorded {recorded:?}");
+        assert_eq!(installed(&fake), Some(first));
+    }
+    // An installed route wins over the record.
+    let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
+    let metrics = Arc::new(Metrics::new());
+    let agent = Agent::start(
+        &cfg(),
+        Box::new(fake.clone()),
+        metrics,
+        None,
+        Some(Route::Upstream),
+        Vec::new(),
+        Instant::now(),
+    )
+    .unwrap();
+    assert_eq!(agent.route(), Route::Local);
+}
+
 #[test]
 fn a_recorded_override_decides_the_first_route() {
     let t0 = Instant::now();
@@ -65,7 +115,7 @@ fn a_recorded_override_decides_the_first_route() {
     };
     let metrics = Arc::new(Metrics::new());
     let mut agent =
-        Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), Vec::new(), t0)
+        Agent::start(&cfg(), Box::new(fake.clone()), metrics, Some(forced), None, Vec::new(), t0)
             .unwrap();
     assert_eq!(installed(&fake), Some(Route::Upstream));
     assert_eq!(fake.kernel().applies, 1);
@@ -233,7 +283,7 @@ fn a_held_route_and_foreign_rules_show_in_the_metrics() {
     let fake = FakeDataplane::default();
     let metrics = Arc::new(Metrics::new());
     let mut agent =
-        Agent::start(&cfg(), Box::new(fake.clone()), metrics.clone(), None, Vec::new(), t0)
+        Agent::start(&cfg(), Box::new(fake.clone()), metrics.clone(), None, None, Vec::new(), t0)
             .unwrap();
     let held = || metrics.encode().contains("\nnodelocaldns_ha_route_held 1\n");
     let servfail = Outcome::ServerFailure { rcode: ResponseCode::ServFail };
