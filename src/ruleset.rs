@@ -43,6 +43,24 @@ pub const FORWARDER_V4: SocketAddr =
 pub const FORWARDER_V6: SocketAddr =
     SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0x169, 0x254, 0, 0, 0, 0, 0x53)), DNS_PORT);
 
+/// The comment of the rules that count the cache's replies from the cluster-DNS IP.
+pub const REPLY_COMMENT: &str = "cache replies";
+/// The same from the link-local IP, answers to the agent's probes included.
+pub const LINK_LOCAL_REPLY_COMMENT: &str = "cache replies (link-local)";
+/// The answers to the agent's probes alone, from the link-local IP.
+pub const PROBE_REPLY_COMMENT: &str = "cache replies to the agent's probes";
+
+/// How a rule's packets count in the cache's replies a drain waits to go quiet: replies to
+/// pods and host clients, from either IP (1); less the answers to the agent's probes (-1),
+/// which go on as long as the agent runs; other rules (0).
+pub fn reply_weight(comment: &str) -> i64 {
+    match comment {
+        REPLY_COMMENT | LINK_LOCAL_REPLY_COMMENT => 1,
+        PROBE_REPLY_COMMENT => -1,
+        _ => 0,
+    }
+}
+
 /// The forwarder's address for queries to `ip`'s family.
 pub fn forwarder_for(ip: IpAddr) -> SocketAddr {
     match ip {
@@ -152,6 +170,9 @@ pub enum Guard {
     /// `ip saddr 127.0.0.1` (`ip6 saddr ::1`): sent from the loopback address, as the agent's
     /// own probes of the cache are, so they reach the cache itself and never the fallback.
     FromLoopback,
+    /// `ip daddr 127.0.0.1` (`ip6 daddr ::1`): sent to the loopback address, as the cache's
+    /// answers to the agent's probes are.
+    ToLoopback,
     /// `iif "lo"` (`-i lo`): arrived on the loopback interface, so sent by a process of the node
     /// itself. A packet from a pod or from the network arrives on another interface, whatever
     /// source address it claims.
@@ -276,7 +297,12 @@ impl RuleSet {
                 let rule = |side, comment: &str| Rule::dns(ip, side, proto, Guard::None, comment);
                 prerouting.push(rule(Side::Destination, "pods to cache (link-local)"));
                 output.push(rule(Side::Destination, "host to cache (link-local)"));
-                output.push(rule(Side::Source, "cache replies (link-local)"));
+                output.push(rule(Side::Source, LINK_LOCAL_REPLY_COMMENT));
+                // Counts the answers to the agent's own probes, which a drain leaves out of the
+                // replies it waits to go quiet (NOTRACK does not end the chain: both count).
+                let probes =
+                    Rule::dns(ip, Side::Source, proto, Guard::ToLoopback, PROBE_REPLY_COMMENT);
+                output.push(probes);
             }
         }
         for &ip in &addrs.cluster_dns {
@@ -292,7 +318,7 @@ impl RuleSet {
                 }
                 // In both routes: a reply the cache sends (a late one, after a hang) must not
                 // leave a conntrack entry that would steer a later query back to it.
-                output.push(rule(Side::Source, Guard::None, "cache replies"));
+                output.push(rule(Side::Source, Guard::None, REPLY_COMMENT));
             }
         }
         let mut chains = vec![
@@ -369,7 +395,9 @@ impl RuleSet {
     /// the cache: the `Upstream` route's ruleset, when this is the `Local` one.
     pub fn without_cache_steering(mut self) -> RuleSet {
         for chain in &mut self.chains {
-            chain.rules.retain(|rule| matches!(rule.guard, Guard::None | Guard::FromLoopback));
+            chain
+                .rules
+                .retain(|rule| !matches!(rule.guard, Guard::LocalAddress | Guard::LocalSocket));
         }
         self
     }
@@ -449,6 +477,10 @@ impl fmt::Display for Rule {
             Guard::FromLoopback => match self.addr {
                 IpAddr::V4(_) => f.write_str(" ip saddr 127.0.0.1")?,
                 IpAddr::V6(_) => f.write_str(" ip6 saddr ::1")?,
+            },
+            Guard::ToLoopback => match self.addr {
+                IpAddr::V4(_) => f.write_str(" ip daddr 127.0.0.1")?,
+                IpAddr::V6(_) => f.write_str(" ip6 daddr ::1")?,
             },
             Guard::OnLoopback => f.write_str(" iif \"lo\"")?,
         }

@@ -146,6 +146,68 @@ fn drain_makes_a_rolling_update_lossless() {
     assert!(!active.is_empty() && active.iter().all(|l| l.ends_with(" 0")), "{active:?}");
 }
 
+/// A pod's DNS client on one TCP connection to the link-local IP: a query every 50 ms for
+/// `argv[1]` seconds, each answer awaited; prints `connected` after the first answer, then
+/// `answered N last_ms T` (unix ms of the last answer) at the end.
+const TCP_CLIENT: &str = r#"
+import socket, struct, sys, time
+query = struct.pack(">HHHHHH", 7, 0x0100, 1, 0, 0, 0) + b"\x03who\x04test\x00" + struct.pack(">HH", 1, 1)
+s = socket.create_connection(("169.254.20.10", 53), timeout=5)
+def ask():
+    s.sendall(struct.pack(">H", len(query)) + query)
+    n = struct.unpack(">H", s.recv(2, socket.MSG_WAITALL))[0]
+    s.recv(n, socket.MSG_WAITALL)
+ask()
+print("connected", flush=True)
+answered, end, last = 1, time.time() + float(sys.argv[1]), 0
+while time.time() < end:
+    time.sleep(0.05)
+    ask()
+    answered, last = answered + 1, int(time.time() * 1000)
+print("answered", answered, "last_ms", last, flush=True)
+"#;
+
+/// Issue 30 (9): in the link-local shape a drain waits for the cache's replies to pods too. A
+/// TCP connection a pod opened to the cache before the drain stays with the cache on
+/// `Upstream` (TPROXY leaves an established socket's segments to it), so the cache answers it
+/// until it closes; the drain ends only after its last answer. Before, a drain counted the
+/// cluster-DNS IP's replies only, found none in this shape, and ended at once (3 checks).
+#[test]
+fn a_link_local_drain_waits_for_the_caches_last_reply() {
+    let node = SimNode::up();
+    let args = ["--interval", "100ms", "--timeout", "80ms"];
+    let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &args);
+    let dir = state_dir(&agent);
+    let mut client = node
+        .cmd("pod1", "python3")
+        .args(["-c", TCP_CLIENT, "3"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("tcp client");
+    let mut out = std::io::BufReader::new(client.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "connected");
+
+    let out_drain = node.cli(&["drain", "--timeout", "10s", "--state-dir", &dir]);
+    let drained_at = now_ms();
+    assert!(out_drain.status.success(), "{}", describe(&out_drain));
+    let said = String::from_utf8_lossy(&out_drain.stdout);
+    assert!(said.contains("quiet"), "drain did not see the cache go quiet: {said}");
+
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    assert!(client.wait().unwrap().success(), "the pod's connection failed: {rest}");
+    let last_ms: u64 = rest.split_whitespace().last().unwrap().parse().unwrap();
+    println!(
+        "{}; drain ended {} ms after the last answer",
+        rest.trim(),
+        drained_at as i64 - last_ms as i64
+    );
+    assert!(drained_at >= last_ms, "the drain ended while the cache still answered a pod: {said}");
+    node.tear_down(agent);
+}
+
 /// Issue 4, acceptance 3: every metric family is served and parses; /healthz stays 200 while
 /// the cache is dead (liveness is never tied to DNS); /readyz is 200 once the ruleset is in.
 #[test]

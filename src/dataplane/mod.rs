@@ -144,10 +144,10 @@ pub trait Dataplane: Send {
     /// shares nothing with this one but what the kernel holds (its own netlink socket), so a
     /// check can run on another thread while this one applies. Only `check` is called on it.
     fn reader(&self) -> Result<Box<dyn Dataplane>, Error>;
-    /// Packets the cache has sent from the cluster-DNS IP so far (to pods and host clients), as
-    /// counted by the agent's "cache replies" rules: a drain waits for this to stop moving. The
-    /// link-local address is left out: the agent's own probes go there. `None` when the backend
-    /// has no such counters.
+    /// Packets the cache has sent from its listen IPs so far to pods and host clients, as
+    /// counted by the agent's "cache replies" rules ([`reply_weight`]): a drain waits for this
+    /// to stop moving. The answers to the agent's own probes, which never stop, are left out.
+    /// `None` when the backend has no such counters.
     fn reply_packets(&mut self) -> Result<Option<u64>, Error> {
         Ok(None)
     }
@@ -161,8 +161,7 @@ pub trait Dataplane: Send {
     }
 }
 
-/// The comment of the rules that count the cache's replies from the cluster-DNS IP.
-pub const REPLY_COMMENT: &str = "cache replies";
+pub use crate::ruleset::{reply_weight, REPLY_COMMENT};
 
 /// What besides the NOTRACK chains goes into the ruleset.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

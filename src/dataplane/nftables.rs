@@ -540,9 +540,11 @@ impl Dataplane for Nftables {
 
     fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {
         let installed = self.read_installed()?;
-        let replies =
-            installed.rules.iter().filter(|r| r.comment.as_deref() == Some(super::REPLY_COMMENT));
-        Ok(Some(replies.filter_map(|r| r.packets).sum()))
+        let weighed = installed.rules.iter().map(|r| {
+            let weight = r.comment.as_deref().map_or(0, super::reply_weight);
+            weight * r.packets.unwrap_or(0) as i64
+        });
+        Ok(Some(weighed.sum::<i64>().max(0) as u64))
     }
 
     fn remove(&mut self) -> Result<(), super::Error> {

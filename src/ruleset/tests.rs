@@ -41,6 +41,9 @@ fn local_guards_every_cluster_dns_query_rule() {
     for (chain, rule) in set.rules().filter(|(chain, _)| !chain.is_fallback()) {
         let cluster = rule.addr.to_string() == "10.96.0.10";
         let expected = match (cluster, chain.hook, rule.side) {
+            (false, Hook::Output, Side::Source) if rule.comment == PROBE_REPLY_COMMENT => {
+                Guard::ToLoopback
+            }
             (false, _, _) | (true, _, Side::Source) => Guard::None,
             (true, Hook::Prerouting, Side::Destination) => Guard::LocalSocket,
             (true, Hook::Output, Side::Destination) => Guard::LocalAddress,

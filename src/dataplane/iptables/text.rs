@@ -141,6 +141,11 @@ fn rule_spec(rule: &Rule) -> String {
         _ => String::new(),
     };
     spec.push_str(&format!("{addr} {}/{bits} ", rule.addr));
+    match (rule.guard, family) {
+        (Guard::ToLoopback, Family::V4) => spec.push_str("-d 127.0.0.1/32 "),
+        (Guard::ToLoopback, Family::V6) => spec.push_str("-d ::1/128 "),
+        _ => {}
+    }
     if rule.guard == Guard::OnLoopback {
         // iptables-save prints the interface after the addresses, before the protocol.
         spec.push_str("-i lo ");
@@ -163,7 +168,7 @@ fn rule_spec(rule: &Rule) -> String {
     // TIME_WAIT answers with an ACK, the client resets it and (Linux, at once) sends its SYN
     // again, which TPROXY takes (measured: 10 ms).
     spec.push_str(match rule.guard {
-        Guard::None | Guard::FromLoopback | Guard::OnLoopback => "",
+        Guard::None | Guard::FromLoopback | Guard::ToLoopback | Guard::OnLoopback => "",
         Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
         Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket",
     });
@@ -591,14 +596,16 @@ pub(super) fn remove_script(table: Table, saved: &Saved) -> Option<String> {
 /// The packets counted by the agent's "cache replies" rules (cluster-DNS IP) in `iptables-save -c` output, whose
 /// rule lines start with `[packets:bytes]`.
 pub(super) fn reply_packets(saved: &str) -> u64 {
-    let comment = crate::dataplane::REPLY_COMMENT;
-    saved
-        .lines()
-        .filter(|l| {
-            l.contains(" -A NODELOCALDNS-HA-") && l.contains(&format!("--comment \"{comment}\" "))
-        })
-        .filter_map(|l| l.strip_prefix('[')?.split_once(':')?.0.parse::<u64>().ok())
-        .sum()
+    use crate::ruleset::{LINK_LOCAL_REPLY_COMMENT, PROBE_REPLY_COMMENT, REPLY_COMMENT};
+    let weighed = saved.lines().filter(|l| l.contains(" -A NODELOCALDNS-HA-")).map(|l| {
+        let weight = [REPLY_COMMENT, LINK_LOCAL_REPLY_COMMENT, PROBE_REPLY_COMMENT]
+            .into_iter()
+            .find(|c| l.contains(&format!("--comment {} ", save_string(c))))
+            .map_or(0, crate::ruleset::reply_weight);
+        let packets = l.strip_prefix('[').and_then(|l| l.split_once(':')?.0.parse::<i64>().ok());
+        weight * packets.unwrap_or(0)
+    });
+    weighed.sum::<i64>().max(0) as u64
 }
 
 #[cfg(test)]
@@ -609,10 +616,11 @@ mod reply_tests {
             :OUTPUT ACCEPT [9:9]\n\
             [7:700] -A NODELOCALDNS-HA-OUTPUT -s 10.96.0.10/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies\" -j NOTRACK\n\
             [5:500] -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies (link-local)\" -j NOTRACK\n\
+            [4:400] -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -d 127.0.0.1/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies to the agent\\'s probes\" -j NOTRACK\n\
             [3:300] -A NODELOCALDNS-HA-OUTPUT -d 10.96.0.10/32 -p udp -m udp --dport 53 -m comment --comment \"host to cache\" -j NOTRACK\n\
             [2:200] -A OUTPUT -s 10.96.0.10/32 -m comment --comment \"cache replies\" -j NOTRACK\n\
             COMMIT\n";
-        // Only the cluster-DNS replies: the link-local ones answer the agent's own probes.
-        assert_eq!(super::reply_packets(saved), 7);
+        // Both IPs' replies, less the 4 that answered the agent's own probes.
+        assert_eq!(super::reply_packets(saved), 7 + 5 - 4);
     }
 }

@@ -254,6 +254,14 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
             },
             Expr::cmp_eq(loopback),
         ]),
+        Guard::ToLoopback => exprs.extend([
+            Expr::Payload {
+                base: NFT_PAYLOAD_NETWORK_HEADER,
+                offset: daddr,
+                len: loopback.len() as u32,
+            },
+            Expr::cmp_eq(loopback),
+        ]),
         // lo is interface 1 in every network namespace.
         Guard::OnLoopback => {
             exprs.extend([Expr::Meta { key: NFT_META_IIF }, Expr::cmp_eq(1u32.to_ne_bytes())])

@@ -84,7 +84,7 @@ fn compare_says_what_differs_first() {
         (|i| i.rules.retain(|r| r.chain != "prerouting"), "chain prerouting: 0 rules, want 4"),
         (
             |i| i.rules[6].comment = Some("x".to_owned()),
-            "chain output: rule 3 has comment \"x\", want \"host to cache (link-local)\"",
+            "chain output: rule 3 has comment \"x\", want \"cache replies to the agent's probes\"",
         ),
         (
             |i| i.rules[0].comment = None,
@@ -251,7 +251,7 @@ mod kernel {
             differs(
                 &mut nftables,
                 &["add", "rule", "inet", TABLE, "output", "accept"],
-                "chain output: 17 rules, want 16",
+                "chain output: 21 rules, want 20",
             );
             differs(&mut nftables, &["add", "chain", "inet", TABLE, "foo"], "extra chain foo");
             differs(
