@@ -64,6 +64,12 @@ fn adopts_the_installed_route_without_applying() {
 /// upgrade) installs the route the last agent recorded, not `Local`.
 #[test]
 fn a_ruleset_of_neither_route_gives_way_to_the_recorded_route() {
+    let start_recorded = |fake: &FakeDataplane, recorded| {
+        let metrics = Arc::new(Metrics::new());
+        let (forced, firewall, t0) = (None, Vec::new(), Instant::now());
+        Agent::start(&cfg(), Box::new(fake.clone()), metrics, forced, recorded, firewall, t0)
+            .unwrap()
+    };
     let mut other = RuleSet::desired(&cfg().addrs, Route::Upstream);
     other.chains[0].rules[0].comment = "an older agent's text".into();
     for (recorded, first) in [
@@ -72,34 +78,12 @@ fn a_ruleset_of_neither_route_gives_way_to_the_recorded_route() {
         (None, Route::Local),
     ] {
         let fake = FakeDataplane::holding(other.clone());
-        let metrics = Arc::new(Metrics::new());
-        let agent = Agent::start(
-            &cfg(),
-            Box::new(fake.clone()),
-            metrics,
-            None,
-            recorded,
-            Vec::new(),
-            Instant::now(),
-        )
-        .unwrap();
-        assert_eq!(agent.route(), first, "recorded {recorded:?}");
+        assert_eq!(start_recorded(&fake, recorded).route(), first, "recorded {recorded:?}");
         assert_eq!(installed(&fake), Some(first));
     }
     // An installed route wins over the record.
     let fake = FakeDataplane::holding(RuleSet::desired(&cfg().addrs, Route::Local));
-    let metrics = Arc::new(Metrics::new());
-    let agent = Agent::start(
-        &cfg(),
-        Box::new(fake.clone()),
-        metrics,
-        None,
-        Some(Route::Upstream),
-        Vec::new(),
-        Instant::now(),
-    )
-    .unwrap();
-    assert_eq!(agent.route(), Route::Local);
+    assert_eq!(start_recorded(&fake, Some(Route::Upstream)).route(), Route::Local);
 }
 
 #[test]

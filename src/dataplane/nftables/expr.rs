@@ -246,22 +246,14 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
             exprs.extend(fib_daddr_type_local);
             exprs.extend(socket_of_the_cache);
         }
-        Guard::FromLoopback => exprs.extend([
-            Expr::Payload {
-                base: NFT_PAYLOAD_NETWORK_HEADER,
-                offset: saddr,
-                len: loopback.len() as u32,
-            },
-            Expr::cmp_eq(loopback),
-        ]),
-        Guard::ToLoopback => exprs.extend([
-            Expr::Payload {
-                base: NFT_PAYLOAD_NETWORK_HEADER,
-                offset: daddr,
-                len: loopback.len() as u32,
-            },
-            Expr::cmp_eq(loopback),
-        ]),
+        Guard::FromLoopback | Guard::ToLoopback => {
+            let offset = if rule.guard == Guard::FromLoopback { saddr } else { daddr };
+            let len = loopback.len() as u32;
+            exprs.extend([
+                Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset, len },
+                Expr::cmp_eq(loopback),
+            ])
+        }
         // lo is interface 1 in every network namespace.
         Guard::OnLoopback => {
             exprs.extend([Expr::Meta { key: NFT_META_IIF }, Expr::cmp_eq(1u32.to_ne_bytes())])
