@@ -72,6 +72,8 @@ k8s_tags=selinux,notest,grpcnotrace
 k8s_ldflags="all=$k8s_x -s -w"
 coredns_tags=grpcnotrace
 coredns_ldflags="-s -w"
+# The plugins the test bed's Corefiles use (all in CoreDNS's default plugin.cfg): checked.
+coredns_plugins="kubernetes forward cache bind health ready prometheus errors log loop reload"
 etcd_tags=""
 etcd_ldflags=""
 
@@ -128,6 +130,17 @@ build() {
     rm -f "$tmp"
     failed+=("$part")
     return 0
+  fi
+  if [ "$part" = coredns ]; then
+    local p plugins missing=()
+    plugins=$("$tmp" -plugins 2>&1)
+    for p in $coredns_plugins; do grep -qx "$p" <<<"$plugins" || missing+=("$p"); done
+    if [ ${#missing[@]} -gt 0 ]; then
+      echo "$me: coredns: built, but without the plugins ${missing[*]} (coredns -plugins)" >&2
+      rm -f "$tmp"
+      failed+=("$part")
+      return 0
+    fi
   fi
   mv -f "$tmp" "$bin/$part"
   echo "$me: $part: built in $(secs "$t0" "$(now)") s: $(head -1 <<<"$out")"
