@@ -20,6 +20,13 @@
 //!   rules for is cleaned of the agent's objects. Then the tables are read back.
 //! * [`Iptables::check`] parses `iptables-save -t <table>` and compares text lines: the rules are
 //!   written exactly in the form `iptables-save` prints them ([`render`] shows them).
+//!   iptables-legacy's tables announce no change, so a check runs on every tick; a save each
+//!   time was 30 child processes a second on an idle node. The kernel hands out a legacy table
+//!   in-process (`snapshot`, what `iptables-legacy-save` reads, counters zeroed): a table whose
+//!   snapshot is the one taken around its last read-back would print the same again, and that
+//!   read-back's outcome stands. A read-back runs when a table changed (anyone's change: a
+//!   CNI's rule in front of the jump, kube-proxy's filter sync), and every
+//!   [`FULL_READ_EVERY`] regardless, as a safety net.
 //! * [`Iptables::remove`] deletes every jump to the agent's chains, then flushes and deletes the
 //!   chains, in one `iptables-restore` per family; nothing runs when nothing is there.
 //!
@@ -56,16 +63,18 @@
 mod command;
 mod error;
 mod flavour;
+mod snapshot;
 mod table;
 mod text;
 
 use std::path::{Path, PathBuf};
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Check, Dataplane, TableRef, TableWatch};
 use crate::ruleset::RuleSet;
 use command::{Finished, RunError};
+use snapshot::Snapshot;
 use table::{describe, Family};
 use text::{Saved, State};
 
@@ -79,6 +88,9 @@ pub use text::ParseError;
 const FALLBACK_DIRS: [&str; 3] = ["/usr/sbin", "/sbin", "/usr/local/sbin"];
 /// How much longer than the lock wait a child process may run before it is killed.
 const KILL_GRACE: Duration = Duration::from_secs(2);
+/// How long an iptables-legacy check trusts a read-back whose table has not changed since (its
+/// [`Snapshot`] the same): after that it reads back all the same.
+pub const FULL_READ_EVERY: Duration = Duration::from_secs(10);
 
 /// The binaries for one address family.
 #[derive(Clone, Debug)]
@@ -112,6 +124,26 @@ pub struct Iptables {
     /// The families the kernel has: IPv4, and IPv6 unless it was booted with
     /// `ipv6.disable=1` (then `ip6tables-*` fail, and there is nothing of ours to find there).
     families: Vec<Family>,
+    /// iptables-legacy: each family's tables as the last check's read-back found them (indexed
+    /// like `verified`), while they have not changed since.
+    seen: [[Option<Seen>; 3]; 2],
+    /// How long a [`Seen`] stands ([`FULL_READ_EVERY`]).
+    full_read_every: Duration,
+    /// Tables read back (saved or listed) by checks so far.
+    read_backs: u64,
+}
+
+/// A check's read-back of one iptables-legacy table, and the table as the kernel held it then.
+#[derive(Clone, Debug)]
+struct Seen {
+    /// Taken before the read-back and again after it, the same both times.
+    snapshot: Snapshot,
+    /// What the table was compared with.
+    wanted: Option<text::Wanted>,
+    /// What it found.
+    state: State,
+    /// When.
+    at: Instant,
 }
 
 /// What an apply's read-back found in one family's table.
@@ -152,6 +184,9 @@ impl Iptables {
             binaries: [binaries(Family::V4)?, binaries(Family::V6)?],
             verified: [[Verified::Unknown; 3]; 2],
             families: kernel_families(),
+            seen: Default::default(),
+            full_read_every: FULL_READ_EVERY,
+            read_backs: 0,
         })
     }
 
@@ -171,6 +206,12 @@ impl Iptables {
 
     fn verified(&self, family: Family, table: Table) -> Verified {
         self.verified[family.index()][table.index()]
+    }
+
+    /// Tables its checks have read back (with `iptables-save`, or `iptables-nft -S`) so far: on
+    /// iptables-legacy, only those that changed, and every [`FULL_READ_EVERY`].
+    pub fn read_backs(&self) -> u64 {
+        self.read_backs
     }
 
     /// How long a child process may run.
@@ -327,32 +368,81 @@ impl Iptables {
 
     /// Reads back the family's tables `read` picks; the others count as holding their share
     /// (or nothing, when they have none), as at the last read-back.
+    /// An iptables-legacy table whose [`Snapshot`] is unchanged since the last read-back (within
+    /// [`FULL_READ_EVERY`]) is not read again.
     fn check_some(
-        &self,
+        &mut self,
         rules: &RuleSet,
         read: impl Fn(Family, Table) -> bool,
     ) -> Result<Check, Error> {
-        Ok(text::combine(self.states(rules, read)?))
-    }
-
-    /// Each family's tables' states, read back where `read` says.
-    fn states(
-        &self,
-        rules: &RuleSet,
-        read: impl Fn(Family, Table) -> bool,
-    ) -> Result<Vec<TableState>, Error> {
+        let families = self.families.clone();
         let mut states = Vec::new();
-        for &family in &self.families {
+        for family in families {
             for &table in self.role.tables() {
                 let wanted = text::wanted(rules, table, family);
+                let has_rules = wanted.is_some();
                 let state = if read(family, table) {
-                    let saved = self.read(family, table)?;
-                    text::compare(table, family, &saved, wanted.as_ref())
-                } else if wanted.is_some() {
+                    self.read_back(family, table, wanted)?
+                } else if has_rules {
                     State::Matches
                 } else {
                     State::Nothing
                 };
+                states.push((family, table, has_rules, state));
+            }
+        }
+        Ok(text::combine(states))
+    }
+
+    /// How `family`'s `table` compares with `wanted`, for a check: read back, unless it is an
+    /// iptables-legacy table the kernel holds exactly as at the last read-back, not long ago.
+    fn read_back(
+        &mut self,
+        family: Family,
+        table: Table,
+        wanted: Option<text::Wanted>,
+    ) -> Result<State, Error> {
+        let (f, t) = (family.index(), table.index());
+        let legacy = self.flavour == Flavour::Legacy;
+        // Not named unless listed (naming it creates it): it holds nothing.
+        if legacy && table.unlisted_in_legacy(family) {
+            self.seen[f][t] = None;
+            return Ok(text::compare(table, family, &Saved::default(), wanted.as_ref()));
+        }
+        let before = legacy.then(|| snapshot::take(family, table).ok()).flatten();
+        if let (Some(now), Some(seen)) = (&before, &self.seen[f][t]) {
+            if seen.snapshot == *now
+                && seen.wanted == wanted
+                && seen.at.elapsed() < self.full_read_every
+            {
+                return Ok(seen.state.clone());
+            }
+        }
+        self.seen[f][t] = None;
+        let at = Instant::now();
+        let saved = self.read(family, table)?;
+        self.read_backs += 1;
+        let state = text::compare(table, family, &saved, wanted.as_ref());
+        // Kept only when nothing changed while the save ran: what it printed is then exactly
+        // what the snapshot holds.
+        let after = before.as_ref().and_then(|_| snapshot::take(family, table).ok());
+        if let (Some(snapshot), Some(after)) = (before, after) {
+            if snapshot == after {
+                let state = state.clone();
+                self.seen[f][t] = Some(Seen { snapshot, wanted, state, at });
+            }
+        }
+        Ok(state)
+    }
+
+    /// Each family's tables' states, each read back.
+    fn states(&self, rules: &RuleSet) -> Result<Vec<TableState>, Error> {
+        let mut states = Vec::new();
+        for &family in &self.families {
+            for &table in self.role.tables() {
+                let wanted = text::wanted(rules, table, family);
+                let saved = self.read(family, table)?;
+                let state = text::compare(table, family, &saved, wanted.as_ref());
                 states.push((family, table, wanted.is_some(), state));
             }
         }
@@ -401,7 +491,7 @@ impl Dataplane for Iptables {
         for &family in &families {
             trusted |= self.apply_family(family, rules, true)?;
         }
-        let mut states = self.states(rules, |_, _| true)?;
+        let mut states = self.states(rules)?;
         let as_wanted = |states: &[TableState]| {
             states.iter().all(|(_, _, wanted, state)| {
                 *state == if *wanted { State::Matches } else { State::Nothing }
@@ -412,7 +502,7 @@ impl Dataplane for Iptables {
             for &family in &families {
                 self.apply_family(family, rules, false)?;
             }
-            states = self.states(rules, |_, _| true)?;
+            states = self.states(rules)?;
         }
         for (family, table, wanted, state) in &states {
             self.verified[family.index()][table.index()] = match (wanted, state) {
@@ -433,12 +523,15 @@ impl Dataplane for Iptables {
         }
     }
 
+    /// iptables-legacy: a table read back once is read again when the kernel holds it otherwise
+    /// ([`Snapshot`]), or after [`FULL_READ_EVERY`].
     fn check(&mut self, rules: &RuleSet) -> Result<Check, super::Error> {
         Ok(self.check_some(rules, |_, _| true)?)
     }
 
     /// iptables-nft: the families' tables announced changed (kube-proxy's filter churn in IPv4
-    /// costs no IPv6 read-back, and no mangle one). iptables-legacy announces nothing: all.
+    /// costs no IPv6 read-back, and no mangle one). iptables-legacy announces nothing: all, as
+    /// [`Iptables::check`] (each read back only if it changed).
     fn check_changed(
         &mut self,
         rules: &RuleSet,

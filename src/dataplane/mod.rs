@@ -9,6 +9,8 @@
 pub mod fake;
 #[forbid(unsafe_code)]
 pub mod iptables;
+#[allow(unsafe_code)]
+mod iptables_sockopt;
 pub mod nftables;
 
 use std::time::Duration;

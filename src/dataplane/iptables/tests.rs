@@ -964,6 +964,94 @@ pub(crate) mod kernel {
         other.recv(&mut buf).unwrap();
         assert_eq!(packets(), 1, "no NOTRACK for a wildcard listener");
     }
+
+    /// Issue 30, 8: iptables-legacy announces no change, and a check runs every tick. It reads
+    /// a table back (a child process) only when the kernel holds it otherwise than at its last
+    /// read-back: traffic moving the counters is no change; a CNI's rule in front of the jump,
+    /// or the jump deleted, is, and is found at the next check. Counted, not timed.
+    #[test]
+    fn legacy_checks_read_back_only_changed_tables() {
+        in_netns("ipt", test_path!(), |ns| {
+            let flavour = Flavour::Legacy;
+            let local = RuleSet::desired(&dual_stack(), Route::Local);
+            let mut writer = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
+            writer.apply(&local).unwrap();
+            let mut reader = writer.clone();
+            assert_eq!(reader.check(&local).unwrap(), Check::Matches);
+            // raw and mangle, IPv4 and IPv6.
+            let tables = 4;
+            assert_eq!(reader.read_backs(), tables);
+
+            // Idle ticks, with traffic through the raw OUTPUT jump between them.
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+            let sender = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            for _ in 0..100 {
+                sender.send_to(b"tick", "127.0.0.1:9").unwrap();
+                assert_eq!(reader.check(&local).unwrap(), Check::Matches);
+            }
+            assert_eq!(reader.read_backs(), tables, "an unchanged table was read back");
+            let binary = "iptables-legacy-save";
+            let counted = run("ip", &["netns", "exec", ns, binary, "-c", "-t", "raw"]);
+            let jump =
+                counted.lines().find(|l| l.ends_with(JUMP_OUTPUT.trim_start_matches("-A OUTPUT")));
+            assert!(
+                jump.is_some_and(|l| !l.starts_with("[0:0]")),
+                "no traffic counted:\n{counted}"
+            );
+
+            // A CNI's rule in front of the jump: that table alone is read back, and differs
+            // until the repair, which is read back once more.
+            ipt(ns, flavour, Family::V4, &["-t", "raw", "-I", "PREROUTING", "1", "-j", "ACCEPT"]);
+            let found = "IPv4 raw PREROUTING: first rule is `-A PREROUTING -j ACCEPT`, not the \
+                         agent's jump";
+            assert_eq!(differs(reader.check(&local).unwrap()), found);
+            assert_eq!(reader.read_backs(), tables + 1);
+            assert_eq!(differs(reader.check(&local).unwrap()), found);
+            assert_eq!(reader.read_backs(), tables + 1);
+            writer.apply(&local).unwrap();
+            assert_eq!(reader.check(&local).unwrap(), Check::Matches);
+            assert_eq!(reader.read_backs(), tables + 2);
+
+            // The IPv6 jump deleted.
+            let delete = [
+                "-t",
+                "raw",
+                "-D",
+                "OUTPUT",
+                "-m",
+                "comment",
+                "--comment",
+                "nodelocaldns-ha",
+                "-j",
+                "NODELOCALDNS-HA-OUTPUT",
+            ];
+            ipt(ns, flavour, Family::V6, &delete);
+            assert!(differs(reader.check(&local).unwrap()).starts_with("IPv6 raw OUTPUT: no rules"));
+            assert_eq!(reader.read_backs(), tables + 3);
+            writer.apply(&local).unwrap();
+            assert_eq!(reader.check(&local).unwrap(), Check::Matches);
+
+            // Another ruleset is compared afresh, with every table read back.
+            let before = reader.read_backs();
+            let upstream = RuleSet::desired(&dual_stack(), Route::Upstream);
+            assert!(matches!(reader.check(&upstream).unwrap(), Check::Differs(_)));
+            assert!(reader.read_backs() > before);
+
+            // The safety net: past FULL_READ_EVERY, every table is read back again.
+            assert_eq!(reader.check(&local).unwrap(), Check::Matches);
+            let before = reader.read_backs();
+            reader.full_read_every = Duration::ZERO;
+            assert_eq!(reader.check(&local).unwrap(), Check::Matches);
+            assert_eq!(reader.read_backs(), before + tables);
+
+            // A table the kernel has not created is neither read nor named.
+            let mut filter = Iptables::new(flavour, Role::Accepts, WAIT).unwrap();
+            let accepts = local.clone().with_accepts(&dual_stack());
+            assert_eq!(filter.check(&accepts).unwrap(), Check::Missing);
+            assert_eq!(filter.read_backs(), 0);
+            assert!(legacy_tables(false).is_some_and(|t| !t.iter().any(|n| n == "filter")));
+        });
+    }
 }
 
 #[test]
