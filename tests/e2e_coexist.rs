@@ -503,8 +503,9 @@ fn iptables_nft_is_checked_when_its_tables_change_not_every_tick() {
     assert!(checks(&node) > calm);
 }
 
-/// iptables-legacy announces nothing: its tables are read back on every tick (cheap: legacy
-/// reads one table from the kernel).
+/// iptables-legacy announces nothing: its tables are checked on every tick (each copied from the
+/// kernel in-process; `iptables-legacy-save` runs only when a copy changed,
+/// `tests/e2e_legacy_idle.rs`).
 #[test]
 fn iptables_legacy_is_checked_every_tick() {
     let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
