@@ -36,7 +36,11 @@
 //!
 //! Bounds: at most [`Options::max_in_flight`] UDP queries wait for the upstream at once and at
 //! most [`Options::max_connections`] TCP connections are relayed; beyond them a query is
-//! dropped and a connection closed, both counted. A UDP query the upstream has not answered
+//! dropped and a connection closed, both counted. Within those, each client address has a
+//! share ([`Options::max_in_flight_per_client`], [`Options::max_connections_per_client`],
+//! kept by [`Shares`]): one pod that floods the fallback with queries the upstream answers
+//! late or never fills its own share and no more, and every other pod's queries still find
+//! room (issue 30, defect 7). A UDP query the upstream has not answered
 //! within [`Options::upstream_timeout`] (give or take the 100 ms between two sweeps) is dropped
 //! without a word (the client retries, as it would after a lost datagram), and so is one the
 //! upstream refuses (an ICMP error); a TCP connection with nothing to relay for
@@ -49,11 +53,12 @@ mod tcp;
 mod udp;
 mod upstream;
 
+use std::collections::hash_map::{Entry, HashMap};
 use std::convert::Infallible;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use nix::sys::socket::{setsockopt, sockopt};
@@ -77,17 +82,29 @@ pub struct Options {
     pub max_connections: usize,
     /// A TCP connection with nothing to relay either way for this long is closed.
     pub tcp_idle_timeout: Duration,
+    /// UDP queries of one client address waiting at once; its query beyond it is dropped.
+    pub max_in_flight_per_client: usize,
+    /// TCP connections of one client address relayed at once; its connection beyond it is
+    /// closed.
+    pub max_connections_per_client: usize,
 }
 
 impl Default for Options {
     /// 2 s for the upstream (a stub resolver waits 5 s before it retries), 4096 queries in
-    /// flight, 1024 connections, 10 s idle.
+    /// flight, 1024 connections, 10 s idle; a sixteenth of each per client address: 256
+    /// queries and 64 connections.
+    ///
+    /// A client needs about its rate times the upstream's latency in flight: 256 carry 50,000
+    /// queries/s at CoreDNS's 5 ms, and 128/s of queries that time out. It takes sixteen
+    /// addresses flooding at once to fill the whole bound.
     fn default() -> Options {
         Options {
             upstream_timeout: Duration::from_secs(2),
             max_in_flight: 4096,
             max_connections: 1024,
             tcp_idle_timeout: Duration::from_secs(10),
+            max_in_flight_per_client: 256,
+            max_connections_per_client: 64,
         }
     }
 }
@@ -109,8 +126,11 @@ pub struct Counters {
     pub upstream_failures: AtomicU64,
     /// Answers that could not be sent back from the address their query was sent to.
     pub answer_failures: AtomicU64,
-    /// Queries dropped and connections closed because the forwarder was at its bound.
+    /// Queries dropped and connections closed because the forwarder was at its bound, or
+    /// their client at its share.
     pub dropped_busy: AtomicU64,
+    /// Of `dropped_busy`, those whose client was at its share (the forwarder had room).
+    pub dropped_over_share: AtomicU64,
     /// Datagrams too short to be a DNS message, dropped.
     pub dropped_malformed: AtomicU64,
     /// Datagrams from the upstream that answer no query in flight, dropped: late (their query
@@ -133,6 +153,8 @@ pub struct Totals {
     pub answer_failures: u64,
     /// See [`Counters::dropped_busy`].
     pub dropped_busy: u64,
+    /// See [`Counters::dropped_over_share`].
+    pub dropped_over_share: u64,
     /// See [`Counters::dropped_malformed`].
     pub dropped_malformed: u64,
     /// See [`Counters::stray_answers`].
@@ -150,6 +172,7 @@ impl Counters {
             upstream_failures: read(&self.upstream_failures),
             answer_failures: read(&self.answer_failures),
             dropped_busy: read(&self.dropped_busy),
+            dropped_over_share: read(&self.dropped_over_share),
             dropped_malformed: read(&self.dropped_malformed),
             stray_answers: read(&self.stray_answers),
         }
@@ -166,6 +189,7 @@ impl std::iter::Sum for Totals {
             upstream_failures: a.upstream_failures + b.upstream_failures,
             answer_failures: a.answer_failures + b.answer_failures,
             dropped_busy: a.dropped_busy + b.dropped_busy,
+            dropped_over_share: a.dropped_over_share + b.dropped_over_share,
             dropped_malformed: a.dropped_malformed + b.dropped_malformed,
             stray_answers: a.stray_answers + b.stray_answers,
         })
@@ -202,6 +226,95 @@ pub fn fuzz_message(data: &[u8]) {
     let taken = table.answer(data) == Answered::Query(());
     assert_eq!(table.len(), usize::from(!taken));
     assert_eq!(table.cancel(id).is_some(), !taken, "the query is pending unless taken");
+}
+
+/// What each client address holds of a bound (UDP queries in flight, or TCP connections),
+/// each held to a share of it.
+///
+/// Exact, not sampled: a client is charged for its own queries only. An address is in the
+/// map only while it holds something (its entry goes when its count falls to 0), and the
+/// forwarder's own bound caps what all of them hold, so the map never has more entries than
+/// that bound (4096 for UDP: under 300 KiB at its peak, kept as the map's capacity), however
+/// many clients come and go. The key is the whole address: pods on a node share a prefix, and a share per prefix
+/// would be one share for all of them. The key is only as good as the source address: a pod
+/// that forges sources gets a share per forged address, up to the forwarder's bound.
+///
+/// The listening task takes the lock once per batch of queries ([`Shares::lock`]), each
+/// socket's task once per batch of answers. The one lock taken while this one is held is a
+/// socket's table of pending queries (the listening task's inserts); nothing takes this one
+/// while holding a table.
+#[derive(Debug)]
+struct Shares {
+    /// The most one address holds.
+    share: usize,
+    /// What each address holds: never 0.
+    held: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Shares {
+    /// Shares of `share` each.
+    fn new(share: usize) -> Shares {
+        Shares { share, held: Mutex::default() }
+    }
+
+    /// The table, to take or give back several at once. Nothing panics while holding it, so a
+    /// poisoned lock is still consistent.
+    fn lock(&self) -> Held<'_> {
+        Held { share: self.share, held: self.held.lock().unwrap_or_else(PoisonError::into_inner) }
+    }
+
+    /// Takes one for `client`, given back when the [`Share`] is dropped; None when `client` is
+    /// at its share.
+    fn take_owned(self: &Arc<Self>, client: IpAddr) -> Option<Share> {
+        self.lock().take(client).then(|| Share { shares: self.clone(), client })
+    }
+
+    /// How many addresses hold something.
+    #[cfg(test)]
+    fn clients(&self) -> usize {
+        self.lock().held.len()
+    }
+}
+
+/// [`Shares`], locked.
+struct Held<'a> {
+    share: usize,
+    held: MutexGuard<'a, HashMap<IpAddr, usize>>,
+}
+
+impl Held<'_> {
+    /// Takes one for `client`; false when it is at its share.
+    fn take(&mut self, client: IpAddr) -> bool {
+        let held = self.held.entry(client).or_insert(0);
+        if *held >= self.share {
+            return false;
+        }
+        *held += 1;
+        true
+    }
+
+    /// Gives one of `client`'s back.
+    fn give_back(&mut self, client: IpAddr) {
+        if let Entry::Occupied(mut held) = self.held.entry(client) {
+            *held.get_mut() -= 1;
+            if *held.get() == 0 {
+                held.remove();
+            }
+        }
+    }
+}
+
+/// One of a client's share, given back when dropped (a TCP connection's).
+#[derive(Debug)]
+struct Share {
+    shares: Arc<Shares>,
+    client: IpAddr,
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.shares.lock().give_back(self.client);
+    }
 }
 
 /// Adds one to `counter`.
@@ -319,7 +432,8 @@ impl Forwarder {
             Transport::Udp,
             "registering with the tokio runtime",
         ))?;
-        let pool = upstream::Pool::open(upstream).map_err(setup(
+        let shares = Arc::new(Shares::new(options.max_in_flight_per_client));
+        let pool = upstream::Pool::open(upstream, shares).map_err(setup(
             listen,
             Transport::Udp,
             "opening the sockets to the upstream",

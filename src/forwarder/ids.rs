@@ -173,15 +173,15 @@ impl<T, I: Iterator<Item = u16>> Pending<T, I> {
         Some(self.remove(at))
     }
 
-    /// Takes out every query whose deadline is `now` or earlier; returns how many. One pass
-    /// over the pending queries, however many there are.
-    pub(super) fn expire(&mut self, now: Instant) -> usize {
+    /// Takes out every query whose deadline is `now` or earlier, each given to `expired`;
+    /// returns how many. One pass over the pending queries, however many there are.
+    pub(super) fn expire(&mut self, now: Instant, mut expired: impl FnMut(T)) -> usize {
         let before = self.queries.len();
         let mut at = 0;
         while at < self.queries.len() {
             if self.queries[at].deadline <= now {
                 // The last query moves to `at`: look at it next.
-                self.remove(at);
+                expired(self.remove(at));
             } else {
                 at += 1;
             }

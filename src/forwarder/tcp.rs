@@ -13,7 +13,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
-use super::{count, report_task_end, Counters, Options};
+use super::{count, report_task_end, Counters, Options, Share, Shares};
 
 /// What each direction of a relay reads at a time (a DNS message may take several reads).
 const CHUNK: usize = 8 << 10;
@@ -23,7 +23,8 @@ const CHUNK: usize = 8 << 10;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
 /// Accepts connections on `listener` forever, each relayed to `upstream` by a task of its own,
-/// at most `options.max_connections` at once.
+/// at most `options.max_connections` at once and `options.max_connections_per_client` of one
+/// client address.
 pub(super) async fn serve(
     listener: TcpListener,
     upstream: SocketAddr,
@@ -31,6 +32,7 @@ pub(super) async fn serve(
     counters: Arc<Counters>,
 ) -> Infallible {
     let open = Arc::new(Semaphore::new(options.max_connections));
+    let shares = Arc::new(Shares::new(options.max_connections_per_client));
     // Dropped with this future: every connection is closed.
     let mut relays = JoinSet::new();
     loop {
@@ -47,6 +49,11 @@ pub(super) async fn serve(
                     count(&counters.dropped_busy);
                     continue; // `client` is dropped: closed.
                 };
+                let Some(share) = shares.take_owned(peer.ip()) else {
+                    count(&counters.dropped_busy);
+                    count(&counters.dropped_over_share);
+                    continue; // `client` and `permit` are dropped.
+                };
                 count(&counters.tcp_connections);
                 relays.spawn(relay_to_upstream(
                     client,
@@ -54,7 +61,7 @@ pub(super) async fn serve(
                     upstream,
                     options,
                     counters.clone(),
-                    permit,
+                    (permit, share),
                 ));
             }
             Err(error) => {
@@ -74,7 +81,7 @@ async fn relay_to_upstream(
     upstream: SocketAddr,
     options: Options,
     counters: Arc<Counters>,
-    _open: OwnedSemaphorePermit,
+    _open: (OwnedSemaphorePermit, Share),
 ) {
     let connected = timeout(options.upstream_timeout, TcpStream::connect(upstream)).await;
     let upstream_stream = match connected {

@@ -219,3 +219,51 @@ fn a_burst_larger_than_a_batch_is_received_and_sent_whole_each_datagram_in_its_o
         assert_eq!(got, (0..BATCH).map(burst_datagram).collect::<Vec<_>>());
     });
 }
+
+#[test]
+fn a_client_holds_its_share_and_no_more_and_its_entry_goes_when_it_holds_nothing() {
+    let (a, b): (IpAddr, IpAddr) = ("10.244.0.5".parse().unwrap(), "10.244.0.6".parse().unwrap());
+    let shares = Shares::new(2);
+    let mut held = shares.lock();
+    assert_eq!([held.take(a), held.take(a), held.take(a)], [true, true, false]);
+    assert!(held.take(b), "another client has a share of its own");
+    held.give_back(a);
+    assert!(held.take(a), "a share given back is taken again");
+    // Giving back what a client does not hold changes nothing (never below 0).
+    held.give_back("10.244.0.7".parse().unwrap());
+    drop(held);
+    assert_eq!(shares.clients(), 2);
+    let mut held = shares.lock();
+    for _ in 0..2 {
+        held.give_back(a);
+    }
+    held.give_back(b);
+    drop(held);
+    assert_eq!(shares.clients(), 0, "a client that holds nothing has no entry");
+}
+
+#[test]
+fn the_shares_never_hold_more_entries_than_clients_holding_something() {
+    // Many clients come and go, one query each: the map stays at what is held at once.
+    let shares = Shares::new(256);
+    let mut held = shares.lock();
+    for n in 0..100_000u32 {
+        let client = IpAddr::V4(Ipv4Addr::from(0x0af4_0000 + n));
+        assert!(held.take(client));
+        if n >= 16 {
+            held.give_back(IpAddr::V4(Ipv4Addr::from(0x0af4_0000 + n - 16)));
+        }
+        assert!(held.held.len() <= 17);
+    }
+}
+
+#[test]
+fn a_tcp_share_is_given_back_when_its_connection_ends() {
+    let client: IpAddr = "fd00:244::5".parse().unwrap();
+    let shares = Arc::new(Shares::new(1));
+    let first = shares.take_owned(client).expect("a share");
+    assert!(shares.take_owned(client).is_none(), "at its share");
+    drop(first);
+    assert!(shares.take_owned(client).is_some(), "given back on drop");
+    assert_eq!(shares.clients(), 0);
+}

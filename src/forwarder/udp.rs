@@ -61,7 +61,8 @@ impl Buffers {
 }
 
 /// Receives queries on `socket` (bound to `listen`) until receiving fails for good, each sent on
-/// to the upstream on a socket of `pool`, at most `options.max_in_flight` at once; the pool's
+/// to the upstream on a socket of `pool`, at most `options.max_in_flight` at once and
+/// `options.max_in_flight_per_client` of one client address (the pool's shares); the pool's
 /// tasks send the answers back.
 pub(super) async fn serve(
     socket: Arc<UdpSocket>,
@@ -78,6 +79,7 @@ pub(super) async fn serve(
         let task = answering.spawn(upstream.clone().answer(socket.clone(), counters.clone()));
         answers_of.insert(task.id(), upstream.clone());
     }
+    let shares = pool.shares();
     let mut buffers = Buffers::new();
     let mut received = Vec::with_capacity(BATCH);
     let mut outgoing = Vec::with_capacity(BATCH);
@@ -109,33 +111,44 @@ pub(super) async fn serve(
         }
         // The whole batch goes on one socket of the pool, each batch on the next.
         let upstream = pool.next();
-        let deadline = Instant::now() + options.upstream_timeout;
-        outgoing.clear();
-        for (slot, received) in received.iter().enumerate() {
-            if received.len < HEADER_LEN || received.truncated {
-                count(&counters.dropped_malformed);
-                continue;
+        {
+            // One lock of the shares for the batch, let go before the batch is sent.
+            let mut held = shares.lock();
+            let deadline = Instant::now() + options.upstream_timeout;
+            outgoing.clear();
+            for (slot, received) in received.iter().enumerate() {
+                if received.len < HEADER_LEN || received.truncated {
+                    count(&counters.dropped_malformed);
+                    continue;
+                }
+                let (Some(client), Some(destination)) = (received.client, received.destination)
+                else {
+                    // Cannot happen with pktinfo on; without a destination, no right source to
+                    // answer from.
+                    count(&counters.answer_failures);
+                    continue;
+                };
+                if upstream.pool_in_flight() >= options.max_in_flight {
+                    count(&counters.dropped_busy);
+                    continue;
+                }
+                if !held.take(client.ip()) {
+                    count(&counters.dropped_busy);
+                    count(&counters.dropped_over_share);
+                    continue;
+                }
+                let query = &mut buffers.slot_mut(slot)[..received.len];
+                let origin =
+                    Origin { client, id: u16::from_be_bytes([query[0], query[1]]), destination };
+                let Some(id) = upstream.insert(query, origin, deadline) else {
+                    held.give_back(client.ip());
+                    count(&counters.dropped_busy);
+                    continue;
+                };
+                count(&counters.udp_queries);
+                query[..2].copy_from_slice(&id.to_be_bytes());
+                outgoing.push(Outgoing { slot, len: received.len, id });
             }
-            let (Some(client), Some(destination)) = (received.client, received.destination) else {
-                // Cannot happen with pktinfo on; without a destination, no right source to
-                // answer from.
-                count(&counters.answer_failures);
-                continue;
-            };
-            if upstream.pool_in_flight() >= options.max_in_flight {
-                count(&counters.dropped_busy);
-                continue;
-            }
-            let query = &mut buffers.slot_mut(slot)[..received.len];
-            let origin =
-                Origin { client, id: u16::from_be_bytes([query[0], query[1]]), destination };
-            let Some(id) = upstream.insert(query, origin, deadline) else {
-                count(&counters.dropped_busy);
-                continue;
-            };
-            count(&counters.udp_queries);
-            query[..2].copy_from_slice(&id.to_be_bytes());
-            outgoing.push(Outgoing { slot, len: received.len, id });
         }
         upstream.send(&buffers, &outgoing, &counters).await;
     }

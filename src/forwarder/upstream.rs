@@ -44,7 +44,7 @@ use tokio::time::MissedTickBehavior;
 
 use super::ids::{Answered, Pending, HEADER_LEN};
 use super::udp::{send_answers, Buffers, Reply, BATCH};
-use super::{count, Counters};
+use super::{count, Counters, Shares};
 
 /// How many sockets the pool has, each with a task to read its answers and a conntrack entry on
 /// the node. Of 1, 2 and 4, four served the benchmark's dnsperf best, on two cores, with the
@@ -90,6 +90,8 @@ pub(super) struct Pool {
     next: usize,
     /// The queries in flight on all of them.
     in_flight: Arc<AtomicUsize>,
+    /// What each client has in flight on all of them.
+    shares: Arc<Shares>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -106,9 +108,9 @@ impl std::fmt::Debug for Pool {
 }
 
 impl Pool {
-    /// [`SOCKETS`] sockets for `upstream`, bound to a port each and not yet connected. Must be
-    /// called inside a tokio runtime.
-    pub(super) fn open(upstream: SocketAddr) -> io::Result<Pool> {
+    /// [`SOCKETS`] sockets for `upstream`, bound to a port each and not yet connected, their
+    /// queries counted against their clients' `shares`. Must be called inside a tokio runtime.
+    pub(super) fn open(upstream: SocketAddr, shares: Arc<Shares>) -> io::Result<Pool> {
         let unspecified = match upstream {
             SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
             SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
@@ -126,11 +128,12 @@ impl Pool {
                     socket: UdpSocket::from_std(socket)?,
                     pending: Mutex::new(Pending::new()),
                     in_flight: in_flight.clone(),
+                    shares: shares.clone(),
                     armed: Notify::new(),
                 }))
             })
             .collect::<io::Result<_>>()?;
-        Ok(Pool { upstream, sockets, next: 0, in_flight })
+        Ok(Pool { upstream, sockets, next: 0, in_flight, shares })
     }
 
     /// Connects every socket to the upstream, retrying until it can: without a route to the
@@ -160,6 +163,12 @@ impl Pool {
         &self.sockets[self.next]
     }
 
+    /// What each client has in flight: a query takes one of its client's before it is
+    /// [`Upstream::insert`]ed, and the socket gives it back when the query ends.
+    pub(super) fn shares(&self) -> Arc<Shares> {
+        self.shares.clone()
+    }
+
     /// How many queries wait for the upstream's answer on all the sockets.
     pub(super) fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
@@ -174,6 +183,8 @@ pub(super) struct Upstream {
     pending: Mutex<Pending<Origin>>,
     /// The pool's count of queries in flight.
     in_flight: Arc<AtomicUsize>,
+    /// The pool's shares: each query ended here gives its client's back.
+    shares: Arc<Shares>,
     /// Told when the table stops being empty: the answering task then sweeps again.
     armed: Notify,
 }
@@ -185,7 +196,8 @@ impl Upstream {
     }
 
     /// Takes `query` pending until `deadline`; returns the id it is to go out with, or None
-    /// when the table has no room.
+    /// when the table has no room. The query's client has taken a share for it (see
+    /// [`Pool::shares`]); the socket gives it back when the query ends (but not on None).
     pub(super) fn insert(&self, query: &[u8], origin: Origin, deadline: Instant) -> Option<u16> {
         let mut pending = self.pending();
         let was_empty = pending.is_empty();
@@ -226,11 +238,10 @@ impl Upstream {
     /// Takes the query pending under `id` out (it could not be sent); whether it was there
     /// (not expired meanwhile).
     pub(super) fn cancel(&self, id: u16) -> bool {
-        let cancelled = self.pending().cancel(id).is_some();
-        if cancelled {
-            self.in_flight.fetch_sub(1, Ordering::Relaxed);
-        }
-        cancelled
+        let Some(origin) = self.pending().cancel(id) else { return false };
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.shares.lock().give_back(origin.client.ip());
+        true
     }
 
     /// Reads this socket's answers forever, each sent back to its client through `listener`,
@@ -299,6 +310,10 @@ impl Upstream {
                             }),
                         );
                     }
+                    if !replies.is_empty() {
+                        let mut shares = self.shares.lock();
+                        replies.iter().for_each(|reply| shares.give_back(reply.client.ip()));
+                    }
                     send_replies(listener, buffers, &replies, counters).await;
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => return,
@@ -309,7 +324,8 @@ impl Upstream {
     }
 
     /// Makes `answer` its query's client's again (the client's id) and says who that is and
-    /// which address it asked; an answer to no pending query is counted and dropped.
+    /// which address it asked; an answer to no pending query is counted and dropped. The
+    /// caller gives the client's share back.
     fn reply(&self, answer: &mut [u8], counters: &Counters) -> Option<(SocketAddr, IpAddr)> {
         let taken = if answer.len() < HEADER_LEN { Answered::Unknown } else { self.take(answer) };
         let Answered::Query(origin) = taken else {
@@ -329,6 +345,7 @@ impl Upstream {
                 Ok(len) => {
                     // The quote may be cut short: then the query is not named, and expires.
                     if let Answered::Query(origin) = self.take(&buffer[..len]) {
+                        self.shares.lock().give_back(origin.client.ip());
                         count(&counters.upstream_failures);
                         tracing::debug!(client = %origin.client, "the upstream refused a query");
                     }
@@ -342,7 +359,8 @@ impl Upstream {
         }
     }
 
-    /// The query `message` answers (or quotes), taken out of the table.
+    /// The query `message` answers (or quotes), taken out of the table (its client's share is
+    /// the caller's to give back).
     fn take(&self, message: &[u8]) -> Answered<Origin> {
         let taken = self.pending().answer(message);
         if let Answered::Query(_) = taken {
@@ -353,8 +371,12 @@ impl Upstream {
 
     /// Takes the queries past their deadline out, counted as the upstream's failures.
     fn expire(&self, counters: &Counters) {
-        let expired = self.pending().expire(Instant::now());
+        let mut clients = Vec::new();
+        let expired = self.pending().expire(Instant::now(), |o| clients.push(o.client.ip()));
         if expired > 0 {
+            let mut shares = self.shares.lock();
+            clients.into_iter().for_each(|client| shares.give_back(client));
+            drop(shares);
             self.in_flight.fetch_sub(expired, Ordering::Relaxed);
             counters.upstream_failures.fetch_add(expired as u64, Ordering::Relaxed);
             tracing::debug!(expired, "queries the upstream left unanswered");

@@ -93,13 +93,13 @@ fn expiry_frees_the_queries_past_their_deadline_and_their_late_answers_are_unkno
     table.insert(&query(10, "a.test"), "a", now + Duration::from_secs(1)).unwrap();
     table.insert(&query(20, "b.test"), "b", now + Duration::from_secs(3)).unwrap();
     table.insert(&query(30, "c.test"), "c", now + Duration::from_secs(2)).unwrap();
-    assert_eq!(table.expire(now), 0);
-    assert_eq!(table.expire(now + Duration::from_secs(2)), 2, "a and c, at their deadlines");
+    assert_eq!(table.expire(now, drop), 0);
+    assert_eq!(table.expire(now + Duration::from_secs(2), drop), 2, "a and c, at their deadlines");
     assert_eq!(table.len(), 1);
     assert_eq!(table.answer(&answer(1, "a.test")), Answered::Unknown, "late");
     assert_eq!(table.answer(&answer(3, "c.test")), Answered::Unknown, "late");
     assert_eq!(table.answer(&answer(2, "b.test")), Answered::Query("b"));
-    assert_eq!(table.expire(now + Duration::from_secs(60)), 0);
+    assert_eq!(table.expire(now + Duration::from_secs(60), drop), 0);
 }
 
 #[test]
@@ -112,7 +112,7 @@ fn queries_left_after_an_expiry_are_still_found_by_their_ids() {
         let deadline = now + Duration::from_secs(if n % 3 == 0 { 1 } else { 5 });
         assert_eq!(table.insert(&query(1, &format!("q{n}.test")), n, deadline), Some(id));
     }
-    assert_eq!(table.expire(now + Duration::from_secs(1)), 34);
+    assert_eq!(table.expire(now + Duration::from_secs(1), drop), 34);
     for (n, &id) in ids.iter().enumerate() {
         let want = if n % 3 == 0 { Answered::Unknown } else { Answered::Query(n) };
         assert_eq!(table.answer(&answer(id, &format!("q{n}.test"))), want, "query {n}");
