@@ -7,7 +7,8 @@ packages=(
   nftables iptables iproute2 conntrack   # netfilter and namespaces
   unbound dnsmasq-base dnsutils          # the cache, "CoreDNS", dig
   libnftnl-dev libmnl-dev pkg-config     # build nftnl
-  libcap2-bin util-linux                 # capsh, setpriv (privilege tests)
+  libcap2-bin util-linux                 # capsh, setpriv (privilege tests); flock (ci/k8s)
+  openssl                                # the real control plane's throwaway CA (ci/k8s)
   prometheus                             # promtool and a real server (tests/alerts.rs)
 )
 missing=()
@@ -26,6 +27,12 @@ if ((${#missing[@]})); then
 fi
 
 command -v cargo >/dev/null || { echo "ci/deps.sh: cargo not found (the Rust toolchain is needed)"; exit 1; }
+# The real Kubernetes parts (ci/k8s/build.sh) need Go 1.26 or newer and the Go module proxy.
+go_version=$(go env GOVERSION 2>/dev/null || true)
+case "$go_version" in
+  go1.2[6-9]* | go1.[3-9][0-9]* | go[2-9]*) ;;
+  *) echo "ci/deps.sh: Go 1.26 or newer is needed for ci/k8s (found: ${go_version:-none})"; exit 1 ;;
+esac
 for component in rustfmt clippy; do
   rustup component list --installed 2>/dev/null | grep -q "^$component" || rustup component add "$component"
 done
