@@ -87,6 +87,9 @@ pub struct Options {
     /// TCP connections of one client address relayed at once; its connection beyond it is
     /// closed.
     pub max_connections_per_client: usize,
+    /// How often each socket to the upstream is replaced by a new one (a new source port:
+    /// kube-proxy picks a CoreDNS endpoint for it afresh); the sockets are spread over it.
+    pub upstream_redial: Duration,
 }
 
 impl Default for Options {
@@ -105,6 +108,7 @@ impl Default for Options {
             tcp_idle_timeout: Duration::from_secs(10),
             max_in_flight_per_client: 256,
             max_connections_per_client: 64,
+            upstream_redial: Duration::from_secs(5),
         }
     }
 }
@@ -133,6 +137,8 @@ pub struct Counters {
     pub dropped_over_share: AtomicU64,
     /// Datagrams too short to be a DNS message, dropped.
     pub dropped_malformed: AtomicU64,
+    /// Sockets to the upstream replaced by new ones (see [`Options::upstream_redial`]).
+    pub upstream_redials: AtomicU64,
     /// Datagrams from the upstream that answer no query in flight, dropped: late (their query
     /// had expired), under an id no query has, or for another question than the query's.
     pub stray_answers: AtomicU64,
@@ -157,6 +163,8 @@ pub struct Totals {
     pub dropped_over_share: u64,
     /// See [`Counters::dropped_malformed`].
     pub dropped_malformed: u64,
+    /// See [`Counters::upstream_redials`].
+    pub upstream_redials: u64,
     /// See [`Counters::stray_answers`].
     pub stray_answers: u64,
 }
@@ -174,6 +182,7 @@ impl Counters {
             dropped_busy: read(&self.dropped_busy),
             dropped_over_share: read(&self.dropped_over_share),
             dropped_malformed: read(&self.dropped_malformed),
+            upstream_redials: read(&self.upstream_redials),
             stray_answers: read(&self.stray_answers),
         }
     }
@@ -191,6 +200,7 @@ impl std::iter::Sum for Totals {
             dropped_busy: a.dropped_busy + b.dropped_busy,
             dropped_over_share: a.dropped_over_share + b.dropped_over_share,
             dropped_malformed: a.dropped_malformed + b.dropped_malformed,
+            upstream_redials: a.upstream_redials + b.upstream_redials,
             stray_answers: a.stray_answers + b.stray_answers,
         })
     }

@@ -190,9 +190,11 @@ fn serve(family: Family, options: Options) -> Serving {
 }
 
 impl Serving {
-    /// Waits until the counters read `want`, and checks the forwarder still serves.
+    /// Waits until the counters read `want` (all but the re-dials, which come with time), and
+    /// checks the forwarder still serves.
     fn wait_for(&self, want: Totals) {
-        let reached = testkit::poll(DEADLINE, || (self.counters.totals() == want).then_some(()));
+        let now = || Totals { upstream_redials: 0, ..self.counters.totals() };
+        let reached = testkit::poll(DEADLINE, || (now() == want).then_some(()));
         let totals = self.counters.totals();
         assert!(reached.is_some(), "counters {totals:?}, want {want:?}");
         assert!(!self.task.is_finished(), "the forwarder stopped");
@@ -507,7 +509,9 @@ fn many_clients_sharing_ids_get_their_own_answers_whatever_the_upstream_s_order(
         let family = v4();
         set_up(ns);
         let upstream = start_reversing_upstream(family.upstream);
-        let forwarder = serve(family, Options::default());
+        // No re-dial: the sources the upstream sees are the pool's sockets.
+        let options = Options { upstream_redial: Duration::from_secs(3600), ..Options::default() };
+        let forwarder = serve(family, options);
 
         let failed: Vec<String> = std::thread::scope(|scope| {
             let clients: Vec<_> = (0..CLIENTS)
@@ -749,5 +753,64 @@ fn a_client_s_share_of_udp_queries_comes_back_when_they_end() {
         let len = client.recv(&mut buf).expect("an answer once the share came back");
         assert_eq!(&buf[..len], answer_to(&sent));
         forwarder.wait_for(Totals { udp_queries: 4, udp_answers: 2, ..want });
+    });
+}
+
+#[test]
+fn sockets_to_the_upstream_are_redialled_and_answers_on_the_old_ones_still_arrive() {
+    // Issue 30, defect 5: a socket connected once keeps one conntrack entry, and kube-proxy's
+    // choice of an endpoint with it, for the agent's life. The test is the upstream: it sees
+    // the source ports, and answers a query only after its socket has been replaced.
+    in_netns("fwd", test_path!(), |ns| {
+        const REDIAL: Duration = Duration::from_millis(200);
+        let family = v4();
+        set_up(ns);
+        let upstream = UdpSocket::bind(family.upstream).unwrap();
+        upstream.set_read_timeout(Some(DEADLINE)).unwrap();
+        let options = Options {
+            upstream_redial: REDIAL,
+            upstream_timeout: Duration::from_secs(4),
+            ..Options::default()
+        };
+        let forwarder = serve(family, options);
+        let mut buf = [0; 512];
+
+        let held = udp_client(family);
+        let first = dns_query(1, "held.test");
+        held.send_to(&first, family.link_local).unwrap();
+        let (len, old_socket) = upstream.recv_from(&mut buf).expect("the held query");
+        let late = answer_to(&buf[..len]);
+
+        // Other queries, answered at once, for two periods: every socket has been replaced
+        // by then (the first re-dials come within one period of the start).
+        let client = udp_client(family);
+        let mut sources = HashSet::from([old_socket]);
+        let start = std::time::Instant::now();
+        let mut id = 2;
+        while start.elapsed() < REDIAL * 2 {
+            let sent = dns_query(id, &format!("q{id}.test"));
+            client.send_to(&sent, family.link_local).unwrap();
+            let (len, from) = upstream.recv_from(&mut buf).expect("a query");
+            sources.insert(from);
+            upstream.send_to(&answer_to(&buf[..len]), from).unwrap();
+            let len = client.recv(&mut buf).expect("an answer");
+            assert_eq!(&buf[..len], answer_to(&sent));
+            id += 1;
+        }
+        let redials = forwarder.counters.totals().upstream_redials;
+        assert!(redials >= super::upstream::SOCKETS as u64, "{redials} re-dials");
+        assert!(sources.len() > super::upstream::SOCKETS, "sources {sources:?}");
+
+        // The held query's socket is draining: its answer still reaches the client.
+        upstream.send_to(&late, old_socket).unwrap();
+        let len = held.recv(&mut buf).expect("the answer on the replaced socket");
+        assert_eq!(&buf[..len], answer_to(&first));
+        let answered = u64::from(id - 1);
+        forwarder.wait_for(Totals {
+            udp_queries: answered,
+            udp_answers: answered,
+            ..Totals::default()
+        });
+        eprintln!("{redials} re-dials, {} sources, {answered} answered", sources.len());
     });
 }

@@ -76,7 +76,8 @@ pub(super) async fn serve(
     let mut answering = JoinSet::new();
     let mut answers_of = HashMap::new();
     for upstream in pool.sockets() {
-        let task = answering.spawn(upstream.clone().answer(socket.clone(), counters.clone()));
+        let task =
+            answering.spawn(upstream.clone().answer(socket.clone(), counters.clone(), options));
         answers_of.insert(task.id(), upstream.clone());
     }
     let shares = pool.shares();
@@ -92,7 +93,7 @@ pub(super) async fn serve(
                 report_task_end(Err(panicked));
                 if let Some(upstream) = answers_of.remove(&id) {
                     let task =
-                        answering.spawn(upstream.clone().answer(socket.clone(), counters.clone()));
+                        answering.spawn(upstream.clone().answer(socket.clone(), counters.clone(), options));
                     answers_of.insert(task.id(), upstream);
                 }
                 continue;

@@ -17,6 +17,14 @@
 //! up to that much later than its timeout). No task per query, no timer per
 //! query.
 //!
+//! Each socket is replaced by a new one every [`Options::upstream_redial`] (5 s; the pool's
+//! sockets a quarter of that apart), connected afresh from a new source port (issue 30,
+//! defect 5). A socket connected once kept one conntrack entry, and with it kube-proxy's DNAT
+//! to one CoreDNS endpoint, for the agent's life: a dead endpoint cost a quarter of the
+//! queries until it was withdrawn, and new replicas got none. The old socket is still read
+//! until its queries have had their timeout, so no answer in flight is lost; a re-dial waits
+//! for the drain before it.
+//!
 //! `IP_RECVERR` / `IPV6_RECVERR`: an ICMP error (the upstream's port unreachable, or kube-proxy
 //! rejecting a Service with no endpoints) quotes the query it is about, and with the option the
 //! kernel queues the quote for the socket to read: the query it names fails at once, as it did
@@ -25,6 +33,7 @@
 //! is tried once more (the datagram was not sent), and a receive goes on to the next datagrams.
 //!
 //! [`Options::upstream_timeout`]: super::Options::upstream_timeout
+//! [`Options::upstream_redial`]: super::Options::upstream_redial
 
 use std::convert::Infallible;
 use std::io::{self, IoSlice, IoSliceMut};
@@ -44,7 +53,7 @@ use tokio::time::MissedTickBehavior;
 
 use super::ids::{Answered, Pending, HEADER_LEN};
 use super::udp::{send_answers, Buffers, Reply, BATCH};
-use super::{count, Counters, Shares};
+use super::{count, Counters, Options, Shares};
 
 /// How many sockets the pool has, each with a task to read its answers and a conntrack entry on
 /// the node. Of 1, 2 and 4, four served the benchmark's dnsperf best, on two cores, with the
@@ -111,21 +120,13 @@ impl Pool {
     /// [`SOCKETS`] sockets for `upstream`, bound to a port each and not yet connected, their
     /// queries counted against their clients' `shares`. Must be called inside a tokio runtime.
     pub(super) fn open(upstream: SocketAddr, shares: Arc<Shares>) -> io::Result<Pool> {
-        let unspecified = match upstream {
-            SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-        };
         let in_flight = Arc::new(AtomicUsize::new(0));
         let sockets = (0..SOCKETS)
-            .map(|_| {
-                let socket = std::net::UdpSocket::bind((unspecified, 0))?;
-                match upstream {
-                    SocketAddr::V4(_) => setsockopt(&socket, sockopt::Ipv4RecvErr, &true),
-                    SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
-                }?;
-                socket.set_nonblocking(true)?;
+            .map(|index| {
                 Ok(Arc::new(Upstream {
-                    socket: UdpSocket::from_std(socket)?,
+                    socket: Mutex::new(Arc::new(open_socket(upstream)?)),
+                    upstream,
+                    index,
                     pending: Mutex::new(Pending::new()),
                     in_flight: in_flight.clone(),
                     shares: shares.clone(),
@@ -141,7 +142,7 @@ impl Pool {
     pub(super) async fn connect(&self) {
         let mut wait = CONNECT_RETRY.0;
         for upstream in &self.sockets {
-            while let Err(error) = upstream.socket.connect(self.upstream).await {
+            while let Err(error) = upstream.socket().connect(self.upstream).await {
                 tracing::warn!(
                     upstream = %self.upstream, %error, retry_in = ?wait,
                     "the forwarder cannot connect to the upstream; no UDP query is taken until it can"
@@ -177,8 +178,13 @@ impl Pool {
 
 /// One socket of the pool.
 pub(super) struct Upstream {
-    /// Connected to the upstream (by [`Pool::connect`]).
-    socket: UdpSocket,
+    /// Connected to the upstream (by [`Pool::connect`]); replaced by a new one every
+    /// [`Options::upstream_redial`](super::Options::upstream_redial).
+    socket: Mutex<Arc<UdpSocket>>,
+    /// The upstream.
+    upstream: SocketAddr,
+    /// Its place in the pool: when it is re-dialled.
+    index: usize,
     /// Its queries in flight.
     pending: Mutex<Pending<Origin>>,
     /// The pool's count of queries in flight.
@@ -216,11 +222,11 @@ impl Upstream {
     /// once more (the error may be an earlier query's ICMP error, which the kernel reports on
     /// this call and so sends nothing), then taken out and counted.
     pub(super) async fn send(&self, buffers: &Buffers, queries: &[Outgoing], counters: &Counters) {
-        let fd = self.socket.as_raw_fd();
+        let socket = self.socket();
+        let fd = socket.as_raw_fd();
         let (mut next, mut tried) = (0, false);
         while let Some(rest) = queries.get(next..).filter(|rest| !rest.is_empty()) {
-            let sent =
-                self.socket.async_io(Interest::WRITABLE, || send_batch(fd, buffers, rest)).await;
+            let sent = socket.async_io(Interest::WRITABLE, || send_batch(fd, buffers, rest)).await;
             match sent {
                 Ok(sent) => (next, tried) = (next + sent, false),
                 Err(_) if !tried => tried = true,
@@ -244,23 +250,59 @@ impl Upstream {
         true
     }
 
+    /// The socket queries go out on now.
+    fn socket(&self) -> Arc<UdpSocket> {
+        self.socket.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     /// Reads this socket's answers forever, each sent back to its client through `listener`,
     /// and every [`SWEEP_PERIOD`] while any query is pending expires those past their deadline.
+    ///
+    /// Every `options.upstream_redial` (the pool's sockets a quarter of it apart) the socket is
+    /// replaced by a new one, connected afresh: a new source port, so a new conntrack entry
+    /// and kube-proxy's choice of a CoreDNS endpoint made again. The old socket's answers are
+    /// still read until its queries have had `options.upstream_timeout` (and a sweep); a
+    /// re-dial waits for that drain to end.
     pub(super) async fn answer(
         self: Arc<Self>,
         listener: Arc<UdpSocket>,
         counters: Arc<Counters>,
+        options: Options,
     ) -> Infallible {
         // Buffers for the life of the task: each slot holds any datagram whole.
         let mut buffers = Buffers::new();
         let mut sweep = tokio::time::interval(SWEEP_PERIOD);
         sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let every = options.upstream_redial;
+        let first = every.mul_f64((self.index + 1) as f64 / SOCKETS as f64);
+        let mut redial = tokio::time::interval_at(tokio::time::Instant::now() + first, every);
+        redial.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut socket = self.socket();
+        let mut draining: Option<(Arc<UdpSocket>, Instant)> = None;
         loop {
             let idle = self.pending().is_empty();
-            let ready = tokio::select! {
-                ready = self.socket.ready(Interest::READABLE | Interest::ERROR) => ready,
+            let (from, ready) = tokio::select! {
+                ready = socket.ready(Interest::READABLE | Interest::ERROR) => (&socket, ready),
+                ready = ready_or_never(draining.as_ref().map(|(old, _)| &**old)) => {
+                    (&draining.as_ref().expect("only a draining socket is ready").0, ready)
+                }
+                _ = redial.tick() => {
+                    if draining.as_ref().is_some_and(|(_, until)| Instant::now() < *until) {
+                        continue;
+                    }
+                    if let Some(new) = self.redial().await {
+                        let old = std::mem::replace(&mut socket, new);
+                        let until = Instant::now() + options.upstream_timeout + SWEEP_PERIOD;
+                        draining = (!idle).then_some((old, until));
+                        counters.upstream_redials.fetch_add(1, Ordering::Relaxed);
+                    }
+                    continue;
+                }
                 _ = sweep.tick(), if !idle => {
                     self.expire(&counters);
+                    if draining.as_ref().is_some_and(|(_, until)| Instant::now() >= *until) {
+                        draining = None;
+                    }
                     continue;
                 }
                 () = self.armed.notified(), if idle => {
@@ -269,13 +311,14 @@ impl Upstream {
                     continue;
                 }
             };
+            let from = from.clone();
             match ready {
                 Ok(ready) => {
                     if ready.is_error() {
-                        self.take_errors(buffers.slot_mut(0), &counters);
+                        self.take_errors(&from, buffers.slot_mut(0), &counters);
                     }
                     if ready.is_readable() {
-                        self.take_answers(&mut buffers, &listener, &counters).await;
+                        self.take_answers(&from, &mut buffers, &listener, &counters).await;
                     }
                 }
                 // Only when the runtime is going away; the next tick will tell.
@@ -287,16 +330,39 @@ impl Upstream {
         }
     }
 
-    /// Reads and delivers answers, a batch per call, until none is left or [`ROUNDS`] batches.
-    async fn take_answers(&self, buffers: &mut Buffers, listener: &UdpSocket, counters: &Counters) {
-        let fd = self.socket.as_raw_fd();
+    /// A new socket connected to the upstream, put in the old one's place for the queries to
+    /// come; None (and the old one kept) when that fails.
+    async fn redial(&self) -> Option<Arc<UdpSocket>> {
+        let socket = match open_socket(self.upstream) {
+            Ok(socket) => socket,
+            Err(error) => {
+                tracing::debug!(%error, "opening a socket to the upstream failed");
+                return None;
+            }
+        };
+        if let Err(error) = socket.connect(self.upstream).await {
+            tracing::debug!(upstream = %self.upstream, %error, "re-dialling the upstream failed");
+            return None;
+        }
+        let socket = Arc::new(socket);
+        *self.socket.lock().unwrap_or_else(PoisonError::into_inner) = socket.clone();
+        Some(socket)
+    }
+
+    /// Reads and delivers `socket`'s answers, a batch per call, until none is left or
+    /// [`ROUNDS`] batches.
+    async fn take_answers(
+        &self,
+        socket: &UdpSocket,
+        buffers: &mut Buffers,
+        listener: &UdpSocket,
+        counters: &Counters,
+    ) {
+        let fd = socket.as_raw_fd();
         let mut lengths = Vec::with_capacity(BATCH);
         let mut replies = Vec::with_capacity(BATCH);
         for _ in 0..ROUNDS {
-            match self
-                .socket
-                .try_io(Interest::READABLE, || receive_batch(fd, buffers, &mut lengths))
-            {
+            match socket.try_io(Interest::READABLE, || receive_batch(fd, buffers, &mut lengths)) {
                 Ok(()) => {
                     replies.clear();
                     for (slot, &len) in lengths.iter().enumerate() {
@@ -338,10 +404,10 @@ impl Upstream {
     }
 
     /// Fails the queries the kernel's error queue names (their ICMP errors quote them).
-    fn take_errors(&self, buffer: &mut [u8], counters: &Counters) {
-        let fd = self.socket.as_raw_fd();
+    fn take_errors(&self, socket: &UdpSocket, buffer: &mut [u8], counters: &Counters) {
+        let fd = socket.as_raw_fd();
         loop {
-            match self.socket.try_io(Interest::ERROR, || receive_error(fd, buffer)) {
+            match socket.try_io(Interest::ERROR, || receive_error(fd, buffer)) {
                 Ok(len) => {
                     // The quote may be cut short: then the query is not named, and expires.
                     if let Answered::Query(origin) = self.take(&buffer[..len]) {
@@ -386,6 +452,30 @@ impl Upstream {
     /// The table. Nothing panics while holding it, so a poisoned lock is still consistent.
     fn pending(&self) -> MutexGuard<'_, Pending<Origin>> {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A socket for `upstream`, bound to a port of its own and not yet connected. Must be called
+/// inside a tokio runtime.
+fn open_socket(upstream: SocketAddr) -> io::Result<UdpSocket> {
+    let unspecified = match upstream {
+        SocketAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        SocketAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    };
+    let socket = std::net::UdpSocket::bind((unspecified, 0))?;
+    match upstream {
+        SocketAddr::V4(_) => setsockopt(&socket, sockopt::Ipv4RecvErr, &true),
+        SocketAddr::V6(_) => setsockopt(&socket, sockopt::Ipv6RecvErr, &true),
+    }?;
+    socket.set_nonblocking(true)?;
+    UdpSocket::from_std(socket)
+}
+
+/// `socket`'s readiness, or, without a socket, a wait that never ends.
+async fn ready_or_never(socket: Option<&UdpSocket>) -> io::Result<tokio::io::Ready> {
+    match socket {
+        Some(socket) => socket.ready(Interest::READABLE | Interest::ERROR).await,
+        None => std::future::pending().await,
     }
 }
 
