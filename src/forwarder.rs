@@ -38,7 +38,7 @@
 //! most [`Options::max_connections`] TCP connections are relayed; beyond them a query is
 //! dropped and a connection closed, both counted. Within those, each client address has a
 //! share ([`Options::max_in_flight_per_client`], [`Options::max_connections_per_client`],
-//! kept by [`Shares`]): one pod that floods the fallback with queries the upstream answers
+//! kept by `Shares`): one pod that floods the fallback with queries the upstream answers
 //! late or never fills its own share and no more, and every other pod's queries still find
 //! room (issue 30, defect 7). A UDP query the upstream has not answered
 //! within [`Options::upstream_timeout`] (give or take the 100 ms between two sweeps) is dropped
