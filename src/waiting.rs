@@ -1,7 +1,8 @@
 //! The connections of a server that have not said what they want yet, oldest first. The control
-//! socket and the metrics endpoint must stay reachable (an operator's `flip`, the kubelet's
-//! `/healthz`), so when they are full they close the oldest of these to make room: clients that
-//! connect and say nothing cannot lock the others out.
+//! socket must stay reachable (an operator's `flip`), so when it is full it closes the oldest of
+//! these to make room: clients that connect and say nothing cannot lock the others out. (The
+//! metrics endpoint, open to every pod, shares its places by client address instead:
+//! `metrics/http/places.rs`.)
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,16 +1,17 @@
 //! Bad input reaching the real agent on the simulated node: a broken override file in its state
-//! directory, garbage and crowds on its control socket, a "cache" that answers garbage, and a
-//! flood of silent clients on its metrics endpoint. Each time the agent must go on doing its job
-//! — switch the route on the probes' word — never panic, and say what was wrong.
+//! directory, garbage and crowds on its control socket, a "cache" that answers garbage, a flood
+//! of silent clients on its metrics endpoint, and a pod's flood of connections there that never
+//! read or send slowly. Each time the agent must go on doing its job — switch the route on the
+//! probes' word, answer the kubelet — never panic, and say what was wrong.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hickory_proto::op::{Message, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{Name, RecordType};
@@ -494,5 +495,258 @@ fn metrics_endpoint_answers_healthz_through_a_crowd_and_refuses_garbage() {
     let huge = send(format!("GET /metrics HTTP/1.1\r\nX-Pad: {}\r\n\r\n", "a".repeat(9000)));
     assert!(huge.starts_with("HTTP/1.1 400") && huge.contains("larger than 8 KiB"), "{huge}");
     assert_eq!(node.http_get("/healthz").0, 200);
+    assert_no_panic(&agent);
+}
+
+/// Marks a child process of the metrics flood test and names its part: `flood` (a pod's
+/// connections that never read or send slowly) or `poll PATH EVERY_MS` (the kubelet's probe,
+/// or a Prometheus scrape).
+const METRICS_ROLE_ENV: &str = "NODELOCALDNS_HA_TEST_METRICS_ROLE";
+
+/// Where the DaemonSet serves the agent's HTTP endpoints, `[$(HOST_IP)]:9254`, on the simulated
+/// node: 10.244.0.1 is the node's address on every pod's veth. Pods reach it there, and so does
+/// the kubelet, from the node: its probes go to the pod IP, which under hostNetwork is the node's.
+const NODE_METRICS_ADDR: &str = "10.244.0.1:9254";
+
+/// The flooding pod's address.
+const POD1: &str = "10.244.0.2";
+
+/// How long the kubelet-side check polls while the flood goes on.
+const FLOOD_FOR: Duration = Duration::from_secs(30);
+
+/// The pod's connections in flight at once.
+const FLOOD_CONNECTIONS: usize = 200;
+
+/// The kubelet's `timeoutSeconds` in the DaemonSet's probes.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One of the flood's connections: either it sent a whole request and never reads (its receive
+/// buffer a few KiB, so the answer fills it and the agent's write blocks), or it sent half a
+/// request and stalls.
+struct Lane {
+    socket: Option<socket2::Socket>,
+    never_reads: bool,
+    opened: Instant,
+}
+
+impl Lane {
+    fn open(addr: SocketAddr, never_reads: bool) -> Lane {
+        let opened = Instant::now();
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("a TCP socket");
+        if never_reads {
+            socket.set_recv_buffer_size(2048).expect("SO_RCVBUF");
+        }
+        let connected = socket.connect_timeout(&addr.into(), Duration::from_secs(1));
+        let socket = connected.ok().map(|()| {
+            let request: &[u8] = if never_reads {
+                b"GET /metrics HTTP/1.1\r\nHost: node\r\n\r\n"
+            } else {
+                b"GET /metrics HTTP/1.1\r\nHost:"
+            };
+            // Refused at once: the agent may have closed it already.
+            let _ = socket.send(request);
+            socket.set_nonblocking(true).expect("O_NONBLOCK");
+            socket
+        });
+        Lane { socket, never_reads, opened }
+    }
+
+    /// Whether to open it again: 8 s old (longer than the agent keeps any connection), or at
+    /// least a second old and closed by the agent (a reset says so without reading; a slow
+    /// sender may look for the end of the stream).
+    fn spent(&self) -> bool {
+        let age = self.opened.elapsed();
+        let Some(socket) = &self.socket else { return age >= Duration::from_secs(1) };
+        if age >= Duration::from_secs(8) {
+            return true;
+        }
+        if age < Duration::from_secs(1) {
+            return false;
+        }
+        let reset = !matches!(socket.take_error(), Ok(None));
+        let ended = !self.never_reads && {
+            let mut byte = [std::mem::MaybeUninit::uninit(); 1];
+            !matches!(socket.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        };
+        reset || ended
+    }
+}
+
+/// A pod flooding the agent's HTTP server: [`FLOOD_CONNECTIONS`] connections kept open, every
+/// other one reading never, the rest sending slowly; each one the agent closes is opened again.
+/// Runs until killed.
+fn metrics_flood(addr: SocketAddr) -> ! {
+    let mut lanes: Vec<Lane> =
+        (0..FLOOD_CONNECTIONS).map(|i| Lane::open(addr, i % 2 == 0)).collect();
+    println!("FLOOD READY");
+    loop {
+        for lane in &mut lanes {
+            if lane.spent() {
+                *lane = Lane::open(addr, lane.never_reads);
+            }
+        }
+        // Pacing only: what to reopen is read from the sockets.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `GET path` as the kubelet's httpGet probe does it: an answer within [`PROBE_TIMEOUT`], status
+/// 200 (the kubelet takes 2xx and 3xx; the agent answers 200 or 503).
+fn probe(addr: SocketAddr, path: &str) -> Result<(), String> {
+    let start = Instant::now();
+    let mut stream =
+        TcpStream::connect_timeout(&addr, PROBE_TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+    stream.set_read_timeout(Some(PROBE_TIMEOUT)).unwrap();
+    stream.set_write_timeout(Some(PROBE_TIMEOUT)).unwrap();
+    let request = format!("GET {path} HTTP/1.1\r\nHost: node\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).map_err(|e| format!("send: {e}"))?;
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).map_err(|e| format!("read: {e} ({} bytes)", reply.len()))?;
+    if start.elapsed() > PROBE_TIMEOUT {
+        return Err(format!("answered after {:.1?}", start.elapsed()));
+    }
+    if !reply.starts_with(b"HTTP/1.1 200 ") {
+        let head = String::from_utf8_lossy(&reply[..reply.len().min(40)]).into_owned();
+        return Err(format!("answered {head:?}"));
+    }
+    Ok(())
+}
+
+/// Probes `GET path` every `every` for [`FLOOD_FOR`], then prints how many probes there were and
+/// each failure, and exits.
+fn metrics_poll(addr: SocketAddr, path: &str, every: Duration) -> ! {
+    let start = Instant::now();
+    let (mut polls, mut failures) = (0, Vec::new());
+    while start.elapsed() < FLOOD_FOR {
+        let at = start.elapsed();
+        polls += 1;
+        if let Err(e) = probe(addr, path) {
+            failures.push(format!("at {at:.1?}: {e}"));
+        }
+        // Pacing only: the next probe is due `every` after this one began.
+        std::thread::sleep((at + every).saturating_sub(start.elapsed()));
+    }
+    println!("POLLS {polls} FAILED {}", failures.len());
+    for failure in failures {
+        println!("FAILURE {failure}");
+    }
+    std::process::exit(0)
+}
+
+/// This test binary again, in `role`'s namespace, playing `part` ([`METRICS_ROLE_ENV`]).
+fn metrics_part(node: &SimNode, role: &str, part: &str) -> Child {
+    node.cmd(role, std::env::current_exe().unwrap().to_str().unwrap())
+        .args([
+            "a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(METRICS_ROLE_ENV, part)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start a part of the metrics flood test")
+}
+
+/// The agent's connections to `peer` holding data not yet sent: (open, as when its write to a
+/// client that does not read blocks; closed or shut down, their rest left for the kernel to
+/// deliver or give up on).
+fn unsent(node: &SimNode, peer: &str) -> (usize, usize) {
+    let out = node.run("node", "ss", &["-Htan", "( sport = :9254 )"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (mut open, mut closed) = (0, 0);
+    for line in text.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [state, _, send_q, _, remote, ..] = fields[..] else { continue };
+        // A FIN not yet acknowledged counts one.
+        let data = send_q.parse::<u64>().is_ok_and(|q| q > 1);
+        if remote.starts_with(&format!("{peer}:")) && data {
+            *if state == "ESTAB" { &mut open } else { &mut closed } += 1;
+        }
+    }
+    (open, closed)
+}
+
+/// The `POLLS n FAILED m` summary and the failures a poller printed.
+fn poll_report(child: Child, who: &str) -> (u64, Vec<String>) {
+    let out = child.wait_with_output().expect("the poller ends");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let summary = text.lines().find_map(|l| l.strip_prefix("POLLS "));
+    let summary = summary.unwrap_or_else(|| panic!("{who} printed no summary: {}", describe(&out)));
+    let polls = summary.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap();
+    let failures = text.lines().filter_map(|l| l.strip_prefix("FAILURE ")).map(str::to_owned);
+    (polls, failures.collect())
+}
+
+/// Issue 30, 3 (acceptance 4). A pod opens [`FLOOD_CONNECTIONS`] connections to the agent's
+/// HTTP server where the DaemonSet puts it, half of them sending a request and never reading
+/// the answer (the agent's writes to them block: checked), half sending half a request and
+/// stalling, each opened again as soon as the agent closes it. Meanwhile the kubelet's health
+/// check, from the node to the same address, polled every 100 ms for 30 s, fails not once, and
+/// another pod's scrape of `/metrics` every second neither.
+#[test]
+fn a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check() {
+    let addr: SocketAddr = NODE_METRICS_ADDR.parse().unwrap();
+    if let Ok(part) = std::env::var(METRICS_ROLE_ENV) {
+        match part.split(' ').collect::<Vec<_>>()[..] {
+            ["flood"] => metrics_flood(addr),
+            ["poll", path, every_ms] => {
+                metrics_poll(addr, path, Duration::from_millis(every_ms.parse().unwrap()))
+            }
+            _ => panic!("{METRICS_ROLE_ENV}={part:?}"),
+        }
+    }
+    let node = SimNode::up();
+    // The node's TCP send buffers capped at 8 KiB: the kernel otherwise gives a new connection
+    // room for ten full segments, more than the agent's answer to /metrics (13 KiB here), and its
+    // write to a client that never reads would end at once. With the cap it blocks, as it would
+    // for a larger answer.
+    let out = node.run("node", "sysctl", &["-qw", "net.ipv4.tcp_wmem=4096 4096 8192"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let agent = node.agent(&["--metrics-addr", NODE_METRICS_ADDR]);
+
+    let mut flood = metrics_part(&node, "pod1", "flood");
+    let stdout = BufReader::new(flood.stdout.take().unwrap());
+    let flood = Killed(flood);
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            if line.contains("FLOOD READY") {
+                let _ = ready_tx.send(());
+            }
+        }
+    });
+    ready.recv_timeout(Duration::from_secs(30)).expect("the flood's connections are open");
+    wait_for("the agent's writes to the pod to block", Duration::from_secs(10), || {
+        (unsent(&node, POD1).0 >= 16).then_some(())
+    });
+
+    let mut kubelet = metrics_part(&node, "node", "poll /healthz 100");
+    let mut prometheus = metrics_part(&node, "pod2", "poll /metrics 1000");
+    // What the agent could not send to the flooding pod, while the pollers run.
+    let mut samples = Vec::new();
+    while kubelet.try_wait().unwrap().is_none() || prometheus.try_wait().unwrap().is_none() {
+        samples.push(unsent(&node, POD1));
+        // Pacing only: the loop ends when the pollers do.
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    let (probes, kubelet_failed) = poll_report(kubelet, "the kubelet");
+    let (scrapes, scrapes_failed) = poll_report(prometheus, "the scraper");
+    drop(flood);
+    let blocked = samples.iter().map(|s| s.0);
+    let (fewest, most) = (blocked.clone().min().unwrap(), blocked.max().unwrap());
+    let closed = samples.iter().map(|s| s.1).max().unwrap();
+    eprintln!(
+        "kubelet: {} of {probes} probes failed; pod2's scrapes: {} of {scrapes} failed; the \
+         agent's connections to pod1 with unsent data, every second: open {fewest}..{most}, \
+         closed at most {closed}",
+        kubelet_failed.len(),
+        scrapes_failed.len()
+    );
+    assert!(kubelet_failed.is_empty(), "the kubelet's health check failed: {kubelet_failed:#?}");
+    assert!(probes >= 250, "the kubelet probed only {probes} times in {FLOOD_FOR:?}");
+    assert!(scrapes_failed.is_empty(), "pod2's scrapes failed: {scrapes_failed:#?}");
+    assert!(fewest >= 16, "the agent's writes to pod1 blocked on only {fewest} connections");
+    assert!(agent.state().is_some_and(|s| s["route"] == "local"));
     assert_no_panic(&agent);
 }

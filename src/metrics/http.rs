@@ -3,17 +3,22 @@
 //! One request per connection: read the request head (at most 8 KiB, within 5 s), answer, close.
 //! Every connection has its own task and is bounded in time, so a slow or silent client holds
 //! only its own connection; at most [`Limits::max_connections`] are served at once, so a flood
-//! costs neither file descriptors the probes need nor time the control loop needs. When all of
-//! them are taken, a new connection closes the oldest one still waiting for its request head:
-//! clients that connect and say nothing cannot starve the kubelet's `/healthz` (which would
-//! restart a healthy agent), and a new connection is closed at once only when every place is
-//! busy answering. `GET` and `HEAD` are served; the body of a request (there should be none) is
-//! never read.
+//! costs neither file descriptors the probes need nor time the control loop needs. The port is
+//! on the node's address, open to every pod, and the kubelet's probes come to it too (from the
+//! node's own address), so when every place is taken a newcomer takes one from the client
+//! address holding the most, whatever its connections are doing (`places`): a pod whose
+//! connections never read their answers (each holding its place up to the 5 s write timeout
+//! and the 1 s linger) or never finish their requests cannot refuse the kubelet's `/healthz`
+//! (which would restart a healthy agent) nor another pod's scrape. A connection cut before its
+//! answer was all handed to the kernel is reset, so no unsent answer stays behind in the
+//! kernel. `GET` and `HEAD` are served; the body of a request (there should be none) is never
+//! read.
 //!
-//! One job a file: `accept` takes connections and keeps the limits, `conn` serves one connection
-//! (reads the head, writes the answer, lingers), `request` finds where the head ends and parses
-//! its request line, `route` turns a request into an endpoint's answer, and `response` is that
-//! answer as bytes; `tests` drives the whole server over loopback.
+//! One job a file: `accept` takes connections and keeps the limits, `places` decides who gives
+//! way, `conn` serves one connection (reads the head, writes the answer, lingers), `request`
+//! finds where the head ends and parses its request line, `route` turns a request into an
+//! endpoint's answer, and `response` is that answer as bytes; `tests` drives the whole server
+//! over loopback.
 //!
 //! Written by hand rather than on hyper, by measurement (release builds, a simulated node, 2,000
 //! scrapes then 100 silent clients): the agent's stripped binary is 4.4 MiB and its RSS 7 MiB
@@ -23,6 +28,7 @@
 
 mod accept;
 mod conn;
+mod places;
 mod request;
 mod response;
 mod route;

@@ -1,31 +1,34 @@
 //! The accept loop and its limits: a task per connection, at most [`Limits::max_connections`]
-//! of them, and when they are all taken the oldest one still silent gives way (the queue of
-//! silent connections is [`Waiting`], shared with the control socket). Accept errors are sorted
-//! into those of one connection, passing shortages, and a broken listener, which alone ends the
-//! server.
+//! of them, and when they are all taken [`Places`] decides which connection gives way (one of
+//! the address holding the most). Accept errors are sorted into those of one connection, passing
+//! shortages, and a broken listener, which alone ends the server.
 
 use std::io;
-use std::sync::Arc;
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::sync::Notify;
 use tokio::task::{JoinError, JoinSet};
 use tracing::{debug, warn};
 
+use super::places::{Admitted, Places};
 use super::{conn, Limits, State};
-use crate::waiting::Waiting;
 
 /// How long to wait before accepting again after the process ran out of file descriptors or
 /// memory: the condition lasts, and retrying at once would spin.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
+/// The places, shared by the accept loop and the connections' tasks.
+type Shared = Arc<Mutex<Places<Arc<Notify>>>>;
+
 /// Accepts connections on `listener` and serves each in a task of its own, within `limits`.
 /// Returns the error that broke the listener.
 pub(super) async fn run(listener: TcpListener, state: State, limits: Limits) -> io::Error {
     let state = Arc::new(state);
+    let places: Shared = Arc::new(Mutex::new(Places::new(limits.max_connections)));
     let mut connections = JoinSet::new();
-    // The connections still reading their request head.
-    let mut waiting = Waiting::default();
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -46,28 +49,57 @@ pub(super) async fn run(listener: TcpListener, state: State, limits: Limits) -> 
                 AcceptError::Fatal => return e,
             },
         };
-        // Count only connections still being served.
         while let Some(done) = connections.try_join_next() {
             report(done);
         }
-        if connections.len() >= limits.max_connections {
-            if !waiting.evict_oldest() {
-                debug!(%peer, limit = limits.max_connections, "too many HTTP connections; closing");
-                continue;
-            }
-            debug!(
-                limit = limits.max_connections,
-                "too many HTTP connections; closing the oldest idle one"
-            );
+        let evict = Arc::new(Notify::new());
+        let admitted = lock(&places).admit(peer.ip(), evict.clone());
+        let Some(Admitted { id, evicted }) = admitted else {
+            debug!(%peer, limit = limits.max_connections, "too many HTTP connections; closing");
+            continue;
+        };
+        if let Some(evicted) = evicted {
+            debug!(%peer, limit = limits.max_connections, "too many HTTP connections; one gives way");
+            evicted.notify_one();
         }
-        let reading = waiting.join();
+        let place = Place { places: places.clone(), client: peer.ip(), id };
         let state = state.clone();
         connections.spawn(async move {
-            if let Err(e) = conn::handle(stream, &state, limits, reading).await {
-                debug!(%peer, error = %e, "HTTP connection failed");
+            tokio::select! {
+                served = conn::handle(stream, &state, limits, &place) => {
+                    if let Err(e) = served {
+                        debug!(%peer, error = %e, "HTTP connection failed");
+                    }
+                }
+                () = evict.notified() => {}
             }
         });
     }
+}
+
+/// A connection's place, given back when its task ends however it ends.
+pub(super) struct Place {
+    places: Shared,
+    client: IpAddr,
+    id: u64,
+}
+
+impl Place {
+    /// The request is read: from now on only another address's newcomer takes this place.
+    pub(super) fn answering(&self) {
+        lock(&self.places).answering(self.client, self.id);
+    }
+}
+
+impl Drop for Place {
+    fn drop(&mut self) {
+        lock(&self.places).leave(self.client, self.id);
+    }
+}
+
+/// The places; no code holding the lock panics, so a poisoned one is still whole.
+fn lock(places: &Shared) -> std::sync::MutexGuard<'_, Places<Arc<Notify>>> {
+    places.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Logs a connection task that panicked; one that ended is simply gone.

@@ -1,33 +1,31 @@
-//! One connection's I/O: read the request head within the size and time limits (or give way
-//! when evicted to make room), write one answer, then linger so that closing does not reset the
-//! connection under that answer.
+//! One connection's I/O: read the request head within the size and time limits, write one
+//! answer, then linger so that closing does not reset the connection under that answer. (Giving
+//! way to a newcomer is the accept loop's: it drops this.)
 
 use std::io;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::timeout;
+use tracing::debug;
 
+use super::accept::Place;
 use super::request::{head_end, parse};
 use super::response::Response;
 use super::route::answer;
 use super::{Limits, State};
-use crate::waiting::Reading;
 
 /// Serves one connection: one request, one answer, then close.
 pub(super) async fn handle(
     mut stream: TcpStream,
     state: &State,
     limits: Limits,
-    reading: Reading,
+    place: &Place,
 ) -> io::Result<()> {
     let mut buf = vec![0; limits.max_head];
-    let head = tokio::select! {
-        head = timeout(limits.head_timeout, read_head(&mut stream, &mut buf)) => head,
-        // Closed to make room: it had said nothing useful yet.
-        () = reading.evicted() => return Ok(()),
-    };
-    drop(reading);
+    let head = timeout(limits.head_timeout, read_head(&mut stream, &mut buf)).await;
+    place.answering();
     let response = match head {
         // Too slow, or silent: not worth an answer.
         Err(_elapsed) => return Ok(()),
@@ -38,11 +36,16 @@ pub(super) async fn handle(
             Head::TooLarge => Response::bad_request("the request head is larger than 8 KiB"),
         },
     };
+    // Until the whole answer is the kernel's, closing resets: cut for not reading (its write
+    // timeout, or giving way), a client leaves no unsent answer behind, which a zero window
+    // would keep alive as an orphan for minutes.
+    reset_on_close(&stream, true);
     let write = async {
         stream.write_all(&response.bytes).await?;
         stream.shutdown().await
     };
     timeout(limits.write_timeout, write).await.map_err(|_| io::ErrorKind::TimedOut)??;
+    reset_on_close(&stream, false);
     // Lingering close: a client whose request was not read to the end would otherwise get a
     // reset, which may destroy the answer before it reads it.
     let mut scratch = [0; 4096];
@@ -57,6 +60,15 @@ pub(super) async fn handle(
     };
     let _ = timeout(limits.linger, drain).await;
     Ok(())
+}
+
+/// Whether closing `stream` resets it (SO_LINGER 0) or closes it in order, its unsent data
+/// still delivered.
+fn reset_on_close(stream: &TcpStream, reset: bool) {
+    let linger = reset.then_some(Duration::ZERO);
+    if let Err(e) = socket2::SockRef::from(stream).set_linger(linger) {
+        debug!(error = %e, "setting SO_LINGER on an HTTP connection failed");
+    }
 }
 
 /// How reading a request head ended.

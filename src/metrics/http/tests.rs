@@ -273,3 +273,26 @@ async fn connections_beyond_the_limit_are_closed_when_none_is_idle() {
     assert!(read.is_err() || raw.is_empty(), "{:?}", String::from_utf8_lossy(&raw));
     drop(busy);
 }
+
+#[tokio::test]
+async fn an_address_holding_every_place_gives_one_to_another() {
+    // As in the test above, every place is held by a connection whose answer is out and which
+    // lingers, but these are of 127.0.0.2: a client of another address is answered at once, in
+    // the place of one of them (which one: `places`' tests).
+    let limits = Limits { max_connections: 2, linger: PATIENCE, ..LIMITS };
+    let server = start(limits).await;
+    let mut greedy = Vec::new();
+    for _ in 0..2 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut stream = socket.connect(server.addr).await.unwrap();
+        stream.write_all(b"GET /healthz HTTP/1.1\r\n\r\n").await.unwrap();
+        let mut first = [0; 12];
+        stream.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        greedy.push(stream);
+    }
+    let reply = timeout(Duration::from_secs(2), get(server.addr, "/healthz")).await;
+    assert_eq!(reply.expect("kept out").status, 200);
+    drop(greedy);
+}
