@@ -33,6 +33,8 @@ pub const LEASE_SECONDS: u32 = 1;
 /// How often the forwarders' runtime renews it: a fifth of the lease, so that four renewals in
 /// a row may be late before it lapses.
 pub const RENEW: Duration = Duration::from_millis(200);
+/// How often it looks for the table while there is none yet.
+const UNTIL_TABLE: Duration = Duration::from_millis(10);
 
 /// The lease on the link-local IPs, held while [`Lease::renew`] is called.
 #[derive(Debug)]
@@ -94,26 +96,32 @@ fn at_start(file: &mut File, command: &str) -> io::Result<()> {
 }
 
 /// Renews `lease` every [`RENEW`] for as long as the future runs (on the forwarders' runtime,
-/// so that the lease lives and dies with them). A failure is said once, not every renewal.
+/// so that the lease lives and dies with them). Until the table exists (the agent installs its
+/// rules after it starts the forwarders) it looks every [`UNTIL_TABLE`], so that the fallback
+/// works from the moment its rules are in. A failure is said once, not every renewal.
 pub async fn hold(mut lease: Lease) {
-    let mut tick = tokio::time::interval(RENEW);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
     loop {
-        tick.tick().await;
-        match lease.renew() {
-            Ok(_) => failing = false,
-            Err(e) if !failing => {
-                failing = true;
-                tracing::warn!(
-                    file = %lease.path.display(),
-                    error = %e,
-                    "cannot renew the forwarder's lease: the iptables fallback lapses a second \
-                     after the last renewal, and link-local queries go to the cache"
-                );
+        let next = match lease.renew() {
+            Ok(true) => {
+                failing = false;
+                RENEW
             }
-            Err(_) => {}
-        }
+            Ok(false) => UNTIL_TABLE,
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(
+                        file = %lease.path.display(),
+                        error = %e,
+                        "cannot renew the forwarder's lease: the iptables fallback lapses a \
+                         second after the last renewal, and link-local queries go to the cache"
+                    );
+                }
+                failing = true;
+                UNTIL_TABLE
+            }
+        };
+        tokio::time::sleep(next).await;
     }
 }
 
