@@ -58,11 +58,15 @@
 //!
 //! `flavour` says which iptables ([`Flavour`], which detection uses too) and names its binaries;
 //! `text` is the pure half (rendering, parsing, comparing, the restore scripts); `command` runs
-//! the child processes.
+//! the child processes; `snapshot` copies a legacy table out of the kernel; `replies` counts
+//! the cache's replies. This file is past 600 lines: what is left is the backend's own
+//! sequence (apply, read back, check, remove, each per family and table), which reads best in
+//! one place.
 
 mod command;
 mod error;
 mod flavour;
+mod replies;
 mod snapshot;
 mod table;
 mod text;
@@ -605,7 +609,7 @@ impl Dataplane for Iptables {
                 }
                 .into());
             }
-            total += text::reply_packets(&done.stdout);
+            total += replies::reply_packets(&done.stdout);
         }
         Ok(Some(total))
     }
