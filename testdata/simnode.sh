@@ -33,9 +33,12 @@
 #   firewall.sh              --filter-drop, --filter-accept-lo, --filter-reject, --nft-firewall
 #   node-cache.sh            node-cache's own iptables rules and its interface teardown
 #   noise.sh                 the CNI and kube-proxy loops, the xtables lock holder
+#   real.sh                  --kube-proxy real-iptables|real-nftables: the real parts (control
+#                            plane in $P-cp, kube-proxy, CoreDNS) in place of the stand-ins
 #
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
-#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs] [--family 4|6|dual]
+#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs|real-iptables|real-nftables]
+#             [--family 4|6|dual]
 #             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
 #             [--listen-dev veth|lo|dummy]   (default veth: node-cache's own interface)
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
@@ -143,6 +146,8 @@ source "$SCRIPT_DIR/simnode/firewall.sh"
 source "$SCRIPT_DIR/simnode/node-cache.sh"
 # shellcheck source=simnode/noise.sh
 source "$SCRIPT_DIR/simnode/noise.sh"
+# shellcheck source=simnode/real.sh
+source "$SCRIPT_DIR/simnode/real.sh"
 
 usage() { sed -n '/^# Usage:/,/^# Nothing here/p' "$SELF" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
@@ -162,8 +167,8 @@ cmd_up() {
         *) usage ;;
         esac
     done
-    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables|ipvs)$ ]] ||
-        die "--kube-proxy must be iptables-nft, iptables-legacy, nftables or ipvs"
+    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables|ipvs|real-(iptables|nftables))$ ]] ||
+        die "--kube-proxy must be iptables-nft, iptables-legacy, nftables, ipvs, real-iptables or real-nftables"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
     [[ "$LISTEN_DEV" =~ ^(lo|dummy|veth)$ ]] || die "--listen-dev must be lo, dummy or veth"
     if [[ $LISTEN_DEV == dummy || $kube_proxy == ipvs ]] && [[ $FAMILY != 4 ]]; then
@@ -173,7 +178,7 @@ cmd_up() {
     [[ $LISTEN_DEV == lo ]] || LISTEN_DEV=nodelocaldns
     [[ $filter_lo == loopback ]] || ((filter_drop)) || die "--filter-accept-lo needs --filter-drop"
     ! ((filter_drop && filter_reject)) || die "--filter-drop and --filter-reject are two firewalls: pick one"
-    for role in "${ROLES[@]}"; do
+    for role in "${ROLES[@]}" cp; do
         ! ns_exists "$role" || die "namespace $(ns_name "$role") already exists (run: $0 down $PREFIX)"
     done
     KUBE_PROXY=$kube_proxy FILTER_LO=""
@@ -190,9 +195,13 @@ cmd_up() {
     add_pod pod1 "$V4_POD1" "$V6_POD1"
     add_pod pod2 "$V4_POD2" "$V6_POD2"
     add_dns
-    if [[ $kube_proxy == nftables || $kube_proxy == ipvs ]]; then kubelet_iptables; fi
+    if [[ $kube_proxy == nftables || $kube_proxy == ipvs || $kube_proxy == real-* ]]; then kubelet_iptables; fi
     add_listen_dev
-    if has_v4; then
+    if is_real; then
+        # The real parts: a control plane, kube-proxy's own rules instead of the stand-ins'.
+        listen_ips add 4
+        real_up
+    elif has_v4; then
         listen_ips add 4
         if [[ $kube_proxy == nftables ]]; then
             kube_nft_rules ip "$V4_CLUSTER_DNS" "$V4_UPSTREAM" "${V4_DNS_EPS[@]}"
@@ -205,7 +214,7 @@ cmd_up() {
         # kubelet creates its canaries in both families even on a single-stack node.
         kubelet_canaries "$kube_proxy"
     fi
-    if has_v6; then
+    if has_v6 && ! is_real; then
         listen_ips add 6
         if [[ $kube_proxy == nftables ]]; then
             kube_nft_rules ip6 "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"
@@ -218,7 +227,7 @@ cmd_up() {
     if ((nft_firewall)); then nft_firewall; fi
     trap - EXIT
     echo "simnode $PREFIX up: family $FAMILY, kube-proxy $kube_proxy, listen IPs on $LISTEN_DEV$( ((filter_drop)) && echo ", filter INPUT policy DROP ($filter_lo)")$( ((filter_reject)) && echo ", filter INPUT ends in REJECT")$( ((nft_firewall)) && echo ", nftables firewall rejecting")," \
-        "namespaces ${ROLES[*]/#/$PREFIX-}"
+        "namespaces ${ROLES[*]/#/$PREFIX-}$(! is_real || echo " $PREFIX-cp (the control plane)")"
 }
 
 # up_failed STATUS: the EXIT trap of up.
@@ -239,6 +248,7 @@ cmd_down() {
         svc_kill cache
         svc_kill cache2
         svc_kill coredns
+        real_down
     fi
     delete_namespaces
     rm -rf "$RUN_DIR"

@@ -66,7 +66,8 @@ load_state() {
 # nftables and IPVS modes the host's iptables (iptables-nft), which kubelet uses.
 set_flavour() {
     IPT4=$KUBE_PROXY
-    [[ "$KUBE_PROXY" != nftables && "$KUBE_PROXY" != ipvs ]] || IPT4=iptables-nft
+    # Real kube-proxy in iptables mode runs the host's `iptables`: iptables-nft here.
+    [[ "$KUBE_PROXY" != nftables && "$KUBE_PROXY" != ipvs && "$KUBE_PROXY" != real-* ]] || IPT4=iptables-nft
     IPT6="ip6${IPT4#ip}"
 }
 # The iptables binaries for the node's families, v4 first.

@@ -115,6 +115,10 @@ cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
 cmd_coredns_start() {
     local args=() ip
     load_state
+    if is_real; then
+        real_coredns_start
+        return
+    fi
     args=(dnsmasq --keep-in-foreground --conf-file=/dev/null --no-resolv --no-hosts
         --bind-interfaces --port=53 --user=root --pid-file --log-facility=-
         "--address=/$PROBE_NAME/$COREDNS_A" "--address=/$PROBE_NAME/$COREDNS_AAAA"

@@ -9,7 +9,9 @@
 svc_comm() {
     case $1 in
     cache | cache2) echo unbound ;;
-    coredns) echo dnsmasq ;;
+    coredns) # real CoreDNS with the real parts (real.sh), else the dnsmasq stand-in
+        if [[ "$(cat "$RUN_DIR/kube-proxy" 2>/dev/null)" == real-* ]]; then echo coredns; else echo dnsmasq; fi ;;
+    etcd | kube-apiserver | kube-proxy) echo "$1" ;;
     cni-noise | kube-proxy-resync) echo bash ;; # and its command line names the loop
     xtables-lock) echo sleep ;;
     *) die "bad service $1" ;;

@@ -24,6 +24,8 @@ delete_namespaces() {
     for role in "${ROLES[@]}"; do
         if ns_exists "$role"; then ip netns delete "$(ns_name "$role")"; fi
     done
+    # The real parts' control-plane host (real.sh), when its processes are gone.
+    if ns_exists cp && [[ -z "$(ip netns pids "$(ns_name cp)" 2>/dev/null)" ]]; then ip netns delete "$(ns_name cp)"; fi
 }
 
 # add_pod ROLE V4 V6: a pod namespace behind a veth named ROLE on the node, Calico-style /32s.

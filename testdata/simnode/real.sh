@@ -1,0 +1,292 @@
+# shellcheck shell=bash
+# simnode real parts (--kube-proxy real-iptables|real-nftables): the node with real Kubernetes parts, built by
+# ci/k8s/build.sh from pinned Go modules, in place of the stand-ins:
+#   * a control-plane host, namespace $P-cp (eth0 10.240.0.2), behind a veth `cp` on the node
+#     (10.240.0.1): etcd (on its lo) and kube-apiserver (on 10.240.0.2:6443), TLS from a
+#     throwaway CA made here with openssl, a service-account key pair, client certificates and
+#     kubeconfigs for the tests (admin), kube-proxy and CoreDNS. The dns namespace reaches the API
+#     server through the node (its default route), as CoreDNS pods do through theirs.
+#   * no kubelet and no controller-manager: `up` creates, through the API (kubectl, admin), the
+#     node's Node object (as kubelet registers it), the Services kube-system/kube-dns (10.96.0.10) and kube-dns-upstream (10.96.0.11), udp and tcp
+#     53, same selector, and playing the endpoint controller, one EndpointSlice for each with the
+#     CoreDNS endpoints 10.244.1.2 and 10.244.1.3, ready.
+#   * real kube-proxy in the node namespace, in iptables mode (the host's `iptables`, i.e.
+#     iptables-nft here; kubelet's chains beside it) or nftables mode (`table ip kube-proxy`), with the flags kubeadm's config gives it; its metrics and healthz
+#     servers listen inside the node namespace only. `up` waits until its rules for both
+#     Services and both endpoints are in the nat table.
+#   * real CoreDNS (coredns-start) in the dns namespace on the endpoint addresses, with the
+#     kubernetes plugin reading the API server, and the template plugin answering who.test with
+#     2.2.2.2 (and fd00::2:2:2:2), as the dnsmasq stand-in does, so tests still see who answered.
+# IPv4 only. The cache stays unbound (node-cache cannot be had: the module proxy refuses
+# k8s.io/dns, 403). `down` stops every part by its recorded pid and deletes $P-cp.
+
+readonly V4_CP_NODE=10.240.0.1 V4_APISERVER=10.240.0.2 REAL_CP_NET=10.240.0.0/30
+
+is_real() { [[ $KUBE_PROXY == real-* ]]; }
+
+# The parts' directory: build.sh builds what is missing (0.1 s when cached) and fails naming the
+# part that would not build.
+real_bin() {
+    local build="$SCRIPT_DIR/../ci/k8s/build.sh" out
+    out=$("$build" etcd kube-apiserver kube-proxy kubectl coredns 2>&1) ||
+        die "real parts: ci/k8s/build.sh failed: $(tail -n 5 <<<"$out")"
+    REAL_BIN=$("$build" --bin-dir) || die "real parts: ci/k8s/build.sh --bin-dir failed"
+}
+
+# real_pki: the CA, the API server's serving certificate, the clients' certificates, the
+# service-account keys and a kubeconfig per client, in $RUN_DIR/pki.
+real_pki() {
+    local pki="$RUN_DIR/pki" who subj
+    mkdir -p "$pki"
+    ossl() { openssl "$@" 2>>"$pki/openssl.log" || die "real parts: openssl $1 failed (log: $pki/openssl.log)"; }
+    ossl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=simnode-$PREFIX-ca" \
+        -keyout "$pki/ca.key" -out "$pki/ca.crt"
+    printf '%s\n' basicConstraints=CA:FALSE keyUsage=digitalSignature,keyEncipherment \
+        extendedKeyUsage=serverAuth \
+        "subjectAltName=IP:$V4_APISERVER,IP:10.96.0.1,IP:127.0.0.1,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local" \
+        >"$pki/server.ext"
+    printf 'extendedKeyUsage=clientAuth\n' >"$pki/client.ext"
+    ossl req -newkey rsa:2048 -nodes -subj /CN=kube-apiserver -keyout "$pki/apiserver.key" -out "$pki/apiserver.csr"
+    ossl x509 -req -in "$pki/apiserver.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+        -days 2 -extfile "$pki/server.ext" -out "$pki/apiserver.crt"
+    # admin: the tests' kubectl; kube-proxy: the user kubeadm's RBAC binds system:node-proxier
+    # to; coredns: bound below to kubeadm's system:coredns role.
+    for who in admin kube-proxy coredns; do
+        case $who in
+        admin) subj="/O=system:masters/CN=simnode-admin" ;;
+        kube-proxy) subj="/CN=system:kube-proxy" ;;
+        coredns) subj="/CN=system:coredns" ;;
+        esac
+        ossl req -newkey rsa:2048 -nodes -subj "$subj" -keyout "$pki/$who.key" -out "$pki/$who.csr"
+        ossl x509 -req -in "$pki/$who.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
+            -days 2 -extfile "$pki/client.ext" -out "$pki/$who.crt"
+        cat >"$RUN_DIR/$who.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: simnode
+  cluster: {server: "https://$V4_APISERVER:6443", certificate-authority: "$pki/ca.crt"}
+users:
+- name: $who
+  user: {client-certificate: "$pki/$who.crt", client-key: "$pki/$who.key"}
+contexts:
+- name: simnode
+  context: {cluster: simnode, user: $who}
+current-context: simnode
+EOF
+    done
+    ossl genrsa -out "$pki/sa.key" 2048
+    ossl rsa -in "$pki/sa.key" -pubout -out "$pki/sa.pub"
+}
+
+# add_cp: the control-plane host's namespace behind the veth `cp` on the node.
+add_cp() {
+    local cp
+    cp=$(ns_name cp)
+    ip netns add "$cp"
+    ip -n "$cp" link set lo up
+    ip -n "$(ns_name node)" link add cp type veth peer name eth0 netns "$cp"
+    ip -n "$(ns_name node)" link set cp up
+    ip -n "$(ns_name node)" addr add "$V4_CP_NODE/30" dev cp
+    ip -n "$cp" link set eth0 up
+    ip -n "$cp" addr add "$V4_APISERVER/30" dev eth0
+    ip -n "$cp" route add default via "$V4_CP_NODE" dev eth0
+}
+
+# kc ARGS...: kubectl as admin, from the node namespace.
+kc() { in_ns node "$REAL_BIN/kubectl" --kubeconfig "$RUN_DIR/admin.kubeconfig" --request-timeout=10s "$@"; }
+
+# real_wait SECONDS WHAT CMD...: wait_for, failing at once (with the log's tail) when one of the
+# real parts started so far has exited.
+real_wait() {
+    local secs=$1 what=$2 deadline svc
+    deadline=$(($(now_ms) + secs * 1000))
+    shift 2
+    until "$@" >/dev/null 2>&1; do
+        for svc in etcd kube-apiserver kube-proxy coredns; do
+            if [[ -f "$RUN_DIR/$svc.pid" ]] && ! svc_pid "$svc" >/dev/null; then
+                tail -n 20 "$RUN_DIR/$svc.log" >&2
+                die "real parts: $svc exited while waiting for $what (log: $RUN_DIR/$svc.log)"
+            fi
+        done
+        (($(now_ms) < deadline)) || die "real parts: timed out after ${secs}s waiting for $what"
+        sleep 0.2
+    done
+}
+
+# real_control_plane: etcd and kube-apiserver in $P-cp, ready, and the cluster's DNS objects.
+real_control_plane() {
+    local pki="$RUN_DIR/pki"
+    svc_start etcd cp "$REAL_BIN/etcd" --name simnode --data-dir "$RUN_DIR/etcd" \
+        --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+        --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+        --initial-cluster simnode=http://127.0.0.1:2380 --unsafe-no-fsync
+    svc_start kube-apiserver cp "$REAL_BIN/kube-apiserver" \
+        --etcd-servers=http://127.0.0.1:2379 \
+        --bind-address="$V4_APISERVER" --advertise-address="$V4_APISERVER" --secure-port=6443 \
+        --service-cluster-ip-range="$V4_SERVICE_CIDR" \
+        --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+        --client-ca-file="$pki/ca.crt" \
+        --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
+        --service-account-issuer=https://kubernetes.default.svc.cluster.local \
+        --authorization-mode=Node,RBAC \
+        --enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,DefaultTolerationSeconds,NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook,ResourceQuota \
+        --allow-privileged=true --profiling=false --cert-dir="$RUN_DIR/apiserver-certs"
+    real_wait 180 "kube-apiserver's /readyz" kc get --raw /readyz
+    # The default Service and kube-system come from the API server's own controllers.
+    real_wait 60 "namespace kube-system" kc get namespace kube-system
+    local ep1=${V4_DNS_EPS[0]} ep2=${V4_DNS_EPS[1]} svc ip
+    {
+        for svc in kube-dns kube-dns-upstream; do
+            ip=$V4_CLUSTER_DNS
+            [[ $svc == kube-dns ]] || ip=$V4_UPSTREAM
+            cat <<EOF
+---
+apiVersion: v1
+kind: Service
+metadata: {name: $svc, namespace: kube-system, labels: {k8s-app: kube-dns}}
+spec:
+  clusterIP: $ip
+  selector: {k8s-app: kube-dns}
+  ports:
+  - {name: dns, port: 53, protocol: UDP}
+  - {name: dns-tcp, port: 53, protocol: TCP}
+---
+# What the EndpointSlice controller would write for the CoreDNS pods (there is no
+# controller-manager here: this plays it).
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: $svc-simnode
+  namespace: kube-system
+  labels: {kubernetes.io/service-name: $svc, endpointslice.kubernetes.io/managed-by: simnode}
+addressType: IPv4
+ports:
+- {name: dns, port: 53, protocol: UDP}
+- {name: dns-tcp, port: 53, protocol: TCP}
+endpoints:
+- {addresses: ["$ep1"], conditions: {ready: true, serving: true, terminating: false}}
+- {addresses: ["$ep2"], conditions: {ready: true, serving: true, terminating: false}}
+EOF
+        done
+        # The node (kubelet would register it, and report its address: below): kube-proxy waits
+        # up to 30 s for its Node object and its address before it syncs.
+        cat <<EOF
+---
+apiVersion: v1
+kind: Node
+metadata: {name: $(ns_name node), labels: {kubernetes.io/hostname: $(ns_name node), kubernetes.io/os: linux}}
+spec: {podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24]}
+EOF
+        # kubeadm's CoreDNS role and binding, for the coredns client certificate's user.
+        cat <<'EOF'
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: "system:coredns"}
+rules:
+- {apiGroups: [""], resources: [endpoints, services, pods, namespaces], verbs: [list, watch]}
+- {apiGroups: [discovery.k8s.io], resources: [endpointslices], verbs: [list, watch]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: "system:coredns"}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:coredns"}
+subjects:
+- {apiGroup: rbac.authorization.k8s.io, kind: User, name: "system:coredns"}
+EOF
+    } >"$RUN_DIR/cluster-dns.yaml"
+    kc apply -f "$RUN_DIR/cluster-dns.yaml" >>"$RUN_DIR/kubectl.log" 2>&1 ||
+        die "real parts: kubectl apply of the DNS Services failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+    # The address kubelet would report: kube-proxy waits up to 30 s for the Node to have one.
+    kc patch node "$(ns_name node)" --subresource=status --type=merge \
+        -p "{\"status\":{\"addresses\":[{\"type\":\"InternalIP\",\"address\":\"$V4_CP_NODE\"}]}}" \
+        >>"$RUN_DIR/kubectl.log" 2>&1 ||
+        die "real parts: kubectl patch of the Node's addresses failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+}
+
+# kube_proxy_rules_ready: kube-proxy's rules send both Services to both endpoints: its nat table
+# (iptables mode), its `table ip kube-proxy` (nftables mode).
+kube_proxy_rules_ready() {
+    local rules want wants
+    if [[ $KUBE_PROXY == real-nftables ]]; then
+        rules=$(in_ns node nft list table ip kube-proxy) || return 1
+        wants=("$V4_CLUSTER_DNS . udp . 53" "$V4_UPSTREAM . udp . 53"
+            "${V4_DNS_EPS[0]} . 53" "${V4_DNS_EPS[1]} . 53") # numgen maps to the endpoints
+    else
+        rules=$(in_ns node "$IPT4-save" -t nat) || return 1
+        wants=("-d $V4_CLUSTER_DNS/32 -p udp" "-d $V4_UPSTREAM/32 -p udp"
+            "--to-destination ${V4_DNS_EPS[0]}:53" "--to-destination ${V4_DNS_EPS[1]}:53")
+    fi
+    for want in "${wants[@]}"; do
+        [[ $rules == *"$want"* ]] || return 1
+    done
+}
+
+# real_kube_proxy: kube-proxy in the node namespace. Flags as kubeadm's KubeProxyConfiguration
+# sets them (clusterCIDR, mode, the kubeconfig, hostname override); conntrack sysctls left alone
+# (a namespace's nf_conntrack_max is read-only); metrics and healthz on the node namespace's
+# loopback.
+real_kube_proxy() {
+    local mode=${KUBE_PROXY#real-}
+    svc_start kube-proxy node "$REAL_BIN/kube-proxy" --proxy-mode "$mode" \
+        --kubeconfig "$RUN_DIR/kube-proxy.kubeconfig" --hostname-override "$(ns_name node)" \
+        --cluster-cidr "$V4_CLUSTER_CIDR" --conntrack-max-per-core 0 \
+        --metrics-bind-address 127.0.0.1:10249 --healthz-bind-address 127.0.0.1:10256 -v 2
+    real_wait 60 "kube-proxy's rules for $V4_CLUSTER_DNS and $V4_UPSTREAM" kube_proxy_rules_ready
+}
+
+# real_up: everything above, in order (from cmd_up, after the node's namespaces and veths).
+real_up() {
+    [[ $FAMILY == 4 ]] || die "--kube-proxy $KUBE_PROXY is modelled for --family 4 only"
+    real_bin
+    real_pki
+    add_cp
+    real_control_plane
+    real_kube_proxy
+}
+
+# real_coredns_start: CoreDNS on both endpoint IPs (coredns-start in the real modes).
+real_coredns_start() {
+    real_bin
+    cat >"$RUN_DIR/Corefile" <<EOF
+.:53 {
+    bind ${V4_DNS_EPS[*]}
+    errors
+    template IN A $PROBE_NAME {
+        answer "{{ .Name }} 0 IN A $COREDNS_A"
+    }
+    template IN AAAA $PROBE_NAME {
+        answer "{{ .Name }} 0 IN AAAA $COREDNS_AAAA"
+    }
+    kubernetes cluster.local in-addr.arpa ip6.arpa {
+        kubeconfig $RUN_DIR/coredns.kubeconfig
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 30
+    }
+}
+EOF
+    echo "--- coredns-start" >>"$RUN_DIR/coredns.log"
+    svc_start coredns dns "$REAL_BIN/coredns" -conf "$RUN_DIR/Corefile"
+    local ip
+    for ip in "${V4_DNS_EPS[@]}"; do
+        real_wait 30 "CoreDNS endpoint $ip" dig_answers node "$ip" "$PROBE_NAME" "$COREDNS_A"
+    done
+    real_wait 30 "CoreDNS through kube-proxy and the upstream Service" dig_answers node "$V4_UPSTREAM" "$PROBE_NAME" "$COREDNS_A"
+    real_wait 30 "CoreDNS answering kubernetes.default from the API" dig_answers node "${V4_DNS_EPS[0]}" kubernetes.default.svc.cluster.local 10.96.0.1
+    svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
+}
+
+# real_down: every real part by its recorded pid, CoreDNS first, etcd last; then $P-cp.
+real_down() {
+    local svc
+    for svc in coredns kube-proxy kube-apiserver etcd; do svc_term "$svc"; done
+    if ns_exists cp; then
+        # Anything else still in our control-plane namespace was started by us (a part whose
+        # pidfile was never written): SIGKILL, by the namespace's pid list.
+        local pid
+        for pid in $(ip netns pids "$(ns_name cp)" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+        ip netns delete "$(ns_name cp)"
+    fi
+}
