@@ -528,26 +528,9 @@ fn iptables_legacy_is_checked_every_tick() {
 fn kube_proxy_churn_costs_no_read_back() {
     const SYNCS: usize = 5;
     let node = SimNode::up_with(&["--kube-proxy", "iptables-nft", "--filter-drop"]);
-    let wrappers = node.dir.join("wrappers");
-    std::fs::create_dir_all(&wrappers).unwrap();
     let calls = node.dir.join("iptables-calls.log");
-    for name in ["iptables-nft", "ip6tables-nft", "iptables-nft-save", "ip6tables-nft-save"] {
-        let real = ["/usr/sbin", "/sbin"]
-            .iter()
-            .map(|dir| std::path::Path::new(dir).join(name))
-            .find(|p| p.exists())
-            .unwrap_or_else(|| panic!("{name} is not installed"));
-        let script = format!(
-            "#!/bin/sh\necho \"{name} $*\" >>{}\nexec {} \"$@\"\n",
-            calls.display(),
-            real.display()
-        );
-        let path = wrappers.join(name);
-        std::fs::write(&path, script).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    }
-    let path = format!("{}:{}", wrappers.display(), std::env::var("PATH").unwrap_or_default());
+    let binaries = ["iptables-nft", "ip6tables-nft", "iptables-nft-save", "ip6tables-nft-save"];
+    let path = counting_wrappers(&node, &binaries, &calls);
     let agent = node.agent_env(
         LOCAL_IP,
         CLUSTER_DNS_IP,

@@ -22,26 +22,9 @@ impl Saves {
     /// Wrappers for both families' `iptables-legacy-save` in a directory of `node`'s, and the
     /// `PATH` that puts them first.
     fn wrap(node: &SimNode) -> (Saves, String) {
-        let wrappers = node.dir.join("wrappers");
-        std::fs::create_dir_all(&wrappers).unwrap();
         let log = node.dir.join("saves.log");
-        for name in ["iptables-legacy-save", "ip6tables-legacy-save"] {
-            let real = ["/usr/sbin", "/sbin"]
-                .iter()
-                .map(|dir| std::path::Path::new(dir).join(name))
-                .find(|p| p.exists())
-                .unwrap_or_else(|| panic!("{name} is not installed"));
-            let script = format!(
-                "#!/bin/sh\necho \"{name} $*\" >>{}\nexec {} \"$@\"\n",
-                log.display(),
-                real.display()
-            );
-            let path = wrappers.join(name);
-            std::fs::write(&path, script).unwrap();
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        }
-        let path = format!("{}:{}", wrappers.display(), std::env::var("PATH").unwrap_or_default());
+        let path =
+            counting_wrappers(node, &["iptables-legacy-save", "ip6tables-legacy-save"], &log);
         (Saves { log }, path)
     }
 

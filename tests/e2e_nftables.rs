@@ -16,44 +16,7 @@ const POD_SERVER: &str = CLUSTER_DNS_IP;
 fn cache_sigkill_loses_no_pod_lookup() {
     let node = SimNode::up();
     let agent = node.agent(&[]);
-    let mut load = node.load(
-        "pod1",
-        POD_SERVER,
-        &["--rate", "500", "--duration", "8s", "--report-interval", "250ms"],
-    );
-    load.wait_cache_answers();
-
-    let (killed_at, gone_at) = node.kill("cache-kill");
-    let upstream = agent.wait_route("upstream", Duration::from_secs(5));
-    println!(
-        "route upstream {} ms after the kill",
-        upstream["since_unix_ms"].as_u64().unwrap().saturating_sub(killed_at)
-    );
-    load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-    });
-
-    node.script(&["cache-start"]);
-    let back = agent.wait_route("local", Duration::from_secs(10));
-    assert!(
-        back["reason"].as_str().unwrap().contains("answered"),
-        "returned for the wrong reason: {back}"
-    );
-    // After the return, whole intervals are answered by the cache alone.
-    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-    });
-    let summary = load.finish();
-    println!("summary: {summary}");
-    assert!(summary["sent"].as_u64().unwrap() >= 3500, "{summary}");
-    assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
-    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0);
-    assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0);
-    // Only queries already queued in the dying cache lose their first attempt: sent before it
-    // was gone, and within one attempt timeout of the kill (an older loss is not the kill's).
-    let lost = sent_at(&summary, "first_attempt_lost_at_ms");
-    print_lost(&lost, killed_at, gone_at);
-    assert_within("first attempt lost", &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
+    testkit::cache_sigkill_loses_no_pod_lookup(&node, &agent);
 }
 
 /// Acceptance 2 (and 5 for a hang): a hung cache (SIGSTOP) moves the route at its `fall`-th

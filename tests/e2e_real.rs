@@ -9,7 +9,6 @@
 //! tail, and so the test: never a skip, never a stand-in. Each test makes its own namespaces
 //! (unique prefix, `-cp` for the control plane) and removes them, whatever happens.
 
-use std::time::Duration;
 
 use testkit::*;
 
@@ -24,37 +23,7 @@ fn cache_sigkill_loses_no_pod_lookup(mode: &str, dataplane: &str) {
     let agent = node.agent(&["--dataplane", "auto"]);
     let st = agent.state().expect("state");
     assert_eq!(st["dataplane"], dataplane, "{st}");
-    let mut load = node.load(
-        "pod1",
-        CLUSTER_DNS_IP,
-        &["--rate", "500", "--duration", "8s", "--report-interval", "250ms"],
-    );
-    load.wait_cache_answers();
-
-    let (killed_at, gone_at) = node.kill("cache-kill");
-    agent.wait_route("upstream", Duration::from_secs(5));
-    load.wait_line("answers from real CoreDNS", Duration::from_secs(5), |l| {
-        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-    });
-
-    node.script(&["cache-start"]);
-    let back = agent.wait_route("local", Duration::from_secs(10));
-    assert!(
-        back["reason"].as_str().unwrap().contains("answered"),
-        "returned for the wrong reason: {back}"
-    );
-    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-    });
-    let summary = load.finish();
-    println!("summary: {summary}");
-    assert!(summary["sent"].as_u64().unwrap() >= 3500, "{summary}");
-    assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
-    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
-    assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0, "{summary}");
-    let lost = sent_at(&summary, "first_attempt_lost_at_ms");
-    print_lost(&lost, killed_at, gone_at);
-    assert_within("first attempt lost", &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
+    testkit::cache_sigkill_loses_no_pod_lookup(&node, &agent);
     node.tear_down(agent);
 }
 

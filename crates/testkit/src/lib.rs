@@ -25,11 +25,12 @@ pub use bench::{clock_ticks_per_s, cpu_ticks, kernel_ticks, median, percentile, 
 pub use binaries::{agent_exe, dnsload_exe};
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
 pub use load::{
-    assert_within, coredns_seen_after, field, kill_and_restart_cache, print_lost, read_lookups,
-    sent_at, summary_of, Load, Lookup, Outcome, ATTEMPT_TIMEOUT_MS,
+    assert_within, cache_sigkill_loses_no_pod_lookup, coredns_seen_after, field,
+    kill_and_restart_cache, print_lost, read_lookups, sent_at, summary_of, Load, Lookup, Outcome,
+    ATTEMPT_TIMEOUT_MS,
 };
 pub use process::Proc;
 pub use simnode::{
-    describe, require_root, strip_counters, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER,
-    LOCAL_IP, UPSTREAM_IP,
+    counting_wrappers, describe, require_root, strip_counters, SimNode, CACHE_ANSWER,
+    CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };

@@ -252,6 +252,31 @@ impl Drop for SimNode {
     }
 }
 
+/// Wrappers in `node`'s run directory for the installed binaries `names`, each appending
+/// `<name> <args>` to `log` before it execs the real one; returns the `PATH` that puts them
+/// first, for an agent started with it (what a test counts: the agent's child processes).
+pub fn counting_wrappers(node: &SimNode, names: &[&str], log: &Path) -> String {
+    use std::os::unix::fs::PermissionsExt;
+    let wrappers = node.dir.join("wrappers");
+    std::fs::create_dir_all(&wrappers).unwrap();
+    for name in names {
+        let real = ["/usr/sbin", "/sbin"]
+            .iter()
+            .map(|dir| Path::new(dir).join(name))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("{name} is not installed"));
+        let script = format!(
+            "#!/bin/sh\necho \"{name} $*\" >>{}\nexec {} \"$@\"\n",
+            log.display(),
+            real.display()
+        );
+        let path = wrappers.join(name);
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    format!("{}:{}", wrappers.display(), std::env::var("PATH").unwrap_or_default())
+}
+
 /// `counter packets N bytes N` → `counter`.
 pub fn strip_counters(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
