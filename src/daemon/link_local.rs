@@ -44,7 +44,7 @@ impl Drop for Forwarding {
         }
         // The forwarders are gone: the cache gets the link-local queries now, not a second on.
         if !self.leased.is_empty() {
-            Lease::new(&self.leased).release();
+            lease::release(&self.leased);
         }
     }
 }
@@ -88,7 +88,8 @@ pub(super) fn start(
     }
     forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
     if leased {
-        runtime.spawn(lease::hold(Lease::new(local)));
+        let lease = Lease::new(local).map_err(AgentError::ForwarderRuntime)?;
+        runtime.spawn(lease::hold(lease));
         forwarding.leased = local.to_vec();
     }
     for forwarder in forwarders {

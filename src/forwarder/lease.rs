@@ -8,142 +8,104 @@
 //! whenever the cache's socket blinks.
 //!
 //! The TPROXY rule therefore matches only under a lease: `-m recent --rcheck --seconds 1 --name
-//! nodelocaldns-ha --rdest` (an xt_recent table keyed by destination address), which the
-//! forwarders' own runtime renews every [`RENEW`] by writing `+<link-local IP>` to the table's
-//! file, `/proc/net/xt_recent/nodelocaldns-ha` (the node's: the agent runs in its network
-//! namespace). The kernel forgets an entry by itself [`LEASE_SECONDS`] after its last renewal,
-//! so a second after the forwarder stopped (the process killed, or its runtime starved that
-//! long) the TPROXY rule stops matching and the fallback chain is what nftables' is: the cache
-//! gets the queries. A clean exit ends the lease at once.
+//! nodelocaldns-ha --rdest`, an entry for the link-local IP in an xt_recent table. The
+//! forwarders' own runtime renews it every [`RENEW`] with a heartbeat: a datagram from the
+//! loopback address to the link-local IP's port [`HEARTBEAT_PORT`], which the fallback chain's
+//! first rule records (`-m recent --set --rdest`) and drops. A packet needs no privilege, where
+//! the table's file under `/proc/net/xt_recent/` is root's alone (an agent run as another user
+//! with its capabilities could not write it). The kernel forgets the entry by itself
+//! [`LEASE_SECONDS`] after the last heartbeat, so a second after the forwarder stopped (the
+//! process killed, or its runtime starved that long) the TPROXY rule stops matching and the
+//! fallback chain is what nftables' is: the cache gets the queries. A clean exit ends the lease
+//! at once where it may (as root, through the table's file).
 //!
-//! The table exists once a rule naming it is in the kernel; until then (and on nodes where the
-//! backend is nftables, which never names it) there is nothing to renew, and a renewal just
-//! tries to open the file again.
+//! Until the agent has installed its rules a heartbeat changes nothing; the heartbeats are
+//! frequent enough that the fallback works a moment after the rules are in.
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Seek, SeekFrom, Write};
-use std::net::IpAddr;
-use std::path::PathBuf;
+use std::fs::OpenOptions;
+use std::io::{self, Write};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::time::Duration;
 
 /// The xt_recent table's name, in the TPROXY rules and under `/proc/net/xt_recent/`.
 pub const NAME: &str = "nodelocaldns-ha";
 /// How long an entry lasts after its last renewal (`--seconds`: whole seconds, at least 1).
 pub const LEASE_SECONDS: u32 = 1;
-/// How often the forwarders' runtime renews it: a fifth of the lease, so that four renewals in
-/// a row may be late before it lapses.
-pub const RENEW: Duration = Duration::from_millis(200);
-/// How often it looks for the table while there is none yet.
-const UNTIL_TABLE: Duration = Duration::from_millis(10);
+/// The port the heartbeats go to (discard): only the fallback chain's first rule sees them.
+pub const HEARTBEAT_PORT: u16 = 9;
+/// How often the forwarders' runtime renews it: twenty heartbeats a lease, so that a starved
+/// runtime has most of a second before the lease lapses, and the fallback works within 50 ms of
+/// its rules being installed.
+pub const RENEW: Duration = Duration::from_millis(50);
 
 /// The lease on the link-local IPs, held while [`Lease::renew`] is called.
 #[derive(Debug)]
 pub struct Lease {
-    path: PathBuf,
-    /// `+<ip>\n` for each link-local IP, written one at a time: the file takes one command per
-    /// write, and only at offset 0 (xt_recent refuses a write at any other with ESPIPE, and
-    /// `pwrite` too), so each goes after a seek to 0 on the file kept open.
-    renewals: Vec<String>,
-    file: Option<File>,
+    local: Vec<IpAddr>,
+    /// One socket per family, bound to its loopback address.
+    sockets: Vec<UdpSocket>,
 }
 
 impl Lease {
-    /// The lease on `local`, in this network namespace's table.
-    pub fn new(local: &[IpAddr]) -> Lease {
-        // thread-self, not self: `/proc/self/net` is the namespace of the process's main
-        // thread, and a test thread may have entered another.
-        Lease::at(PathBuf::from("/proc/thread-self/net/xt_recent").join(NAME), local)
-    }
-
-    fn at(path: PathBuf, local: &[IpAddr]) -> Lease {
-        let renewals = local.iter().map(|ip| format!("+{ip}\n")).collect();
-        Lease { path, renewals, file: None }
-    }
-
-    /// Renews every address's entry. `Ok(false)` when there is no table yet (no rule names it).
-    pub fn renew(&mut self) -> io::Result<bool> {
-        if self.file.is_none() {
-            match OpenOptions::new().write(true).open(&self.path) {
-                Ok(file) => self.file = Some(file),
-                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
-                Err(e) => return Err(e),
+    /// The lease on `local`, renewed from sockets bound to the loopback addresses.
+    pub fn new(local: &[IpAddr]) -> io::Result<Lease> {
+        let mut sockets = Vec::new();
+        for loopback in [IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)] {
+            if local.iter().any(|ip| ip.is_ipv4() == loopback.is_ipv4()) {
+                let socket = UdpSocket::bind(SocketAddr::new(loopback, 0))?;
+                socket.set_nonblocking(true)?;
+                sockets.push(socket);
             }
         }
-        let file = self.file.as_mut().expect("just opened");
-        for line in &self.renewals {
-            if let Err(e) = at_start(file, line) {
-                // The table went (its last rule deleted) while the file was open: open anew.
-                self.file = None;
-                return Err(e);
-            }
-        }
-        Ok(true)
+        Ok(Lease { local: local.to_vec(), sockets })
     }
 
-    /// Ends the lease at once: the TPROXY rules stop matching now, not a second from now.
-    pub fn release(&mut self) {
-        let Ok(mut file) = OpenOptions::new().write(true).open(&self.path) else { return };
-        for line in &self.renewals {
-            let _ = at_start(&mut file, &format!("-{}", &line[1..]));
+    /// Sends each link-local IP's heartbeat.
+    pub fn renew(&self) -> io::Result<()> {
+        for &ip in &self.local {
+            let socket = self
+                .sockets
+                .iter()
+                .find(|s| s.local_addr().is_ok_and(|a| a.is_ipv4() == ip.is_ipv4()));
+            if let Some(socket) = socket {
+                socket.send_to(&[0], SocketAddr::new(ip, HEARTBEAT_PORT))?;
+            }
         }
+        Ok(())
     }
 }
 
-/// Writes `command` at the file's start.
-fn at_start(file: &mut File, command: &str) -> io::Result<()> {
-    file.seek(SeekFrom::Start(0))?;
-    file.write_all(command.as_bytes())
+/// Ends the lease on `local` at once where this process may write the table's file (as root):
+/// the TPROXY rules stop matching now, not a second from now. Elsewhere it lapses by itself.
+pub fn release(local: &[IpAddr]) {
+    let path = format!("/proc/thread-self/net/xt_recent/{NAME}");
+    for ip in local {
+        // One command per open: the file takes each at offset 0 only.
+        if let Ok(mut file) = OpenOptions::new().write(true).open(&path) {
+            let _ = file.write_all(format!("-{ip}\n").as_bytes());
+        }
+    }
 }
 
 /// Renews `lease` every [`RENEW`] for as long as the future runs (on the forwarders' runtime,
-/// so that the lease lives and dies with them). Until the table exists (the agent installs its
-/// rules after it starts the forwarders) it looks every [`UNTIL_TABLE`], so that the fallback
-/// works from the moment its rules are in. A failure is said once, not every renewal.
-pub async fn hold(mut lease: Lease) {
+/// so that the lease lives and dies with them). A failure is said once, not every renewal.
+pub async fn hold(lease: Lease) {
+    let mut tick = tokio::time::interval(RENEW);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
     loop {
-        let next = match lease.renew() {
-            Ok(true) => {
-                failing = false;
-                RENEW
-            }
-            Ok(false) => UNTIL_TABLE,
-            Err(e) => {
-                if !failing {
-                    tracing::warn!(
-                        file = %lease.path.display(),
-                        error = %e,
-                        "cannot renew the forwarder's lease: the iptables fallback lapses a \
-                         second after the last renewal, and link-local queries go to the cache"
-                    );
-                }
+        tick.tick().await;
+        match lease.renew() {
+            Ok(()) => failing = false,
+            Err(e) if !failing => {
                 failing = true;
-                UNTIL_TABLE
+                tracing::warn!(
+                    error = %e,
+                    "cannot send the forwarder's lease heartbeat: the iptables fallback lapses a \
+                     second after the last one, and link-local queries go to the cache"
+                );
             }
-        };
-        tokio::time::sleep(next).await;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn renewal_waits_for_the_table_then_writes_each_command_at_offset_0() {
-        let dir = std::env::temp_dir().join(format!("nlha-lease-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(NAME);
-        let _ = std::fs::remove_file(&path);
-        let mut lease = Lease::at(path.clone(), &["169.254.20.10".parse().unwrap()]);
-        assert!(!lease.renew().unwrap(), "no table yet");
-        std::fs::write(&path, "").unwrap();
-        assert!(lease.renew().unwrap());
-        assert!(lease.renew().unwrap());
-        // Every command at offset 0, as the kernel's file wants them.
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "+169.254.20.10\n");
-        lease.release();
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "-169.254.20.10\n");
-        std::fs::remove_dir_all(&dir).unwrap();
+            Err(_) => {}
+        }
     }
 }

@@ -18,7 +18,7 @@ use super::tests::kernel::{
 use super::tests::{addrs, dual_stack, ipv4, save_text, saved_of};
 use super::text::{combine, compare, parse_save, render_family, unstorable_comment, wanted, State};
 use super::*;
-use crate::forwarder::lease::Lease;
+use crate::forwarder::lease::{self, Lease};
 use crate::ruleset::{Route, RuleSet, FORWARDER_V4};
 use crate::testutil::{in_netns, run, test_path};
 
@@ -42,8 +42,12 @@ fn the_fallback_goes_to_mangle_and_the_notrack_chains_to_raw() {
     let local = RuleSet::desired(&dual_stack(), Route::Local);
     let mangle = fallback_rules(&local, Family::V4);
     assert_eq!(
-        mangle[..3],
+        mangle[..4],
         [
+            // The forwarder's heartbeat renews its lease (`forwarder::lease`), and stops here.
+            "-A NODELOCALDNS-HA-FALLBACK -s 127.0.0.1/32 -d 169.254.20.10/32 -p udp -m udp \
+             --dport 9 -m recent --set --name nodelocaldns-ha --mask 255.255.255.255 --rdest -m \
+             comment --comment \"the forwarder\\'s lease\" -j DROP",
             "-A NODELOCALDNS-HA-FALLBACK -s 127.0.0.1/32 -d 169.254.20.10/32 -p udp -m udp \
              --dport 53 -m comment --comment \"the agent\\'s probes to the cache\" -j ACCEPT",
             "-A NODELOCALDNS-HA-FALLBACK -d 169.254.20.10/32 -p udp -m udp --dport 53 -m addrtype \
@@ -55,15 +59,15 @@ fn the_fallback_goes_to_mangle_and_the_notrack_chains_to_raw() {
              127.53.0.53 --tproxy-mark 0x0/0x0",
         ]
     );
-    assert_eq!(mangle.len(), 6, "udp and tcp");
+    assert_eq!(mangle.len(), 7, "a heartbeat, then udp and tcp");
     let v6 = fallback_rules(&local, Family::V6);
     assert!(v6[0].starts_with("-A NODELOCALDNS-HA-FALLBACK -s ::1/128 -d fd00:169:254::10/128 "));
     assert!(
-        v6[2].ends_with("-j TPROXY --on-port 53 --on-ip fd00:169:254::53 --tproxy-mark 0x0/0x0")
+        v6[3].ends_with("-j TPROXY --on-port 53 --on-ip fd00:169:254::53 --tproxy-mark 0x0/0x0")
     );
-    // Upstream: no socket guard, the probes' ACCEPT and the TPROXY stay.
+    // Upstream: no socket guard; the heartbeat, the probes' ACCEPT and the TPROXY stay.
     let upstream = fallback_rules(&RuleSet::desired(&dual_stack(), Route::Upstream), Family::V4);
-    assert_eq!(upstream, [&*mangle[0], &mangle[2], &mangle[3], &mangle[5]]);
+    assert_eq!(upstream, [&*mangle[0], &mangle[1], &mangle[3], &mangle[4], &mangle[6]]);
     // Raw holds no ACCEPT and no TPROXY; the ACCEPT backend no mangle chain.
     let raw = wanted(&local, Table::Raw, Family::V4).unwrap();
     assert!(raw.chains.iter().flat_map(|c| &c.rules).all(|r| r.ends_with("-j NOTRACK")));
@@ -100,7 +104,7 @@ fn the_mangle_chain_is_compared_like_the_raw_ones() {
     let upstream = RuleSet::desired(&ipv4(), Route::Upstream);
     assert_eq!(
         state(saved_of(&upstream, Table::Mangle, Family::V4, &[])),
-        State::Differs("IPv4 mangle NODELOCALDNS-HA-FALLBACK: 4 rules, want 6".to_owned())
+        State::Differs("IPv4 mangle NODELOCALDNS-HA-FALLBACK: 5 rules, want 7".to_owned())
     );
     // An agent that wrote raw only (before the fallback) is told apart from one with nothing.
     let (v4, v6) = (Family::V4, Family::V6);
@@ -159,7 +163,7 @@ fn fallback_apply_check_tamper_repair_remove(ns: &str, flavour: Flavour) {
     ipt(ns, flavour, Family::V6, &in_mangle(&["-D", "NODELOCALDNS-HA-FALLBACK", "2"]));
     assert_eq!(
         differs(switch.check(&local).unwrap()),
-        "IPv6 mangle NODELOCALDNS-HA-FALLBACK: 5 rules, want 6"
+        "IPv6 mangle NODELOCALDNS-HA-FALLBACK: 6 rules, want 7"
     );
     switch.apply(&local).unwrap();
     assert_eq!(switch.check(&local).unwrap(), Check::Matches);
@@ -357,8 +361,8 @@ fn queries_follow_the_cache_socket_and_probes_never_reach_the_forwarder(
     switch.apply(&RuleSet::desired(&link_local, Route::Local)).unwrap();
     // The forwarder's lease, as its runtime renews it; each step below takes far less than
     // its second.
-    let mut lease = Lease::new(&link_local.local);
-    assert!(lease.renew().unwrap(), "no lease table after the apply");
+    let lease = Lease::new(&link_local.local).unwrap();
+    lease.renew().unwrap();
     let forwarder =
         UdpSocket::from(transparent(nix::sys::socket::SockType::Datagram, FORWARDER_V4));
     let (pod, probe) = (client("0.0.0.0:0"), client("127.0.0.1:0"));
@@ -398,7 +402,7 @@ fn queries_follow_the_cache_socket_and_probes_never_reach_the_forwarder(
     // the lease ended, the pod's query goes on to the cache, as nftables' `tproxy` lets it.
     // Without the lease xt_TPROXY would take it (or drop it, once the forwarder has closed).
     switch.apply(&RuleSet::desired(&link_local, Route::Upstream)).unwrap();
-    lease.release();
+    lease::release(&link_local.local);
     pod.send(b"pod").unwrap();
     assert_eq!(received(&cache).0, "pod");
     assert!(!has_mail(&forwarder), "TPROXY matched without the lease");
@@ -408,7 +412,7 @@ fn queries_follow_the_cache_socket_and_probes_never_reach_the_forwarder(
     // And the kernel ends an unrenewed lease by itself: renewed, then left to lapse.
     let forwarder =
         UdpSocket::from(transparent(nix::sys::socket::SockType::Datagram, FORWARDER_V4));
-    assert!(lease.renew().unwrap());
+    lease.renew().unwrap();
     pod.send(b"pod").unwrap();
     assert_eq!(received(&forwarder).0, "pod");
     // Queries until one reaches the cache: each arrives at the forwarder (taken there) or at
@@ -454,7 +458,7 @@ fn an_established_forwarder_connection_stays_when_the_cache_returns(ns: &str, fl
     let link_local = addrs(&["169.254.20.10"], &[]);
     let mut switch = Iptables::new(flavour, Role::Switch, WAIT).unwrap();
     switch.apply(&RuleSet::desired(&link_local, Route::Local)).unwrap();
-    assert!(Lease::new(&link_local.local).renew().unwrap(), "no lease table after the apply");
+    Lease::new(&link_local.local).unwrap().renew().unwrap();
     let forwarder = transparent(SockType::Stream, FORWARDER_V4);
     listen(&forwarder, Backlog::new(8).unwrap()).unwrap();
     let forwarder = TcpListener::from(forwarder);
