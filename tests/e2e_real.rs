@@ -9,7 +9,6 @@
 //! tail, and so the test: never a skip, never a stand-in. Each test makes its own namespaces
 //! (unique prefix, `-cp` for the control plane) and removes them, whatever happens.
 
-
 use testkit::*;
 
 /// The core case on the real parts, kube-proxy in `mode` (`real-iptables`, `real-nftables`):
