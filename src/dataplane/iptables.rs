@@ -66,6 +66,7 @@
 mod command;
 mod error;
 mod flavour;
+mod lease_rules;
 mod replies;
 mod snapshot;
 mod table;

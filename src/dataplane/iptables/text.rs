@@ -9,6 +9,7 @@
 //! forwarder's lease, `-m recent`), so read-back compares text lines, and the same lines are fed
 //! to `iptables-restore`.
 
+use super::lease_rules::{heartbeat, recent};
 use super::table::{Family, Table};
 use crate::forwarder::lease;
 use crate::ruleset::{Action, FilterHook, Guard, Hook, Rule, RuleSet, Side};
@@ -108,7 +109,8 @@ pub(super) fn wanted(rules: &RuleSet, table: Table, family: Family) -> Option<Wa
             .find(|c| c.hooked.builtin == builtin)
             .expect("a built-in chain of the table");
         if let Action::Tproxy(_) = rule.action {
-            let beat = heartbeat(chain.hooked.own, rule.addr);
+            let comment = save_string("the forwarder's lease");
+            let beat = heartbeat(chain.hooked.own, rule.addr, &comment);
             if !chain.rules.contains(&beat) {
                 chain.rules.insert(0, beat);
             }
@@ -187,34 +189,6 @@ fn rule_spec(rule: &Rule) -> String {
     spec.push_str(" -m comment --comment ");
     spec.push_str(&save_string(&rule.comment));
     spec
-}
-
-/// ` -m recent <what> --name nodelocaldns-ha --mask … --rdest`: the forwarder's lease, keyed by
-/// the link-local IP (`forwarder::lease`), as `iptables-save` prints it.
-fn recent(family: Family, what: &str) -> String {
-    let mask = match family {
-        Family::V4 => "255.255.255.255",
-        Family::V6 => "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
-    };
-    format!(" -m recent {what} --name {} --mask {mask} --rdest", lease::NAME)
-}
-
-/// The fallback chain's first rule for link-local IP `addr`: the forwarder's heartbeat, from the
-/// loopback address to the IP's [`lease::HEARTBEAT_PORT`], renews its lease and goes no further.
-fn heartbeat(own: &str, addr: std::net::IpAddr) -> String {
-    let family = Family::of(addr);
-    let loopback = match family {
-        Family::V4 => "127.0.0.1/32",
-        Family::V6 => "::1/128",
-    };
-    format!(
-        "-A {own} -s {loopback} -d {addr}/{} -p udp -m udp --dport {}{} -m comment --comment {} \
-         -j DROP",
-        family.host_bits(),
-        lease::HEARTBEAT_PORT,
-        recent(family, "--set"),
-        save_string("the forwarder's lease"),
-    )
 }
 
 /// A string as `iptables-save` prints it (libxtables' `xtables_save_string`): bare when it is
