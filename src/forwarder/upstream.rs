@@ -293,7 +293,10 @@ impl Upstream {
                     if let Some(new) = self.redial().await {
                         let old = std::mem::replace(&mut socket, new);
                         let until = Instant::now() + options.upstream_timeout + SWEEP_PERIOD;
-                        draining = (!idle).then_some((old, until));
+                        // Drained whether or not anything was pending when the loop last
+                        // looked: a query may have gone out on it since (or be going out, its
+                        // sender holding the old socket), and its answer must still be read.
+                        draining = Some((old, until));
                         counters.upstream_redials.fetch_add(1, Ordering::Relaxed);
                     }
                     continue;
