@@ -22,8 +22,9 @@
 //! defect 5). A socket connected once kept one conntrack entry, and with it kube-proxy's DNAT
 //! to one CoreDNS endpoint, for the agent's life: a dead endpoint cost a quarter of the
 //! queries until it was withdrawn, and new replicas got none. The old socket is still read
-//! until its queries have had their timeout, so no answer in flight is lost; a re-dial waits
-//! for the drain before it.
+//! until its queries have had their timeout, so no answer in flight is lost, and closed as soon
+//! as nothing is pending (an idle forwarder holds the pool's sockets only); a re-dial waits for
+//! the drain before it.
 //!
 //! `IP_RECVERR` / `IPV6_RECVERR`: an ICMP error (the upstream's port unreachable, or kube-proxy
 //! rejecting a Service with no endpoints) quotes the query it is about, and with the option the
@@ -261,8 +262,8 @@ impl Upstream {
     /// Every `options.upstream_redial` (the pool's sockets a quarter of it apart) the socket is
     /// replaced by a new one, connected afresh: a new source port, so a new conntrack entry
     /// and kube-proxy's choice of a CoreDNS endpoint made again. The old socket's answers are
-    /// still read until its queries have had `options.upstream_timeout` (and a sweep); a
-    /// re-dial waits for that drain to end.
+    /// still read until its queries have had `options.upstream_timeout` (and a sweep), or until
+    /// nothing is pending; a re-dial waits for that drain to end.
     pub(super) async fn answer(
         self: Arc<Self>,
         listener: Arc<UdpSocket>,
@@ -281,6 +282,16 @@ impl Upstream {
         let mut draining: Option<(Arc<UdpSocket>, Instant)> = None;
         loop {
             let idle = self.pending().is_empty();
+            // The old socket goes once its queries have had their time, or sooner when nothing
+            // can still come back on it: no query pending (each is taken before it is sent) and
+            // no sender holding it.
+            if draining.as_ref().is_some_and(|(old, until)| {
+                Instant::now() >= *until || (idle && Arc::strong_count(old) == 1)
+            }) {
+                draining = None;
+            }
+            let drained =
+                draining.as_ref().map(|(_, until)| tokio::time::Instant::from_std(*until));
             let (from, ready) = tokio::select! {
                 ready = socket.ready(Interest::READABLE | Interest::ERROR) => (&socket, ready),
                 ready = ready_or_never(draining.as_ref().map(|(old, _)| &**old)) => {
@@ -303,11 +314,9 @@ impl Upstream {
                 }
                 _ = sweep.tick(), if !idle => {
                     self.expire(&counters);
-                    if draining.as_ref().is_some_and(|(_, until)| Instant::now() >= *until) {
-                        draining = None;
-                    }
                     continue;
                 }
+                () = sleep_or_never(drained) => continue,
                 () = self.armed.notified(), if idle => {
                     // The first sweep a period from now, not at once.
                     sweep.reset();
@@ -472,6 +481,14 @@ fn open_socket(upstream: SocketAddr) -> io::Result<UdpSocket> {
     }?;
     socket.set_nonblocking(true)?;
     UdpSocket::from_std(socket)
+}
+
+/// Until `deadline`, or forever when there is none.
+async fn sleep_or_never(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// `socket`'s readiness, or, without a socket, a wait that never ends.

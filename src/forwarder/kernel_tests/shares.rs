@@ -239,3 +239,40 @@ fn sockets_to_the_upstream_are_redialled_and_answers_on_the_old_ones_still_arriv
         eprintln!("{redials} re-dials, {} sources, {answered} answered", sources.len());
     });
 }
+
+#[test]
+fn an_idle_forwarder_keeps_only_the_pools_sockets_through_its_redials() {
+    // A replaced socket with nothing pending on it goes at once, not after the upstream's
+    // timeout: an idle forwarder held a second socket per slot for good (the flapping-cache
+    // chaos test saw the agent's descriptors grow by two).
+    in_netns("fwd", test_path!(), |ns| {
+        let family = v4();
+        set_up(ns);
+        let options = Options {
+            upstream_redial: Duration::from_millis(100),
+            upstream_timeout: Duration::from_secs(60),
+            ..Options::default()
+        };
+        let forwarder = serve(family, options);
+        let want = 3 * super::upstream::SOCKETS as u64;
+        let redialled = testkit::poll(DEADLINE, || {
+            (forwarder.counters.totals().upstream_redials >= want).then_some(())
+        });
+        let redials = forwarder.counters.totals().upstream_redials;
+        assert!(redialled.is_some(), "{redials} re-dials in {DEADLINE:?}, want {want}");
+        // A look may fall between a new socket's connect and the old one's close.
+        let pool = testkit::poll(DEADLINE, || {
+            (sockets_connected_to(family.upstream) == super::upstream::SOCKETS).then_some(())
+        });
+        let held = sockets_connected_to(family.upstream);
+        assert!(pool.is_some(), "{held} sockets to the upstream after {redials} re-dials");
+    });
+}
+
+/// How many UDP sockets of this thread's network namespace are connected to `peer` (IPv4).
+fn sockets_connected_to(peer: SocketAddr) -> usize {
+    let SocketAddr::V4(peer) = peer else { unreachable!("an IPv4 upstream") };
+    let remote = format!("{:08X}:{:04X}", u32::from_ne_bytes(peer.ip().octets()), peer.port());
+    let table = std::fs::read_to_string("/proc/thread-self/net/udp").unwrap();
+    table.lines().skip(1).filter(|line| line.split_whitespace().nth(2) == Some(&*remote)).count()
+}
