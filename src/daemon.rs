@@ -287,8 +287,10 @@ async fn run_with(
     // The last agent's route, for a start that finds neither route's ruleset whole.
     let recorded = state::read(&cfg.state_dir).ok().map(|s| s.route);
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
+    // The Services' addresses: the interface the node reaches them through is no pod's.
+    let services: Vec<_> = cfg.addrs.cluster_dns.iter().chain(&cfg.upstream).copied().collect();
     let firewall = if watch_node {
-        blocking(|| nftables::audit_firewall(&listen)).unwrap_or_else(|e| {
+        blocking(|| nftables::audit_firewall(&listen, &services)).unwrap_or_else(|e| {
             warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
             Vec::new()
         })
@@ -419,7 +421,7 @@ async fn run_with(
         );
         tasks.spawn(
             "firewall watch",
-            nftables::watch_firewall(listen.clone(), firewall_changed, firewall_tx),
+            nftables::watch_firewall(listen.clone(), services, firewall_changed, firewall_tx),
         );
         // Others' NOTRACK on the link-local IP is harmless: the fallback's TPROXY acts on
         // untracked packets all the same. On the cluster-DNS IP it pins pods to the cache.

@@ -10,15 +10,23 @@
 //!
 //! This module evaluates decoded nftables chains ([`Table`]) for the packets that matter, with
 //! what is known of them: their family, protocol, the listen address and port 53, a `ct state`
-//! of `untracked`, an interface that is not `lo`. Anything else (a source address, a set, an
-//! expression this module does not model) is unknown, and an unknown match is taken both ways:
-//! a chain that *may* drop the packet counts as dropping it, and only an `accept` that surely
-//! matches counts as letting it through. No I/O: the tables come from
-//! `dataplane::nftables::Nftables::host_firewall`, and `dataplane::nftables::watch_firewall`
-//! reads them again whenever they may have changed, for the control loop.
+//! of `untracked`, and where they come from: each place pods live on the node ([`PodSource`]:
+//! an interface and the addresses routed to it, as `pods.rs` reads them from the node's routes),
+//! judged one at a time, so that firewalld's trusted zone for the pod CIDR (`ip saddr
+//! 10.244.0.0/16 goto filter_IN_trusted`) or the CNI's interface (`iifname "cni0" …`) is seen to
+//! let them through (issue 30, defect 4). Without a known place, the interface is only known
+//! not to be `lo`. Anything else (a port of the pod's, a set, an expression this module does
+//! not model) is unknown, and an unknown match is taken both ways: a chain that *may* drop the
+//! packet counts as dropping it, and only an `accept` that surely matches counts as letting it
+//! through. No I/O: the tables come from `dataplane::nftables::Nftables::host_firewall`, and
+//! `dataplane::nftables::watch_firewall` reads them again whenever they may have changed, for
+//! the control loop.
 
 use std::fmt;
 use std::net::IpAddr;
+
+mod pods;
+pub use pods::{pod_sources, read_pod_sources, PodSource};
 
 /// `NF_INET_LOCAL_IN`.
 pub const HOOK_INPUT: u32 = 1;
@@ -146,6 +154,8 @@ pub struct Blocking {
     pub direction: Direction,
     /// The listen address whose traffic it stops.
     pub addr: IpAddr,
+    /// The pods it stops, when known: the first place of theirs it stops.
+    pub pods: Option<PodSource>,
     /// Whether it surely drops (no unknown on the way) or only may.
     pub surely: bool,
 }
@@ -176,10 +186,13 @@ impl Blocking {
 impl fmt::Display for Blocking {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let hook = self.hook();
-        let what = match self.direction {
+        let mut what = match self.direction {
             Direction::Query => format!("pods' DNS queries to {}", self.addr),
             Direction::Reply => format!("the cache's DNS replies from {}", self.addr),
         };
+        if let Some(pods) = &self.pods {
+            what += &format!(" (pods on {pods})");
+        }
         let verb = if self.surely { "drops or rejects" } else { "may drop or reject" };
         write!(
             f,
@@ -192,8 +205,9 @@ impl fmt::Display for Blocking {
 }
 
 /// The chains of `tables` that would stop DNS between pods and the cache for any of `addrs`, in
-/// either direction, over UDP or TCP.
-pub fn blocking(tables: &[Table], addrs: &[IpAddr]) -> Vec<Blocking> {
+/// either direction, over UDP or TCP, for the pods of any of `pods` (of the address's family;
+/// pods from anywhere but `lo` when none is).
+pub fn blocking(tables: &[Table], addrs: &[IpAddr], pods: &[PodSource]) -> Vec<Blocking> {
     let mut found = Vec::new();
     for table in tables {
         for chain in &table.chains {
@@ -207,22 +221,31 @@ pub fn blocking(tables: &[Table], addrs: &[IpAddr]) -> Vec<Blocking> {
                 if !family_sees(table.family, addr) {
                     continue;
                 }
-                let mut worst: Option<bool> = None;
-                for l4proto in [UDP, TCP] {
-                    let packet = Packet { direction, addr, l4proto };
-                    let out = evaluate(table, chain, &packet, 0);
-                    let policy_drops = chain.policy == Some(NF_DROP) && (out.fall || out.ret);
-                    if out.drop || policy_drops {
-                        let surely = !out.accept && !out.unknown;
-                        worst = Some(worst.unwrap_or(false) || surely);
+                let places: Vec<_> =
+                    pods.iter().filter(|p| p.net.is_ipv4() == addr.is_ipv4()).map(Some).collect();
+                let places = if places.is_empty() { vec![None] } else { places };
+                // The first place it stops, the one it surely stops if any.
+                let mut worst: Option<(bool, Option<&PodSource>)> = None;
+                for source in places {
+                    for l4proto in [UDP, TCP] {
+                        let packet = Packet { direction, addr, l4proto, source };
+                        let out = evaluate(table, chain, &packet, 0);
+                        let policy_drops = chain.policy == Some(NF_DROP) && (out.fall || out.ret);
+                        if out.drop || policy_drops {
+                            let surely = !out.accept && !out.unknown;
+                            if worst.is_none_or(|(was, _)| surely && !was) {
+                                worst = Some((surely, source));
+                            }
+                        }
                     }
                 }
-                if let Some(surely) = worst {
+                if let Some((surely, pods)) = worst {
                     found.push(Blocking {
                         table: table.spelled(),
                         chain: chain.name.clone(),
                         direction,
                         addr,
+                        pods: pods.cloned(),
                         surely,
                     });
                 }
@@ -246,56 +269,104 @@ const UDP: u8 = 17;
 const TCP: u8 = 6;
 
 /// The packet judged: what is known of it.
-struct Packet {
+struct Packet<'a> {
     direction: Direction,
     addr: IpAddr,
     l4proto: u8,
+    /// Where the pod is, when known.
+    source: Option<&'a PodSource>,
 }
 
 /// What a register holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Value {
-    Known(Vec<u8>),
+    /// Bytes of which the bits set in `known` are known (a pod's address: its prefix's).
+    Bits {
+        value: Vec<u8>,
+        known: Vec<u8>,
+    },
     /// An interface name that is not `lo` (pods' traffic never arrives on it).
     NotLo,
     Unknown,
 }
 
-impl Packet {
+impl Value {
+    fn known(value: Vec<u8>) -> Value {
+        let known = vec![0xff; value.len()];
+        Value::Bits { value, known }
+    }
+}
+
+impl Packet<'_> {
     fn meta(&self, key: u32) -> Value {
+        let pods_side = match (key, self.direction) {
+            (META_IIFNAME, Direction::Query) | (META_OIFNAME, Direction::Reply) => true,
+            (META_IIFNAME | META_OIFNAME, _) => return Value::Unknown,
+            _ => false,
+        };
         match key {
-            META_NFPROTO => Value::Known(vec![if self.addr.is_ipv4() { 2 } else { 10 }]),
-            META_L4PROTO => Value::Known(vec![self.l4proto]),
-            META_IIFNAME if self.direction == Direction::Query => Value::NotLo,
-            META_OIFNAME if self.direction == Direction::Reply => Value::NotLo,
+            META_NFPROTO => Value::known(vec![if self.addr.is_ipv4() { 2 } else { 10 }]),
+            META_L4PROTO => Value::known(vec![self.l4proto]),
+            _ if pods_side => match self.source {
+                // As the kernel loads it: IFNAMSIZ bytes, the name and zeros.
+                Some(pods) => {
+                    let mut name = pods.iface.as_bytes().to_vec();
+                    name.resize(16, 0);
+                    Value::known(name)
+                }
+                None => Value::NotLo,
+            },
             _ => Value::Unknown,
         }
     }
 
+    /// `payload load`: the bytes of the header `base` at `offset`, as far as they are known,
+    /// whatever part of a field they are (nft loads two bytes of `ip saddr 10.244.0.0/16`).
     fn payload(&self, base: u32, offset: u32, len: u32) -> Value {
-        let addr_bytes = match self.addr {
+        let (mut value, mut known) = match base {
+            PAYLOAD_NETWORK if self.addr.is_ipv4() => (vec![0; 20], vec![0; 20]),
+            PAYLOAD_NETWORK => (vec![0; 40], vec![0; 40]),
+            PAYLOAD_TRANSPORT => (vec![0; 4], vec![0; 4]),
+            _ => return Value::Unknown,
+        };
+        let mut put = |at: usize, field: Value| {
+            if let Value::Bits { value: v, known: k } = field {
+                value[at..at + v.len()].copy_from_slice(&v);
+                known[at..at + k.len()].copy_from_slice(&k);
+            }
+        };
+        let ours = Value::known(match self.addr {
             IpAddr::V4(a) => a.octets().to_vec(),
             IpAddr::V6(a) => a.octets().to_vec(),
+        });
+        let pods = self.source.map_or(Value::Unknown, PodSource::bits);
+        // A query goes from the pod to ours, port 53; a reply the other way.
+        let (from, to) = match self.direction {
+            Direction::Query => (pods, ours),
+            Direction::Reply => (ours, pods),
         };
-        let port = 53u16.to_be_bytes().to_vec();
-        let (ours_addr, ours_port) = match (self.direction, self.addr) {
-            // (destination address offset, destination port offset) for a query.
-            (Direction::Query, IpAddr::V4(_)) => (16, 2),
-            (Direction::Query, IpAddr::V6(_)) => (24, 2),
-            (Direction::Reply, IpAddr::V4(_)) => (12, 0),
-            (Direction::Reply, IpAddr::V6(_)) => (8, 0),
-        };
-        let protocol_at = if self.addr.is_ipv4() { 9 } else { 6 };
-        match base {
-            PAYLOAD_NETWORK if offset == ours_addr && len as usize == addr_bytes.len() => {
-                Value::Known(addr_bytes)
+        let port = Value::known(53u16.to_be_bytes().to_vec());
+        match (base, self.addr.is_ipv4()) {
+            (PAYLOAD_NETWORK, true) => {
+                put(9, Value::known(vec![self.l4proto]));
+                put(12, from);
+                put(16, to);
             }
-            PAYLOAD_NETWORK if offset == protocol_at && len == 1 => {
-                Value::Known(vec![self.l4proto])
+            (PAYLOAD_NETWORK, false) => {
+                put(6, Value::known(vec![self.l4proto]));
+                put(8, from);
+                put(24, to);
             }
-            PAYLOAD_TRANSPORT if offset == ours_port && len == 2 => Value::Known(port),
-            _ => Value::Unknown,
+            _ => match self.direction {
+                Direction::Query => put(2, port),
+                Direction::Reply => put(0, port),
+            },
         }
+        let (at, len) = (offset as usize, len as usize);
+        if at + len > value.len() {
+            return Value::Unknown;
+        }
+        Value::Bits { value: value[at..at + len].to_vec(), known: known[at..at + len].to_vec() }
     }
 }
 
@@ -399,14 +470,19 @@ fn run_rule(rule: &Rule, packet: &Packet) -> (Truth, Option<Verdict>) {
                     // An untracked packet has no conntrack entry: the rule stops here.
                     return (Truth::False, None);
                 }
-                regs.push((*dreg, Value::Known(CT_STATE_UNTRACKED.to_ne_bytes().to_vec())));
+                regs.push((*dreg, Value::known(CT_STATE_UNTRACKED.to_ne_bytes().to_vec())));
             }
             Expr::Bitwise { sreg, dreg, mask, xor } => {
                 let value = match get(&regs, *sreg) {
-                    Value::Known(v) if v.len() == mask.len() && v.len() == xor.len() => {
-                        Value::Known(
-                            v.iter().zip(mask).zip(xor).map(|((b, m), x)| (b & m) ^ x).collect(),
-                        )
+                    Value::Bits { value, known }
+                        if value.len() == mask.len() && value.len() == xor.len() =>
+                    {
+                        // A bit masked out is known (zero, then xor's).
+                        let bytes = value.iter().zip(mask).zip(xor);
+                        Value::Bits {
+                            value: bytes.map(|((b, m), x)| (b & m) ^ x).collect(),
+                            known: known.iter().zip(mask).map(|(k, m)| k | !m).collect(),
+                        }
                     }
                     _ => Value::Unknown,
                 };
@@ -429,9 +505,20 @@ fn run_rule(rule: &Rule, packet: &Packet) -> (Truth, Option<Verdict>) {
     (truth, verdict)
 }
 
+/// `cmp`: the register's first `data.len()` bytes against `data`, as the kernel's memcmp (an
+/// interface name is loaded whole and compared with a prefix for `iifname "cali*"`).
 fn compare(value: &Value, op: u32, data: &[u8]) -> Truth {
+    let n = data.len();
     let equal = match value {
-        Value::Known(v) if v.len() == data.len() => Some(v == data),
+        Value::Bits { value, known } if value.len() >= n => {
+            let differs = (0..n).any(|i| (value[i] ^ data[i]) & known[i] != 0);
+            let whole = known[..n].iter().all(|&k| k == 0xff);
+            if differs {
+                Some(false)
+            } else {
+                whole.then_some(true)
+            }
+        }
         Value::NotLo => {
             let lo = data.starts_with(b"lo\0") || data == b"lo";
             lo.then_some(false)
@@ -442,9 +529,9 @@ fn compare(value: &Value, op: u32, data: &[u8]) -> Truth {
         (Some(eq), CMP_EQ) => truth(eq),
         (Some(eq), CMP_NEQ) => truth(!eq),
         (Some(_), _) => match value {
-            // Orderings compare bytes, like the kernel's memcmp.
-            Value::Known(v) => {
-                let ord = v.as_slice().cmp(data);
+            // Orderings compare bytes, like the kernel's memcmp, when all are known.
+            Value::Bits { value: v, known } if known[..n].iter().all(|&k| k == 0xff) => {
+                let ord = v[..n].cmp(data);
                 truth(match op {
                     2 => ord.is_lt(),
                     3 => ord.is_le(),

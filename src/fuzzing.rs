@@ -44,6 +44,11 @@ pub fn nftables_netlink(data: &[u8]) {
                 let _ = crate::firewall::blocking(
                     &[table],
                     &[IpAddr::V4(Ipv4Addr::new(10, 96, 0, 10))],
+                    &[crate::firewall::PodSource {
+                        iface: "cni0".to_owned(),
+                        net: IpAddr::V4(Ipv4Addr::new(10, 244, 0, 0)),
+                        prefix_len: 16,
+                    }],
                 );
             }
         }

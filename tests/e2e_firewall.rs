@@ -341,3 +341,57 @@ fn spoofed_replies_from_a_listen_ip_do_not_pass_the_host_firewall() {
     assert_eq!(rest.trim(), "done", "spoofed replies passed the host firewall");
     node.tear_down(agent);
 }
+
+/// `nft` in the node's namespace, each argument a word; must succeed.
+fn nft(node: &SimNode, words: &str) {
+    let out = node.run("node", "nft", &words.split_whitespace().collect::<Vec<_>>());
+    assert!(out.status.success(), "nft {words}: {}", describe(&out));
+}
+
+/// Issue 30, defect 4: firewalld's usual allowance for pods, a trusted zone for the pod CIDR
+/// (`ip saddr`) or the CNI's interfaces (`iifname`), was an unknown match to the agent, which
+/// kept the route on Upstream for good where node-local-dns alone served the pods (red before:
+/// the agent never left Upstream). The agent now judges the firewall for each place the node's
+/// routes put pods (here the pods' /32 routes on their veths, `pod1` and `pod2`): trusted, the
+/// cache serves them; untrusted again, Upstream.
+#[test]
+fn a_firewalld_trusted_zone_for_the_pods_lets_the_cache_serve_them() {
+    let node = SimNode::up_with(&["--kube-proxy", "nftables", "--nft-firewall"]);
+    let table = "inet simnode-firewalld";
+    nft(&node, &format!("add chain {table} filter_IN_trusted"));
+    nft(&node, &format!("add rule {table} filter_IN_trusted accept"));
+    // The zones' dispatch replaced in one transaction, as firewalld's reload does: flushed
+    // alone, the chain would fall through to filter_INPUT's reject for a moment.
+    let batch = std::env::temp_dir().join(format!("nlha-zones-{}.nft", std::process::id()));
+    let zones = |dispatch: &str| {
+        let rules = format!(
+            "flush chain {table} filter_INPUT_ZONES\n{}add rule {table} filter_INPUT_ZONES goto filter_IN_public\n",
+            if dispatch.is_empty() { String::new() } else { format!("add rule {table} filter_INPUT_ZONES {dispatch}\n") }
+        );
+        std::fs::write(&batch, rules).unwrap();
+        nft(&node, &format!("-f {}", batch.display()));
+    };
+    // firewall-cmd --zone=trusted --add-source=10.244.0.0/16
+    zones("ip saddr 10.244.0.0/16 goto filter_IN_trusted");
+    let agent = node.agent(&["--dataplane", "nftables", "--min-hold", "1s"]);
+    let st = agent.wait_route("local", Duration::from_secs(10));
+    println!("trusted by source: {st}");
+    all_answered_by(&node, "cache");
+
+    // firewall-cmd --zone=trusted --add-interface=pod+ (the CNI's veths)
+    zones("iifname \"pod*\" goto filter_IN_trusted");
+    all_answered_by(&node, "cache");
+    assert_eq!(agent.state().expect("state")["route"], "local");
+
+    // Trust withdrawn: the public zone rejects DNS, and the agent says which pods it stops.
+    zones("");
+    let st = agent.wait_route("upstream", Duration::from_secs(3));
+    println!("untrusted: {st}");
+    let warned = st["warnings"].as_array().unwrap().iter();
+    assert!(
+        warned.filter_map(|w| w.as_str()).any(|w| w.contains("(pods on pod1 10.244.0.2/32)")),
+        "{st}"
+    );
+    all_answered_by(&node, "coredns");
+    let _ = std::fs::remove_file(&batch);
+}

@@ -110,17 +110,20 @@ impl Nftables {
 /// How often the node's own nftables firewall is read again without being told it changed.
 const FIREWALL_PERIOD: Duration = Duration::from_secs(30);
 
-/// The node's own nftables firewall, judged for the listen addresses `addrs`.
-pub fn audit_firewall(addrs: &[IpAddr]) -> Result<Vec<Blocking>, Error> {
+/// The node's own nftables firewall, judged for the listen addresses `addrs` and the pods the
+/// node's routes show (`services`: the kube-dns and upstream IPs, whose interface is no pod's).
+pub fn audit_firewall(addrs: &[IpAddr], services: &[IpAddr]) -> Result<Vec<Blocking>, Error> {
     let tables = Nftables::new()?.host_firewall()?;
-    Ok(firewall::blocking(&tables, addrs))
+    let pods = firewall::read_pod_sources(services);
+    Ok(firewall::blocking(&tables, addrs, &pods))
 }
 
-/// Reads the node's own nftables firewall again whenever one of its tables changes (`changed`)
-/// and every [`FIREWALL_PERIOD`], and sends what it would stop. A failed read is said once and
+/// Reads the node's own nftables firewall (and the node's routes) again whenever one of its
+/// tables changes (`changed`) and every [`FIREWALL_PERIOD`], and sends what it would stop. A failed read is said once and
 /// changes nothing.
 pub async fn watch_firewall(
     addrs: Vec<IpAddr>,
+    services: Vec<IpAddr>,
     changed: Arc<Notify>,
     tx: mpsc::Sender<Vec<Blocking>>,
 ) {
@@ -130,8 +133,9 @@ pub async fn watch_firewall(
             _ = changed.notified() => {}
             _ = tokio::time::sleep(FIREWALL_PERIOD) => {}
         }
-        let addrs = addrs.clone();
-        let Ok(found) = tokio::task::spawn_blocking(move || audit_firewall(&addrs)).await else {
+        let (addrs, services) = (addrs.clone(), services.clone());
+        let look = move || audit_firewall(&addrs, &services);
+        let Ok(found) = tokio::task::spawn_blocking(look).await else {
             continue;
         };
         match found {
