@@ -3,10 +3,23 @@
 # ClusterIP at 200 lookups/s, and the agent failing over while the cache is killed, restarted,
 # hung and resumed. Prints a timeline (time, route, who answered, failures) and a summary.
 # Run as root. Everything happens in namespaces this script creates and removes.
+#   ci/demo.sh          the light stand-in node (hand-written DNAT, dnsmasq, unbound): seconds
+#   ci/demo.sh --real   the real Kubernetes parts (kube-apiserver and etcd, real kube-proxy in
+#                       iptables mode, real CoreDNS, the cache CoreDNS with node-local-dns's
+#                       Corefile; built by ci/k8s/build.sh: 13 min the first time, then cached)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 [ "$(id -u)" = 0 ] || { echo "ci/demo.sh: run as root (it creates network namespaces)"; exit 2; }
+up_args=() node_desc="CoreDNS (dnsmasq) behind kube-proxy DNAT, node-local-dns (unbound)"
+case "${1:-}" in
+"") ;;
+--real)
+  up_args=(--kube-proxy real-iptables)
+  node_desc="real kube-apiserver, kube-proxy (iptables mode) and CoreDNS; the cache CoreDNS with node-local-dns's Corefile"
+  ;;
+*) echo "usage: ci/demo.sh [--real]" >&2; exit 2 ;;
+esac
 ci/deps.sh >/dev/null
 echo "== building"
 cargo build --quiet --workspace --bins
@@ -23,8 +36,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== simulated node $prefix: pods, node, CoreDNS (dnsmasq) behind kube-proxy DNAT, node-local-dns (unbound)"
-sim up >/dev/null
+echo "== simulated node $prefix: pods, node, $node_desc"
+if [ ${#up_args[@]} -gt 0 ]; then ci/k8s/build.sh etcd kube-apiserver kube-proxy kubectl coredns; fi
+sim up "${up_args[@]}" >/dev/null
 sim coredns-start >/dev/null
 sim cache-start >/dev/null
 

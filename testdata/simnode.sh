@@ -43,9 +43,10 @@
 #             [--listen-dev veth|lo|dummy]   (default veth: node-cache's own interface)
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
 #   cache-start PREFIX [--mode normal|servfail] [--no-wait]
-#                                                 cache-kill|cache-stop|cache-cont|cache-pid PREFIX
+#                                                 cache-kill|cache-term|cache-stop|cache-cont|cache-pid PREFIX
 #     (kill, stop and cont print when the signal went out, in ms since the epoch; kill then
-#     prints when the process was seen gone, at most one 50 ms poll after its sockets closed)
+#     prints when the process was seen gone, at most one 50 ms poll after its sockets closed;
+#     term is a SIGTERM, returning once the process is gone, SIGKILLed after 5 s)
 #     --no-wait: return once unbound has been exec'd, without waiting for it to answer (a
 #     crash-looping cache, restarted as fast as it dies); prints when it was started.
 #   cache2-start PREFIX [--mode normal|servfail] [--no-wait]
@@ -112,7 +113,14 @@
 #     kube-proxy restarted in nftables mode on a node where it ran in an iptables mode (KEP-5343
 #     makes nftables the default): like its CleanupLeftovers, its iptables rules go (the
 #     KUBE-SERVICES jumps and every KUBE-* nat chain), then `table ip kube-proxy` (ip6 too) is
-#     written as in nftables mode. kubelet's canary chains stay where they are.
+#     written as in nftables mode. kubelet's canary chains stay where they are. With the real
+#     parts (real-iptables): real kube-proxy restarted in nftables mode, cleaning up itself.
+#   busy-services PREFIX N                        (real parts only)
+#     N Services with two endpoints each created through the API (namespace busy); returns once
+#     kube-proxy's rules hold them all.
+#   endpoint-churn-start PREFIX RATE | endpoint-churn-stop | endpoint-churn-changes PREFIX
+#     RATE EndpointSlice changes a second over the busy Services, through the API (the endpoint
+#     controller of a busy cluster); -changes prints how many were accepted so far.
 #   exec PREFIX node|pod1|pod2|dns CMD...
 # State (configs, pidfiles, logs, the xtables lock) lives in ${SIMNODE_DIR:-/tmp/simnode}/PREFIX.
 # Nothing here touches the root network namespace. Set SIMNODE_TRACE=1 to trace.
@@ -270,6 +278,7 @@ main() {
     cache-start | cache2-start) cmd_cache_start "${cmd%-start}" "$@" ;;
     coredns-start) cmd_coredns_start "$@" ;;
     cache-kill | cache2-kill | coredns-kill) (($# == 0)) || usage; svc_kill "${cmd%-kill}" ;;
+    cache-term | cache2-term | coredns-term) (($# == 0)) || usage; svc_term "${cmd%-term}" ;;
     cache-stop | cache2-stop | coredns-stop) (($# == 0)) || usage; svc_signal "${cmd%-stop}" STOP ;;
     cache-cont | cache2-cont | coredns-cont) (($# == 0)) || usage; svc_signal "${cmd%-cont}" CONT ;;
     cache-pid | cache2-pid | coredns-pid) (($# == 0)) || usage; svc_pid "${cmd%-pid}" || die "${cmd%-pid} is not running" ;;
@@ -282,6 +291,10 @@ main() {
     xtables-lock-hold) cmd_xtables_lock_hold "$@" ;;
     xtables-lock-release) (($# == 0)) || usage; svc_term xtables-lock ;;
     kube-proxy-migrate) (($# == 0)) || usage; cmd_kube_proxy_migrate ;;
+    busy-services) (($# == 1)) || usage; load_state; is_real || die "busy-services needs the real parts"; real_busy_services "$1" ;;
+    endpoint-churn-start) (($# == 1)) || usage; load_state; is_real || die "endpoint-churn needs the real parts"; real_churn_start "$1" ;;
+    endpoint-churn-stop) (($# == 0)) || usage; svc_term endpoint-churn ;;
+    endpoint-churn-changes) (($# == 0)) || usage; cat "$RUN_DIR/endpoint-churn.changes" ;;
     netem) (($# > 0)) || usage; cmd_netem "$@" ;;
     netem-clear) (($# == 0)) || usage; cmd_netem ;;
     exec) cmd_exec "$@" ;;

@@ -4,7 +4,9 @@
 //!
 //! Each cell: the backend `auto` picks is the right one; a cache SIGKILL loses no pod lookup; a
 //! hang moves the route at the `fall`-th failed probe; the route returns after recovery;
-//! `teardown` leaves nothing of the agent in nftables or in either iptables flavour.
+//! `teardown` leaves nothing of the agent in nftables or in either iptables flavour. The
+//! `real_*` cells run on the real Kubernetes parts (issue 31: real kube-proxy in iptables and
+//! nftables mode, real CoreDNS, the API server; `testdata/simnode/real.sh`).
 
 use std::time::Duration;
 
@@ -63,6 +65,9 @@ fn auto_choice(kube_proxy: &str) -> &'static str {
         "iptables-legacy" => "iptables-legacy",
         "iptables-nft" => "iptables-nft",
         "nftables" => "nftables",
+        // Real kube-proxy (issue 31): iptables mode with the host's iptables, iptables-nft.
+        "real-iptables" => "iptables-nft",
+        "real-nftables" => "nftables",
         other => panic!("unknown kube-proxy shape {other}"),
     }
 }
@@ -257,6 +262,9 @@ link_local_matrix! {
     link_local_nftmode_auto_v4: "nftables", "auto", V4;
     link_local_nftmode_nft_v4: "nftables", "iptables-nft", V4;
     link_local_nftmode_auto_v6: "nftables", "auto", V6;
+    // The real parts (issue 31): the forwarder answering through real kube-proxy to real CoreDNS.
+    link_local_real_iptables_auto_v4: "real-iptables", "auto", V4;
+    link_local_real_nftables_auto_v4: "real-nftables", "auto", V4;
 }
 
 macro_rules! matrix {
@@ -295,4 +303,8 @@ matrix! {
     nftmode_nftables_v6: "nftables", "nftables", V6;
     nftmode_legacy_v6: "nftables", "iptables-legacy", V6;
     nftmode_nft_v6: "nftables", "iptables-nft", V6;
+    // The real parts (issue 31): real kube-proxy's rules, real CoreDNS, the cache CoreDNS with
+    // node-local-dns's Corefile (testdata/simnode/real.sh).
+    real_iptables_auto_v4: "real-iptables", "auto", V4;
+    real_nftables_auto_v4: "real-nftables", "auto", V4;
 }

@@ -292,52 +292,13 @@ fn cache_sigkill_fast_path_alone_fails_pods_over() {
     assert_within("first attempt lost", &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
 }
 
-/// Issue 18, point 7: DNS over TCP through the cluster-DNS IP, from a pod and from the host (a
-/// new connection per attempt): the cache answers on `Local`, CoreDNS after a cache SIGKILL
-/// (connections to the dead cache are refused, and the retry connects through the DNAT), the
-/// cache again once it is back. The host, as over UDP, loses only lookups sent between the kill
-/// and the switch. Pods lose only what the dying process's teardown refuses: a SYN that the
-/// fast path saw a listener for, which closed before the SYN reached it, is refused at once, and
-/// so may be the retry sent right after it (glibc retries a refused TCP attempt at once too).
-/// Seen under load, once in hundreds of kills: a failed lookup sent within the kill window.
-///
-/// 100 lookups/s per client: on `Upstream` both clients' connections go to the simulated
-/// CoreDNS, dnsmasq, which forks a process per TCP connection, serves 20 at a time and queues
-/// 32 more; on this 2-core machine it stalls now and then from about 500 connections/s (SYNs
-/// dropped, retransmitted after 1 s: first attempts lost long after the kill, answered by
-/// CoreDNS late), and at 200/s it never did (measured 2026-11-26: 500/s, 1141 of 2500 first
-/// attempts lost in 1 of 4 runs of 5 s; 200/s, 0 of 1000 in each of 5). CoreDNS itself
-/// has no such limit; the assertions are about where losses fall, not how many lookups run.
+/// Issue 18, point 7: DNS over TCP from a pod and from the host follows the route
+/// ([`testkit::tcp_lookups_follow_the_route`]).
 #[test]
 fn tcp_lookups_from_pods_and_hosts_follow_the_route() {
     let node = SimNode::up();
     let agent = node.agent(&[]);
-    let args = ["--tcp", "--rate", "100", "--duration", "60s", "--report-interval", "100ms"];
-    let mut pod = node.load("pod1", POD_SERVER, &args);
-    let mut host = node.load("node", CLUSTER_DNS_IP, &args);
-    let (killed_at, gone_at) = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
-    for (client, load) in [("pod", pod), ("host", host)] {
-        let (summary, lookups) = load.interrupt_recorded();
-        println!("{client}: {summary}");
-        assert_eq!(summary["by_origin"]["other"], 0, "{client}: {summary}");
-        let switched = coredns_seen_after(&lookups, killed_at);
-        let failed = sent_at(&summary, "failures_at_ms");
-        println!(
-            "{client}: {} failed, CoreDNS seen {} ms after the kill",
-            failed.len(),
-            switched - killed_at
-        );
-        if client == "pod" {
-            // An attempt that was connected to the cache when it died, or refused by its
-            // teardown: sent within one attempt timeout of the kill, before it was gone.
-            assert_within(client, &failed, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
-            let lost = sent_at(&summary, "first_attempt_lost_at_ms");
-            print_lost(&lost, killed_at, gone_at);
-            assert_within(client, &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
-        } else {
-            assert_within(client, &failed, killed_at - 100, switched);
-        }
-    }
+    testkit::tcp_lookups_follow_the_route(&node, &agent);
 }
 
 /// Acceptance 6 and the exit policy: SIGTERM leaves the current route's rules; a restarted agent

@@ -2,8 +2,10 @@
 //! `ci/k8s/build.sh`: etcd and kube-apiserver on a control-plane namespace of their own, real
 //! kube-proxy (iptables mode, iptables-nft; or nftables mode) in the node's namespace writing its own rules from
 //! the Services and EndpointSlices created through the API, real CoreDNS (the kubernetes plugin
-//! reading the API server) at the kube-dns endpoints. The node-local cache is still unbound:
-//! node-cache cannot be had here (the Go module proxy refuses k8s.io/dns: 403).
+//! reading the API server) at the kube-dns endpoints. The node-local cache is CoreDNS, the server
+//! node-cache embeds, with node-local-dns's own Corefile: node-cache itself cannot be had here
+//! (the Go module proxy refuses k8s.io/dns: 403). The matrix's `real_*` cells (tests/
+//! e2e_matrix.rs) run the hang, host-network clients and the link-local shape on these parts.
 //!
 //! A real part that does not build or start fails `simnode.sh up` naming the part and its log's
 //! tail, and so the test: never a skip, never a stand-in. Each test makes its own namespaces
@@ -34,4 +36,144 @@ fn real_kube_proxy_iptables_cache_sigkill_loses_no_pod_lookup() {
 #[test]
 fn real_kube_proxy_nftables_cache_sigkill_loses_no_pod_lookup() {
     cache_sigkill_loses_no_pod_lookup("real-nftables", "nftables");
+}
+
+/// DNS over TCP from a pod and from the host across a cache SIGKILL, on the real parts: through
+/// real kube-proxy's DNAT to real CoreDNS while the cache is gone.
+fn tcp_lookups_follow_the_route(mode: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", mode]);
+    let agent = node.agent(&["--dataplane", "auto"]);
+    testkit::tcp_lookups_follow_the_route(&node, &agent);
+    node.tear_down(agent);
+}
+
+#[test]
+fn real_kube_proxy_iptables_tcp_lookups_follow_the_route() {
+    tcp_lookups_follow_the_route("real-iptables");
+}
+
+#[test]
+fn real_kube_proxy_nftables_tcp_lookups_follow_the_route() {
+    tcp_lookups_follow_the_route("real-nftables");
+}
+
+/// A node-cache rolling update on the real parts (acceptance 3): `drain` (node-local-dns's
+/// preStop), then node-cache's own SIGTERM teardown (the process exits, its interface's
+/// addresses go), the new pod's interface and cache: no pod lookup fails and no first attempt is
+/// lost, real CoreDNS answering through real kube-proxy meanwhile.
+fn rolling_update_under_drain_is_lossless(mode: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", mode]);
+    let agent = node.agent(&["--dataplane", "auto"]);
+    let dir = agent.state_dir.display().to_string();
+    let args = ["--rate", "500", "--duration", "8s", "--report-interval", "250ms"];
+    let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
+    load.wait_cache_answers();
+    let out = node.cli(&["drain", "--timeout", "5s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert_eq!(agent.state().expect("state")["route"], "upstream");
+
+    node.script(&["cache-term"]);
+    node.script(&["listen-addrs-del"]);
+    node.script(&["listen-addrs-add"]);
+    node.script(&["cache-start"]);
+    agent.wait_route("local", std::time::Duration::from_secs(10));
+    load.wait_line("the new cache answering", std::time::Duration::from_secs(5), |l| {
+        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
+    });
+    let summary = load.finish();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_eq!(summary["first_attempt_lost"], 0, "{summary}");
+    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
+    node.tear_down(agent);
+}
+
+#[test]
+fn real_kube_proxy_iptables_rolling_update_under_drain_is_lossless() {
+    rolling_update_under_drain_is_lossless("real-iptables");
+}
+
+#[test]
+fn real_kube_proxy_nftables_rolling_update_under_drain_is_lossless() {
+    rolling_update_under_drain_is_lossless("real-nftables");
+}
+
+/// Acceptance 4: kube-proxy migrates from iptables to nftables mode (KEP-5343) under pod load:
+/// real kube-proxy restarted in nftables mode cleans up its iptables rules itself; the agent,
+/// restarted with it (`auto`), follows it into nftables and removes its iptables-nft rules. A
+/// hang then fails pods over through kube-proxy's new rules. No pod lookup fails throughout, and
+/// nothing of kube-proxy's iptables mode or of the agent's old backend is left.
+#[test]
+fn real_kube_proxy_migration_to_nftables_mode_under_load() {
+    use std::time::Duration;
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let mut first = node.agent(&["--dataplane", "auto"]);
+    assert_eq!(first.state().expect("state")["dataplane"], "iptables-nft");
+    let args = ["--rate", "300", "--duration", "60s", "--report-interval", "100ms"];
+    let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
+    load.wait_cache_answers();
+
+    assert!(first.stop(nix::sys::signal::Signal::SIGTERM).success());
+    drop(first);
+    node.script(&["kube-proxy-migrate"]);
+    let agent = node.agent(&["--dataplane", "auto"]);
+    let st = wait_for("the leftovers to be removed", Duration::from_secs(10), || {
+        agent.state().filter(|s| s["leftovers"].to_string().contains("found and removed"))
+    });
+    println!("after the migration: {st}");
+    assert_eq!(st["dataplane"], "nftables", "{st}");
+    let nat = node.run("node", "iptables-nft-save", &["-t", "nat"]);
+    let nat = String::from_utf8_lossy(&nat.stdout).into_owned();
+    assert!(
+        !nat.contains("KUBE-SERVICES") && !nat.contains("KUBE-SVC-"),
+        "kube-proxy's iptables mode is left:\n{nat}"
+    );
+    let raw = node.run("node", "iptables-nft-save", &["-t", "raw"]);
+    assert!(
+        !String::from_utf8_lossy(&raw.stdout).contains("NODELOCALDNS-HA"),
+        "{}",
+        describe(&raw)
+    );
+    load.wait_cache_answers();
+
+    node.signal("cache-stop");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
+        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
+    });
+    node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(10));
+    load.wait_cache_answers();
+    let summary = load.interrupt();
+    println!("summary: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
+    node.tear_down(agent);
+}
+
+/// Acceptance 5: the busy node. 5,000 Services with two endpoints each, created through the API,
+/// in real kube-proxy's rules, and the endpoint controller changing 10 EndpointSlices a second
+/// (kube-proxy rewriting its rules after each): the core case, a cache SIGKILL under 500 pod
+/// lookups/s, loses no lookup.
+fn busy_node_cache_sigkill_loses_no_pod_lookup(mode: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", mode]);
+    node.script(&["busy-services", "5000"]);
+    node.script(&["endpoint-churn-start", "10"]);
+    let agent = node.agent(&["--dataplane", "auto"]);
+    testkit::cache_sigkill_loses_no_pod_lookup(&node, &agent);
+    let changes = node.script(&["endpoint-churn-changes"]);
+    println!("EndpointSlice changes accepted meanwhile: {changes}");
+    assert!(changes.trim().parse::<u64>().expect("a count") >= 50, "the churn stalled: {changes}");
+    node.script(&["endpoint-churn-stop"]);
+    node.tear_down(agent);
+}
+
+#[test]
+fn real_kube_proxy_iptables_busy_node_cache_sigkill_loses_no_pod_lookup() {
+    busy_node_cache_sigkill_loses_no_pod_lookup("real-iptables");
+}
+
+#[test]
+fn real_kube_proxy_nftables_busy_node_cache_sigkill_loses_no_pod_lookup() {
+    busy_node_cache_sigkill_loses_no_pod_lookup("real-nftables");
 }

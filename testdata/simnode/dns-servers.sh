@@ -23,15 +23,16 @@ udp_listener() {
     in_ns node ss -Hulnp "src $addr and sport = :53" | grep -q "pid=$1,"
 }
 
-# cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in, answering
-# who.test itself and forwarding the rest to the kube-dns-upstream Service (normal), or answering
+# cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in (with the real
+# parts, CoreDNS with node-local-dns's Corefile: real_cache_conf in real.sh), answering who.test
+# itself and forwarding the rest to the kube-dns-upstream Service (normal), or answering
 # SERVFAIL to everything (servfail: no upstream it can reach).
-# cache2-start (the same options): a second unbound, same config (its own file, pidfile and
+# cache2-start (the same options): a second cache, same config (its own file, pidfile and
 # log), on the same IPs and port: kubespray's `nodelocaldns-second`. Both set SO_REUSEPORT
-# (unbound.conf.in), so the kernel puts their sockets in one reuseport group and hashes each
-# query's source address and port to one of them.
+# (unbound.conf.in; CoreDNS always does), so the kernel puts their sockets in one reuseport
+# group and hashes each query's source address and port to one of them.
 cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
-    local svc=$1 mode=normal interfaces="" local_data="" forward="" mode_options="" conf ip wait=1
+    local svc=$1 mode=normal ips=() ip wait=1
     shift
     while (($#)); do
         case $1 in
@@ -42,12 +43,8 @@ cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
     done
     [[ "$mode" =~ ^(normal|servfail)$ ]] || die "--mode must be normal or servfail"
     load_state
-    if has_v4; then
-        for ip in "$V4_LOCAL_IP" "$V4_CLUSTER_DNS"; do interfaces+="    interface: $ip"$'\n'; done
-    fi
-    if has_v6; then
-        for ip in "$V6_LOCAL_IP" "$V6_CLUSTER_DNS"; do interfaces+="    interface: $ip"$'\n'; done
-    fi
+    if has_v4; then ips+=("$V4_LOCAL_IP" "$V4_CLUSTER_DNS"); fi
+    if has_v6; then ips+=("$V6_LOCAL_IP" "$V6_CLUSTER_DNS"); fi
     local server=$V4_LOCAL_IP
     has_v4 || server=$V6_LOCAL_IP
     if [[ $FILTER_LO == loopback ]]; then
@@ -55,8 +52,50 @@ cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
         # readiness on loopback (see --filter-drop in firewall.sh).
         server=127.0.0.1
         has_v4 || server=::1
-        interfaces+="    interface: $server"$'\n'
+        ips+=("$server")
     fi
+    local cmd
+    if is_real; then
+        cmd=$(real_cache_conf "$svc" "$mode" "${ips[@]}")
+    else
+        cmd=$(unbound_conf "$svc" "$mode" "${ips[@]}")
+    fi
+
+    echo "--- $svc-start --mode $mode" >>"$RUN_DIR/$svc.log"
+    local at
+    at=$(now_ms)
+    # shellcheck disable=SC2086 # the command's words: no spaces in our paths
+    svc_start "$svc" node $cmd
+    if ((!wait)); then
+        echo "$at"
+        return
+    fi
+    # With the other cache running, it may answer the check below: see that this one has bound
+    # every listen IP too.
+    local pid other=cache2
+    [[ $svc == cache ]] || other=cache
+    if svc_pid "$other" >/dev/null; then
+        pid=$(svc_pid "$svc") || die "$svc exited (log: $RUN_DIR/$svc.log)"
+        for ip in "${ips[@]}"; do
+            wait_for 10 "$svc to listen on $ip:53" udp_listener "$pid" "$ip"
+        done
+    fi
+    if [[ $mode == normal ]]; then
+        # shellcheck disable=SC2046 # two words: -b ADDR
+        wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A" $(from_loopback "$server")
+    else
+        # shellcheck disable=SC2046
+        wait_for 10 "the cache to answer SERVFAIL" dig_servfail node "$server" "$PROBE_NAME" $(from_loopback "$server")
+    fi
+    svc_pid "$svc" || die "$svc exited (log: $RUN_DIR/$svc.log)"
+}
+
+# unbound_conf SVC MODE IP...: writes unbound's configuration for cache SVC listening on the IPs
+# and prints the command that runs it.
+unbound_conf() {
+    local svc=$1 mode=$2 interfaces="" local_data="" forward="" mode_options="" conf ip
+    shift 2
+    for ip; do interfaces+="    interface: $ip"$'\n'; done
     if [[ $mode == normal ]]; then
         local_data="    local-zone: \"$PROBE_NAME.\" static"$'\n'
         local_data+="    local-data: \"$PROBE_NAME. 30 IN A $CACHE_A\""$'\n'
@@ -81,33 +120,7 @@ cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
     [[ $svc == cache ]] || file="$RUN_DIR/unbound-$svc.conf"
     printf '%s\n' "$conf" >"$file"
     unbound-checkconf "$file" >/dev/null || die "bad unbound config $file"
-
-    echo "--- $svc-start --mode $mode" >>"$RUN_DIR/$svc.log"
-    local at
-    at=$(now_ms)
-    svc_start "$svc" node unbound -d -p -c "$file"
-    if ((!wait)); then
-        echo "$at"
-        return
-    fi
-    # With the other cache running, it may answer the check below: see that this one has bound
-    # every listen IP too.
-    local pid other=cache2
-    [[ $svc == cache ]] || other=cache
-    if svc_pid "$other" >/dev/null; then
-        pid=$(svc_pid "$svc") || die "$svc exited (log: $RUN_DIR/$svc.log)"
-        for ip in $(awk '$1 == "interface:" {print $2}' "$file"); do
-            wait_for 10 "$svc to listen on $ip:53" udp_listener "$pid" "$ip"
-        done
-    fi
-    if [[ $mode == normal ]]; then
-        # shellcheck disable=SC2046 # two words: -b ADDR
-        wait_for 10 "the cache to answer $PROBE_NAME" dig_answers node "$server" "$PROBE_NAME" "$CACHE_A" $(from_loopback "$server")
-    else
-        # shellcheck disable=SC2046
-        wait_for 10 "the cache to answer SERVFAIL" dig_servfail node "$server" "$PROBE_NAME" $(from_loopback "$server")
-    fi
-    svc_pid "$svc" || die "$svc exited (log: $RUN_DIR/$svc.log)"
+    echo "unbound -d -p -c $file"
 }
 
 # coredns-start: dnsmasq on both endpoint IPs, ready once each answers and the upstream Service

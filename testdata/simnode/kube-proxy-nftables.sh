@@ -143,6 +143,10 @@ kube_nft_rules() {
 # KUBE-* nat chain); kubelet's canaries stay.
 cmd_kube_proxy_migrate() {
     load_state
+    if is_real; then
+        real_kube_proxy_migrate
+        return
+    fi
     [[ $KUBE_PROXY == iptables-* ]] || die "kube-proxy already runs in $KUBE_PROXY mode"
     local ipt chain
     for ipt in $(ipt_families); do

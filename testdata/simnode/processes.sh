@@ -8,21 +8,28 @@
 
 svc_comm() {
     case $1 in
-    cache | cache2) echo unbound ;;
+    cache | cache2) # CoreDNS with node-local-dns's Corefile with the real parts, else unbound
+        if [[ "$(cat "$RUN_DIR/kube-proxy" 2>/dev/null)" == real-* ]]; then echo coredns; else echo unbound; fi ;;
     coredns) # real CoreDNS with the real parts (real.sh), else the dnsmasq stand-in
         if [[ "$(cat "$RUN_DIR/kube-proxy" 2>/dev/null)" == real-* ]]; then echo coredns; else echo dnsmasq; fi ;;
     etcd | kube-apiserver | kube-proxy) echo "$1" ;;
+    endpoint-churn) echo python3 ;; # real.sh's endpoint-churn.py
     cni-noise | kube-proxy-resync) echo bash ;; # and its command line names the loop
     xtables-lock) echo sleep ;;
     *) die "bad service $1" ;;
     esac
 }
 
-pid_running() { # pid_running PID: exists and is not a zombie
-    local stat
+# pid_running PID: exists and is not a zombie; or is a zombie whose other threads are still
+# exiting: a multithreaded process's leader turns zombie first, and its files (sockets) are
+# closed by the last thread to go (CoreDNS, Go: a few ms after the leader; unbound has one).
+pid_running() {
+    local stat tasks
     stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
     stat=${stat##*) } # the fields after "pid (comm) "
-    [[ "${stat%% *}" != [ZX] ]]
+    [[ "${stat%% *}" != [ZX] ]] && return 0
+    tasks=("/proc/$1/task/"*)
+    ((${#tasks[@]} > 1)) && [[ -e ${tasks[1]} ]]
 }
 
 # svc_pid SVC: print the recorded pid if that process is still running the program we started.

@@ -17,8 +17,9 @@
 #   * real CoreDNS (coredns-start) in the dns namespace on the endpoint addresses, with the
 #     kubernetes plugin reading the API server, and the template plugin answering who.test with
 #     2.2.2.2 (and fd00::2:2:2:2), as the dnsmasq stand-in does, so tests still see who answered.
-# IPv4 only. The cache stays unbound (node-cache cannot be had: the module proxy refuses
-# k8s.io/dns, 403). `down` stops every part by its recorded pid and deletes $P-cp.
+#   * the node-local cache: CoreDNS with node-local-dns's Corefile (real_cache_conf; node-cache
+#     itself cannot be had: the module proxy refuses k8s.io/dns, 403).
+# IPv4 only. `down` stops every part by its recorded pid and deletes $P-cp.
 
 readonly V4_CP_NODE=10.240.0.1 V4_APISERVER=10.240.0.2 REAL_CP_NET=10.240.0.0/30
 
@@ -236,6 +237,100 @@ real_kube_proxy() {
     real_wait 60 "kube-proxy's rules for $V4_CLUSTER_DNS and $V4_UPSTREAM" kube_proxy_rules_ready
 }
 
+# real_busy_services N: a busy cluster, as kube-proxy sees it: N Services (namespace `busy`, TCP
+# 80, ClusterIPs the API server picks) with an EndpointSlice of two ready endpoints each
+# (10.245.x.y: nothing answers there; only the rules matter), created through the API by four
+# kubectl at once; returns once kube-proxy's rules hold the last one.
+real_busy_services() {
+    local n=$1 i part
+    [[ $n =~ ^[0-9]+$ ]] && ((n > 0)) || die "busy-services: N must be a positive number"
+    real_bin
+    mkdir -p "$RUN_DIR/busy"
+    kc create namespace busy >>"$RUN_DIR/kubectl.log" 2>&1 ||
+        die "real parts: kubectl create namespace busy failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+    for part in 0 1 2 3; do
+        for ((i = part; i < n; i += 4)); do
+            cat <<EOF
+---
+apiVersion: v1
+kind: Service
+metadata: {name: busy-$i, namespace: busy}
+spec: {selector: {app: busy-$i}, ports: [{name: http, port: 80, protocol: TCP}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: busy-$i
+  namespace: busy
+  labels: {kubernetes.io/service-name: busy-$i, endpointslice.kubernetes.io/managed-by: simnode}
+addressType: IPv4
+ports: [{name: http, port: 80, protocol: TCP}]
+endpoints:
+- {addresses: ["10.245.$((i / 250)).$((i % 250 + 1))"], conditions: {ready: true}}
+- {addresses: ["10.245.$((64 + i / 250)).$((i % 250 + 1))"], conditions: {ready: true}}
+EOF
+        done >"$RUN_DIR/busy/part-$part.yaml"
+    done
+    local pids=() failed=0
+    for part in 0 1 2 3; do
+        kc create -f "$RUN_DIR/busy/part-$part.yaml" >"$RUN_DIR/busy/part-$part.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do wait "$i" || failed=1; done
+    ((!failed)) || die "real parts: creating the busy Services failed: $(grep -hv created "$RUN_DIR"/busy/part-*.log | tail -n 5)"
+    local last
+    last=$(kc -n busy get service "busy-$((n - 1))" -o 'jsonpath={.spec.clusterIP}') ||
+        die "real parts: busy-$((n - 1)) has no ClusterIP"
+    real_wait 300 "kube-proxy's rules for $n busy Services" kube_proxy_has "$last"
+}
+
+# kube_proxy_has IP: kube-proxy's rules name the Service IP (read whole: a reader cut short by
+# `grep -q` would fail the pipeline).
+kube_proxy_has() {
+    local rules
+    if [[ $KUBE_PROXY == real-nftables ]]; then
+        rules=$(in_ns node nft list map ip kube-proxy service-ips) || return 1
+        [[ $rules == *"$1 . tcp . 80 "* ]]
+    else
+        rules=$(in_ns node "$IPT4-save" -t nat) || return 1
+        [[ $rules == *"-d $1/32 -p tcp"* ]]
+    fi
+}
+
+# real_churn_start RATE: the endpoint controller's churn (endpoint-churn.py), RATE EndpointSlice
+# changes a second over the busy Services; returns once the first change is accepted.
+real_churn_start() {
+    local rate=$1 n pid deadline
+    n=$(grep -c '^kind: Service$' "$RUN_DIR"/busy/part-*.yaml 2>/dev/null | awk -F: '{s += $2} END {print s + 0}')
+    ((n > 0)) || die "endpoint-churn-start: no busy Services (busy-services first)"
+    rm -f "$RUN_DIR/endpoint-churn.ready"
+    svc_start endpoint-churn node python3 "$SCRIPT_DIR/simnode/endpoint-churn.py" \
+        "$V4_APISERVER:6443" "$RUN_DIR/pki/ca.crt" "$RUN_DIR/pki/admin.crt" "$RUN_DIR/pki/admin.key" \
+        "$n" "$rate" "$RUN_DIR/endpoint-churn.ready" "$RUN_DIR/endpoint-churn.changes"
+    pid=$(<"$RUN_DIR/endpoint-churn.pid")
+    deadline=$(($(now_ms) + 15000))
+    until [[ -f "$RUN_DIR/endpoint-churn.ready" && "$(<"$RUN_DIR/endpoint-churn.ready")" == "$pid" ]]; do
+        if ! svc_pid endpoint-churn >/dev/null || (($(now_ms) > deadline)); then
+            tail -n 5 "$RUN_DIR/endpoint-churn.log" >&2
+            svc_term endpoint-churn
+            die "endpoint-churn failed to start (log: $RUN_DIR/endpoint-churn.log)"
+        fi
+        sleep 0.05
+    done
+}
+
+# real_kube_proxy_migrate: kube-proxy-migrate with the real parts: real kube-proxy stopped in
+# iptables mode and started in nftables mode, which cleans up the iptables mode's rules itself.
+real_kube_proxy_migrate() {
+    [[ $KUBE_PROXY == real-iptables ]] || die "kube-proxy already runs in ${KUBE_PROXY#real-} mode"
+    real_bin
+    svc_term kube-proxy
+    KUBE_PROXY=real-nftables
+    save_state
+    echo "--- kube-proxy-migrate: nftables mode" >>"$RUN_DIR/kube-proxy.log"
+    real_kube_proxy
+}
+
 # real_up: everything above, in order (from cmd_up, after the node's namespaces and veths).
 real_up() {
     [[ $FAMILY == 4 ]] || die "--kube-proxy $KUBE_PROXY is modelled for --family 4 only"
@@ -278,10 +373,58 @@ EOF
     svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
 }
 
+# real_cache_conf SVC MODE IP...: the node-local cache as node-cache serves it, for cache SVC
+# listening on the IPs; prints the command that runs it. node-cache is CoreDNS with a few
+# plugins and its own setup (interface, iptables), and the module proxy refuses it (k8s.io/dns:
+# 403); this is the CoreDNS it embeds, with node-local-dns's Corefile (cluster/addons/dns/
+# nodelocaldns in kubernetes/kubernetes) filled in as node-cache fills it: the cluster domain,
+# in-addr.arpa and ip6.arpa forwarded over TCP (force_tcp) to the kube-dns-upstream IP; cache
+# sizes, loop, reload, errors, prometheus :9253 and health on the local IP's :8080 as upstream.
+# The test bed's two changes: who.test answered by the template plugin with 1.1.1.1 (so tests
+# see who answered, as with unbound), and `.` forwarded to the kube-dns-upstream IP too (a real
+# node's /etc/resolv.conf; the simulated node's is the build machine's). node-cache's own setup
+# is not here: the agent runs it as our overlay does (-setupiptables=false); its interface is
+# the simulated node's. cache2 (kubespray's second instance) takes :9255 and :8081, as
+# kubespray's does. servfail: every question answered SERVFAIL.
+real_cache_conf() {
+    local svc=$1 mode=$2 file="$RUN_DIR/Corefile-$1" metrics=9253 health=8080 zone
+    shift 2
+    real_bin
+    if [[ $svc == cache2 ]]; then metrics=9255 health=8081; fi
+    {
+        if [[ $mode == servfail ]]; then
+            printf '.:53 {\n    bind %s\n    errors\n' "$*"
+            printf '    template ANY ANY {\n        rcode SERVFAIL\n    }\n}\n'
+        else
+            for zone in cluster.local in-addr.arpa ip6.arpa .; do
+                echo "$zone:53 {"
+                echo "    errors"
+                if [[ $zone == cluster.local ]]; then
+                    printf '    cache {\n        success 9984 30\n        denial 9984 5\n    }\n'
+                else
+                    echo "    cache 30"
+                fi
+                printf '    reload\n    loop\n    bind %s\n' "$*"
+                if [[ $zone == . ]]; then
+                    printf '    template IN A %s {\n' "$PROBE_NAME"
+                    printf '        answer "{{ .Name }} 30 IN A %s"\n    }\n' "$CACHE_A"
+                    echo "    forward . $V4_UPSTREAM"
+                else
+                    printf '    forward . %s {\n        force_tcp\n    }\n' "$V4_UPSTREAM"
+                fi
+                echo "    prometheus :$metrics"
+                if [[ $zone == cluster.local ]]; then echo "    health $V4_LOCAL_IP:$health"; fi
+                echo "}"
+            done
+        fi
+    } >"$file"
+    echo "$REAL_BIN/coredns -conf $file"
+}
+
 # real_down: every real part by its recorded pid, CoreDNS first, etcd last; then $P-cp.
 real_down() {
     local svc
-    for svc in coredns kube-proxy kube-apiserver etcd; do svc_term "$svc"; done
+    for svc in endpoint-churn coredns kube-proxy kube-apiserver etcd; do svc_term "$svc"; done
     if ns_exists cp; then
         # Anything else still in our control-plane namespace was started by us (a part whose
         # pidfile was never written): SIGKILL, by the namespace's pid list.

@@ -13,7 +13,7 @@ use serde_json::Value;
 use crate::agent::Agent;
 use crate::binaries::dnsload_exe;
 use crate::process::Proc;
-use crate::simnode::{SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER};
+use crate::simnode::{SimNode, CACHE_ANSWER, COREDNS_ANSWER};
 
 /// How long `dnsload` waits for each attempt unless a test gives its own `--timeout`. A first
 /// attempt sent longer than this before a fault was lost, if at all, while the server was fine.
@@ -274,45 +274,4 @@ pub fn kill_and_restart_cache(
         load.wait_alone("cache");
     }
     killed
-}
-
-/// The core failover case, as a pod sees it: 500 lookups/s to the kube-dns ClusterIP for 8 s,
-/// the cache SIGKILLed and started again. No lookup fails; CoreDNS answers until the cache is
-/// back (the agent returning because the cache answered), then the cache alone; only queries
-/// already queued in the dying cache lose their first attempt: sent before it was gone, and
-/// within one attempt timeout of the kill (an older loss is not the kill's).
-pub fn cache_sigkill_loses_no_pod_lookup(node: &SimNode, agent: &Agent) {
-    let args = ["--rate", "500", "--duration", "8s", "--report-interval", "250ms"];
-    let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
-    load.wait_cache_answers();
-
-    let (killed_at, gone_at) = node.kill("cache-kill");
-    let upstream = agent.wait_route("upstream", Duration::from_secs(5));
-    println!(
-        "route upstream {} ms after the kill",
-        upstream["since_unix_ms"].as_u64().unwrap().saturating_sub(killed_at)
-    );
-    load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-    });
-
-    node.script(&["cache-start"]);
-    let back = agent.wait_route("local", Duration::from_secs(10));
-    assert!(
-        back["reason"].as_str().unwrap().contains("answered"),
-        "returned for the wrong reason: {back}"
-    );
-    // After the return, whole intervals are answered by the cache alone.
-    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-    });
-    let summary = load.finish();
-    println!("summary: {summary}");
-    assert!(summary["sent"].as_u64().unwrap() >= 3500, "{summary}");
-    assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
-    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
-    assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0, "{summary}");
-    let lost = sent_at(&summary, "first_attempt_lost_at_ms");
-    print_lost(&lost, killed_at, gone_at);
-    assert_within("first attempt lost", &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
 }

@@ -194,13 +194,24 @@ impl SimNode {
                 .collect();
             assert!(others.is_empty(), "addresses of the agent's left on lo: {others:?}");
         }
-        let ruleset = self.run("node", "nft", &["list", "ruleset"]);
-        let text = String::from_utf8_lossy(&ruleset.stdout);
+        // The tables, not the whole ruleset: on the busy node, kube-proxy's nat table holds
+        // 50,000 rules that `nft list ruleset` translates for minutes, restarting its dump
+        // whenever kube-proxy rewrites them. The agent's chains are in raw, mangle and filter.
+        let tables = self.run("node", "nft", &["list", "tables"]);
+        let text = String::from_utf8_lossy(&tables.stdout);
+        assert!(tables.status.success(), "{}", describe(&tables));
         assert!(!text.contains("nodelocaldns-ha"), "nftables still has the agent's table:\n{text}");
-        assert!(
-            !text.contains("NODELOCALDNS-HA"),
-            "iptables-nft still has the agent's chains:\n{text}"
-        );
+        for save in ["iptables-nft-save", "ip6tables-nft-save"] {
+            for table in ["raw", "mangle", "filter"] {
+                let out = self.run("node", save, &["-t", table]);
+                let text = String::from_utf8_lossy(&out.stdout);
+                assert!(
+                    !text.contains("NODELOCALDNS-HA"),
+                    "{save} still has the agent's chains in {table}:\n{text}"
+                );
+            }
+        }
+        // Whole: naming a legacy table would make the kernel create it.
         for save in ["iptables-legacy-save", "ip6tables-legacy-save"] {
             let out = self.run("node", save, &[]);
             let text = String::from_utf8_lossy(&out.stdout);
