@@ -177,3 +177,49 @@ fn real_kube_proxy_iptables_busy_node_cache_sigkill_loses_no_pod_lookup() {
 fn real_kube_proxy_nftables_busy_node_cache_sigkill_loses_no_pod_lookup() {
     busy_node_cache_sigkill_loses_no_pod_lookup("real-nftables");
 }
+
+/// Acceptance 3, the stock arrangement: node-cache run as upstream ships it (without
+/// `-setupiptables=false`) puts its own NOTRACK and ACCEPT rules beside real kube-proxy's; the
+/// agent names them in its state and `status`, and what they cost: with them in place a cache
+/// SIGKILL fails pod lookups (their NOTRACK pins pods to the dead cache, whatever the agent
+/// does), and once they are gone the same kill fails none.
+#[test]
+fn real_kube_proxy_stock_node_cache_rules_are_named_and_cost_lookups() {
+    use std::time::Duration;
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    node.script(&["node-cache-rules"]);
+    let agent = node.agent(&["--dataplane", "auto"]);
+    let st = wait_for("a warning", Duration::from_secs(5), || {
+        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| !w.is_empty()))
+    });
+    let warnings = st["warnings"].to_string();
+    assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
+    assert!(warnings.contains("-setupiptables=false"), "{warnings}");
+    let dir = agent.state_dir.display().to_string();
+    let status = node.cli(&["status", "--state-dir", &dir]);
+    assert!(String::from_utf8_lossy(&status.stdout).contains("WARNING"), "{}", describe(&status));
+
+    let kill_and_count = || {
+        let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];
+        let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
+        load.wait_cache_answers();
+        node.kill("cache-kill");
+        agent.wait_route("upstream", Duration::from_secs(5));
+        node.script(&["cache-start"]);
+        agent.wait_route("local", Duration::from_secs(10));
+        load.wait_cache_answers();
+        load.interrupt()
+    };
+    let stock = kill_and_count();
+    println!("with node-cache's own rules: {stock}");
+    assert!(stock["failed"].as_u64().unwrap() > 0, "{stock}");
+
+    node.script(&["node-cache-rules", "--remove"]);
+    wait_for("the warning to clear", Duration::from_secs(15), || {
+        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| w.is_empty()))
+    });
+    let ours = kill_and_count();
+    println!("without them: {ours}");
+    assert_eq!(ours["failed"], 0, "{ours}");
+    node.tear_down(agent);
+}
