@@ -98,9 +98,7 @@ fn kube_proxy_migration_to_nftables_mode_leaves_nothing_behind() {
     node.script(&["kube-proxy-migrate"]);
 
     let agent = node.agent(&["--dataplane", "auto"]);
-    let st = wait_for("the leftovers to be removed", Duration::from_secs(10), || {
-        agent.state().filter(|s| s["leftovers"].to_string().contains("found and removed"))
-    });
+    let st = agent.wait_leftovers_removed(Duration::from_secs(10));
     println!("after the migration: {st}");
     assert_eq!(st["dataplane"], "nftables", "{st}");
     assert!(!holds_agent_rules(&node, "iptables-nft"), "iptables-nft still holds the raw chains");

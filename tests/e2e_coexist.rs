@@ -343,9 +343,7 @@ fn node_cache_rules_are_reported() {
     let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
     node.script(&["node-cache-rules"]);
     let agent = node.agent(&["--dataplane", "auto"]);
-    let st = wait_for("a warning", Duration::from_secs(5), || {
-        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| !w.is_empty()))
-    });
+    let st = agent.wait_warnings(true, Duration::from_secs(5));
     let warnings = st["warnings"].to_string();
     assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
     assert!(warnings.contains("-setupiptables=false"), "{warnings}");
@@ -359,9 +357,7 @@ fn node_cache_rules_are_reported() {
 
     // Once node-cache's rules are gone, so is the warning.
     node.script(&["node-cache-rules", "--remove"]);
-    wait_for("the warning to clear", Duration::from_secs(15), || {
-        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| w.is_empty()))
-    });
+    agent.wait_warnings(false, Duration::from_secs(15));
 }
 
 /// Issue 3, drift: someone flushes the raw table, deletes the jump, or replaces the agent's

@@ -117,9 +117,7 @@ fn real_kube_proxy_migration_to_nftables_mode_under_load() {
     drop(first);
     node.script(&["kube-proxy-migrate"]);
     let agent = node.agent(&["--dataplane", "auto"]);
-    let st = wait_for("the leftovers to be removed", Duration::from_secs(10), || {
-        agent.state().filter(|s| s["leftovers"].to_string().contains("found and removed"))
-    });
+    let st = agent.wait_leftovers_removed(Duration::from_secs(10));
     println!("after the migration: {st}");
     assert_eq!(st["dataplane"], "nftables", "{st}");
     let nat = node.run("node", "iptables-nft-save", &["-t", "nat"]);
@@ -189,9 +187,7 @@ fn real_kube_proxy_stock_node_cache_rules_are_named_and_cost_lookups() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
     node.script(&["node-cache-rules"]);
     let agent = node.agent(&["--dataplane", "auto"]);
-    let st = wait_for("a warning", Duration::from_secs(5), || {
-        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| !w.is_empty()))
-    });
+    let st = agent.wait_warnings(true, Duration::from_secs(5));
     let warnings = st["warnings"].to_string();
     assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
     assert!(warnings.contains("-setupiptables=false"), "{warnings}");
@@ -215,9 +211,7 @@ fn real_kube_proxy_stock_node_cache_rules_are_named_and_cost_lookups() {
     assert!(stock["failed"].as_u64().unwrap() > 0, "{stock}");
 
     node.script(&["node-cache-rules", "--remove"]);
-    wait_for("the warning to clear", Duration::from_secs(15), || {
-        agent.state().filter(|s| s["warnings"].as_array().is_some_and(|w| w.is_empty()))
-    });
+    agent.wait_warnings(false, Duration::from_secs(15));
     let ours = kill_and_count();
     println!("without them: {ours}");
     assert_eq!(ours["failed"], 0, "{ours}");

@@ -188,6 +188,23 @@ impl Agent {
         })
     }
 
+    /// Waits until the state has warnings (`any`), or none; returns the state.
+    pub fn wait_warnings(&self, any: bool, deadline: Duration) -> Value {
+        let what = if any { "a warning" } else { "the warnings to clear" };
+        wait_for(what, deadline, || {
+            let has = |s: &Value| s["warnings"].as_array().is_some_and(|w| !w.is_empty());
+            self.state().filter(|s| has(s) == any)
+        })
+    }
+
+    /// Waits until the state reports the leftovers of another backend found and removed;
+    /// returns the state.
+    pub fn wait_leftovers_removed(&self, deadline: Duration) -> Value {
+        wait_for("the leftovers to be removed", deadline, || {
+            self.state().filter(|s| s["leftovers"].to_string().contains("found and removed"))
+        })
+    }
+
     /// Waits until the state file says `route`; returns the state.
     pub fn wait_route(&self, route: &str, deadline: Duration) -> Value {
         wait_for(&format!("route {route}"), deadline, || {
