@@ -6,7 +6,8 @@
 //! them killed or hung) and the agent; then the agent's drift repair, switch latency, data-path
 //! cost (dnsperf; and dnsperf through the link-local fallback, and through a kernel DNAT for
 //! comparison, against straight to CoreDNS) and
-//! footprint; then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
+//! footprint (idle CPU on an nftables, an iptables-nft, an iptables-legacy and a mixed node:
+//! `failover/footprint.rs`); then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
 //! every second with filter churn, 0 and 50,000 nat rules): the agent's CPU with its children,
 //! and a host-network client across a cache SIGKILL.
 //!
@@ -22,7 +23,7 @@
 //! Output: a table on stdout and in `docs/bench.md`, every figure in `docs/bench.json`, and
 //! `docs/failover.svg` (lookups/s by who answered them, per 100 ms of when they ended, per
 //! arrangement and fault). Environment: `NLHA_BENCH_RATE` (lookups/s, default 1000),
-//! `NLHA_BENCH_OUT` (default `docs`), `NLHA_BENCH_FOOTPRINT_SECS` (default 30),
+//! `NLHA_BENCH_OUT` (default `docs`), `NLHA_BENCH_FOOTPRINT_SECS` and `_ROUNDS` (default 2 of 20 s),
 //! `NLHA_BENCH_DNSPERF_ROUNDS` and `NLHA_BENCH_DNSPERF_SECS` (of both dnsperf parts, default 2
 //! rounds of 5 s),
 //! `NLHA_BENCH_MUSL_CLIENT` (the musl client; without it, that arrangement is skipped), and for
@@ -31,6 +32,8 @@
 
 #![forbid(unsafe_code)]
 
+#[path = "failover/footprint.rs"]
+mod footprint;
 #[path = "failover/stall.rs"]
 mod stall;
 
@@ -961,51 +964,6 @@ fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) -> Vec<Valu
     rows
 }
 
-/// The agent's RSS and CPU over `secs` at default settings (`--dataplane auto`).
-fn footprint(node: &SimNode, secs: u64) -> Value {
-    eprintln!("bench: footprint over {secs} s");
-    let agent = start_agent(node, &["--dataplane", "auto"]);
-    let pid = agent.pid().expect("agent pid");
-    let ticks = || {
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
-        // Fields after the command name's closing parenthesis; utime and stime are 14 and 15.
-        let rest = &stat[stat.rfind(')').expect("comm") + 2..];
-        let f: Vec<&str> = rest.split_whitespace().collect();
-        f[11].parse::<u64>().expect("utime") + f[12].parse::<u64>().expect("stime")
-    };
-    let rss_kib = || {
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-            .expect("VmRSS")
-    };
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .expect("sysconf(CLK_TCK)") as f64;
-    let (t0, c0) = (Instant::now(), ticks());
-    let mut rss = Vec::new();
-    for _ in 0..secs {
-        std::thread::sleep(Duration::from_secs(1));
-        rss.push(rss_kib());
-    }
-    let cpu_s = (ticks() - c0) as f64 / hz;
-    let wall = t0.elapsed().as_secs_f64();
-    let state = agent.state().expect("state");
-    stop_agent(node, agent);
-    json!({
-        "seconds": round1(wall),
-        "dataplane": state["dataplane"],
-        "probes_sent": state["probes"]["cache_udp"]["sent"],
-        "rss_kib_max": rss.iter().max(),
-        "rss_kib_last": rss.last(),
-        "cpu_seconds": (cpu_s * 1000.0).round() / 1000.0,
-        "cpu_percent_of_one_core": (cpu_s / wall * 10000.0).round() / 100.0,
-    })
-}
-
 /// dnsperf's query file (`who.test A`), or None when dnsperf is not installed.
 fn dnsperf_queries(node: &SimNode) -> Option<String> {
     if Command::new("dnsperf").arg("-h").output().is_err() {
@@ -1432,7 +1390,8 @@ fn main() {
     require_root();
     let began = Instant::now();
     let rate: u32 = setting("NLHA_BENCH_RATE", 1000);
-    let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 30);
+    let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 20);
+    let footprint_rounds: u32 = setting("NLHA_BENCH_FOOTPRINT_ROUNDS", 2);
     let perf_rounds: u32 = setting("NLHA_BENCH_DNSPERF_ROUNDS", 2);
     let perf_secs: u32 = setting("NLHA_BENCH_DNSPERF_SECS", 5);
     let prefix = std::env::var("NLHA_BENCH_PREFIX")
@@ -1459,7 +1418,11 @@ fn main() {
         results.extend(failover(&node, rate, Shape::LinkLocal));
     }
     let drift = if part("drift") { drift_repair(&node, 10) } else { json!([]) };
-    let footprint = if part("footprint") { footprint(&node, footprint_secs) } else { json!({}) };
+    let footprint = if part("footprint") {
+        footprint::idle_cpu(&node, &prefix, footprint_secs, footprint_rounds)
+    } else {
+        json!({})
+    };
     let perf = if part("dnsperf") { dnsperf(&node, perf_rounds, perf_secs) } else { None };
     let fallback_perf = if part("fallback-dnsperf") {
         fallback_dnsperf(&node, perf_rounds, perf_secs)
@@ -1660,15 +1623,7 @@ fn main() {
     if let Some(h) = &hang {
         md += &stall::table(h);
     }
-    let _ = writeln!(
-        md,
-        "\nFootprint at default settings ({}, {} s): RSS {} KiB (max), CPU {} s = {} % of one core.",
-        footprint["dataplane"].as_str().unwrap_or("?"),
-        footprint["seconds"],
-        footprint["rss_kib_max"],
-        footprint["cpu_seconds"],
-        footprint["cpu_percent_of_one_core"],
-    );
+    md += &footprint::table(&footprint);
 
     if !busy.is_empty() {
         md += "\nA busy iptables-nft node (INPUT policy DROP; kube-proxy syncing every second, \

@@ -36,8 +36,10 @@ prefix="b$(($$ % 100000))"
 cleanup() {
     # The benchmark removes its namespaces itself; this is for when it is killed.
     SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "$prefix" >/dev/null 2>&1 || true
-    # The busy node of issue 17.
-    SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}k" >/dev/null 2>&1 || true
+    # The busy node of issue 17; the footprint's nftables, iptables-legacy and mixed nodes.
+    for node in k n l m; do
+        SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}$node" >/dev/null 2>&1 || true
+    done
     rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"
 }
 trap cleanup EXIT
