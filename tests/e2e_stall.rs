@@ -119,7 +119,9 @@ fn a_reuseport_group_is_left_to_the_probes_until_it_is_one_socket() {
     node.kill("cache2-kill");
     wait_for("the single sockets watched", Duration::from_secs(5), || {
         let since = agent.log_text().get(mark..).map(str::to_owned).unwrap_or_default();
-        let watching = since.lines().find(|l| l.contains("stall watch: watching"))?;
+        // The latest: each closed socket is announced on its own, so a first look may name
+        // one address only.
+        let watching = since.lines().rev().find(|l| l.contains("stall watch: watching"))?;
         (watching.contains("169.254.20.10:53") && watching.contains("10.96.0.10:53")).then_some(())
     });
     let args = ["--rate", "300", "--duration", "10s", "--report-interval", "100ms"];
