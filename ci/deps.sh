@@ -10,6 +10,7 @@ packages=(
   libcap2-bin util-linux                 # capsh, setpriv (privilege tests); flock (ci/k8s)
   openssl                                # the real control plane's throwaway CA (ci/k8s)
   prometheus                             # promtool and a real server (tests/alerts.rs)
+  python3-minimal                        # /usr/bin/python3: simnode's endpoint churn (real parts)
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -18,9 +18,10 @@ signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 context = ssl.create_default_context(cafile=ca)
 context.load_cert_chain(cert, key)
 host, port = server.rsplit(":", 1)
-conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=10)
+conn = http.client.HTTPSConnection(host, int(port), context=context, timeout=60)
 path = "/apis/discovery.k8s.io/v1/namespaces/busy/endpointslices/busy-{}"
 changes, start = 0, time.monotonic()
+print("endpoint-churn: pid {}, {} Services, {}/s, to {}".format(os.getpid(), count, rate, server), flush=True)
 while True:
     i = changes % count
     flip = (changes // count) % 2
@@ -39,6 +40,7 @@ while True:
         f.write(str(changes))
     os.replace(count_file + ".tmp", count_file)
     if changes == 1:
+        print("endpoint-churn: first change accepted after {:.1f} s".format(time.monotonic() - start), flush=True)
         with open(ready, "w") as f:
             f.write(str(os.getpid()))
     # Pacing a load generator, not synchronisation.

@@ -298,22 +298,35 @@ kube_proxy_has() {
 }
 
 # real_churn_start RATE: the endpoint controller's churn (endpoint-churn.py), RATE EndpointSlice
-# changes a second over the busy Services; returns once the first change is accepted.
+# changes a second over the busy Services; returns once the first change is accepted (well under
+# a second; the deadline is far past it).
 real_churn_start() {
     local rate=$1 n pid deadline
     n=$(grep -c '^kind: Service$' "$RUN_DIR"/busy/part-*.yaml 2>/dev/null | awk -F: '{s += $2} END {print s + 0}')
     ((n > 0)) || die "endpoint-churn-start: no busy Services (busy-services first)"
     rm -f "$RUN_DIR/endpoint-churn.ready"
-    svc_start endpoint-churn node python3 "$SCRIPT_DIR/simnode/endpoint-churn.py" \
+    # Debian's interpreter by its path: a version manager's `python3` on PATH (pyenv's shim)
+    # execs through bash and others before Python, and the process's name changes under the
+    # watch below (CI saw it: "failed to start" with nothing in the log).
+    svc_start endpoint-churn node /usr/bin/python3 "$SCRIPT_DIR/simnode/endpoint-churn.py" \
         "$V4_APISERVER:6443" "$RUN_DIR/pki/ca.crt" "$RUN_DIR/pki/admin.crt" "$RUN_DIR/pki/admin.key" \
         "$n" "$rate" "$RUN_DIR/endpoint-churn.ready" "$RUN_DIR/endpoint-churn.changes"
     pid=$(<"$RUN_DIR/endpoint-churn.pid")
-    deadline=$(($(now_ms) + 15000))
+    deadline=$(($(now_ms) + 60000))
     until [[ -f "$RUN_DIR/endpoint-churn.ready" && "$(<"$RUN_DIR/endpoint-churn.ready")" == "$pid" ]]; do
-        if ! svc_pid endpoint-churn >/dev/null || (($(now_ms) > deadline)); then
+        if ! svc_pid endpoint-churn >/dev/null; then
+            local status=0
+            # Our own child (a zombie until waited for, so the pid is still its): stopped,
+            # whatever it runs now, and its exit status taken.
+            kill -TERM "$pid" 2>/dev/null || true
+            wait "$pid" || status=$?
+            tail -n 5 "$RUN_DIR/endpoint-churn.log" >&2
+            die "endpoint-churn exited (status $status) or changed program before its first change (log: $RUN_DIR/endpoint-churn.log)"
+        fi
+        if (($(now_ms) > deadline)); then
             tail -n 5 "$RUN_DIR/endpoint-churn.log" >&2
             svc_term endpoint-churn
-            die "endpoint-churn failed to start (log: $RUN_DIR/endpoint-churn.log)"
+            die "endpoint-churn: no change accepted in 60 s (log: $RUN_DIR/endpoint-churn.log)"
         fi
         sleep 0.05
     done
