@@ -381,7 +381,13 @@ async fn run_with(
         // Each cache probe and its answer, each upstream probe: the node's UDP datagrams the
         // agent accounts for.
         let per_sec = |every: Duration| 1.0 / every.as_secs_f64();
-        let own = 2.0 * per_sec(cfg.cache_udp.interval) + per_sec(cfg.upstream_probe.interval);
+        // And the forwarders' lease heartbeats (iptables): 20 a second that, counted as
+        // traffic, kept the watch at its faster pace on every idle iptables node.
+        let heartbeats =
+            forwarding.as_ref().map_or(0.0, link_local::Forwarding::heartbeats_per_sec);
+        let own = 2.0 * per_sec(cfg.cache_udp.interval)
+            + per_sec(cfg.upstream_probe.interval)
+            + heartbeats;
         let answered = cache_answered.clone();
         let stalls =
             stall::watch_stalls(bounds, beat, listen.clone(), own, confirm, answered, tx.clone());

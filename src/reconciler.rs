@@ -57,6 +57,7 @@ impl CheckJob {
         };
         CheckDone {
             generation: self.generation,
+            whole: self.changed.is_none(),
             result,
             took: started.elapsed(),
             reader: self.reader,
@@ -67,6 +68,8 @@ impl CheckJob {
 /// A finished [`CheckJob`].
 pub struct CheckDone {
     generation: u64,
+    /// It read everything ([`Dataplane::check`]).
+    whole: bool,
     result: Result<Check, dataplane::Error>,
     took: Duration,
     reader: Box<dyn Dataplane>,
@@ -89,9 +92,11 @@ pub struct Reconciler {
     /// The resync period; the unit of the backoff.
     tick: Duration,
     /// Whether the kernel announces every change to what a check reads
-    /// ([`Dataplane::announced_tables`]).
+    /// ([`Dataplane::announced_tables`]), but for what is [`Dataplane::polled`].
     announced: bool,
-    /// When the ruleset was last read back (checked or applied).
+    /// Whether part of it announces nothing and is read on every tick all the same.
+    polled: bool,
+    /// When the ruleset was last read back whole (checked or applied).
     checked_at: Option<Instant>,
     /// The handle checks read back through, off the loop; `None` while a check is in flight.
     reader: Option<Box<dyn Dataplane>>,
@@ -99,6 +104,8 @@ pub struct Reconciler {
     generation: u64,
     /// A whole check is wanted (a tick, a retry, or unknown announcements).
     check_all: bool,
+    /// A check of what announces nothing is wanted (a tick, when the rest is announced).
+    check_polled: bool,
     /// Tables announced changed since the last check began: the next check reads these.
     changed: Vec<TableRef>,
     /// Checks discarded because an apply overtook them.
@@ -124,6 +131,7 @@ impl Reconciler {
         now: Instant,
     ) -> Reconciler {
         let announced = dataplane.announced_tables().is_some();
+        let polled = dataplane.polled();
         Reconciler {
             dataplane,
             route,
@@ -133,10 +141,12 @@ impl Reconciler {
             not_before: None,
             tick,
             announced,
+            polled,
             checked_at: Some(now),
             reader: Some(reader),
             generation: 0,
             check_all: false,
+            check_polled: false,
             changed: Vec::new(),
             stale_checks: 0,
             repairs: 0,
@@ -163,12 +173,18 @@ impl Reconciler {
     }
 
     /// The tick's resync: every tick, unless the kernel announces the changes to the ruleset and
-    /// `hearing` them (the watch is up), then every [`POLL_ANNOUNCED`] as a safety net.
+    /// `hearing` them (the watch is up), then every [`POLL_ANNOUNCED`] as a safety net. What
+    /// announces nothing ([`Dataplane::polled`]: iptables-legacy beside an announced part) is
+    /// read on every tick all the same, alone.
     #[must_use = "a check to run off the loop"]
     pub fn poll(&mut self, now: Instant, hearing: bool) -> Option<CheckJob> {
         let recent = self.checked_at.is_some_and(|t| now.duration_since(t) < POLL_ANNOUNCED);
         if self.announced && hearing && recent && !self.dirty {
-            return None;
+            if !self.polled {
+                return None;
+            }
+            self.check_polled = true;
+            return self.next_check(now);
         }
         self.resync(now)
     }
@@ -203,7 +219,7 @@ impl Reconciler {
     /// The check wanted, unless one is in flight (it follows that one) or a retry or spaced
     /// repair is pending; after a failed apply, the apply (on the loop) instead.
     fn next_check(&mut self, now: Instant) -> Option<CheckJob> {
-        if !self.check_all && self.changed.is_empty() {
+        if !self.check_all && !self.check_polled && self.changed.is_empty() {
             return None;
         }
         if self.not_before.is_some_and(|t| now < t) {
@@ -215,6 +231,7 @@ impl Reconciler {
             return None;
         }
         let reader = self.reader.take()?;
+        self.check_polled = false;
         let changed = std::mem::take(&mut self.changed);
         let changed = (!std::mem::take(&mut self.check_all)).then_some(changed);
         Some(CheckJob { generation: self.generation, rules: self.desired.clone(), changed, reader })
@@ -231,7 +248,9 @@ impl Reconciler {
             self.stale_checks += 1;
             debug!(result = ?done.result.as_ref().ok(), "a check overtaken by an apply, discarded");
         } else {
-            self.checked_at = Some(now);
+            if done.whole {
+                self.checked_at = Some(now);
+            }
             match done.result {
                 Ok(Check::Matches) => {}
                 Ok(drift) => {

@@ -37,6 +37,14 @@ pub(super) struct Forwarding {
     leased: Vec<IpAddr>,
 }
 
+impl Forwarding {
+    /// The datagrams a second its lease's heartbeats make the node send (none without a lease):
+    /// the agent's own, not DNS traffic, to the stall watch.
+    pub fn heartbeats_per_sec(&self) -> f64 {
+        self.leased.len() as f64 / lease::RENEW.as_secs_f64()
+    }
+}
+
 impl Drop for Forwarding {
     fn drop(&mut self) {
         if let Some(runtime) = self.runtime.take() {

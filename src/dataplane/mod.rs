@@ -119,8 +119,9 @@ pub trait Dataplane: Send {
     /// Reads back what is installed and compares it with `rules`.
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error>;
     /// [`Dataplane::check`] of what lives in the `changed` tables only (announced changed
-    /// since the last check); the rest is taken to be as last read back, since every change to
-    /// it is announced. The default reads everything.
+    /// since the last check), and of what announces nothing ([`Dataplane::polled`]); the rest
+    /// is taken to be as last read back, since every change to it is announced. The default
+    /// reads everything.
     fn check_changed(&mut self, rules: &RuleSet, changed: &[TableRef]) -> Result<Check, Error> {
         let _ = changed;
         self.check(rules)
@@ -160,6 +161,13 @@ pub trait Dataplane: Send {
     /// nothing.
     fn announced_tables(&self) -> Option<Vec<TableWatch>> {
         None
+    }
+    /// Whether part of what a check reads announces nothing (iptables-legacy's tables) and is
+    /// looked at on every tick even where [`Dataplane::announced_tables`] lists the rest: a
+    /// [`Dataplane::check_changed`] always reads that part, whatever was announced. The
+    /// default: when nothing is announced.
+    fn polled(&self) -> bool {
+        self.announced_tables().is_none()
     }
 }
 
@@ -293,12 +301,22 @@ impl Dataplane for Layered {
         result
     }
 
+    /// The tables of the parts that announce theirs; `None` when no part does. A part that
+    /// announces nothing (iptables-legacy's ACCEPTs beside nftables, or beside iptables-nft on
+    /// a node that mixes them) makes the whole [`Dataplane::polled`], not unannounced: the
+    /// announced parts are read back only when their tables change, not on every tick with it.
     fn announced_tables(&self) -> Option<Vec<TableWatch>> {
-        let mut all = Vec::new();
+        let mut all: Option<Vec<TableWatch>> = None;
         for part in std::iter::once(&self.switch).chain(&self.accepts) {
-            all.extend(part.announced_tables()?);
+            if let Some(tables) = part.announced_tables() {
+                all.get_or_insert_with(Vec::new).extend(tables);
+            }
         }
-        Some(all)
+        all
+    }
+
+    fn polled(&self) -> bool {
+        std::iter::once(&self.switch).chain(&self.accepts).any(|part| part.polled())
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
@@ -306,8 +324,9 @@ impl Dataplane for Layered {
         self.combine(checks)
     }
 
-    /// Reads back only the parts whose tables were announced changed; the others count as
-    /// matching (they did at the last read-back, and nothing of theirs changed since).
+    /// Reads back only the parts whose tables were announced changed, and those that announce
+    /// nothing; the others count as matching (they did at the last read-back, and nothing of
+    /// theirs changed since).
     fn check_changed(&mut self, rules: &RuleSet, changed: &[TableRef]) -> Result<Check, Error> {
         let checks = self
             .parts()
