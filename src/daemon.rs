@@ -331,8 +331,12 @@ async fn run_with(
     })
     .map_err(AgentError::Reader)?;
     // Ready once a ruleset is in: a start that could install nothing is retried in the loop.
+    // Then the forwarders' lease too, which the heartbeats sent before the rules could not take.
     if !agent.is_dirty() {
         health.set_ready();
+        if let Some(forwarding) = &forwarding {
+            forwarding.renew_lease();
+        }
     }
     agent.set_notes(Notes { link_local_off, ..notes });
     agent.set_leftovers(leftovers);
@@ -557,6 +561,9 @@ async fn run_with(
         }
         if !health.ready() && !agent.is_dirty() {
             health.set_ready();
+            if let Some(forwarding) = &forwarding {
+                forwarding.renew_lease();
+            }
         }
         let changes = agent.take_changes();
         if !changes.is_empty() {

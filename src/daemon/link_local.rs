@@ -35,9 +35,20 @@ pub(super) struct Forwarding {
     /// The link-local IPs whose lease the forwarders' runtime renews (iptables), ended when the
     /// forwarders stop.
     leased: Vec<IpAddr>,
+    /// That lease, renewed by the runtime every [`lease::RENEW`].
+    lease: Option<Arc<Lease>>,
 }
 
 impl Forwarding {
+    /// Renews the lease now (when there is one), from the calling thread: for the moment the
+    /// agent's rules are first in, which the heartbeats sent before them could not renew.
+    pub fn renew_lease(&self) {
+        if let Some(lease) = &self.lease {
+            // A failure is the runtime's to say, at its next renewal.
+            let _ = lease.renew();
+        }
+    }
+
     /// The datagrams a second its lease's heartbeats make the node send (none without a lease):
     /// the agent's own, not DNS traffic, to the stall watch.
     pub fn heartbeats_per_sec(&self) -> f64 {
@@ -78,8 +89,12 @@ pub(super) fn start(
         .build()
         .map_err(AgentError::ForwarderRuntime)?;
     // Held from here, so that a failed bind below drops it without blocking.
-    let mut forwarding =
-        Forwarding { runtime: Some(runtime), counters: Vec::new(), leased: Vec::new() };
+    let mut forwarding = Forwarding {
+        runtime: Some(runtime),
+        counters: Vec::new(),
+        leased: Vec::new(),
+        lease: None,
+    };
     let runtime = forwarding.runtime.as_ref().expect("just put there");
     let mut forwarders = Vec::new();
     {
@@ -96,9 +111,10 @@ pub(super) fn start(
     }
     forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
     if leased {
-        let lease = Lease::new(local).map_err(AgentError::ForwarderRuntime)?;
-        runtime.spawn(lease::hold(lease));
+        let lease = Arc::new(Lease::new(local).map_err(AgentError::ForwarderRuntime)?);
+        runtime.spawn(lease::hold(lease.clone()));
         forwarding.leased = local.to_vec();
+        forwarding.lease = Some(lease);
     }
     for forwarder in forwarders {
         let listen = forwarder.listen();

@@ -19,8 +19,10 @@
 //! fallback chain is what nftables' is: the cache gets the queries. A clean exit ends the lease
 //! at once where it may (as root, through the table's file).
 //!
-//! Until the agent has installed its rules a heartbeat changes nothing; the heartbeats are
-//! frequent enough that the fallback works a moment after the rules are in.
+//! Until the agent has installed its rules a heartbeat changes nothing: the agent sends one more
+//! itself the moment they are first in (`daemon::link_local::Forwarding::renew_lease`), so the
+//! fallback works from then on, not a renewal later. The entry then lives as long as the rules
+//! (the heartbeat rule is in the fallback chain on both routes).
 
 use std::fs::OpenOptions;
 use std::io::{self, Write};
@@ -33,10 +35,10 @@ pub const NAME: &str = "nodelocaldns-ha";
 pub const LEASE_SECONDS: u32 = 1;
 /// The port the heartbeats go to (discard): only the fallback chain's first rule sees them.
 pub const HEARTBEAT_PORT: u16 = 9;
-/// How often the forwarders' runtime renews it: twenty heartbeats a lease, so that a starved
-/// runtime has most of a second before the lease lapses, and the fallback works within 50 ms of
-/// its rules being installed.
-pub const RENEW: Duration = Duration::from_millis(50);
+/// How often the forwarders' runtime renews it: four heartbeats a lease, so that a starved
+/// runtime has 750 ms before the lease lapses. Each is a wake-up of an idle runtime: at 50 ms
+/// they were a third of an idle agent's CPU on an iptables node.
+pub const RENEW: Duration = Duration::from_millis(250);
 
 /// The lease on the link-local IPs, held while [`Lease::renew`] is called.
 #[derive(Debug)]
@@ -89,7 +91,7 @@ pub fn release(local: &[IpAddr]) {
 
 /// Renews `lease` every [`RENEW`] for as long as the future runs (on the forwarders' runtime,
 /// so that the lease lives and dies with them). A failure is said once, not every renewal.
-pub async fn hold(lease: Lease) {
+pub async fn hold(lease: std::sync::Arc<Lease>) {
     let mut tick = tokio::time::interval(RENEW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
