@@ -340,10 +340,43 @@ fn xtables_lock_held_does_not_touch_nftables() {
 /// reported in the state and by `status`.
 #[test]
 fn node_cache_rules_are_reported() {
-    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
+    node_cache_rules_reported("iptables-nft");
+}
+
+/// The same with iptables-legacy, whose tables the search copies from the kernel each period
+/// and saves only when changed, raw and filter alone: never a whole save (kube-proxy's nat
+/// table, seconds of CPU every 10 s on a busy node). Before: `iptables-legacy-save` of every
+/// table every period.
+#[test]
+fn node_cache_rules_in_iptables_legacy_are_reported_without_saving_nat() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let log = node.dir.join("saves.log");
+    let path = counting_wrappers(&node, &["iptables-legacy-save", "ip6tables-legacy-save"], &log);
+    // The start's detection saves everything once; what is counted comes after.
+    let started = || std::fs::write(&log, "").unwrap();
+    node_cache_rules_reported_on(&node, &[("PATH", &path)], started);
+    let saves = std::fs::read_to_string(&log).unwrap_or_default();
+    println!("saves after the start:\n{saves}");
+    assert!(!saves.is_empty(), "the removal was not read back");
+    for save in saves.lines() {
+        let table = save.split_once(" -t ").map(|(_, t)| t.trim());
+        assert!(matches!(table, Some("raw" | "mangle" | "filter")), "a save of {save:?}");
+    }
+}
+
+fn node_cache_rules_reported(kube_proxy: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
+    node_cache_rules_reported_on(&node, &[], || {});
+}
+
+/// node-cache's rules on `node`, the agent started (`started` called once the warning shows),
+/// the warning shown; the rules removed, the warning gone.
+fn node_cache_rules_reported_on(node: &SimNode, env: &[(&str, &str)], started: impl FnOnce()) {
     node.script(&["node-cache-rules"]);
-    let agent = node.agent(&["--dataplane", "auto"]);
+    let agent =
+        node.agent_env(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, &["--dataplane", "auto"], env);
     let st = agent.wait_warnings(true, Duration::from_secs(5));
+    started();
     let warnings = st["warnings"].to_string();
     assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
     assert!(warnings.contains("-setupiptables=false"), "{warnings}");

@@ -86,6 +86,7 @@ use text::{Saved, State};
 pub use error::Error;
 use error::{classify, summary};
 pub use flavour::{Flavour, Tool};
+pub use snapshot::{legacy_tables as legacy_snapshot, LegacyTables};
 pub use table::{legacy_tables, Role, Table};
 pub use text::ParseError;
 

@@ -7,8 +7,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::process::Command;
+
 use tokio::sync::mpsc;
 
+use super::{complaint, parse_save, SaveFacts};
+use crate::dataplane::iptables::{
+    legacy_snapshot, legacy_tables, Flavour, LegacyTables, Table, Tool,
+};
 use crate::dataplane::POLL_ANNOUNCED;
 
 /// What one look at the node found that only an operator can fix.
@@ -31,8 +37,10 @@ pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 /// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and then
 /// only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
 /// ([`gather_builtin_chains`]): `iptables-nft-save` fetches the whole ruleset, 4 s of CPU
-/// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing and reads only the
-/// tables it lists; it is read every period.
+/// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing: its raw and filter
+/// tables (where node-cache writes) are copied from the kernel in-process every period, and
+/// saved only when a copy changed ([`gather_legacy`]); its nat table, kube-proxy's, is never
+/// read (a whole save every period was seconds of CPU on a busy legacy node).
 pub(crate) async fn watch_foreign_rules(
     addrs: Vec<IpAddr>,
     period: Duration,
@@ -40,18 +48,19 @@ pub(crate) async fn watch_foreign_rules(
     hearing: Arc<AtomicBool>,
     tx: mpsc::Sender<NodeProblems>,
 ) {
-    use crate::dataplane::iptables::Flavour;
-    use crate::detect::{gather_builtin_chains, gather_flavour, Facts, SaveFacts};
+    use crate::detect::{gather_builtin_chains, Facts};
     let mut ticker = tokio::time::interval(period);
     let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
+    let mut legacy_read: Option<LegacyRead> = None;
     loop {
         ticker.tick().await;
         let changed = raw_changed.swap(false, Ordering::Relaxed);
         let fresh = nft.as_ref().is_some_and(|(_, _, at)| at.elapsed() < POLL_ANNOUNCED);
         let reread = changed || !(fresh && hearing.load(Ordering::Relaxed));
         let addrs = addrs.clone();
+        let last = legacy_read.take();
         let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
-            let legacy = gather_flavour(Flavour::Legacy, &addrs);
+            let legacy = gather_legacy(&addrs, last);
             (legacy, reread.then(|| gather_builtin_chains(Flavour::Nft, &addrs)))
         })
         .await
@@ -62,7 +71,8 @@ pub(crate) async fn watch_foreign_rules(
             nft = Some((facts, unreadable, Instant::now()));
         }
         let Some((nft_facts, nft_unreadable, _)) = &nft else { continue };
-        let (legacy, mut unreadable) = legacy;
+        let mut unreadable = legacy.unreadable.clone();
+        let legacy = legacy_read.insert(legacy).facts.clone();
         unreadable.extend(nft_unreadable.iter().cloned());
         // Only the foreign rules and what was unreadable are used here.
         let facts = Facts {
@@ -88,4 +98,55 @@ pub(crate) async fn watch_foreign_rules(
             return;
         }
     }
+}
+
+/// What the search last read of iptables-legacy, and the kernel's copy of its tables then.
+struct LegacyRead {
+    /// The tables as read; `None` when they could not be copied, or changed while read: the
+    /// next search reads them again.
+    tables: Option<LegacyTables>,
+    facts: SaveFacts,
+    unreadable: Vec<String>,
+}
+
+/// The tables of iptables-legacy where node-cache writes.
+const NODE_CACHE_TABLES: [Table; 2] = [Table::Raw, Table::Filter];
+
+/// iptables-legacy's raw and filter tables, as `last` read them if the kernel holds them as it
+/// did then, else saved again (`iptables-legacy-save -t <table>` of each listed table).
+fn gather_legacy(addrs: &[IpAddr], last: Option<LegacyRead>) -> LegacyRead {
+    let before = legacy_snapshot(&NODE_CACHE_TABLES);
+    if let Some(last) = last {
+        if before.is_some() && last.tables == before {
+            return last;
+        }
+    }
+    let mut unreadable = Vec::new();
+    let mut text = String::new();
+    for binary in Flavour::Legacy.binaries(Tool::Save) {
+        let ipv6 = binary.starts_with("ip6");
+        let Some(listed) = legacy_tables(ipv6) else {
+            unreadable.push(format!("{binary}: cannot list its tables"));
+            continue;
+        };
+        for table in NODE_CACHE_TABLES.iter().map(|t| t.as_str()) {
+            if !listed.iter().any(|name| name == table) {
+                continue;
+            }
+            match Command::new(binary).args(["-t", table]).output() {
+                Ok(out) if out.status.success() => {
+                    text.push_str(&String::from_utf8_lossy(&out.stdout))
+                }
+                Ok(out) => {
+                    unreadable.push(format!("{binary} -t {table}: {}", complaint(&out.stderr)))
+                }
+                // Not installed: a node without iptables-legacy (or that family).
+                Err(_) => break,
+            }
+        }
+    }
+    // Kept only when every save ran, and nothing changed meanwhile.
+    let after = legacy_snapshot(&NODE_CACHE_TABLES);
+    let tables = before.filter(|b| after.as_ref() == Some(b) && unreadable.is_empty());
+    LegacyRead { tables, facts: parse_save(&text, addrs), unreadable }
 }

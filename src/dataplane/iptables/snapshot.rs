@@ -69,6 +69,29 @@ impl Family {
     }
 }
 
+/// Some iptables-legacy tables of both families as the kernel holds them now: a change detector
+/// for what reads them with a save (the search for others' NOTRACK rules).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LegacyTables(Vec<Option<Snapshot>>);
+
+/// `tables` of both families ([`LegacyTables`]), each only if the kernel lists it (naming one
+/// creates it); `None` when a list or a table cannot be read.
+pub fn legacy_tables(tables: &[Table]) -> Option<LegacyTables> {
+    let mut all = Vec::new();
+    for family in Family::ALL {
+        let listed = super::legacy_tables(family == Family::V6)?;
+        for &table in tables {
+            let snapshot = if listed.iter().any(|name| name == table.as_str()) {
+                Some(take(family, table).ok()?)
+            } else {
+                None
+            };
+            all.push(snapshot);
+        }
+    }
+    Some(LegacyTables(all))
+}
+
 /// `family`'s `table` as the kernel holds it now. The table must be one the kernel lists.
 pub(super) fn take(family: Family, table: Table) -> io::Result<Snapshot> {
     let address_family = match family {
