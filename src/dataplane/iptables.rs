@@ -385,11 +385,17 @@ impl Iptables {
         let families = self.families.clone();
         let mut states = Vec::new();
         for family in families {
+            // iptables-legacy's list of the family's tables, read once for all of them.
+            let listed = (self.flavour == Flavour::Legacy)
+                .then(|| legacy_tables(family == Family::V6))
+                .flatten();
             for &table in self.role.tables() {
                 let wanted = text::wanted(rules, table, family);
                 let has_rules = wanted.is_some();
                 let state = if read(family, table) {
-                    self.read_back(family, table, wanted)?
+                    let unlisted =
+                        listed.as_ref().is_some_and(|l| !l.iter().any(|n| n == table.as_str()));
+                    self.read_back(family, table, wanted, unlisted)?
                 } else if has_rules {
                     State::Matches
                 } else {
@@ -402,17 +408,19 @@ impl Iptables {
     }
 
     /// How `family`'s `table` compares with `wanted`, for a check: read back, unless it is an
-    /// iptables-legacy table the kernel holds exactly as at the last read-back, not long ago.
+    /// iptables-legacy table the kernel holds exactly as at the last read-back, not long ago, or
+    /// one it does not list (`unlisted`: it holds nothing).
     fn read_back(
         &mut self,
         family: Family,
         table: Table,
         wanted: Option<text::Wanted>,
+        unlisted: bool,
     ) -> Result<State, Error> {
         let (f, t) = (family.index(), table.index());
         let legacy = self.flavour == Flavour::Legacy;
         // Not named unless listed (naming it creates it): it holds nothing.
-        if legacy && table.unlisted_in_legacy(family) {
+        if legacy && unlisted {
             self.seen[f][t] = None;
             return Ok(text::compare(table, family, &Saved::default(), wanted.as_ref()));
         }
