@@ -425,13 +425,10 @@ impl Iptables {
             return Ok(text::compare(table, family, &Saved::default(), wanted.as_ref()));
         }
         let before = legacy.then(|| snapshot::take(family, table).ok()).flatten();
-        if let (Some(now), Some(seen)) = (&before, &self.seen[f][t]) {
-            if seen.snapshot == *now
-                && seen.wanted == wanted
-                && seen.at.elapsed() < self.full_read_every
-            {
-                return Ok(seen.state.clone());
-            }
+        if let Some(state) =
+            before.as_ref().and_then(|now| self.seen_as(family, table, now, &wanted))
+        {
+            return Ok(state);
         }
         self.seen[f][t] = None;
         let at = Instant::now();
@@ -448,6 +445,46 @@ impl Iptables {
             }
         }
         Ok(state)
+    }
+
+    /// What the last read-back of `family`'s `table` found, if the kernel holds it as then
+    /// (`now`), it was compared with `wanted`, and not long ago ([`FULL_READ_EVERY`]).
+    fn seen_as(
+        &self,
+        family: Family,
+        table: Table,
+        now: &Snapshot,
+        wanted: &Option<text::Wanted>,
+    ) -> Option<State> {
+        let seen = self.seen[family.index()][table.index()].as_ref()?;
+        let fresh = seen.at.elapsed() < self.full_read_every;
+        (seen.snapshot == *now && seen.wanted == *wanted && fresh).then(|| seen.state.clone())
+    }
+
+    /// [`Dataplane::unchanged`] for iptables-legacy: every table as at its last read-back, by
+    /// the kernel's copy of each (a table the kernel does not list holds nothing); `None`
+    /// for iptables-nft, or when one is not.
+    fn unchanged_legacy(&self, rules: &RuleSet) -> Option<Check> {
+        if self.flavour != Flavour::Legacy {
+            return None;
+        }
+        let mut states = Vec::new();
+        for &family in &self.families {
+            let listed = legacy_tables(family == Family::V6)?;
+            for &table in self.role.tables() {
+                let wanted = text::wanted(rules, table, family);
+                let has_rules = wanted.is_some();
+                let state = if listed.iter().any(|n| n == table.as_str()) {
+                    let now = snapshot::take(family, table).ok()?;
+                    self.seen_as(family, table, &now, &wanted)?
+                } else {
+                    text::compare(table, family, &Saved::default(), wanted.as_ref())
+                };
+                states.push((family, table, has_rules, state));
+            }
+        }
+        let check = text::combine(states);
+        (check == Check::Matches).then_some(check)
     }
 
     /// Each family's tables' states, each read back.
@@ -559,6 +596,10 @@ impl Dataplane for Iptables {
             changed.iter().any(|t| t.family == family.nfproto() && t.name == table.as_str())
         };
         Ok(self.check_some(rules, announced)?)
+    }
+
+    fn unchanged(&mut self, rules: &RuleSet) -> Option<Check> {
+        self.unchanged_legacy(rules)
     }
 
     /// iptables-legacy's tables announce nothing.

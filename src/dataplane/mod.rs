@@ -169,6 +169,15 @@ pub trait Dataplane: Send {
     fn polled(&self) -> bool {
         self.announced_tables().is_none()
     }
+    /// What a check of the [`Dataplane::polled`] part would find, when it can be told at once,
+    /// in-process and without a child process (an iptables-legacy table the kernel holds
+    /// exactly as at its last read-back): then `Some(Check::Matches)`, and the tick's check
+    /// needs no thread. `None`: a check must read it (the default). The announced part counts
+    /// as matching, as in [`Dataplane::check_changed`] with nothing announced.
+    fn unchanged(&mut self, rules: &RuleSet) -> Option<Check> {
+        let _ = rules;
+        None
+    }
 }
 
 pub use crate::ruleset::{reply_weight, REPLY_COMMENT};
@@ -317,6 +326,16 @@ impl Dataplane for Layered {
 
     fn polled(&self) -> bool {
         std::iter::once(&self.switch).chain(&self.accepts).any(|part| part.polled())
+    }
+
+    /// Matches when every part that announces nothing is unchanged.
+    fn unchanged(&mut self, rules: &RuleSet) -> Option<Check> {
+        for part in self.parts() {
+            if part.announced_tables().is_none() && part.unchanged(rules)? != Check::Matches {
+                return None;
+            }
+        }
+        Some(Check::Matches)
     }
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {

@@ -228,6 +228,33 @@ fn ticks_read_back_only_the_part_that_announces_nothing() {
     assert_eq!(switch.kernel().installed, Some(rules(Route::Local)), "repaired");
 }
 
+/// iptables-legacy's copies of its tables tell an unchanged ruleset in-process: the tick's check
+/// is done on the loop, no job handed to a thread (two wake-ups a tick, on an idle legacy node
+/// the larger part of the agent's CPU above an nftables node's), and still counted as a check.
+/// A change is not told at once: the tick hands a check over, which repairs it.
+#[test]
+fn a_tick_whose_check_is_told_at_once_runs_no_job() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    fake.kernel().copies = true;
+    let metrics = Arc::new(Metrics::new());
+    let mut reconciler = reconciler(&fake, TICK, metrics.clone(), t0);
+    let checks = fake.kernel().checks;
+    for n in 1..=10 {
+        assert!(reconciler.poll(t0 + TICK * n, false).is_none(), "tick {n} handed a job over");
+    }
+    assert_eq!(fake.kernel().unchanged, 10);
+    assert_eq!(fake.kernel().checks, checks, "no read-back");
+    let counted = "nodelocaldns_ha_dataplane_check_duration_seconds_count 10";
+    assert!(metrics.encode_text().contains(counted), "{}", metrics.encode_text());
+
+    fake.kernel().installed = None;
+    let job = reconciler.poll(t0 + TICK * 11, false).expect("a check of the changed ruleset");
+    assert!(reconciler.checked(job.run(), t0 + TICK * 11).is_none());
+    assert_eq!(reconciler.repairs(), 1);
+    assert_eq!(installed(&fake), Some(Route::Local));
+}
+
 #[test]
 fn resync_restores_a_removed_table_with_repairs_spaced() {
     let t0 = Instant::now();
