@@ -914,9 +914,7 @@ fn node_cache_teardown(plane: Plane, node_cache: NodeCache) {
     // `Local`, since the agent's copy of the link-local IP on lo keeps the cache it probes
     // reachable while unbound still runs.
     for load in [&mut pod, &mut host] {
-        load.wait_line("CoreDNS answering while unbound still runs", Duration::from_secs(5), |l| {
-            field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-        });
+        load.wait_alone("coredns");
     }
     let st = agent.state().expect("state");
     assert_eq!((&st["route"], &st["transitions"]), (&"local".into(), &0.into()), "{st}");
@@ -937,9 +935,7 @@ fn node_cache_teardown(plane: Plane, node_cache: NodeCache) {
     agent.wait_route("local", Duration::from_secs(10));
     assert_eq!(plane.installed(&node).as_ref(), Some(&installed), "not the Local ruleset");
     for load in [&mut pod, &mut host] {
-        load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-        });
+        load.wait_alone("cache");
     }
     for (client, load) in [("pod", pod), ("host", host)] {
         let summary = load.interrupt();

@@ -101,9 +101,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
 
     let killed_at = node.signal("cache-kill");
     agent.wait_route("upstream", Duration::from_secs(5));
-    pod.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-    });
+    pod.wait_alone("coredns");
     node.script(&["cache-start"]);
     agent.wait_route("local", Duration::from_secs(10));
 
@@ -124,9 +122,7 @@ fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
     node.signal("cache-cont");
     agent.wait_route("local", Duration::from_secs(10));
     for load in [&mut pod, &mut host] {
-        load.wait_line("the cache again", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-        });
+        load.wait_alone("cache");
     }
 
     let summary = pod.interrupt();
@@ -190,9 +186,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
     }
     let (killed_at, gone_at) = node.kill("cache-kill");
     for load in [&mut pod, &mut host] {
-        load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-            field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-        });
+        load.wait_alone("coredns");
     }
     node.script(&["cache-start"]);
     agent.wait_route("local", Duration::from_secs(10));

@@ -271,9 +271,7 @@ fn cache_sigkill_fast_path_alone_fails_pods_over() {
             && (field(l, "coredns") > Some(0) || field(l, "failed") > Some(0))
     });
     node.script(&["cache-start"]);
-    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-    });
+    load.wait_alone("cache");
     let summary = load.finish();
     println!("summary: {summary}");
     let st = agent.state().expect("the agent's state");
@@ -405,9 +403,7 @@ fn restart_on_upstream_with_the_cache_dead_adopts_upstream() {
     let back = local["since_unix_ms"].as_u64().unwrap();
     assert!(back >= adopted_at + 2000, "returned before min-hold from the restart: {local}");
     assert_eq!(node.agent_table(), Some(node.expected_table("local")));
-    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-    });
+    load.wait_alone("cache");
     let summary = load.interrupt();
     println!("summary: {summary}");
     assert_eq!(summary["failed"], 0, "pod lookups failed across the restart: {summary}");
@@ -435,16 +431,12 @@ fn dual_stack_pods_survive_sigkill() {
     node.script(&["cache-kill"]);
     agent.wait_route("upstream", Duration::from_secs(5));
     for load in [&mut v4, &mut v6] {
-        load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-            field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-        });
+        load.wait_alone("coredns");
     }
     node.script(&["cache-start"]);
     agent.wait_route("local", Duration::from_secs(10));
     for load in [&mut v4, &mut v6] {
-        load.wait_line("the cache again", Duration::from_secs(5), |l| {
-            field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-        });
+        load.wait_alone("cache");
     }
     for (family, load) in [("IPv4", v4), ("IPv6", v6)] {
         let summary = load.finish();

@@ -136,9 +136,7 @@ fn real_kube_proxy_migration_to_nftables_mode_under_load() {
 
     node.signal("cache-stop");
     agent.wait_route("upstream", Duration::from_secs(5));
-    load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-    });
+    load.wait_alone("coredns");
     node.signal("cache-cont");
     agent.wait_route("local", Duration::from_secs(10));
     load.wait_cache_answers();
@@ -187,13 +185,7 @@ fn real_kube_proxy_stock_node_cache_rules_are_named_and_cost_lookups() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
     node.script(&["node-cache-rules"]);
     let agent = node.agent(&["--dataplane", "auto"]);
-    let st = agent.wait_warnings(true, Duration::from_secs(5));
-    let warnings = st["warnings"].to_string();
-    assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
-    assert!(warnings.contains("-setupiptables=false"), "{warnings}");
-    let dir = agent.state_dir.display().to_string();
-    let status = node.cli(&["status", "--state-dir", &dir]);
-    assert!(String::from_utf8_lossy(&status.stdout).contains("WARNING"), "{}", describe(&status));
+    testkit::node_cache_rules_are_named(&node, &agent);
 
     let kill_and_count = || {
         let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::load::{
-    assert_within, coredns_seen_after, field, kill_and_restart_cache, print_lost, sent_at,
+    assert_within, coredns_seen_after, kill_and_restart_cache, print_lost, sent_at,
     ATTEMPT_TIMEOUT_MS,
 };
 use crate::{Agent, SimNode, CLUSTER_DNS_IP};
@@ -25,9 +25,7 @@ pub fn cache_sigkill_loses_no_pod_lookup(node: &SimNode, agent: &Agent) {
         "route upstream {} ms after the kill",
         upstream["since_unix_ms"].as_u64().unwrap().saturating_sub(killed_at)
     );
-    load.wait_line("answers from CoreDNS", Duration::from_secs(5), |l| {
-        field(l, "coredns").is_some_and(|n| n > 0) && field(l, "cache") == Some(0)
-    });
+    load.wait_alone("coredns");
 
     node.script(&["cache-start"]);
     let back = agent.wait_route("local", Duration::from_secs(10));
@@ -36,9 +34,7 @@ pub fn cache_sigkill_loses_no_pod_lookup(node: &SimNode, agent: &Agent) {
         "returned for the wrong reason: {back}"
     );
     // After the return, whole intervals are answered by the cache alone.
-    load.wait_line("the cache answering again", Duration::from_secs(5), |l| {
-        field(l, "cache").is_some_and(|n| n > 0) && field(l, "coredns") == Some(0)
-    });
+    load.wait_alone("cache");
     let summary = load.finish();
     println!("summary: {summary}");
     assert!(summary["sent"].as_u64().unwrap() >= 3500, "{summary}");
@@ -93,4 +89,17 @@ pub fn tcp_lookups_follow_the_route(node: &SimNode, agent: &Agent) {
             assert_within(client, &failed, killed_at - 100, switched);
         }
     }
+}
+
+/// node-cache's own rules (node-cache run without `-setupiptables=false`) named by the agent:
+/// in its state's warnings, with the flag that removes them, and by `status`. Returns the state.
+pub fn node_cache_rules_are_named(node: &SimNode, agent: &Agent) -> serde_json::Value {
+    let st = agent.wait_warnings(true, Duration::from_secs(5));
+    let warnings = st["warnings"].to_string();
+    assert!(warnings.contains("NodeLocal DNS Cache"), "{warnings}");
+    assert!(warnings.contains("-setupiptables=false"), "{warnings}");
+    let status = node.cli(&["status", "--state-dir", &agent.state_dir.display().to_string()]);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("WARNING"), "{}", crate::describe(&status));
+    st
 }

@@ -24,7 +24,9 @@ mod simnode;
 pub use agent::{fallback_refused, Agent, Switch};
 pub use bench::{clock_ticks_per_s, cpu_ticks, kernel_ticks, median, percentile, setting, Machine};
 pub use binaries::{agent_exe, dnsload_exe};
-pub use cases::{cache_sigkill_loses_no_pod_lookup, tcp_lookups_follow_the_route};
+pub use cases::{
+    cache_sigkill_loses_no_pod_lookup, node_cache_rules_are_named, tcp_lookups_follow_the_route,
+};
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
 pub use load::{
     assert_within, coredns_seen_after, field, kill_and_restart_cache, print_lost, read_lookups,
