@@ -3,11 +3,10 @@
 //! warnings for `status`.
 
 use std::net::IpAddr;
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use std::process::Command;
 
 use tokio::sync::mpsc;
 
