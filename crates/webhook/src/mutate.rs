@@ -1,0 +1,170 @@
+//! What the webhook does to a pod: nothing, with the reason, or `dnsPolicy: None` and the whole
+//! `dnsConfig` kubelet should write into the pod's resolv.conf.
+//!
+//! kubelet's rules (`../shared/REFERENCE.md` §10): with `ClusterFirst` a pod gets kubelet's
+//! `clusterDNS` list, the search list `<ns>.svc.<domain> svc.<domain> <domain>` (then the node's
+//! own), `ndots:5`, and its own `dnsConfig` merged on top: nameservers and searches appended,
+//! duplicates dropped, options merged by name (the pod's value wins). To put the node-local IP
+//! first and the kube-dns IP second, the webhook writes the whole list under `dnsPolicy: None`
+//! and merges the pod's own entries by the same rules, so that nothing the pod asked for is
+//! lost. A pod whose own entries do not fit (more than 3 nameservers in all, or a search list
+//! past kubelet's limits) is left alone, not trimmed. The node's own search list is not known
+//! here and is not added (as ACK's webhook does).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Pod, PodDNSConfig, PodDNSConfigOption};
+
+use crate::patch::{self, Op};
+
+/// The annotation that marks a pod as mutated: a second pass (reinvocation) changes nothing.
+pub const MARK: &str = "nodelocaldns-ha.io/dns";
+/// [`MARK`]'s value.
+pub const MARKED: &str = "injected";
+/// The labels and annotations that opt a pod out, each with the value `disabled`: ours, and
+/// ACK's and CCE's, so that pods written for those webhooks keep their meaning.
+pub const OPT_OUT: [&str; 3] =
+    ["nodelocaldns-ha.io/dns-injection", "node-local-dns-injection", "node-localdns-injection"];
+
+/// At most this many nameservers (the API server's validation of `dnsConfig`).
+pub const MAX_NAMESERVERS: usize = 3;
+/// At most this many search domains, of at most [`MAX_SEARCH_CHARS`] characters in all
+/// (kubelet's limits since Kubernetes 1.28).
+pub const MAX_SEARCHES: usize = 32;
+/// See [`MAX_SEARCHES`].
+pub const MAX_SEARCH_CHARS: usize = 2048;
+
+/// What the webhook is configured with.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// The nameservers, in order: the node-local IP, then the kube-dns ClusterIP.
+    pub nameservers: Vec<String>,
+    /// kubelet's `--cluster-domain` (`cluster.local`).
+    pub cluster_domain: String,
+    /// The resolver options (ACK's: `ndots:3`, `attempts:2`, `timeout:1`; kubelet's: `ndots:5`).
+    pub options: Vec<(String, Option<String>)>,
+    /// Whether host-network pods with `ClusterFirstWithHostNet` are mutated too.
+    pub host_network: bool,
+}
+
+/// Why a pod is left as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    /// Marked by an earlier pass.
+    AlreadyMutated,
+    /// Opted out by a label or an annotation ([`OPT_OUT`]).
+    OptedOut,
+    /// `dnsPolicy: None` or `Default`: the pod chose its own resolver.
+    OwnPolicy,
+    /// A host-network pod: on the node's resolver (`ClusterFirst`), or not configured for.
+    HostNetwork,
+    /// The pod's own nameservers leave no room for the webhook's.
+    TooManyNameservers,
+    /// The search list would pass kubelet's limits.
+    SearchListTooLong,
+    /// No namespace to build the search list from.
+    NoNamespace,
+}
+
+impl Skip {
+    /// The reason, for the log and the metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Skip::AlreadyMutated => "already mutated",
+            Skip::OptedOut => "opted out",
+            Skip::OwnPolicy => "dnsPolicy None or Default",
+            Skip::HostNetwork => "host network",
+            Skip::TooManyNameservers => "its own nameservers leave no room",
+            Skip::SearchListTooLong => "the search list would pass kubelet's limits",
+            Skip::NoNamespace => "no namespace",
+        }
+    }
+}
+
+/// The mutation of one pod.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Mutation {
+    /// What the pod's spec gets: `dnsPolicy: None` and this `dnsConfig`.
+    pub dns_config: PodDNSConfig,
+    /// The JSON patch (RFC 6902) that makes the change, the mark included.
+    pub patch: Vec<Op>,
+}
+
+/// What the webhook does to `pod`, created in `namespace` (the review's, which a pod created
+/// from `generateName` may not yet carry itself).
+pub fn mutate(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Mutation, Skip> {
+    let meta = &pod.metadata;
+    let has = |map: &Option<BTreeMap<String, String>>, key: &str, value: &str| {
+        map.as_ref().and_then(|m| m.get(key)).is_some_and(|v| v == value)
+    };
+    if has(&meta.annotations, MARK, MARKED) {
+        return Err(Skip::AlreadyMutated);
+    }
+    if OPT_OUT
+        .iter()
+        .any(|k| has(&meta.labels, k, "disabled") || has(&meta.annotations, k, "disabled"))
+    {
+        return Err(Skip::OptedOut);
+    }
+    let spec = pod.spec.as_ref();
+    let host_network = spec.and_then(|s| s.host_network).unwrap_or(false);
+    match spec.and_then(|s| s.dns_policy.as_deref()).unwrap_or("ClusterFirst") {
+        "ClusterFirst" if host_network => return Err(Skip::HostNetwork),
+        "ClusterFirst" => {}
+        "ClusterFirstWithHostNet" if host_network && !settings.host_network => {
+            return Err(Skip::HostNetwork)
+        }
+        "ClusterFirstWithHostNet" => {}
+        _ => return Err(Skip::OwnPolicy),
+    }
+    if namespace.is_empty() {
+        return Err(Skip::NoNamespace);
+    }
+    let own = spec.and_then(|s| s.dns_config.clone()).unwrap_or_default();
+
+    let mut nameservers = Vec::new();
+    for server in settings.nameservers.iter().chain(own.nameservers.iter().flatten()) {
+        push_new(&mut nameservers, server);
+    }
+    if nameservers.len() > MAX_NAMESERVERS {
+        return Err(Skip::TooManyNameservers);
+    }
+    let domain = &settings.cluster_domain;
+    let cluster = [format!("{namespace}.svc.{domain}"), format!("svc.{domain}"), domain.clone()];
+    let mut searches = Vec::new();
+    for search in cluster.iter().chain(own.searches.iter().flatten()) {
+        push_new(&mut searches, search);
+    }
+    let chars = searches.iter().map(String::len).sum::<usize>() + searches.len().saturating_sub(1);
+    if searches.len() > MAX_SEARCHES || chars > MAX_SEARCH_CHARS {
+        return Err(Skip::SearchListTooLong);
+    }
+    let mut options: Vec<PodDNSConfigOption> = settings
+        .options
+        .iter()
+        .map(|(name, value)| PodDNSConfigOption { name: Some(name.clone()), value: value.clone() })
+        .collect();
+    for option in own.options.iter().flatten() {
+        match options.iter_mut().find(|o| o.name == option.name) {
+            Some(ours) => ours.value = option.value.clone(),
+            None => options.push(option.clone()),
+        }
+    }
+    let dns_config = PodDNSConfig {
+        nameservers: Some(nameservers),
+        searches: Some(searches),
+        options: (!options.is_empty()).then_some(options),
+    };
+    let patch = patch::for_pod(pod, &dns_config, (MARK, MARKED));
+    Ok(Mutation { dns_config, patch })
+}
+
+/// Appends `item` unless `list` has it.
+fn push_new(list: &mut Vec<String>, item: &str) {
+    if !list.iter().any(|i| i == item) {
+        list.push(item.to_owned());
+    }
+}
+
+#[cfg(test)]
+mod tests;
