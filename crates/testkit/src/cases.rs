@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use crate::load::{
-    assert_within, coredns_seen_after, kill_and_restart_cache, print_lost, sent_at,
+    assert_lost_to_the_kill, assert_within, coredns_seen_after, kill_and_restart_cache, sent_at,
     ATTEMPT_TIMEOUT_MS,
 };
 use crate::{Agent, SimNode, CLUSTER_DNS_IP};
@@ -41,9 +41,7 @@ pub fn cache_sigkill_loses_no_pod_lookup(node: &SimNode, agent: &Agent) {
     assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
     assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 0, "{summary}");
     assert!(summary["by_origin"]["cache"].as_u64().unwrap() > 0, "{summary}");
-    let lost = sent_at(&summary, "first_attempt_lost_at_ms");
-    print_lost(&lost, killed_at, gone_at);
-    assert_within("first attempt lost", &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
+    assert_lost_to_the_kill("first attempt lost", &summary, killed_at, gone_at);
 }
 
 /// DNS over TCP (issue 18, point 7) through the cluster-DNS IP, from a pod and from the host (a
@@ -82,9 +80,7 @@ pub fn tcp_lookups_follow_the_route(node: &SimNode, agent: &Agent) {
             // An attempt that was connected to the cache when it died, or refused by its
             // teardown: sent within one attempt timeout of the kill, before it was gone.
             assert_within(client, &failed, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
-            let lost = sent_at(&summary, "first_attempt_lost_at_ms");
-            print_lost(&lost, killed_at, gone_at);
-            assert_within(client, &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
+            assert_lost_to_the_kill(client, &summary, killed_at, gone_at);
         } else {
             assert_within(client, &failed, killed_at - 100, switched);
         }

@@ -179,14 +179,18 @@ pub fn assert_within(what: &str, times: &[u64], from: u64, to: u64) {
     }
 }
 
-/// Prints when the lost first attempts in `lost` were sent, against a kill and its end.
-pub fn print_lost(lost: &[u64], killed_at: u64, gone_at: u64) {
+/// Asserts that the first attempts `summary` lost were lost to a kill: queries already queued
+/// in the dying cache, sent before it was gone and within one attempt timeout of the kill (an
+/// older loss is not the kill's). Prints when they were sent, against the kill and its end.
+pub fn assert_lost_to_the_kill(what: &str, summary: &Value, killed_at: u64, gone_at: u64) {
+    let lost = sent_at(summary, "first_attempt_lost_at_ms");
     let offsets: Vec<i64> = lost.iter().map(|&t| t as i64 - killed_at as i64).collect();
     println!(
         "first attempts lost: {} (sent at {offsets:?} ms from the SIGKILL; gone {} ms after it)",
         lost.len(),
         gone_at - killed_at
     );
+    assert_within(what, &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
 }
 
 /// dnsload's `SUMMARY {json}` line among `lines` (its standard output).
