@@ -56,7 +56,7 @@ fn filter_drop_failover_and_teardown(dataplane: &str) {
     let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];
     let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
     let mut host = node.load("node", CLUSTER_DNS_IP, &args);
-    let (killed_at, _) = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]);
+    let killed_at = kill_and_restart_cache(&node, &agent, &mut [&mut pod, &mut host]).killed_at;
 
     let status = agent.stop(nix::sys::signal::Signal::SIGTERM);
     assert!(status.success(), "agent exited with {status}");

@@ -29,8 +29,9 @@ pub use cases::{
 };
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
 pub use load::{
-    assert_lost_to_the_kill, assert_within, coredns_seen_after, field, kill_and_restart_cache,
-    read_lookups, sent_at, summary_of, Load, Lookup, Outcome, ATTEMPT_TIMEOUT_MS,
+    assert_lost_to_the_kill, assert_tcp_lost_to_the_kill_or_return, assert_within,
+    coredns_seen_after, field, kill_and_restart_cache, read_lookups, sent_at, summary_of, Load,
+    Lookup, Outcome, Restart, ATTEMPT_TIMEOUT_MS,
 };
 pub use process::Proc;
 pub use simnode::{

@@ -193,6 +193,32 @@ pub fn assert_lost_to_the_kill(what: &str, summary: &Value, killed_at: u64, gone
     assert_within(what, &lost, killed_at - ATTEMPT_TIMEOUT_MS, gone_at);
 }
 
+/// Asserts that the first attempts a TCP client lost were lost to the kill (as
+/// [`assert_lost_to_the_kill`]) or to the return to Local: a connection kube-proxy DNATed to
+/// CoreDNS while on Upstream and still open when the NOTRACK came back sends its next segment to
+/// the cache, which resets it. Such a lookup was sent within one attempt timeout before the
+/// return, and was answered at once by its next attempt, no timeout paid.
+pub fn assert_tcp_lost_to_the_kill_or_return(what: &str, lookups: &[Lookup], restart: &Restart) {
+    let returning = restart.returned_at - ATTEMPT_TIMEOUT_MS..=restart.local_seen_at;
+    let (at_return, at_kill): (Vec<&Lookup>, Vec<&Lookup>) = lookups
+        .iter()
+        .filter(|l| l.first_attempt_lost())
+        .partition(|l| returning.contains(&(l.start as u64)));
+    for l in &at_return {
+        println!(
+            "{what}: first attempt reset at the return: sent {:+} ms from it, answered in {} ms",
+            l.start as i64 - restart.returned_at as i64,
+            l.latency
+        );
+        assert!(
+            l.answered() && l.latency < ATTEMPT_TIMEOUT_MS as f32,
+            "{what}: a lookup at the return paid a timeout or failed"
+        );
+    }
+    let sent: Vec<u64> = at_kill.iter().map(|l| l.start as u64).collect();
+    assert_within(what, &sent, restart.killed_at - ATTEMPT_TIMEOUT_MS, restart.gone_at);
+}
+
 /// dnsload's `SUMMARY {json}` line among `lines` (its standard output).
 pub fn summary_of<'a>(mut lines: impl Iterator<Item = &'a str>) -> Value {
     let summary =
@@ -256,26 +282,35 @@ pub fn read_lookups(path: &Path, summary: &Value) -> Vec<Lookup> {
     lookups
 }
 
+/// What [`kill_and_restart_cache`] saw, in ms since the Unix epoch.
+pub struct Restart {
+    /// When the SIGKILL went out.
+    pub killed_at: u64,
+    /// When the process was seen gone.
+    pub gone_at: u64,
+    /// When the agent switched back to Local (its state's `since_unix_ms`).
+    pub returned_at: u64,
+    /// When the test saw it there: the rules are in by then.
+    pub local_seen_at: u64,
+}
+
 /// A cache SIGKILL and its restart as the clients see them: the cache answering alone, then,
-/// the agent on Upstream, CoreDNS alone, then, back on Local, the cache alone again. Returns
-/// (when the SIGKILL went out, when the process was seen gone), as [`SimNode::kill`].
-pub fn kill_and_restart_cache(
-    node: &SimNode,
-    agent: &Agent,
-    loads: &mut [&mut Load],
-) -> (u64, u64) {
+/// the agent on Upstream, CoreDNS alone, then, back on Local, the cache alone again.
+pub fn kill_and_restart_cache(node: &SimNode, agent: &Agent, loads: &mut [&mut Load]) -> Restart {
     for load in loads.iter_mut() {
         load.wait_alone("cache");
     }
-    let killed = node.kill("cache-kill");
+    let (killed_at, gone_at) = node.kill("cache-kill");
     agent.wait_route("upstream", Duration::from_secs(5));
     for load in loads.iter_mut() {
         load.wait_alone("coredns");
     }
     node.script(&["cache-start"]);
-    agent.wait_route("local", Duration::from_secs(10));
+    let state = agent.wait_route("local", Duration::from_secs(10));
+    let local_seen_at = crate::now_ms();
+    let returned_at = state["since_unix_ms"].as_u64().expect("since_unix_ms");
     for load in loads.iter_mut() {
         load.wait_alone("cache");
     }
-    killed
+    Restart { killed_at, gone_at, returned_at, local_seen_at }
 }
