@@ -79,6 +79,19 @@ impl Skip {
             Skip::NoNamespace => "no namespace",
         }
     }
+
+    /// The reason as a metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Skip::AlreadyMutated => "already_mutated",
+            Skip::OptedOut => "opted_out",
+            Skip::OwnPolicy => "own_policy",
+            Skip::HostNetwork => "host_network",
+            Skip::TooManyNameservers => "too_many_nameservers",
+            Skip::SearchListTooLong => "search_list_too_long",
+            Skip::NoNamespace => "no_namespace",
+        }
+    }
 }
 
 /// The mutation of one pod.

@@ -1,0 +1,164 @@
+//! Reviews as the API server sends them, and what it cannot read (acceptance 4): each answered
+//! without a patch, and named.
+
+use serde_json::{json, Value};
+
+use super::*;
+
+fn settings() -> Settings {
+    Settings {
+        nameservers: vec!["169.254.20.10".into(), "10.96.0.10".into()],
+        cluster_domain: "cluster.local".into(),
+        options: vec![("ndots".into(), Some("3".into()))],
+        host_network: false,
+    }
+}
+
+const UID: &str = "705ab4f5-6393-11e8-b7cc-42010a800002";
+
+/// A review of `object`, a `kind`, as the API server sends it for a `kubectl create`.
+fn review(kind: Value, operation: &str, object: Option<Value>) -> Value {
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": UID,
+            "kind": kind,
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "shop",
+            "operation": operation,
+            "userInfo": {"username": "system:serviceaccount:kube-system:replicaset-controller"},
+            "object": object,
+            "oldObject": null,
+            "dryRun": false,
+        }
+    })
+}
+
+fn pod_kind() -> Value {
+    json!({"group": "", "version": "v1", "kind": "Pod"})
+}
+
+/// A pod as a ReplicaSet creates it: a generated name, no namespace of its own yet.
+fn pod() -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "web-7d4b9c-", "labels": {"app": "web"}},
+        "spec": {"containers": [{"name": "web", "image": "nginx"}], "dnsPolicy": "ClusterFirst"},
+    })
+}
+
+fn send(review: &Value) -> (Answer, Value) {
+    let answer = answer(&serde_json::to_vec(review).unwrap(), &settings());
+    let body = serde_json::from_slice(&answer.body).expect("the answer is JSON");
+    (answer, body)
+}
+
+/// The response part of an answer that allows the pod as it is.
+fn assert_allowed_unpatched(body: &Value) {
+    assert_eq!(body["apiVersion"], "admission.k8s.io/v1", "{body}");
+    assert_eq!(body["kind"], "AdmissionReview", "{body}");
+    assert_eq!(body["response"]["uid"], UID, "{body}");
+    assert_eq!(body["response"]["allowed"], true, "{body}");
+    assert!(body["response"].get("patch").is_none(), "{body}");
+    assert!(body["response"].get("patchType").is_none(), "{body}");
+}
+
+#[test]
+fn a_pod_is_patched_and_the_patch_applies() {
+    let (answer, body) = send(&review(pod_kind(), "CREATE", Some(pod())));
+    assert_eq!((answer.status, &answer.outcome), (200, &Outcome::Mutated));
+    let response = &body["response"];
+    assert_eq!(response["uid"], UID);
+    assert_eq!(response["allowed"], true);
+    assert_eq!(response["patchType"], "JSONPatch");
+    // kube-core writes the patch's bytes as a JSON array of numbers (Go reads that into a
+    // []byte as it reads base64).
+    let patch: Vec<u8> = serde_json::from_value(response["patch"].clone()).expect("the patch");
+    let patch: json_patch::Patch = serde_json::from_slice(&patch).unwrap();
+    let mut pod = pod();
+    json_patch::patch(&mut pod, &patch).expect("the patch applies");
+    assert_eq!(pod["spec"]["dnsPolicy"], "None");
+    assert_eq!(
+        pod["spec"]["dnsConfig"],
+        json!({
+            "nameservers": ["169.254.20.10", "10.96.0.10"],
+            "searches": ["shop.svc.cluster.local", "svc.cluster.local", "cluster.local"],
+            "options": [{"name": "ndots", "value": "3"}],
+        })
+    );
+    assert_eq!(pod["metadata"]["annotations"][mutate::MARK], mutate::MARKED);
+    // A second pass (reinvocation) on the patched pod changes nothing.
+    let (again, body) = send(&review(pod_kind(), "CREATE", Some(pod)));
+    assert_eq!(again.outcome, Outcome::Skipped(Skip::AlreadyMutated));
+    assert_allowed_unpatched(&body);
+}
+
+#[test]
+fn a_skipped_pod_is_allowed_unpatched() {
+    let mut own = pod();
+    own["spec"]["dnsPolicy"] = json!("Default");
+    let (answer, body) = send(&review(pod_kind(), "CREATE", Some(own)));
+    assert_eq!((answer.status, answer.outcome), (200, Outcome::Skipped(Skip::OwnPolicy)));
+    assert_allowed_unpatched(&body);
+}
+
+#[test]
+fn malformed_json_is_refused_without_a_patch() {
+    for bad in [&b"{\"apiVersion\": \"admission.k8s.io/v1\", "[..], b"", b"\xff\xfe", b"[1, 2]"] {
+        let answer = answer(bad, &settings());
+        assert_eq!(answer.status, 400);
+        assert!(
+            matches!(&answer.outcome, Outcome::Malformed(why) if why.contains("not an AdmissionReview"))
+        );
+        let body: Value = serde_json::from_slice(&answer.body).unwrap();
+        assert_eq!(body["response"]["allowed"], false, "{body}");
+        assert!(body["response"].get("patch").is_none(), "{body}");
+    }
+}
+
+#[test]
+fn a_review_without_a_request_is_refused() {
+    let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"});
+    let answer = answer(&serde_json::to_vec(&body).unwrap(), &settings());
+    assert_eq!(answer.status, 400);
+    assert!(
+        matches!(&answer.outcome, Outcome::Malformed(why) if why.contains("without a request"))
+    );
+}
+
+#[test]
+fn another_kind_is_allowed_unpatched() {
+    let service = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}});
+    let kind = json!({"group": "", "version": "v1", "kind": "Service"});
+    let (answer, body) = send(&review(kind, "CREATE", Some(service)));
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.outcome, Outcome::Unexpected("a review of /v1 Service".into()));
+    assert_allowed_unpatched(&body);
+}
+
+#[test]
+fn a_review_with_no_object_is_allowed_unpatched() {
+    let (answer, body) = send(&review(pod_kind(), "CREATE", None));
+    assert_eq!(answer.outcome, Outcome::Unexpected("a review with no object".into()));
+    assert_allowed_unpatched(&body);
+}
+
+#[test]
+fn an_update_is_allowed_unpatched() {
+    let (answer, body) = send(&review(pod_kind(), "UPDATE", Some(pod())));
+    assert_eq!(answer.outcome, Outcome::Unexpected("a Update of a pod".into()));
+    assert_allowed_unpatched(&body);
+}
+
+#[test]
+fn an_object_that_is_no_pod_is_allowed_unpatched() {
+    let mut bad = pod();
+    bad["spec"] = json!("not a spec");
+    let (answer, body) = send(&review(pod_kind(), "CREATE", Some(bad)));
+    assert!(
+        matches!(&answer.outcome, Outcome::Unexpected(why) if why.starts_with("an object that is no pod"))
+    );
+    assert_allowed_unpatched(&body);
+}
