@@ -1,5 +1,6 @@
-# nodelocaldns-ha: the agent's image (manifests/base) and the source of the `drain` client that
-# node-cache's preStop hook runs (manifests/overlays/node-local-dns).
+# nodelocaldns-ha: the agent's image (manifests/base), the admission webhook's (manifests/webhook:
+# `nodelocaldns-ha-webhook`), and the source of the `drain` client that node-cache's preStop hook
+# runs (manifests/overlays/node-local-dns).
 #
 #   docker build -t REGISTRY/nodelocaldns-ha:TAG .
 #
@@ -23,7 +24,8 @@ COPY src ./src
 COPY crates ./crates
 COPY tests ./tests
 COPY benches ./benches
-RUN cargo build --release --locked --bin nodelocaldns-ha
+RUN cargo build --release --locked -p nodelocaldns-ha -p nodelocaldns-ha-webhook \
+    --bin nodelocaldns-ha --bin nodelocaldns-ha-webhook
 # The client bundle for other containers' images (node-cache's has no libc to rely on): the
 # binary (stripped: 4 MB instead of 30), every shared library it loads, and the dynamic loader
 # as `ld.so`, run as `DIR/ld.so --library-path DIR DIR/nodelocaldns-ha drain`. The last line
@@ -46,6 +48,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends libnftnl11 libmnl0 iptables \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /src/target/release/nodelocaldns-ha /usr/local/bin/nodelocaldns-ha
+COPY --from=build /src/target/release/nodelocaldns-ha-webhook /usr/local/bin/nodelocaldns-ha-webhook
 COPY --from=build /bundle/opt/nodelocaldns-ha /opt/nodelocaldns-ha
 ENTRYPOINT ["nodelocaldns-ha"]
 CMD ["run"]

@@ -24,10 +24,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
-use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, PodSpec, Probe, Service, ServiceAccount, Volume,
+    ConfigMap, Container, Namespace, PodSpec, Probe, Service, ServiceAccount, Volume,
 };
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use nodelocaldns_ha::cli::Cli;
@@ -71,7 +73,7 @@ const LINK_LOCAL_IP: &str = "169.254.25.10";
 const NODE_CACHE_FILLS: [&str; 2] = ["__PILLAR__CLUSTER__DNS__", "__PILLAR__UPSTREAM__SERVERS__"];
 /// The kustomize components under manifests/ (`kind: Component`): the alerting rules as a
 /// PrometheusRule, whose resources the document check reads.
-const COMPONENTS: [&str; 2] = ["monitoring", "monitoring/node-local-dns"];
+const COMPONENTS: [&str; 3] = ["monitoring", "monitoring/node-local-dns", "webhook"];
 /// Prometheus's own files under manifests/, checked by promtool (tests/alerts.rs): the rules
 /// and their unit tests.
 const PROMETHEUS_FILES: [&str; 2] = ["monitoring/alerts.yaml", "monitoring/alerts_test.yaml"];
@@ -770,6 +772,24 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
                 "ConfigMap" => {
                     let _: ConfigMap = typed(doc, &origin);
                 }
+                // The webhook's (manifests/webhook; its configuration is applied to a real API
+                // server by crates/webhook/tests/e2e_apiserver.rs).
+                "Namespace" => {
+                    let _: Namespace = typed(doc, &origin);
+                }
+                "Deployment" => {
+                    let _: Deployment = typed(doc, &origin);
+                }
+                "PodDisruptionBudget" => {
+                    let _: PodDisruptionBudget = typed(doc, &origin);
+                }
+                "MutatingWebhookConfiguration" => {
+                    let _: MutatingWebhookConfiguration = typed(doc, &origin);
+                }
+                // cert-manager's kinds: no API types here.
+                "Issuer" | "Certificate" => {
+                    assert_eq!(str_at(doc, "/apiVersion"), Some("cert-manager.io/v1"), "{origin}");
+                }
                 // Checked against the DaemonSets they select (below).
                 "PodMonitor" => {
                     assert_eq!(str_at(doc, "/apiVersion"), Some("monitoring.coreos.com/v1"));
@@ -796,11 +816,17 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
         }
     }
     let expected = [
+        "Certificate",
         "Component",
         "ConfigMap",
         "DaemonSet",
+        "Deployment",
+        "Issuer",
         "JSON patch",
         "Kustomization",
+        "MutatingWebhookConfiguration",
+        "Namespace",
+        "PodDisruptionBudget",
         "PodMonitor",
         "PrometheusRule",
         "Service",

@@ -35,6 +35,6 @@ pub use load::{
 };
 pub use process::Proc;
 pub use simnode::{
-    counting_wrappers, describe, require_root, strip_counters, SimNode, CACHE_ANSWER,
+    counting_wrappers, describe, real_bin, require_root, strip_counters, SimNode, CACHE_ANSWER,
     CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };

@@ -24,6 +24,26 @@ fn repo() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
+/// The directory of the real Kubernetes parts (`ci/k8s/build.sh --bin-dir`), built by a node
+/// brought up with `--kube-proxy real-*`.
+pub fn real_bin() -> PathBuf {
+    let out = Command::new(repo().join("ci/k8s/build.sh"))
+        .arg("--bin-dir")
+        .output()
+        .expect("ci/k8s/build.sh");
+    assert!(out.status.success(), "ci/k8s/build.sh --bin-dir: {}", describe(&out));
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+impl SimNode {
+    /// kubectl as the cluster's admin, from the node namespace, on a node with the real parts.
+    pub fn kubectl(&self) -> Command {
+        let mut c = self.cmd("node", real_bin().join("kubectl").to_str().expect("a UTF-8 path"));
+        c.arg("--kubeconfig").arg(self.dir.join("admin.kubeconfig")).arg("--request-timeout=10s");
+        c
+    }
+}
+
 /// Fails loudly when not root: these tests exist to run on real netfilter.
 pub fn require_root() {
     assert!(

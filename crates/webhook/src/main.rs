@@ -85,7 +85,12 @@ fn main() -> ExitCode {
         eprintln!("nodelocaldns-ha-webhook: --log {:?}: {e}", args.log);
         std::process::exit(2)
     });
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .init();
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
