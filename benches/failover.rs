@@ -46,7 +46,8 @@ use serde_json::{json, Value};
 use testkit::{
     clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, kernel_ticks, median, now_ms, percentile,
     read_lookups, require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine,
-    Outcome, Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
+    NetnsEtc, Outcome, Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP,
+    UPSTREAM_IP,
 };
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
@@ -58,28 +59,6 @@ const POST_MS: u64 = 12_000;
 const GLIBC_TIMEOUT_MS: f64 = 5_000.0;
 /// Timeline resolution of the SVG.
 const BUCKET_MS: u64 = 100;
-
-// ---------------------------------------------------------------------------------------------
-// Guards.
-
-/// `/etc/netns/NS/`: `ip netns exec NS` bind-mounts its files over `/etc` (a pod's resolv.conf).
-struct NetnsEtc(PathBuf);
-
-impl NetnsEtc {
-    fn resolv_conf(ns: &str, text: &str) -> NetnsEtc {
-        let dir = Path::new("/etc/netns").join(ns);
-        std::fs::create_dir_all(&dir).expect("create /etc/netns/NS");
-        let guard = NetnsEtc(dir);
-        std::fs::write(guard.0.join("resolv.conf"), text).expect("write resolv.conf");
-        guard
-    }
-}
-
-impl Drop for NetnsEtc {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Arrangements.

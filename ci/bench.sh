@@ -19,8 +19,8 @@ cd "$(dirname "$0")/.."
 
 [ "$(id -u)" = 0 ] || { echo "ci/bench.sh: run as root (the benchmark creates network namespaces)"; exit 2; }
 ci/deps.sh
-# What the benchmark needs beyond ci/deps.sh's list: musl-gcc (the musl client), dnsperf.
-bench_packages=(musl-tools dnsperf)
+# What the benchmark needs beyond ci/deps.sh's list: dnsperf.
+bench_packages=(dnsperf)
 missing=()
 for p in "${bench_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

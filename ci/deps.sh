@@ -11,6 +11,7 @@ packages=(
   openssl                                # the real control plane's throwaway CA (ci/k8s)
   prometheus                             # promtool and a real server (tests/alerts.rs)
   python3-minimal                        # /usr/bin/python3: simnode's endpoint churn (real parts)
+  musl-tools                             # musl-gcc: the musl resolver client (webhook tests, bench)
 )
 missing=()
 for p in "${packages[@]}"; do

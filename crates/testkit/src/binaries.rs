@@ -39,3 +39,27 @@ fn built(name: &str) -> String {
     );
     path.into_os_string().into_string().expect("a UTF-8 path")
 }
+
+/// The musl client (`testdata/resolver-load.c`: musl's getaddrinfo at a fixed rate), built with
+/// `musl-gcc` next to the running test on first use (ci/deps.sh installs musl-tools).
+pub fn musl_client() -> &'static str {
+    static PATH: OnceLock<String> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let repo = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+        let exe = std::env::current_exe().expect("the running test's path");
+        let dir = exe.parent().expect("the test's directory");
+        let out = dir.join("resolver-load-musl");
+        // Built under a name of this process's, then renamed: tests running at once each see a
+        // whole binary.
+        let tmp = dir.join(format!("resolver-load-musl.{}", std::process::id()));
+        let status = std::process::Command::new("musl-gcc")
+            .args(["-static", "-O2", "-pthread", "-Wall", "-o"])
+            .arg(&tmp)
+            .arg(repo.join("testdata/resolver-load.c"))
+            .status()
+            .unwrap_or_else(|e| panic!("musl-gcc (Debian's musl-tools; ci/deps.sh): {e}"));
+        assert!(status.success(), "musl-gcc testdata/resolver-load.c: {status}");
+        std::fs::rename(&tmp, &out).expect("rename the musl client");
+        out.display().to_string()
+    })
+}

@@ -7,7 +7,8 @@
 //!
 //! The rooms: [`SimNode`] (the namespaces and the servers), [`Agent`] (the agent process and
 //! what it logs and writes), [`Load`] (a dnsload run and its output), [`Proc`] (any other child),
-//! the binaries' paths ([`agent_exe`], [`dnsload_exe`]), waiting ([`wait_for`], [`poll`]), and
+//! the binaries' paths ([`agent_exe`], [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf
+//! ([`NetnsEtc`]), waiting ([`wait_for`], [`poll`]), and
 //! what only the benchmarks use ([`Machine`], [`setting`], [`median`], [`cpu_ticks`]).
 
 #![forbid(unsafe_code)]
@@ -18,12 +19,13 @@ mod binaries;
 mod cases;
 mod clock;
 mod load;
+mod netns_etc;
 mod process;
 mod simnode;
 
 pub use agent::{fallback_refused, Agent, Switch};
 pub use bench::{clock_ticks_per_s, cpu_ticks, kernel_ticks, median, percentile, setting, Machine};
-pub use binaries::{agent_exe, dnsload_exe};
+pub use binaries::{agent_exe, dnsload_exe, musl_client};
 pub use cases::{
     cache_sigkill_loses_no_pod_lookup, node_cache_rules_are_named, tcp_lookups_follow_the_route,
 };
@@ -33,6 +35,7 @@ pub use load::{
     coredns_seen_after, field, kill_and_restart_cache, read_lookups, sent_at, summary_of, Load,
     Lookup, Outcome, Restart, ATTEMPT_TIMEOUT_MS,
 };
+pub use netns_etc::NetnsEtc;
 pub use process::Proc;
 pub use simnode::{
     counting_wrappers, describe, real_bin, require_root, strip_counters, SimNode, CACHE_ANSWER,

@@ -23,20 +23,35 @@ impl SimNode {
     /// Starts `dnsload` in `role`'s namespace against `server`, with `extra` flags (2 attempts
     /// of 1 s each, unless `extra` gives its own `--timeout`).
     pub fn load(&self, role: &str, server: &str, extra: &[&str]) -> Load {
+        let mut args = vec!["--server", server, "--name", "who.test", "--attempts", "2"];
+        // 1 s unless the test sets its own (the VM tests: TCG is 5-20x slower).
+        if !extra.contains(&"--timeout") {
+            args.extend(["--timeout", "1000ms"]);
+        }
+        args.extend(extra);
+        self.dnsload(role, &args)
+    }
+
+    /// Starts `dnsload --system-resolver` in `role`'s namespace: each lookup of `name` is one
+    /// getaddrinfo() of glibc, following the namespace's resolv.conf ([`crate::NetnsEtc`]).
+    pub fn system_load(&self, role: &str, name: &str, extra: &[&str]) -> Load {
+        let mut args = vec!["--system-resolver", "--name", name];
+        args.extend(extra);
+        self.dnsload(role, &args)
+    }
+
+    fn dnsload(&self, role: &str, args: &[&str]) -> Load {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let lookups = self.dir.join(format!("lookups-{role}-{n}.txt"));
         let mut child = self
             .cmd(role, dnsload_exe())
-            .args(["--server", server, "--name", "who.test", "--attempts", "2"])
-            // 1 s unless the test sets its own (the VM tests: TCG is 5-20x slower).
-            .args(if extra.contains(&"--timeout") { &[][..] } else { &["--timeout", "1000ms"][..] })
             .arg("--lookups-out")
             .arg(&lookups)
             .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
             .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
             .args(["--origin", "fd00::1:1:1:1=cache", "--origin", "fd00::2:2:2:2=coredns"])
-            .args(extra)
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

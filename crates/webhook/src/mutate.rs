@@ -172,6 +172,31 @@ pub fn mutate(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Mutatio
     Ok(Mutation { dns_config, patch })
 }
 
+/// The resolv.conf kubelet has written for a pod with `dnsPolicy: None` and `config` (the
+/// container runtime's format: the search list, the nameservers, the options).
+pub fn resolv_conf(config: &PodDNSConfig) -> String {
+    let mut text = String::new();
+    if let Some(searches) = config.searches.as_ref().filter(|s| !s.is_empty()) {
+        text.push_str(&format!("search {}\n", searches.join(" ")));
+    }
+    for server in config.nameservers.iter().flatten() {
+        text.push_str(&format!("nameserver {server}\n"));
+    }
+    let options: Vec<String> = config
+        .options
+        .iter()
+        .flatten()
+        .filter_map(|o| {
+            let name = o.name.as_deref()?;
+            Some(o.value.as_deref().map_or(name.to_owned(), |v| format!("{name}:{v}")))
+        })
+        .collect();
+    if !options.is_empty() {
+        text.push_str(&format!("options {}\n", options.join(" ")));
+    }
+    text
+}
+
 /// Appends `item` unless `list` has it.
 fn push_new(list: &mut Vec<String>, item: &str) {
     if !list.iter().any(|i| i == item) {

@@ -268,3 +268,21 @@ fn a_search_list_past_kubelets_limits_is_left_alone() {
         Err(Skip::NoNamespace)
     );
 }
+
+#[test]
+fn resolv_conf_is_written_as_the_runtime_writes_it() {
+    let pod = Pod { spec: Some(PodSpec::default()), ..Pod::default() };
+    let mutation = mutate(&pod, "shop", &settings()).unwrap();
+    assert_eq!(
+        resolv_conf(&mutation.dns_config),
+        "search shop.svc.cluster.local svc.cluster.local cluster.local\n\
+         nameserver 169.254.20.10\nnameserver 10.96.0.10\n\
+         options ndots:3 attempts:2 timeout:1\n"
+    );
+    let bare = PodDNSConfig {
+        nameservers: Some(vec![NODE_LOCAL.into()]),
+        searches: None,
+        options: Some(vec![option("edns0", None)]),
+    };
+    assert_eq!(resolv_conf(&bare), "nameserver 169.254.20.10\noptions edns0\n");
+}
