@@ -36,6 +36,8 @@
 mod footprint;
 #[path = "failover/stall.rs"]
 mod stall;
+#[path = "failover/thesis.rs"]
+mod thesis;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -71,6 +73,9 @@ enum Setup {
     Agent(&'static [&'static str]),
     /// No NOTRACK rules; the pod's resolv.conf lists the cache's link-local IP, then kube-dns.
     TwoNameservers,
+    /// The agent with these flags, SIGKILLed before the fault: its rules stay as it left them,
+    /// its forwarder and its probes are gone.
+    AgentGone(&'static [&'static str]),
     /// kubespray's second DaemonSet (`nodelocaldns-second`): node-cache's static rules and a
     /// second cache on the same IPs and port (simnode's `cache2`), the two in one SO_REUSEPORT
     /// group; no agent. The fault hits the first; the second runs throughout.
@@ -125,6 +130,8 @@ struct Arrangement {
     shape: Shape,
     setup: Setup,
     client: Client,
+    /// The pod's DNS as the admission webhook sets it (the thesis's table), if not the shape's.
+    pod: Option<&'static thesis::PodDns>,
 }
 
 const ARRANGEMENTS: &[Arrangement] = &[
@@ -134,6 +141,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::ClusterIp,
         setup: Setup::NodeCacheRules,
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "agent",
@@ -141,6 +149,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::ClusterIp,
         setup: Setup::Agent(&[]),
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "probes-default",
@@ -155,6 +164,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
             "0s",
         ]),
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "probes-kep",
@@ -175,6 +185,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
             "0s",
         ]),
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "probes-aks",
@@ -197,6 +208,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
             "0s",
         ]),
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "two-nameservers-glibc",
@@ -204,6 +216,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::ClusterIp,
         setup: Setup::TwoNameservers,
         client: Client::Glibc,
+        pod: None,
     },
     Arrangement {
         key: "two-nameservers-musl",
@@ -211,6 +224,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::ClusterIp,
         setup: Setup::TwoNameservers,
         client: Client::Musl,
+        pod: None,
     },
     Arrangement {
         key: "link-local-node-cache",
@@ -218,6 +232,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::LinkLocal,
         setup: Setup::NodeCacheRules,
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "link-local-second-cache",
@@ -225,6 +240,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::LinkLocal,
         setup: Setup::SecondCache,
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "link-local-second-cache-glibc",
@@ -232,6 +248,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::LinkLocal,
         setup: Setup::SecondCache,
         client: Client::Glibc,
+        pod: None,
     },
     Arrangement {
         key: "link-local-agent",
@@ -239,6 +256,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::LinkLocal,
         setup: Setup::Agent(&[]),
         client: Client::Dnsload,
+        pod: None,
     },
     Arrangement {
         key: "link-local-agent-glibc",
@@ -246,6 +264,7 @@ const ARRANGEMENTS: &[Arrangement] = &[
         shape: Shape::LinkLocal,
         setup: Setup::Agent(&[]),
         client: Client::Glibc,
+        pod: None,
     },
 ];
 
@@ -283,10 +302,13 @@ const LINK_LOCAL_NAMESERVER: &str = "nameserver 169.254.20.10\n";
 
 /// The pod's resolv.conf, when the arrangement sets its own (glibc's defaults: timeout 5 s,
 /// attempts 2).
-fn resolv_conf(arrangement: &Arrangement) -> Option<&'static str> {
+fn resolv_conf(arrangement: &Arrangement) -> Option<String> {
+    if let Some(pod) = arrangement.pod {
+        return Some(pod.resolv_conf());
+    }
     match (arrangement.setup, arrangement.shape) {
-        (Setup::TwoNameservers, _) => Some(TWO_NAMESERVERS),
-        (_, Shape::LinkLocal) => Some(LINK_LOCAL_NAMESERVER),
+        (Setup::TwoNameservers, _) => Some(TWO_NAMESERVERS.into()),
+        (_, Shape::LinkLocal) => Some(LINK_LOCAL_NAMESERVER.into()),
         (_, Shape::ClusterIp) => None,
     }
 }
@@ -337,7 +359,7 @@ fn verify(node: &SimNode, arrangement: &Arrangement, agent: Option<&Agent>) -> V
                 caches.join(", ")
             ));
         }
-        Setup::Agent(flags) => {
+        Setup::Agent(flags) | Setup::AgentGone(flags) => {
             let table = table.expect("the agent's table is installed");
             assert_eq!(node_cache_rules, 0, "node-cache's rules are still there");
             let fast = table.contains("socket transparent 0");
@@ -377,7 +399,9 @@ fn verify(node: &SimNode, arrangement: &Arrangement, agent: Option<&Agent>) -> V
     let at_local_ip = node.dig("pod1", LOCAL_IP);
     let want_cluster = match (setup, shape) {
         // No NOTRACK rule for the ClusterIP: kube-proxy's DNAT to CoreDNS.
-        (Setup::TwoNameservers, _) | (Setup::Agent(_), Shape::LinkLocal) => COREDNS_ANSWER,
+        (Setup::TwoNameservers, _) | (Setup::Agent(_) | Setup::AgentGone(_), Shape::LinkLocal) => {
+            COREDNS_ANSWER
+        }
         _ => CACHE_ANSWER,
     };
     assert_eq!(at_cluster_ip, want_cluster, "who answers the pod at {CLUSTER_DNS_IP}");
@@ -411,23 +435,31 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
     let lookups_path = out_dir.join(format!("lookups-{}.txt", fault.name()));
     let stdout_path = out_dir.join(format!("stdout-{}.txt", fault.name()));
     let total_ms = PRE_MS + FAULT_MS + POST_MS;
+    let name = arrangement.pod.map_or("who.test", |p| p.name);
+    let both_families = arrangement.pod.is_some_and(|p| p.both_families);
     let mut cmd = match client {
         Client::Musl => {
             let musl = musl_client().expect("the musl client");
             let mut cmd = node.cmd("pod1", &musl.to_string_lossy());
-            cmd.args([rate.to_string(), total_ms.to_string(), "who.test".into()]);
+            cmd.args([rate.to_string(), total_ms.to_string(), name.into()]);
             cmd.arg(&lookups_path);
+            if both_families {
+                cmd.arg("unspec");
+            }
             cmd
         }
         Client::Dnsload | Client::Glibc => {
             let mut cmd = node.cmd("pod1", dnsload_exe());
             if client == Client::Glibc {
                 cmd.arg("--system-resolver");
+                if both_families {
+                    cmd.arg("--both-families");
+                }
             } else {
                 // glibc's defaults for a pod's single-nameserver resolv.conf.
                 cmd.args(["--server", server, "--timeout", "5s", "--attempts", "2"]);
             }
-            cmd.args(["--name", "who.test", "--rate", &rate.to_string()])
+            cmd.args(["--name", name, "--rate", &rate.to_string()])
                 .args(["--duration", &format!("{total_ms}ms"), "--report-interval", "0"])
                 .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
                 .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
@@ -620,6 +652,11 @@ fn start_agent_for(node: &SimNode, shape: Shape, flags: &[&str]) -> Agent {
 /// Stops the agent (SIGTERM) and removes its rules.
 fn stop_agent(node: &SimNode, mut agent: Agent) {
     agent.stop(nix::sys::signal::Signal::SIGTERM);
+    remove_rules(node, &agent);
+}
+
+/// Removes the rules a stopped `agent` left (`teardown`).
+fn remove_rules(node: &SimNode, agent: &Agent) {
     let dir = agent.state_dir.to_string_lossy().into_owned();
     let out = node.cli(&["teardown", "--state-dir", &dir]);
     assert!(out.status.success(), "teardown: {}", describe(&out));
@@ -642,11 +679,21 @@ fn musl_client() -> Option<PathBuf> {
 /// The arrangements of `shape` (those `NLHA_BENCH_ARRANGEMENTS` names, if set), each across a
 /// kill and a hang of the cache.
 fn failover(node: &SimNode, rate: u32, shape: Shape) -> Vec<ArrangementResult> {
+    failover_of(node, rate, ARRANGEMENTS.iter().filter(|a| a.shape == shape))
+}
+
+/// [`failover`] of `arrangements`.
+fn failover_of(
+    node: &SimNode,
+    rate: u32,
+    arrangements: impl Iterator<Item = &'static Arrangement>,
+) -> Vec<ArrangementResult> {
     let mut results = Vec::new();
     // For working on one arrangement: NLHA_BENCH_ARRANGEMENTS=agent,two-nameservers-musl.
     let only = std::env::var("NLHA_BENCH_ARRANGEMENTS").ok();
     let wanted = |key: &str| only.as_deref().is_none_or(|o| o.split(',').any(|k| k == key));
-    for arrangement in ARRANGEMENTS.iter().filter(|a| a.shape == shape && wanted(a.key)) {
+    for arrangement in arrangements.filter(|a| wanted(a.key)) {
+        let shape = arrangement.shape;
         eprintln!("bench: failover, {} shape, {}", shape.name(), arrangement.label);
         if arrangement.client == Client::Musl && musl_client().is_none() {
             let why = "no musl client (NLHA_BENCH_MUSL_CLIENT; ci/bench.sh builds it)".to_string();
@@ -657,7 +704,7 @@ fn failover(node: &SimNode, rate: u32, shape: Shape) -> Vec<ArrangementResult> {
         }
         let mut checked = Vec::new();
         let mut runs = Vec::new();
-        let _resolv = resolv_conf(arrangement).map(|t| NetnsEtc::resolv_conf(&node.ns("pod1"), t));
+        let _resolv = resolv_conf(arrangement).map(|t| NetnsEtc::resolv_conf(&node.ns("pod1"), &t));
         if matches!(arrangement.setup, Setup::NodeCacheRules | Setup::SecondCache) {
             node.script(&["node-cache-rules"]);
         }
@@ -665,17 +712,26 @@ fn failover(node: &SimNode, rate: u32, shape: Shape) -> Vec<ArrangementResult> {
             node.script(&["cache2-start"]);
         }
         for fault in [Fault::Kill, Fault::Hang] {
-            let agent = match arrangement.setup {
-                Setup::Agent(flags) => Some(start_agent_for(node, shape, flags)),
+            let mut agent = match arrangement.setup {
+                Setup::Agent(flags) | Setup::AgentGone(flags) => {
+                    Some(start_agent_for(node, shape, flags))
+                }
                 _ => None,
             };
             // Checked before each fault: the previous one must not have changed the setup.
             checked = verify(node, arrangement, agent.as_ref());
+            let gone = matches!(arrangement.setup, Setup::AgentGone(_));
+            if let (true, Some(agent)) = (gone, agent.as_mut()) {
+                agent.stop(nix::sys::signal::Signal::SIGKILL);
+                checked.push("the agent SIGKILLed before the fault, its rules left".into());
+            }
             let run = run_fault(node, arrangement, fault, rate);
             eprintln!("bench:   {}: {}", fault.name(), run.figures());
             runs.push(run);
-            if let Some(agent) = agent {
-                stop_agent(node, agent);
+            match agent {
+                Some(agent) if gone => remove_rules(node, &agent),
+                Some(agent) => stop_agent(node, agent),
+                None => {}
             }
         }
         if arrangement.setup == Setup::SecondCache {
@@ -1261,8 +1317,10 @@ fn ms(v: &Value) -> String {
 
 /// The failover table of the arrangements of `shape`; empty when none of them ran.
 fn failover_table(results: &[ArrangementResult], shape: Shape) -> String {
-    let results: Vec<&ArrangementResult> =
-        results.iter().filter(|r| r.arrangement.shape == shape).collect();
+    let results: Vec<&ArrangementResult> = results
+        .iter()
+        .filter(|r| r.arrangement.shape == shape && r.arrangement.pod.is_none())
+        .collect();
     if results.is_empty() {
         return String::new();
     }
@@ -1313,7 +1371,9 @@ fn svg(
     rate: u32,
 ) -> Result<(), Box<dyn std::error::Error>> {
     use plotters::prelude::*;
-    let results: Vec<&ArrangementResult> = results.iter().filter(|r| !r.runs.is_empty()).collect();
+    // The thesis's rows are a table of their own.
+    let results: Vec<&ArrangementResult> =
+        results.iter().filter(|r| !r.runs.is_empty() && r.arrangement.pod.is_none()).collect();
     let rows = results.len().max(1);
     let root = SVGBackend::new(path, (1400, 230 * rows as u32 + 40)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -1384,7 +1444,7 @@ fn main() {
     // For working on one part: NLHA_BENCH_PARTS=drift,switch (default: all). The parts:
     // failover (the ClusterIP shape), link-local (its failover arrangements), drift, footprint,
     // dnsperf, fallback-dnsperf (the link-local fallback against CoreDNS), hang-detection (the
-    // stall watch against the probes alone), switch, busy.
+    // stall watch against the probes alone), switch, busy, thesis (the webhook's table).
     let parts = std::env::var("NLHA_BENCH_PARTS").unwrap_or_else(|_| "all".into());
     let part = |name: &str| parts == "all" || parts.split(',').any(|p| p == name);
 
@@ -1395,6 +1455,9 @@ fn main() {
     }
     if part("link-local") {
         results.extend(failover(&node, rate, Shape::LinkLocal));
+    }
+    if part("thesis") {
+        results.extend(failover_of(&node, rate, thesis::ARRANGEMENTS.iter()));
     }
     let drift = if part("drift") { drift_repair(&node, 10) } else { json!([]) };
     let footprint = if part("footprint") {
@@ -1461,6 +1524,7 @@ fn main() {
         md += "\nThe link-local shape (pods ask 169.254.20.10 itself):\n\n";
         md += &link_local;
     }
+    md += &thesis::table(&results);
     md += "\n| dataplane | drift repair: flush → rules back, median (min–max) of 10 |\n|---|---|\n";
     for d in drift.as_array().into_iter().flatten() {
         let _ = writeln!(

@@ -37,7 +37,8 @@ cleanup() {
     # The benchmark removes its namespaces itself; this is for when it is killed.
     SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "$prefix" >/dev/null 2>&1 || true
     # The busy node of issue 17; the footprint's nftables, iptables-legacy and mixed nodes.
-    for node in k n l m; do
+    # w: the webhook benchmark's node (its real control plane).
+    for node in k n l m w; do
         SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}$node" >/dev/null 2>&1 || true
     done
     rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"
@@ -50,4 +51,6 @@ cargo build --release --locked --workspace --bins
 musl-gcc -static -O2 -pthread -Wall -o target/release/resolver-load testdata/resolver-load.c
 NLHA_BENCH_PREFIX=$prefix NLHA_BENCH_MUSL_CLIENT="$PWD/target/release/resolver-load" \
     cargo bench --locked --bench failover
+# What the admission webhook costs a pod creation, on the real API server (docs/webhook-bench.md).
+NLHA_BENCH_PREFIX=$prefix cargo bench --locked -p nodelocaldns-ha-webhook --bench admission
 echo "ci/bench.sh: done in $(($(date +%s) - started)) s (build included)"

@@ -23,7 +23,7 @@ cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # Licences, duplicate versions, sources (deny.toml); `unsafe` only in the reviewed modules is
 # checked by tests/unsafe_confined.rs and the compiler.
-cargo deny --locked check bans licenses sources
+cargo deny --workspace --locked check bans licenses sources
 # The agent and the load client (crates/dnsload) the end-to-end tests run.
 cargo build --locked --workspace --bins
 # Unit and end-to-end tests of every crate of the workspace (no doc tests; benches run only in

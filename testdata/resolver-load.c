@@ -3,14 +3,16 @@
  * (which reads /etc/resolv.conf on every call), for the benchmark's musl client:
  *
  *   musl-gcc -static -O2 -pthread -o resolver-load testdata/resolver-load.c
- *   resolver-load RATE DURATION_MS NAME OUT
+ *   resolver-load RATE DURATION_MS NAME OUT [unspec]
  *
  * Each lookup runs in its own thread, started on schedule whatever the others are doing (a
  * pod's application threads). OUT gets one line per lookup, as `dnsload --lookups-out` writes
  * them: start (ms since the run's start), latency (ms), who answered (1.1.1.1: cache, 2.2.2.2:
  * coredns, else other) or "failed", and 0 (attempts are not visible). stdout gets one line
  * `SUMMARY {"start_unix_ms":…,"sent":…,"failed":…,"unfinished":…}` once every lookup ended,
- * or after 40 s.
+ * or after 40 s. With `unspec`, each lookup asks for both families (AF_UNSPEC: an A and an
+ * AAAA query) and its first IPv4 address, else its first address, says who answered
+ * (fd00::1:1:1:1: cache, fd00::2:2:2:2: coredns).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -29,6 +31,7 @@ static FILE *out;
 static pthread_mutex_t out_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct timespec start;
 static atomic_long in_flight, failed;
+static int family = AF_INET;
 
 static double ms_since(const struct timespec *from) {
     struct timespec now;
@@ -41,14 +44,23 @@ static void *lookup(void *arg) {
     struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     double started = ms_since(&start);
-    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_DGRAM}, *list = NULL;
+    struct addrinfo hints = {.ai_family = family, .ai_socktype = SOCK_DGRAM}, *list = NULL;
     int rc = getaddrinfo(name, NULL, &hints, &list);
     double latency = ms_since(&t0);
     const char *origin = "failed";
     if (rc == 0 && list != NULL) {
-        char ip[INET_ADDRSTRLEN] = "";
-        inet_ntop(AF_INET, &((struct sockaddr_in *)list->ai_addr)->sin_addr, ip, sizeof ip);
-        origin = strcmp(ip, "1.1.1.1") == 0 ? "cache" : strcmp(ip, "2.2.2.2") == 0 ? "coredns" : "other";
+        const struct addrinfo *pick = list;
+        for (const struct addrinfo *a = list; a != NULL; a = a->ai_next) {
+            if (a->ai_family == AF_INET) { pick = a; break; }
+        }
+        char ip[INET6_ADDRSTRLEN] = "";
+        if (pick->ai_family == AF_INET)
+            inet_ntop(AF_INET, &((struct sockaddr_in *)pick->ai_addr)->sin_addr, ip, sizeof ip);
+        else
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)pick->ai_addr)->sin6_addr, ip, sizeof ip);
+        int cache = strcmp(ip, "1.1.1.1") == 0 || strcmp(ip, "fd00::1:1:1:1") == 0;
+        int coredns = strcmp(ip, "2.2.2.2") == 0 || strcmp(ip, "fd00::2:2:2:2") == 0;
+        origin = cache ? "cache" : coredns ? "coredns" : "other";
     } else {
         atomic_fetch_add(&failed, 1);
     }
@@ -61,10 +73,11 @@ static void *lookup(void *arg) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 5) {
-        fprintf(stderr, "usage: resolver-load RATE DURATION_MS NAME OUT\n");
+    if (argc != 5 && !(argc == 6 && strcmp(argv[5], "unspec") == 0)) {
+        fprintf(stderr, "usage: resolver-load RATE DURATION_MS NAME OUT [unspec]\n");
         return 2;
     }
+    if (argc == 6) family = AF_UNSPEC;
     long rate = atol(argv[1]), duration_ms = atol(argv[2]);
     name = argv[3];
     if (rate < 1 || rate > 100000 || duration_ms < 1 || (out = fopen(argv[4], "w")) == NULL) {

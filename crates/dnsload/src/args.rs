@@ -21,6 +21,11 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["server", "tcp"])]
     pub system_resolver: bool,
 
+    /// With --system-resolver: ask for both families (AF_UNSPEC: an A and an AAAA query per
+    /// lookup, as an application that does not pick one), whatever --qtype says
+    #[arg(long, requires = "system_resolver")]
+    pub both_families: bool,
+
     /// Write one line per lookup to PATH: start (ms since the run's start), latency (ms),
     /// origin label or "failed", failed attempts
     #[arg(long, value_name = "PATH")]

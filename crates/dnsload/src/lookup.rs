@@ -43,6 +43,8 @@ pub(crate) struct LookupSpec {
     pub(crate) timeout: Duration,
     pub(crate) attempts: u32,
     pub(crate) tcp: bool,
+    /// The C library's resolver asked for both families (AF_UNSPEC).
+    pub(crate) both_families: bool,
 }
 
 /// How long a `--system-resolver` lookup may take at most, for the in-flight bound and the
@@ -75,8 +77,12 @@ impl LookupResult {
 pub(crate) async fn lookup(spec: LookupSpec, name: Name, started: Duration) -> LookupResult {
     let t0 = Instant::now();
     let Some(server) = spec.server else {
-        let qtype = spec.qtype;
-        let result = tokio::task::spawn_blocking(move || system_lookup(&name, qtype))
+        let family = match spec.qtype {
+            _ if spec.both_families => libc::AF_UNSPEC,
+            RecordType::AAAA => libc::AF_INET6,
+            _ => libc::AF_INET,
+        };
+        let result = tokio::task::spawn_blocking(move || system_lookup(&name, family))
             .await
             .unwrap_or(Err(AttemptError::Io));
         let (answer, errors) = match result {
@@ -101,10 +107,10 @@ pub(crate) async fn lookup(spec: LookupSpec, name: Name, started: Duration) -> L
     LookupResult { started, answer, errors, latency: t0.elapsed() }
 }
 
-/// One `getaddrinfo()` of `name` (A: AF_INET, AAAA: AF_INET6); the first address returned.
-pub(crate) fn system_lookup(name: &Name, qtype: RecordType) -> Result<IpAddr, AttemptError> {
+/// One `getaddrinfo()` of `name` for `family` (AF_INET, AF_INET6 or AF_UNSPEC); the first
+/// address returned.
+pub(crate) fn system_lookup(name: &Name, family: i32) -> Result<IpAddr, AttemptError> {
     use dns_lookup::{AddrInfoHints, LookupErrorKind};
-    let family = if qtype == RecordType::AAAA { libc::AF_INET6 } else { libc::AF_INET };
     let hints = AddrInfoHints { address: family, socktype: libc::SOCK_DGRAM, ..Default::default() };
     let list = dns_lookup::getaddrinfo(Some(&name.to_ascii()), None, Some(hints)).map_err(|e| {
         match e.kind() {

@@ -23,6 +23,7 @@ pub async fn run(args: Args) -> std::io::Result<serde_json::Value> {
         timeout: args.timeout,
         attempts: args.attempts,
         tcp: args.tcp,
+        both_families: args.both_families,
     };
     let lookup_budget = match spec.server {
         Some(_) => args.timeout * args.attempts,

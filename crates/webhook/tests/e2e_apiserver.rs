@@ -6,151 +6,31 @@
 //! created as a ReplicaSet creates them (`generateName`), and the pod the API server stored is
 //! read back.
 
+mod common;
+
 use std::fs;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, SanType};
+use common::{configuration, kubectl, namespace, publish, Ca, Webhook, WEBHOOK_ADDR, WEBHOOK_IP};
+use rcgen::SanType;
 use serde_json::{json, Value};
-use testkit::{describe, require_root, wait_for, SimNode};
+use testkit::{require_root, wait_for, SimNode};
 
-/// The node's address on its link to the control plane: where the API server reaches the
-/// webhook.
-const WEBHOOK_IP: &str = "10.240.0.1";
-const WEBHOOK_ADDR: &str = "10.240.0.1:18443";
-const MANIFEST: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../manifests/webhook/mutatingwebhookconfiguration.yaml"
-);
-
-struct Ca(CertifiedIssuer<'static, KeyPair>);
-
-impl Ca {
-    fn new() -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        Ca(CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap())
-    }
-
-    /// A serving certificate for [`WEBHOOK_IP`], written to `dir` as cert-manager's Secret
-    /// volume has it (`..data` flipped to a new directory).
-    fn issue(&self, dir: &Path, generation: u32) {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.subject_alt_names = vec![SanType::IpAddress(WEBHOOK_IP.parse().unwrap())];
-        let cert = params.signed_by(&key, &self.0).unwrap();
-        let data = dir.join(format!("..gen{generation}"));
-        fs::create_dir_all(&data).unwrap();
-        fs::write(data.join("tls.crt"), cert.pem()).unwrap();
-        fs::write(data.join("tls.key"), key.serialize_pem()).unwrap();
-        let tmp = dir.join("..data_tmp");
-        let _ = fs::remove_file(&tmp);
-        std::os::unix::fs::symlink(data.file_name().unwrap(), &tmp).unwrap();
-        fs::rename(&tmp, dir.join("..data")).unwrap();
-        for file in ["tls.crt", "tls.key"] {
-            if !dir.join(file).exists() {
-                std::os::unix::fs::symlink(format!("..data/{file}"), dir.join(file)).unwrap();
-            }
-        }
-    }
+/// A serving certificate for the webhook's address, from `ca`, as generation `generation` of
+/// the Secret volume in `dir`.
+fn issue(ca: &Ca, dir: &std::path::Path, generation: u32) {
+    let (cert, _, key) = ca.leaf(SanType::IpAddress(WEBHOOK_IP.parse().unwrap()));
+    publish(dir, generation, &cert, &key);
 }
 
-/// The webhook binary in the node's namespace, its log in a file.
-struct Webhook {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Webhook {
-    fn start(node: &SimNode, tls: &Path, nameservers: &str) -> Self {
-        let log = unique(node.dir.join("webhook"));
-        let child = node
-            .cmd("node", env!("CARGO_BIN_EXE_nodelocaldns-ha-webhook"))
-            .args(["--listen", WEBHOOK_ADDR, "--metrics-listen", "127.0.0.1:19254"])
-            .args(["--nameserver", nameservers])
-            .arg("--tls-cert-file")
-            .arg(tls.join("tls.crt"))
-            .arg("--tls-key-file")
-            .arg(tls.join("tls.key"))
-            .env("NO_COLOR", "1")
-            .stderr(Stdio::from(fs::File::create(&log).unwrap()))
-            .spawn()
-            .unwrap();
-        let hook = Webhook { child, log };
-        hook.wait_log("serving", 1);
-        hook
-    }
-
-    /// Waits until the log has `n` lines containing `text`.
-    fn wait_log(&self, text: &str, n: usize) {
-        wait_for(&format!("{n} × {text:?} in the webhook's log"), Duration::from_secs(10), || {
-            let log = fs::read_to_string(&self.log).unwrap_or_default();
-            (log.lines().filter(|l| l.contains(text)).count() >= n).then_some(())
-        });
-    }
-
-    fn stop(mut self) {
-        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-        assert!(self.child.wait().unwrap().success());
-    }
-}
-
-impl Drop for Webhook {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn unique(path: PathBuf) -> PathBuf {
-    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    path.with_extension(format!("{n}.log"))
-}
-
-/// kubectl with `input` on its standard input; its standard output, or a panic saying why not.
-fn kubectl(node: &SimNode, args: &[&str], input: &str) -> String {
-    let mut child = node
-        .kubectl()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "kubectl {args:?}: {}", describe(&out));
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// The project's MutatingWebhookConfiguration, calling `url` and trusting `ca` (PEM).
-fn configuration(url: &str, ca: &str) -> Value {
-    let text = fs::read_to_string(MANIFEST).unwrap();
-    let mut doc: Value = serde_norway::from_str(&text).unwrap();
-    let bundle = base64(ca.as_bytes());
-    for hook in doc["webhooks"].as_array_mut().unwrap() {
-        hook["clientConfig"] = json!({"url": url, "caBundle": bundle});
-    }
-    doc
-}
-
-/// A pod as a ReplicaSet creates it, with `spec` merged into a minimal spec; the stored pod.
-fn create_pod(node: &SimNode, namespace: &str, labels: Value, spec: Value) -> Value {
-    let mut pod = json!({
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"generateName": "web-", "namespace": namespace, "labels": labels},
-        "spec": {"containers": [{"name": "web", "image": "registry.k8s.io/pause:3.10"}]},
-    });
-    for (k, v) in spec.as_object().unwrap() {
-        pod["spec"][k] = v.clone();
-    }
+/// Creates `pod` through the API; the pod the API server stored.
+fn create(node: &SimNode, pod: Value) -> Value {
     let out = kubectl(node, &["create", "-f", "-", "-o", "json"], &pod.to_string());
-    serde_json::from_str(&out).unwrap()
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn create_pod(node: &SimNode, namespace: &str, labels: Value, spec: Value) -> Value {
+    create(node, common::pod(namespace, labels, spec))
 }
 
 fn cluster_config(namespace: &str, nameservers: &[&str]) -> Value {
@@ -191,10 +71,10 @@ fn pods_created_through_the_real_api_server_get_the_second_nameserver() {
     let tls = node.dir.join("webhook-tls");
     fs::create_dir_all(&tls).unwrap();
     let ca = Ca::new();
-    ca.issue(&tls, 1);
+    issue(&ca, &tls, 1);
     let hook = Webhook::start(&node, &tls, &format!("{NODE_LOCAL},{KUBE_DNS}"));
     let url = format!("https://{WEBHOOK_ADDR}/mutate");
-    kubectl(&node, &["apply", "-f", "-"], &configuration(&url, &ca.0.pem()).to_string());
+    kubectl(&node, &["apply", "-f", "-"], &configuration(&url, &ca.pem()).to_string());
 
     // Namespaces: ours, ACK's label, none; kube-system labelled too (excluded by the selector).
     // Each with the service account a controller-manager would have made.
@@ -203,10 +83,8 @@ fn pods_created_through_the_real_api_server_get_the_second_nameserver() {
         ("ack", json!({"node-local-dns-injection": "enabled"})),
         ("plain", json!({})),
     ];
-    for (name, labels) in &namespaces {
-        let ns = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}});
-        kubectl(&node, &["create", "-f", "-"], &ns.to_string());
-        kubectl(&node, &["create", "serviceaccount", "default", "-n", name], "");
+    for (name, labels) in namespaces {
+        namespace(&node, name, labels);
     }
     kubectl(
         &node,
@@ -262,7 +140,7 @@ fn pods_created_through_the_real_api_server_get_the_second_nameserver() {
 
     // The certificate rotated under the running webhook: picked up, and the API server still
     // calls it (it verifies every new connection against the same CA).
-    ca.issue(&tls, 2);
+    issue(&ca, &tls, 2);
     hook.wait_log("reloaded", 1);
     for _ in 0..3 {
         let pod = create_pod(&node, "injected", json!({}), json!({}));
@@ -293,25 +171,9 @@ fn pods_created_through_the_real_api_server_get_the_second_nameserver() {
     drop(node);
 }
 
-/// Standard base64 (RFC 4648), as a caBundle is written.
-fn base64(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(DIGITS[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn base64_is_rfc_4648() {
+    use common::base64;
     assert_eq!(base64(b""), "");
     assert_eq!(base64(b"f"), "Zg==");
     assert_eq!(base64(b"fo"), "Zm8=");

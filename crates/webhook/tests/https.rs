@@ -2,6 +2,8 @@
 //! review mutated; bad input answered without a patch, logged once and counted (acceptance 4);
 //! the certificate rotated under it and picked up without a restart; bad flags refused.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -9,47 +11,16 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+use common::{publish, Ca};
+use rcgen::SanType;
 use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
 
 const NAME: &str = "webhook.test";
 
-/// A CA, and leaf certificates for [`NAME`] it signs.
-struct Ca {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-impl Ca {
-    fn new() -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        Ca { issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
-    }
-
-    /// A new leaf: its certificate (PEM, DER) and key (PEM).
-    fn leaf(&self) -> (String, CertificateDer<'static>, String) {
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec![NAME.to_owned()])
-            .unwrap()
-            .signed_by(&key, &self.issuer)
-            .unwrap();
-        (cert.pem(), cert.der().clone(), key.serialize_pem())
-    }
-
-    fn client(&self) -> Arc<rustls::ClientConfig> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.issuer.der().clone()).unwrap();
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        // Every handshake shows the server's current certificate.
-        config.resumption = rustls::client::Resumption::disabled();
-        Arc::new(config)
-    }
+/// A serving certificate for [`NAME`].
+fn leaf(ca: &Ca) -> (String, CertificateDer<'static>, String) {
+    ca.leaf(SanType::DnsName(NAME.try_into().unwrap()))
 }
 
 /// A scratch directory, removed on drop.
@@ -67,24 +38,6 @@ impl Dir {
 impl Drop for Dir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Writes a certificate and key as kubelet updates a Secret volume: into a new directory,
-/// then `..data` flipped to it by a rename, `tls.crt` and `tls.key` being links through it.
-fn publish(dir: &Path, generation: u32, cert: &str, key: &str) {
-    let data = dir.join(format!("..gen{generation}"));
-    std::fs::create_dir_all(&data).unwrap();
-    std::fs::write(data.join("tls.crt"), cert).unwrap();
-    std::fs::write(data.join("tls.key"), key).unwrap();
-    let tmp = dir.join("..data_tmp");
-    let _ = std::fs::remove_file(&tmp);
-    std::os::unix::fs::symlink(data.file_name().unwrap(), &tmp).unwrap();
-    std::fs::rename(&tmp, dir.join("..data")).unwrap();
-    for file in ["tls.crt", "tls.key"] {
-        if !dir.join(file).exists() {
-            std::os::unix::fs::symlink(format!("..data/{file}"), dir.join(file)).unwrap();
-        }
     }
 }
 
@@ -260,7 +213,7 @@ fn metric(text: &str, series: &str) -> f64 {
 fn a_pod_is_mutated_and_bad_input_is_answered_without_a_patch() {
     let dir = Dir::new("input");
     let ca = Ca::new();
-    let (cert, _, key) = ca.leaf();
+    let (cert, _, key) = leaf(&ca);
     publish(&dir.0, 1, &cert, &key);
     let mut hook = Webhook::start(&dir.0);
     let client = ca.client();
@@ -321,7 +274,7 @@ fn a_pod_is_mutated_and_bad_input_is_answered_without_a_patch() {
 fn a_rotated_certificate_is_served_without_a_restart() {
     let dir = Dir::new("rotate");
     let ca = Ca::new();
-    let (cert, first, key) = ca.leaf();
+    let (cert, first, key) = leaf(&ca);
     publish(&dir.0, 1, &cert, &key);
     let mut hook = Webhook::start(&dir.0);
     let client = ca.client();
@@ -331,7 +284,7 @@ fn a_rotated_certificate_is_served_without_a_restart() {
 
     // Caught between the two files: a new certificate beside the old key does not load, and the
     // old pair is still served.
-    let (cert, second, key) = ca.leaf();
+    let (cert, second, key) = leaf(&ca);
     let data = dir.0.join("..data");
     let old_key = std::fs::read_to_string(data.join("tls.key")).unwrap();
     publish(&dir.0, 2, &cert, &old_key);
@@ -372,7 +325,7 @@ fn bad_flags_are_refused_and_nothing_is_served() {
     assert!(err.contains("the serving certificate") && err.contains(missing), "{err}");
 
     let ca = Ca::new();
-    let (cert, _, key) = ca.leaf();
+    let (cert, _, key) = leaf(&ca);
     publish(&dir.0, 1, &cert, &key);
     let (crt, key) = (dir.0.join("tls.crt"), dir.0.join("tls.key"));
     let files = ["--tls-cert-file", crt.to_str().unwrap(), "--tls-key-file", key.to_str().unwrap()];
