@@ -29,6 +29,7 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, Probe, Service, ServiceAccount, Volume,
 };
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -786,6 +787,10 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
                 "MutatingWebhookConfiguration" => {
                     let _: MutatingWebhookConfiguration = typed(doc, &origin);
                 }
+                // manifests/examples: the DNS egress a pod's NetworkPolicy must allow.
+                "NetworkPolicy" => {
+                    let _: NetworkPolicy = typed(doc, &origin);
+                }
                 // cert-manager's kinds: no API types here.
                 "Issuer" | "Certificate" => {
                     assert_eq!(str_at(doc, "/apiVersion"), Some("cert-manager.io/v1"), "{origin}");
@@ -826,6 +831,7 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
         "Kustomization",
         "MutatingWebhookConfiguration",
         "Namespace",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "PodMonitor",
         "PrometheusRule",

@@ -92,6 +92,13 @@ fn pods_created_through_the_real_api_server_get_the_second_nameserver() {
         "",
     );
     kubectl(&node, &["create", "serviceaccount", "default", "-n", "kube-system"], "");
+    // The DNS egress example of manifests/examples, accepted by the API server.
+    let policy = fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../manifests/examples/networkpolicy-dns-egress.yaml"
+    ))
+    .unwrap();
+    kubectl(&node, &["apply", "--dry-run=server", "-n", "injected", "-f", "-"], &policy);
     // The API server calls a webhook only once its configuration is in its informer: wait for
     // the first mutated pod.
     wait_for("the API server calling the webhook", Duration::from_secs(30), || {
