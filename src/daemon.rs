@@ -1,22 +1,24 @@
 //! The daemon: the [`Agent`] run as a process, with its probe and watch tasks around it.
 //!
 //! [`run`] refuses bad settings before the host is touched, takes the state directory's lock,
-//! starts the agent (adopting the installed route, or the recorded override), and then turns
-//! the control loop: probe results, operators' requests ([`maintenance`]), nftables change
-//! announcements, the resync tick, finished read-backs and what the node's watchers found go to
-//! the agent one at a time; the state file and the transition hook ([`hooks`]) hear of every
-//! change. Every task runs forever under a name ([`Tasks`]): one that ends stops the agent, with
-//! the ruleset of its current route left installed (the exit policy of [`crate::agent`]).
+//! starts the agent (adopting the installed route, or the recorded override), spawns its tasks
+//! (`spawn`: one constructor each), and then turns the control loop (`control_loop`): probe
+//! results, operators' requests ([`crate::maintenance`]), nftables change announcements, the
+//! resync tick, finished read-backs and what the node's watchers found go to the agent one at a
+//! time; the state file and the transition hook ([`crate::hooks`]) hear of every change. Every
+//! task runs forever under a name ([`Tasks`]): one that ends stops the agent, with the ruleset
+//! of its current route left installed (the exit policy of [`crate::agent`]).
 //!
 //! The watchers live beside what they watch: the probe streams in [`crate::probe`], the
 //! cache's sockets in [`crate::sockdiag`], nftables' announcements and the node's own
 //! firewall (judged by [`crate::firewall`]) in [`crate::dataplane::nftables`], node-cache's
 //! rules in [`crate::detect`].
 
+mod control_loop;
 mod link_local;
+mod spawn;
 mod tasks;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -29,11 +31,11 @@ use crate::blocking::blocking;
 use crate::config::{AgentConfig, Cadence};
 use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
-use crate::health::Stream;
 use crate::metrics::{Health, Metrics};
 use crate::overrides::{self, Moment};
-use crate::probe::{self, Probe, ProbeError, Prober, Transport};
-use crate::{control, detect, hooks, maintenance, sockdiag, stall, state};
+use crate::probe::{Probe, ProbeError, Prober};
+use crate::state;
+use control_loop::ControlLoop;
 use tasks::Tasks;
 
 /// What can stop the agent (the `run` command exits 1 with it).
@@ -228,7 +230,9 @@ pub async fn run(
     run_with(cfg, dataplane, notes, leftovers, shutdown, World::node()).await
 }
 
-/// [`run`], in `world`.
+/// [`run`], in `world`. Reads as the order of things: what can be refused is refused, the
+/// state directory and the metrics port are claimed, the node is looked at, the agent starts,
+/// its tasks are spawned, and the control loop turns.
 async fn run_with(
     cfg: AgentConfig,
     dataplane: Box<dyn Dataplane>,
@@ -239,92 +243,28 @@ async fn run_with(
 ) -> Result<(), AgentError> {
     let World { probes, watch_node, requests, mut tasks } = world;
     // Everything that can be refused is refused before the host is touched.
-    let probe = |cadence: Cadence, target| probes(&cfg.probe_name, cadence.timeout, target);
-    let cache_udp = probe(cfg.cache_udp, Target::Cache)?;
-    let cache_tcp = cfg.cache_tcp.map(|c| probe(c, Target::Cache).map(|p| (c, p))).transpose()?;
-    let upstream = probe(cfg.upstream_probe, Target::Upstream)?;
-    let confirm = match cfg.stall {
-        Some(bounds) => Some((bounds, probes(&cfg.probe_name, bounds.confirm(), Target::Cache)?)),
-        None => None,
-    };
-    // The lock first: a second agent on the same state directory is told so, not that the
-    // metrics port is taken.
-    std::fs::create_dir_all(&cfg.state_dir)
-        .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
-    let lock = || state::Lock::acquire(&cfg.state_dir);
-    let _lock = with_grace(lock, |e| matches!(e, state::LockError::Held(..))).await?;
-    let bind = |addr| {
-        std::net::TcpListener::bind(addr)
-            .and_then(|l| l.set_nonblocking(true).map(|()| l))
-            .and_then(tokio::net::TcpListener::from_std)
-    };
-    let http = match cfg.metrics_addr {
-        Some(addr) => Some(
-            with_grace(|| bind(addr), |e| e.kind() == std::io::ErrorKind::AddrInUse)
-                .await
-                .map_err(|source| AgentError::Metrics { addr, source })?,
-        ),
-        None => None,
-    };
-
+    let probers = make_probers(&cfg, &probes)?;
+    let (_lock, http) = claim(&cfg).await?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
-    let forced = match overrides::read(&cfg.state_dir) {
-        Ok(Some(o)) => {
-            let forced = o.forced(Moment { now: now(), wall: SystemTime::now() });
-            if forced.is_none() {
-                info!("the recorded override has expired");
-            }
-            forced
-        }
-        Ok(None) => None,
-        // A damaged file must not keep the agent from failing over: automatic, and say so.
-        Err(e) => {
-            warn!(error = %e, "ignoring the recorded override");
-            None
-        }
-    };
+    let forced = recorded_override(&cfg.state_dir);
     // The last agent's route, for a start that finds neither route's ruleset whole.
     let recorded = state::read(&cfg.state_dir).ok().map(|s| s.route);
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     // The Services' addresses: the interface the node reaches them through is no pod's.
     let services: Vec<_> = cfg.addrs.cluster_dns.iter().chain(&cfg.upstream).copied().collect();
-    let firewall = if watch_node {
-        blocking(|| nftables::audit_firewall(&listen, &services)).unwrap_or_else(|e| {
-            warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
-            Vec::new()
-        })
-    } else {
-        Vec::new()
-    };
+    let firewall = if watch_node { audit_firewall(&listen, &services) } else { Vec::new() };
     // Every cadence on one grid (one wake-up for all that fall on an instant).
     let beat = Beat::start();
-    // The forwarder and the copies of the link-local IPs before the rules that need them, once
-    // the kernel has taken those rules on trial.
     let mut cfg = cfg;
     let mut dataplane = dataplane;
-    let mut link_local_off = None;
-    let forwarding = if watch_node && cfg.shape.link_local {
-        match start_link_local(&cfg, dataplane.as_mut(), beat, &mut tasks) {
-            Ok(forwarding) => Some(forwarding),
-            // In the ClusterIP shape, the cluster-DNS IP's failover needs neither the forwarder
-            // nor TPROXY: run without the link-local one (no fallback chain), and say so,
-            // rather than exit where an older DaemonSet gives no CAP_NET_BIND_SERVICE or the
-            // kernel has no TPROXY.
-            Err(e) if !cfg.addrs.cluster_dns.is_empty() && link_local_optional(&e) => {
-                error!(error = %e, "link-local failover is off");
-                link_local_off = Some(e.to_string());
-                cfg.shape.link_local = false;
-                None
-            }
-            Err(e) => return Err(e),
-        }
+    let (forwarding, link_local_off) = if watch_node && cfg.shape.link_local {
+        link_local_or_without(&mut cfg, dataplane.as_mut(), beat, &mut tasks)?
     } else {
-        None
+        (None, None)
     };
-    let forwarders = forwarding.as_ref().map_or_else(Vec::new, |f| f.counters.clone());
-    if !forwarders.is_empty() {
-        metrics.set_forwarders(forwarders.clone());
+    if let Some(forwarding) = &forwarding {
+        metrics.set_forwarders(forwarding.counters.clone());
     }
     let mut agent = blocking(|| {
         Agent::start(&cfg, dataplane, metrics.clone(), forced, recorded, firewall, now())
@@ -341,254 +281,134 @@ async fn run_with(
     agent.set_notes(Notes { link_local_off, ..notes });
     agent.set_leftovers(leftovers);
     blocking(|| agent.remove_leftovers());
-    // Written beside the loop: a synced write must not hold a decision up.
     let state_file = state::Writer::start(cfg.state_dir.clone());
-    let write_state = |agent: &Agent| state_file.submit(agent.state(now(), SystemTime::now()));
-    write_state(&agent);
+    state_file.submit(agent.state(now(), SystemTime::now()));
 
-    let (tx, mut rx) = mpsc::channel(64);
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
-    // Told of every cache probe answered: the stall watch lists a restarted cache's sockets then.
-    let cache_answered = Arc::new(Notify::new());
-    let target = cfg.cache_target();
-    let every = beat.every(cfg.cache_udp.interval);
-    let wake = cache_wakes[0].clone();
-    tasks.spawn(
-        "cache UDP probe",
-        probe::probe_stream(
-            cache_udp,
-            target,
-            Transport::Udp,
-            Stream::CacheUdp,
-            every,
-            wake,
-            tx.clone(),
-        ),
-    );
-    if let Some((cadence, tcp)) = cache_tcp {
-        let wake = cache_wakes[1].clone();
-        let every = beat.every(cadence.interval);
-        tasks.spawn(
-            "cache TCP probe",
-            probe::probe_stream(
-                tcp,
-                target,
-                Transport::Tcp,
-                Stream::CacheTcp,
-                every,
-                wake,
-                tx.clone(),
-            ),
-        );
-    }
-    if let (true, Some((bounds, confirm))) = (watch_node, confirm) {
-        // Each cache probe and its answer, each upstream probe: the node's UDP datagrams the
-        // agent accounts for.
-        let per_sec = |every: Duration| 1.0 / every.as_secs_f64();
-        // And the forwarders' lease heartbeats (iptables): 20 a second that, counted as
-        // traffic, kept the watch at its faster pace on every idle iptables node.
-        let heartbeats =
-            forwarding.as_ref().map_or(0.0, link_local::Forwarding::heartbeats_per_sec);
-        let own = 2.0 * per_sec(cfg.cache_udp.interval)
-            + per_sec(cfg.upstream_probe.interval)
-            + heartbeats;
-        let answered = cache_answered.clone();
-        let stalls =
-            stall::watch_stalls(bounds, beat, listen.clone(), own, confirm, answered, tx.clone());
-        tasks.spawn("stall watch", stalls);
-    }
-    let (target, every) = (cfg.upstream_target(), beat.every(cfg.upstream_probe.interval));
-    let wake = Arc::new(Notify::new());
-    let upstream =
-        probe::probe_stream(upstream, target, Transport::Udp, Stream::Upstream, every, wake, tx);
-    tasks.spawn("upstream probe", upstream);
-    let nft_changed = Arc::new(Notify::new());
-    let hearing = Arc::new(AtomicBool::new(false));
-    let announced = Arc::new(std::sync::Mutex::new(Some(Vec::new())));
-    let (firewall_tx, mut firewall_found) = mpsc::channel(1);
-    let (warn_tx, mut warnings) = mpsc::channel(1);
-    if watch_node {
-        if cfg.socket_events {
-            tasks.spawn(
-                "socket-destroy watch",
-                sockdiag::watch_cache_sockets(listen.clone(), cache_wakes),
-            );
-        }
-        let tables = agent.announced_tables();
-        let raw_changed = Arc::new(AtomicBool::new(false));
-        let firewall_changed = Arc::new(Notify::new());
-        let watched =
-            nftables::Watched { raw: raw_changed.clone(), firewall: firewall_changed.clone() };
-        tasks.spawn(
-            "nftables change watch",
-            nftables::watch_nftables(
-                tables,
-                nft_changed.clone(),
-                announced.clone(),
-                watched,
-                hearing.clone(),
-            ),
-        );
-        tasks.spawn(
-            "firewall watch",
-            nftables::watch_firewall(listen.clone(), services, firewall_changed, firewall_tx),
-        );
-        // Others' NOTRACK on the link-local IP is harmless: the fallback's TPROXY acts on
-        // untracked packets all the same. On the cluster-DNS IP it pins pods to the cache.
-        let period = detect::FOREIGN_RULES_PERIOD;
-        let cluster_dns = cfg.addrs.cluster_dns.clone();
-        let foreign =
-            detect::watch_foreign_rules(cluster_dns, period, raw_changed, hearing.clone(), warn_tx);
-        tasks.spawn("foreign-rule watch", foreign);
-    }
-    let mut requests = match requests {
+    let watched = watch_node.then_some((&listen[..], forwarding.as_ref()));
+    let probing = spawn::spawn_probes(&cfg, probers, beat, watched, &cache_wakes, &mut tasks);
+    let node = watch_node.then(|| spawn::Watched {
+        listen: &listen,
+        services: &services,
+        tables: agent.announced_tables(),
+    });
+    let node = spawn::spawn_node_watch(&cfg, node, cache_wakes, &mut tasks);
+    let requests = match requests {
         Some(requests) => requests,
-        None => {
-            let (control_tx, requests) = mpsc::channel(8);
-            let dir = cfg.state_dir.clone();
-            tasks.spawn("control socket", async move {
-                // Without the socket the agent still switches; operators lose the manual flip
-                // only.
-                let Err(e) = control::serve(&dir, control_tx).await;
-                error!(error = %e, "the control socket is unavailable");
-                std::future::pending().await
-            });
-            requests
-        }
+        None => spawn::spawn_control_socket(&cfg.state_dir, &mut tasks),
     };
     if let Some(listener) = http {
-        let (metrics, health) = (metrics.clone(), health.clone());
-        tasks.spawn("metrics endpoint", async move {
-            let e = crate::metrics::serve(listener, metrics, health, LIVENESS_SILENCE).await;
-            error!(error = %e, "the metrics endpoint stopped");
-            std::future::pending().await
-        });
+        spawn::spawn_metrics_endpoint(listener, metrics.clone(), health.clone(), &mut tasks);
     }
-
-    let mut resync = beat.every(cfg.cache_udp.interval);
-    let mut state_tick = beat.every(Duration::from_secs(1));
-    let mut drain: Option<maintenance::Drain> = None;
-    let override_file = overrides::path(&cfg.state_dir);
-    // The agent writes the record on a request (at start, an earlier agent's may be there), and
-    // anyone may write garbage there: it is looked for at start, after each request and once a
-    // second, not on every turn (a stat per probe report).
-    let mut maybe_recorded = true;
-    let mut record_stuck = false;
-    // Hooks run one at a time, in order, beside the loop.
-    let hooks = cfg.on_transition.clone().map(|path| {
-        let (tx, rx) = mpsc::channel(16);
-        let hooks = hooks::run_hooks(path, rx, cfg.hook_timeout, metrics.clone());
-        tasks.spawn("transition hook", hooks);
-        tx
-    });
-    // Read-backs run on blocking threads, one at a time; their results come back here.
-    let (checks_tx, mut checks) = mpsc::channel(1);
-    tokio::pin!(shutdown);
-    let outcome = loop {
-        health.beat(now());
-        tokio::select! {
-            biased;
-            _ = &mut shutdown => break Ok(()),
-            Some(report) = rx.recv() => {
-                if report.stream == Stream::CacheUdp && report.result.outcome.is_good() {
-                    cache_answered.notify_one();
-                }
-                agent.on_probe(&report, now())
-            }
-            Some(incoming) = requests.recv() => {
-                maybe_recorded = true;
-                blocking(|| {
-                    maintenance::handle(&mut agent, &cfg.state_dir, incoming, &mut drain, now())
-                })
-            }
-            _ = nft_changed.notified() => {
-                let tables = announced
-                    .lock()
-                    .map(|mut a| a.replace(Vec::new()))
-                    .unwrap_or(None);
-                let job = blocking(|| agent.announced(tables, now()));
-                start_check(job, &checks_tx);
-            }
-            _ = sleep_until(agent.resync_due()) => {
-                let job = blocking(|| agent.resync(now()));
-                start_check(job, &checks_tx);
-            }
-            Some(done) = checks.recv() => {
-                let job = blocking(|| agent.checked(done, now()));
-                start_check(job, &checks_tx);
-            }
-            _ = resync.tick() => {
-                let now = now();
-                agent.expire(now);
-                if watch_node {
-                    maintenance::end_drain_if_its_cache_is_gone(&mut agent, now);
-                }
-                let job = agent.poll(now, hearing.load(Ordering::Relaxed));
-                agent.remove_leftovers();
-                drain = drain.take().and_then(|d| d.progress(&mut agent, now));
-                start_check(job, &checks_tx);
-            }
-            _ = state_tick.tick() => {
-                maybe_recorded = true;
-                if !forwarders.is_empty() {
-                    agent.set_forwarded(link_local::forwarded(&forwarders));
-                }
-                write_state(&agent)
-            }
-            Some(found) = warnings.recv() => agent.set_problems(found),
-            Some(found) = firewall_found.recv() => blocking(|| agent.set_firewall(found, now())),
-            // The agent can no longer see what it should. Exit, leaving the current ruleset;
-            // the DaemonSet restarts us.
-            died = tasks.died() => break Err(died),
-        }
-        // A drain that ended by itself, or an expiry, leaves nothing forced: the record goes
-        // too (with or without a route change), so a restart cannot bring it back.
-        // If it cannot be removed (a directory in its place), that is said once, not on every
-        // turn of the loop.
-        if maybe_recorded && agent.forced().is_none() {
-            match overrides::clear(&cfg.state_dir) {
-                Ok(()) => (maybe_recorded, record_stuck) = (false, false),
-                Err(e) if !record_stuck => {
-                    record_stuck = true;
-                    warn!(
-                        file = %override_file.display(),
-                        error = %e,
-                        "removing the record of an override not in force failed; remove it by hand"
-                    );
-                }
-                Err(_) => {}
-            }
-        }
-        if !health.ready() && !agent.is_dirty() {
-            health.set_ready();
-            if let Some(forwarding) = &forwarding {
-                forwarding.renew_lease();
-            }
-        }
-        let changes = agent.take_changes();
-        if !changes.is_empty() {
-            write_state(&agent);
-        }
-        for t in changes {
-            // Never blocks: a full queue means the hook is far behind, and the change is
-            // dropped for it (counted), not for the dataplane.
-            if let Some(hooks) = &hooks {
-                if hooks.try_send((t, state::unix_ms(SystemTime::now()))).is_err() {
-                    metrics.hook("dropped");
-                }
-            }
-        }
+    let hooks = spawn::spawn_hooks(&cfg, &metrics, &mut tasks);
+    let control = ControlLoop {
+        cfg: &cfg,
+        agent,
+        beat,
+        metrics,
+        health,
+        probing,
+        node,
+        watch_node,
+        requests,
+        hooks,
+        forwarding,
+        state_file,
+        tasks,
     };
-    tasks.shutdown().await;
-    blocking(|| agent.settle(now()));
-    write_state(&agent);
-    blocking(|| state_file.finish());
-    if agent.is_dirty() {
-        error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
-    } else {
-        info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
+    control.run(shutdown).await
+}
+
+/// Every probe stream's prober; a bad setting (the query name) is refused here.
+fn make_probers(cfg: &AgentConfig, probes: &MakeProber) -> Result<spawn::Probers, AgentError> {
+    let probe = |cadence: Cadence, target| probes(&cfg.probe_name, cadence.timeout, target);
+    let cache_udp = probe(cfg.cache_udp, Target::Cache)?;
+    let cache_tcp = cfg.cache_tcp.map(|c| probe(c, Target::Cache).map(|p| (c, p))).transpose()?;
+    let upstream = probe(cfg.upstream_probe, Target::Upstream)?;
+    let confirm = match cfg.stall {
+        Some(bounds) => Some((bounds, probes(&cfg.probe_name, bounds.confirm(), Target::Cache)?)),
+        None => None,
+    };
+    Ok(spawn::Probers { cache_udp, cache_tcp, upstream, confirm })
+}
+
+/// The state directory's lock, then the metrics listener. The lock first: a second agent on
+/// the same state directory is told so, not that the metrics port is taken.
+async fn claim(
+    cfg: &AgentConfig,
+) -> Result<(state::Lock, Option<tokio::net::TcpListener>), AgentError> {
+    std::fs::create_dir_all(&cfg.state_dir)
+        .map_err(|source| AgentError::StateDir { path: cfg.state_dir.clone(), source })?;
+    let lock = || state::Lock::acquire(&cfg.state_dir);
+    let lock = with_grace(lock, |e| matches!(e, state::LockError::Held(..))).await?;
+    let bind = |addr| {
+        std::net::TcpListener::bind(addr)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .and_then(tokio::net::TcpListener::from_std)
+    };
+    let http = match cfg.metrics_addr {
+        Some(addr) => Some(
+            with_grace(|| bind(addr), |e| e.kind() == std::io::ErrorKind::AddrInUse)
+                .await
+                .map_err(|source| AgentError::Metrics { addr, source })?,
+        ),
+        None => None,
+    };
+    Ok((lock, http))
+}
+
+/// The route an operator forced and recorded in `state_dir`, if it is still in force.
+fn recorded_override(state_dir: &std::path::Path) -> Option<crate::health::Forced> {
+    match overrides::read(state_dir) {
+        Ok(Some(o)) => {
+            let forced = o.forced(Moment { now: now(), wall: SystemTime::now() });
+            if forced.is_none() {
+                info!("the recorded override has expired");
+            }
+            forced
+        }
+        Ok(None) => None,
+        // A damaged file must not keep the agent from failing over: automatic, and say so.
+        Err(e) => {
+            warn!(error = %e, "ignoring the recorded override");
+            None
+        }
     }
-    outcome
+}
+
+/// What the node's own nftables firewall does to DNS for `listen` and `services`.
+fn audit_firewall(
+    listen: &[std::net::IpAddr],
+    services: &[std::net::IpAddr],
+) -> Vec<crate::firewall::Blocking> {
+    blocking(|| nftables::audit_firewall(listen, services)).unwrap_or_else(|e| {
+        warn!(error = %e, "cannot read the node's nftables firewall; assuming it lets DNS through");
+        Vec::new()
+    })
+}
+
+/// The forwarder and the copies of the link-local IPs, before the rules that need them, once
+/// the kernel has taken those rules on trial; or, in the ClusterIP shape, the agent without the
+/// link-local failover when it cannot have it (`cfg` then says so), and why.
+fn link_local_or_without(
+    cfg: &mut AgentConfig,
+    dataplane: &mut dyn Dataplane,
+    beat: Beat,
+    tasks: &mut Tasks,
+) -> Result<(Option<link_local::Forwarding>, Option<String>), AgentError> {
+    match start_link_local(cfg, dataplane, beat, tasks) {
+        Ok(forwarding) => Ok((Some(forwarding), None)),
+        // In the ClusterIP shape, the cluster-DNS IP's failover needs neither the forwarder nor
+        // TPROXY: run without the link-local one (no fallback chain), and say so, rather than
+        // exit where an older DaemonSet gives no CAP_NET_BIND_SERVICE or the kernel has no
+        // TPROXY.
+        Err(e) if !cfg.addrs.cluster_dns.is_empty() && link_local_optional(&e) => {
+            error!(error = %e, "link-local failover is off");
+            cfg.shape.link_local = false;
+            Ok((None, Some(e.to_string())))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]

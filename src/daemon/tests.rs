@@ -24,7 +24,7 @@ use super::*;
 use crate::config::{test_raw, RawRun};
 use crate::control::{Peer, Request, Response};
 use crate::dataplane::fake::FakeDataplane;
-use crate::probe::{Outcome, ProbeResult};
+use crate::probe::{Outcome, ProbeResult, Transport};
 use crate::ruleset::Route;
 use crate::state::State;
 
