@@ -112,13 +112,18 @@ fn the_crate_denies_and_every_binary_forbids_unsafe() {
     assert!(lib.contains("#![deny(unsafe_code)]"), "src/lib.rs denies unsafe_code");
     let mut entry_points = vec![root.join("src/bin/nodelocaldns-ha/main.rs")];
     // The workspace's other crates: each root (library and binary) forbids it.
+    let mut benches = vec![root.join("benches")];
     for krate in std::fs::read_dir(root.join("crates")).unwrap() {
-        let src = krate.unwrap().path().join("src");
+        let krate = krate.unwrap().path();
+        let src = krate.join("src");
         entry_points
             .extend(["lib.rs", "main.rs"].map(|f| src.join(f)).into_iter().filter(|p| p.is_file()));
+        benches.push(krate.join("benches"));
     }
-    let benches = std::fs::read_dir(root.join("benches")).unwrap();
-    entry_points.extend(benches.map(|e| e.unwrap().path()).filter(|p| p.is_file()));
+    for dir in benches.iter().filter(|d| d.is_dir()) {
+        let files = std::fs::read_dir(dir).unwrap();
+        entry_points.extend(files.map(|e| e.unwrap().path()).filter(|p| p.is_file()));
+    }
     for file in entry_points {
         let text = std::fs::read_to_string(&file).unwrap();
         assert!(text.contains("#![forbid(unsafe_code)]"), "{} forbids unsafe_code", file.display());

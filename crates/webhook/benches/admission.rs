@@ -7,6 +7,8 @@
 //! duration_seconds`), and the webhook's RSS after it all. Not a test: `ci/bench.sh` runs it and
 //! writes `docs/webhook-bench.md`.
 
+#![forbid(unsafe_code)]
+
 #[path = "../tests/common/mod.rs"]
 mod common;
 

@@ -2,6 +2,8 @@
 //! namespaces the node-local IP and the kube-dns IP as nameservers (issue 32). Which namespaces
 //! is the MutatingWebhookConfiguration's `namespaceSelector`; what a pod gets is here.
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::process::ExitCode;
