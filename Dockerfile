@@ -7,7 +7,7 @@
 # Both stages are Debian bookworm: the binary links against the build stage's glibc, libnftnl and
 # libmnl, and runs on the same release's.
 
-FROM rust:1.88-bookworm AS build
+FROM rust:1.89-bookworm AS build
 # A failing command inside a pipe fails the build.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # Packages are not pinned: the Debian release pins their ABI; its updates are security fixes.

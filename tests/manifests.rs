@@ -1797,12 +1797,16 @@ fn the_image_is_built_on_bookworm_and_runs_on_slim_bookworm() {
     let (image, tag) = from(build);
     assert_eq!(image, "rust");
     let (version, release) = tag.split_once('-').expect("rust:VERSION-RELEASE");
-    let msrv = read(&repo().join("Cargo.toml"))
-        .lines()
-        .find_map(|l| l.strip_prefix("rust-version = ").map(|v| v.trim_matches('"').to_owned()))
-        .expect("a rust-version");
+    // Every crate of the workspace: the image builds the agent and the webhook.
     let parts = |v: &str| v.split('.').map(|p| p.parse::<u32>().unwrap()).collect::<Vec<_>>();
-    assert!(parts(version) >= parts(&msrv), "rust {version} builds a crate that needs {msrv}");
+    let members = ["Cargo.toml", "crates/webhook/Cargo.toml", "crates/dnsload/Cargo.toml"];
+    for manifest in members {
+        let msrv = read(&repo().join(manifest))
+            .lines()
+            .find_map(|l| l.strip_prefix("rust-version = ").map(|v| v.trim_matches('"').to_owned()))
+            .unwrap_or_else(|| panic!("{manifest}: a rust-version"));
+        assert!(parts(version) >= parts(&msrv), "rust {version} builds {manifest}, which needs {msrv}");
+    }
     assert!(installs(build).is_superset(&BTreeSet::from([
         "libnftnl-dev",
         "libmnl-dev",
