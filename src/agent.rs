@@ -521,6 +521,7 @@ impl Agent {
             route: self.route(),
             since_unix_ms: since,
             reason: self.machine.reason().to_string(),
+            reason_kind: self.machine.reason().kind().to_owned(),
             held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,
             repairs: self.reconciler.repairs(),

@@ -255,6 +255,14 @@ pub struct RunArgs {
         default_value = "20ms"
     )]
     pub stall_look: String,
+    /// The node the agent runs on (the DaemonSet sets it from `spec.nodeName`): with an API
+    /// client, its condition NodeLocalDNSReady and Events on route changes are reported there.
+    /// Unset: nothing is reported.
+    #[arg(long, env = "NODELOCALDNS_HA_NODE_NAME")]
+    pub node_name: Option<String>,
+    /// The kubeconfig of the reports' API client; unset: the pod's service account.
+    #[arg(long, env = "NODELOCALDNS_HA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -283,6 +291,8 @@ impl RunArgs {
             socket_events: self.socket_events,
             stall_bound: self.stall_bound.clone(),
             stall_look: self.stall_look.clone(),
+            node_name: self.node_name.clone(),
+            kubeconfig: self.kubeconfig.clone(),
         }
     }
 }

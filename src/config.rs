@@ -107,6 +107,12 @@ pub enum ConfigError {
     /// The transition hook cannot be run.
     #[error("--on-transition {}: not executable (chmod +x it)", .0.display())]
     HookNotExecutable(PathBuf),
+    /// A kubeconfig for reports that have no node to go to.
+    #[error("--kubeconfig {} without --node-name: give the node's name (NODELOCALDNS_HA_NODE_NAME from spec.nodeName), or leave --kubeconfig out", .0.display())]
+    KubeconfigWithoutNode(PathBuf),
+    /// The kubeconfig is not a file.
+    #[error("--kubeconfig {}: no such file", .0.display())]
+    NoKubeconfig(PathBuf),
     /// A stall bound too short to split into a suspicion and a confirm probe.
     #[error(
         "--stall-bound={0:?} is too short: at least 6ms (a third of it waits before the confirm \
@@ -298,6 +304,8 @@ pub struct AgentConfig {
     pub socket_events: bool,
     /// Watch the cache's sockets for stalls (`crate::stall`); `None` when off.
     pub stall: Option<crate::stall::Bounds>,
+    /// Where the node condition and Events go, if anywhere.
+    pub cluster: Option<crate::cluster::Settings>,
 }
 
 /// Raw `run` settings as the command line gives them.
@@ -327,6 +335,8 @@ pub struct RawRun {
     /// `0s`: no stall watch.
     pub stall_bound: String,
     pub stall_look: String,
+    pub node_name: Option<String>,
+    pub kubeconfig: Option<PathBuf>,
 }
 
 fn cadence(
@@ -484,6 +494,7 @@ impl AgentConfig {
             hook_timeout,
             socket_events: raw.socket_events,
             stall,
+            cluster: cluster_settings(raw)?,
         })
     }
 
@@ -541,7 +552,25 @@ pub(crate) fn test_raw() -> RawRun {
         socket_events: true,
         stall_bound: "30ms".into(),
         stall_look: "20ms".into(),
+        node_name: None,
+        kubeconfig: None,
     }
+}
+
+/// The reports' settings: on with a node name; a kubeconfig given must exist.
+fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, ConfigError> {
+    let node_name = raw.node_name.as_deref().map(str::trim).filter(|n| !n.is_empty());
+    let Some(node_name) = node_name else {
+        return match &raw.kubeconfig {
+            Some(path) => Err(ConfigError::KubeconfigWithoutNode(path.clone())),
+            None => Ok(None),
+        };
+    };
+    if let Some(path) = raw.kubeconfig.as_ref().filter(|p| !p.is_file()) {
+        return Err(ConfigError::NoKubeconfig(path.clone()));
+    }
+    let (node_name, kubeconfig) = (node_name.to_owned(), raw.kubeconfig.clone());
+    Ok(Some(crate::cluster::Settings { node_name, kubeconfig }))
 }
 
 #[cfg(test)]

@@ -301,6 +301,10 @@ async fn run_with(
         spawn::spawn_metrics_endpoint(listener, metrics.clone(), health.clone(), &mut tasks);
     }
     let hooks = spawn::spawn_hooks(&cfg, &metrics, &mut tasks);
+    let reporter = match &cfg.cluster {
+        Some(settings) => spawn::spawn_reports(settings, &mut tasks).await,
+        None => None,
+    };
     let control = ControlLoop {
         cfg: &cfg,
         agent,
@@ -314,6 +318,7 @@ async fn run_with(
         hooks,
         forwarding,
         state_file,
+        reporter,
         tasks,
     };
     control.run(shutdown).await

@@ -26,6 +26,7 @@ mod beat;
 mod blocking;
 #[forbid(unsafe_code)]
 pub mod cli;
+pub mod cluster;
 #[forbid(unsafe_code)]
 pub mod config;
 #[forbid(unsafe_code)]

@@ -93,6 +93,9 @@ pub struct State {
     pub route: Route,
     pub since_unix_ms: u64,
     pub reason: String,
+    /// The reason's kind, as the metrics label it (`cache_refused`, `manual`, …).
+    #[serde(default)]
+    pub reason_kind: String,
     /// Why the route stays where it is although its resolver fails (the cache and the upstream
     /// both fail), if it does.
     pub held: Option<String>,
@@ -404,6 +407,7 @@ mod tests {
             warnings: Vec::new(),
             route: Route::Upstream,
             since_unix_ms: 900,
+            reason_kind: "cache_failing".into(),
             reason: "3 consecutive cache udp probes failed (last: timeout)".into(),
             held: None,
             transitions: 1,

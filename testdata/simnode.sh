@@ -121,6 +121,9 @@
 #   endpoint-churn-start PREFIX RATE | endpoint-churn-stop | endpoint-churn-changes PREFIX
 #     RATE EndpointSlice changes a second over the busy Services, through the API (the endpoint
 #     controller of a busy cluster); -changes prints how many were accepted so far.
+#   kube-apiserver-stop PREFIX | kube-apiserver-cont PREFIX
+#     SIGSTOP / SIGCONT to the real kube-apiserver: an API server that takes connections and
+#     answers nothing (prints when the signal went out).
 #   exec PREFIX node|pod1|pod2|dns CMD...
 # State (configs, pidfiles, logs, the xtables lock) lives in ${SIMNODE_DIR:-/tmp/simnode}/PREFIX.
 # Nothing here touches the root network namespace. Set SIMNODE_TRACE=1 to trace.
@@ -294,6 +297,8 @@ main() {
     busy-services) (($# == 1)) || usage; load_state; is_real || die "busy-services needs the real parts"; real_busy_services "$1" ;;
     endpoint-churn-start) (($# == 1)) || usage; load_state; is_real || die "endpoint-churn needs the real parts"; real_churn_start "$1" ;;
     endpoint-churn-stop) (($# == 0)) || usage; svc_term endpoint-churn ;;
+    kube-apiserver-stop) (($# == 0)) || usage; load_state; is_real || die "$cmd needs the real parts"; svc_signal kube-apiserver STOP ;;
+    kube-apiserver-cont) (($# == 0)) || usage; load_state; is_real || die "$cmd needs the real parts"; svc_signal kube-apiserver CONT ;;
     endpoint-churn-changes) (($# == 0)) || usage; cat "$RUN_DIR/endpoint-churn.changes" ;;
     netem) (($# > 0)) || usage; cmd_netem "$@" ;;
     netem-clear) (($# == 0)) || usage; cmd_netem ;;

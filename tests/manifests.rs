@@ -31,6 +31,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use nodelocaldns_ha::cli::Cli;
@@ -74,7 +75,8 @@ const LINK_LOCAL_IP: &str = "169.254.25.10";
 const NODE_CACHE_FILLS: [&str; 2] = ["__PILLAR__CLUSTER__DNS__", "__PILLAR__UPSTREAM__SERVERS__"];
 /// The kustomize components under manifests/ (`kind: Component`): the alerting rules as a
 /// PrometheusRule, whose resources the document check reads.
-const COMPONENTS: [&str; 3] = ["monitoring", "monitoring/node-local-dns", "webhook"];
+const COMPONENTS: [&str; 4] =
+    ["cluster-reports", "monitoring", "monitoring/node-local-dns", "webhook"];
 /// Prometheus's own files under manifests/, checked by promtool (tests/alerts.rs): the rules
 /// and their unit tests.
 const PROMETHEUS_FILES: [&str; 2] = ["monitoring/alerts.yaml", "monitoring/alerts_test.yaml"];
@@ -791,6 +793,20 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
                 "NetworkPolicy" => {
                     let _: NetworkPolicy = typed(doc, &origin);
                 }
+                // manifests/cluster-reports: the reports' RBAC (applied to a real API server
+                // and checked with `kubectl auth can-i` by tests/e2e_cluster.rs).
+                "ClusterRole" => {
+                    let _: ClusterRole = typed(doc, &origin);
+                }
+                "ClusterRoleBinding" => {
+                    let _: ClusterRoleBinding = typed(doc, &origin);
+                }
+                "Role" => {
+                    let _: Role = typed(doc, &origin);
+                }
+                "RoleBinding" => {
+                    let _: RoleBinding = typed(doc, &origin);
+                }
                 // cert-manager's kinds: no API types here.
                 "Issuer" | "Certificate" => {
                     assert_eq!(str_at(doc, "/apiVersion"), Some("cert-manager.io/v1"), "{origin}");
@@ -822,6 +838,8 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
     }
     let expected = [
         "Certificate",
+        "ClusterRole",
+        "ClusterRoleBinding",
         "Component",
         "ConfigMap",
         "DaemonSet",
@@ -835,6 +853,8 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
         "PodDisruptionBudget",
         "PodMonitor",
         "PrometheusRule",
+        "Role",
+        "RoleBinding",
         "Service",
         "ServiceAccount",
     ];
@@ -1805,7 +1825,10 @@ fn the_image_is_built_on_bookworm_and_runs_on_slim_bookworm() {
             .lines()
             .find_map(|l| l.strip_prefix("rust-version = ").map(|v| v.trim_matches('"').to_owned()))
             .unwrap_or_else(|| panic!("{manifest}: a rust-version"));
-        assert!(parts(version) >= parts(&msrv), "rust {version} builds {manifest}, which needs {msrv}");
+        assert!(
+            parts(version) >= parts(&msrv),
+            "rust {version} builds {manifest}, which needs {msrv}"
+        );
     }
     assert!(installs(build).is_superset(&BTreeSet::from([
         "libnftnl-dev",

@@ -211,3 +211,23 @@ fn the_metrics_address_may_bracket_an_ipv4_address_as_go_does() {
         assert_eq!(cfg.metrics_addr, Some(expected.parse().unwrap()), "{text}");
     }
 }
+
+#[test]
+fn reports_to_the_cluster_need_a_node_name_and_an_existing_kubeconfig() {
+    assert_eq!(AgentConfig::from_args(&test_raw(), no_env).unwrap().cluster, None, "off");
+    let mut r = test_raw();
+    r.node_name = Some("node-1".into());
+    let cluster = AgentConfig::from_args(&r, no_env).unwrap().cluster.expect("on");
+    assert_eq!((cluster.node_name.as_str(), cluster.kubeconfig), ("node-1", None));
+    r.node_name = Some("  ".into());
+    assert_eq!(AgentConfig::from_args(&r, no_env).unwrap().cluster, None, "a blank name");
+
+    let missing = std::path::PathBuf::from("/nonexistent/kubeconfig");
+    r.kubeconfig = Some(missing.clone());
+    let err = AgentConfig::from_args(&r, no_env).unwrap_err();
+    assert!(matches!(err, ConfigError::KubeconfigWithoutNode(_)), "{err}");
+    assert!(err.to_string().contains("--node-name"), "{err}");
+    r.node_name = Some("node-1".into());
+    let err = AgentConfig::from_args(&r, no_env).unwrap_err();
+    assert_eq!(err.to_string(), "--kubeconfig /nonexistent/kubeconfig: no such file");
+}

@@ -18,6 +18,7 @@ use super::{now, sleep_until, start_check, AgentError};
 use crate::agent::Agent;
 use crate::beat::Beat;
 use crate::blocking::blocking;
+use crate::cluster::Reporter;
 use crate::config::AgentConfig;
 use crate::control::Incoming;
 use crate::health::{Stream, Transition};
@@ -41,6 +42,8 @@ pub(super) struct ControlLoop<'a> {
     pub(super) forwarding: Option<Forwarding>,
     /// The state file, written beside the loop: a synced write must not hold a decision up.
     pub(super) state_file: state::Writer,
+    /// The reports to the cluster, handed each state the file gets (never blocks).
+    pub(super) reporter: Option<Reporter>,
     pub(super) tasks: Tasks,
 }
 
@@ -64,6 +67,7 @@ impl ControlLoop<'_> {
             hooks,
             forwarding,
             state_file,
+            reporter,
             mut tasks,
         } = self;
         let forwarders = forwarding.as_ref().map_or_else(Vec::new, |f| f.counters.clone());
@@ -78,7 +82,13 @@ impl ControlLoop<'_> {
         let mut record_stuck = false;
         // Read-backs run on blocking threads, one at a time; their results come back here.
         let (checks_tx, mut checks) = mpsc::channel(1);
-        let write_state = |agent: &Agent| state_file.submit(agent.state(now(), SystemTime::now()));
+        let write_state = |agent: &Agent| {
+            let state = agent.state(now(), SystemTime::now());
+            if let Some(reporter) = &reporter {
+                reporter.submit(&state);
+            }
+            state_file.submit(state);
+        };
         tokio::pin!(shutdown);
         let outcome = loop {
             health.beat(now());

@@ -210,3 +210,21 @@ pub(super) fn spawn_hooks(
     tasks.spawn("transition hook", hooks::run_hooks(path, rx, cfg.hook_timeout, metrics.clone()));
     Some(tx)
 }
+
+/// The reports to the cluster (the node condition, Events), if a client can be had; without
+/// one, the agent runs on from its flags alone, and says why.
+pub(super) async fn spawn_reports(
+    settings: &crate::cluster::Settings,
+    tasks: &mut Tasks,
+) -> Option<crate::cluster::Reporter> {
+    match crate::cluster::start(settings).await {
+        Ok((reporter, task)) => {
+            tasks.spawn("cluster reports", task);
+            Some(reporter)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, node = %settings.node_name, "no reports to the cluster");
+            None
+        }
+    }
+}

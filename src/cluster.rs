@@ -1,0 +1,207 @@
+//! The agent seen from the cluster: its node condition and Events, through the API server, and
+//! never in the way of the failover (`../shared/STYLE.md` pattern 13).
+//!
+//! The control loop hands the reporter each state it writes ([`Reporter::submit`]: a
+//! `watch` channel, so it never blocks and only the latest state waits); the reporter, a task of
+//! its own, turns it into the node condition [`report::CONDITION`] (server-side apply on the
+//! node's status, only when it changed, at most once a second) and one Event on the Node for the
+//! route changes since its last report ([`report::event`]: aggregated, so a flapping cache makes
+//! no storm). The API down, slow or refusing changes nothing but the reports: each failure is
+//! logged once per outage, retried with backoff (1 s doubling to 30 s; a report the API server
+//! does not answer within 5 s has failed), and the condition caught up when the API answers
+//! again; memory stays bounded (one state, no queue).
+//!
+//! On with `--node-name` (the DaemonSet sets it from the downward API) and a client: the
+//! kubeconfig of `--kubeconfig`, or the pod's service account. Off otherwise: the agent works
+//! from its flags alone.
+
+pub mod report;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Event as KubeEvent, Node};
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::state::State;
+use report::{Condition, CONDITION};
+
+/// The field manager of the agent's patches, and the Events' source.
+pub const MANAGER: &str = "nodelocaldns-ha";
+/// The least time between two condition patches.
+const MIN_SPACING: Duration = Duration::from_secs(1);
+/// How long one report may take: an API server that hangs is a failed report, retried.
+const REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Retry backoff after a failed report: from the first, doubling, to the last.
+const BACKOFF: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
+
+/// Where the reports go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// The node the agent runs on (its Node object).
+    pub node_name: String,
+    /// A kubeconfig; `None`: the pod's service account.
+    pub kubeconfig: Option<PathBuf>,
+}
+
+/// Why the reports cannot start (the agent runs without them, and says so).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading the kubeconfig {}: {source}", .path.display())]
+    Kubeconfig { path: PathBuf, source: kube::config::KubeconfigError },
+    #[error("no in-cluster configuration (give --kubeconfig, or run as a pod): {0}")]
+    InCluster(#[source] kube::config::InClusterError),
+    #[error("configuring the API client: {0}")]
+    Client(#[source] kube::Error),
+}
+
+/// The control loop's end of the reports.
+#[derive(Clone)]
+pub struct Reporter {
+    latest: watch::Sender<Option<State>>,
+}
+
+impl Reporter {
+    /// Hands the reporter `state`; never blocks, replaces any not yet reported.
+    pub fn submit(&self, state: &State) {
+        self.latest.send_replace(Some(state.clone()));
+    }
+}
+
+/// Builds the client for `settings` and returns the loop's end and the reporting task.
+pub async fn start(
+    settings: &Settings,
+) -> Result<(Reporter, impl std::future::Future<Output = ()>), Error> {
+    let config = match &settings.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .map_err(|source| Error::Kubeconfig { path: path.clone(), source })?;
+            let options = kube::config::KubeConfigOptions::default();
+            kube::Config::from_custom_kubeconfig(kubeconfig, &options)
+                .await
+                .map_err(|source| Error::Kubeconfig { path: path.clone(), source })?
+        }
+        None => kube::Config::incluster().map_err(Error::InCluster)?,
+    };
+    let client = kube::Client::try_from(config).map_err(Error::Client)?;
+    let (latest, rx) = watch::channel(None);
+    let task = report_forever(client, settings.node_name.clone(), rx);
+    Ok((Reporter { latest }, task))
+}
+
+/// What has been reported.
+#[derive(Default)]
+struct Reported {
+    condition: Option<Condition>,
+    /// The route changes counted by the last report (the first state's: the agent's start is
+    /// no change).
+    transitions: Option<u64>,
+}
+
+async fn report_forever(
+    client: kube::Client,
+    node: String,
+    mut rx: watch::Receiver<Option<State>>,
+) {
+    let nodes: Api<Node> = Api::all(client.clone());
+    // Node Events go to `default`, as kubelet's do; `kubectl describe node` finds them there.
+    let events: Api<KubeEvent> = Api::namespaced(client, "default");
+    let mut reported = Reported::default();
+    let mut failing: Option<String> = None;
+    let mut backoff = BACKOFF.0;
+    loop {
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+        loop {
+            let Some(state) = rx.borrow_and_update().clone() else { break };
+            let reporting = report(&nodes, &events, &node, &state, &mut reported);
+            let result = match tokio::time::timeout(REPORT_TIMEOUT, reporting).await {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(_) => Err(format!("no answer within {REPORT_TIMEOUT:?}")),
+            };
+            match result {
+                Ok(()) => {
+                    if failing.take().is_some() {
+                        info!(node = %node, "reporting to the API server again");
+                    }
+                    backoff = BACKOFF.0;
+                    tokio::time::sleep(MIN_SPACING).await;
+                    if !rx.has_changed().unwrap_or(false) {
+                        break;
+                    }
+                }
+                Err(said) => {
+                    // Said once per outage; the next state, or the retry, tries again.
+                    if failing.is_none() {
+                        warn!(node = %node, error = %said, "reporting to the API server failed; retrying with backoff (the failover does not depend on it)");
+                    }
+                    failing = Some(said);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(BACKOFF.1);
+                }
+            }
+        }
+    }
+}
+
+/// Reports `state`: the Event for the route changes since the last report, then the condition
+/// if it changed.
+async fn report(
+    nodes: &Api<Node>,
+    events: &Api<KubeEvent>,
+    node: &str,
+    state: &State,
+    reported: &mut Reported,
+) -> Result<(), kube::Error> {
+    let since = *reported.transitions.get_or_insert(state.transitions);
+    if let Some(event) = report::event(since, state) {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let body = json!({
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": format!("{node}.nodelocaldns-ha."), "namespace": "default"},
+            // kubelet's own reference to the node: its name as the uid.
+            "involvedObject": {"kind": "Node", "name": node, "uid": node, "apiVersion": "v1"},
+            "reason": event.reason,
+            "message": event.message,
+            "type": event.kind,
+            "count": event.count,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "source": {"component": MANAGER, "host": node},
+            "reportingComponent": MANAGER,
+            "reportingInstance": node,
+        });
+        let event: KubeEvent = serde_json::from_value(body).map_err(kube::Error::SerdeError)?;
+        events.create(&PostParams::default(), &event).await?;
+        reported.transitions = Some(state.transitions);
+    }
+    let condition = report::condition(state);
+    if reported.condition.as_ref() != Some(&condition) {
+        let since = k8s_openapi::jiff::Timestamp::from_millisecond(condition.since_unix_ms as i64)
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let status = json!({
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": node},
+            "status": {"conditions": [{
+                "type": CONDITION,
+                "status": condition.status,
+                "reason": condition.reason,
+                "message": condition.message,
+                "lastTransitionTime": since,
+                "lastHeartbeatTime": now,
+            }]},
+        });
+        let params = PatchParams::apply(MANAGER).force();
+        nodes.patch_status(node, &params, &Patch::Apply(&status)).await?;
+        reported.condition = Some(condition);
+    }
+    Ok(())
+}

@@ -1,0 +1,148 @@
+//! What the agent tells the cluster, decided from its state alone (pure): the node condition
+//! [`CONDITION`] and an Event for the route changes since the last report.
+
+use crate::ruleset::Route;
+use crate::state::State;
+
+/// The node condition's type.
+pub const CONDITION: &str = "NodeLocalDNSReady";
+
+/// The node condition, as patched on the node's status.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Condition {
+    /// `True`: node-local-dns serves the node's pods; `False`: it does not (failed over, held,
+    /// forced, draining).
+    pub status: &'static str,
+    /// CamelCase, as conditions' reasons are.
+    pub reason: &'static str,
+    pub message: String,
+    /// Since when the route is what it is (ms since the epoch): the condition's
+    /// `lastTransitionTime`.
+    pub since_unix_ms: u64,
+}
+
+/// The condition `state` describes.
+pub fn condition(state: &State) -> Condition {
+    let serving = state.route == Route::Local;
+    let status = if serving && state.held.is_none() { "True" } else { "False" };
+    let (reason, message) = match (&state.held, state.reason_kind.as_str(), state.route) {
+        (Some(held), _, Route::Local) => {
+            ("CacheFailingHeld", format!("the cache fails, but so does CoreDNS: {held}"))
+        }
+        (Some(held), _, Route::Upstream) => {
+            ("CoreDNSFailingHeld", format!("CoreDNS fails, but the cache is not back: {held}"))
+        }
+        (None, "manual", _) => ("ForcedByHand", state.reason.clone()),
+        (None, "drain", _) => ("Draining", state.reason.clone()),
+        (None, "firewall", _) => ("PathBlocked", state.reason.clone()),
+        (None, _, Route::Local) => {
+            ("CacheServing", format!("node-local-dns serves: {}", state.reason))
+        }
+        (None, _, Route::Upstream) => {
+            ("FailedOverToCoreDNS", format!("queries go to CoreDNS: {}", state.reason))
+        }
+    };
+    Condition { status, reason, message, since_unix_ms: state.since_unix_ms }
+}
+
+/// An Event on the node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Event {
+    /// `Normal` or `Warning`.
+    pub kind: &'static str,
+    pub reason: &'static str,
+    pub message: String,
+    /// How many route changes it stands for (more than one: a flapping cache, reported once).
+    pub count: u64,
+}
+
+/// The Event for the route changes between `reported` (the transitions counted at the last
+/// report) and `state`, if there were any: one Event, however many (aggregated, as the event
+/// recorder does, so a flapping cache makes no storm).
+pub fn event(reported: u64, state: &State) -> Option<Event> {
+    let count = state.transitions.checked_sub(reported).filter(|&n| n > 0)?;
+    let (kind, reason, what) = match (state.route, state.reason_kind.as_str()) {
+        (_, "manual") => ("Normal", "RouteForced", "node-local DNS route forced"),
+        (_, "drain") => ("Normal", "Draining", "node-local DNS draining the cache"),
+        (Route::Upstream, _) => {
+            ("Warning", "FailedOverToCoreDNS", "node-local DNS failed over to CoreDNS")
+        }
+        (Route::Local, _) => ("Normal", "BackToCache", "node-local DNS back to the cache"),
+    };
+    let message = match count {
+        1 => format!("{what}: {}", state.reason),
+        n => format!("{what} ({n} route changes since the last report): {}", state.reason),
+    };
+    Some(Event { kind, reason, message, count })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(
+        route: Route,
+        kind: &str,
+        reason: &str,
+        held: Option<&str>,
+        transitions: u64,
+    ) -> State {
+        let mut s: State = serde_json::from_value(serde_json::json!({
+            "version": 1, "pid": 1, "updated_unix_ms": 5, "dataplane": "nftables",
+            "route": "local", "since_unix_ms": 3, "reason": "", "held": null, "transitions": 0,
+            "repairs": 0, "last_error": null,
+            "probes": crate::state::Probes::default(),
+        }))
+        .expect("a state");
+        s.route = route;
+        s.reason_kind = kind.into();
+        s.reason = reason.into();
+        s.held = held.map(Into::into);
+        s.transitions = transitions;
+        s
+    }
+
+    #[test]
+    fn the_condition_says_whether_the_cache_serves_and_why() {
+        let cases = [
+            (Route::Local, "start", None, "True", "CacheServing"),
+            (Route::Local, "cache_recovered", None, "True", "CacheServing"),
+            (Route::Upstream, "cache_refused", None, "False", "FailedOverToCoreDNS"),
+            (Route::Upstream, "cache_stalled", None, "False", "FailedOverToCoreDNS"),
+            (Route::Local, "cache_failing", Some("upstream failed 3"), "False", "CacheFailingHeld"),
+            (
+                Route::Upstream,
+                "cache_refused",
+                Some("cache not back"),
+                "False",
+                "CoreDNSFailingHeld",
+            ),
+            (Route::Upstream, "manual", None, "False", "ForcedByHand"),
+            (Route::Local, "manual", None, "True", "ForcedByHand"),
+            (Route::Upstream, "drain", None, "False", "Draining"),
+            (Route::Upstream, "firewall", None, "False", "PathBlocked"),
+        ];
+        for (route, kind, held, status, reason) in cases {
+            let c = condition(&state(route, kind, "why", held, 0));
+            assert_eq!((c.status, c.reason), (status, reason), "{route:?} {kind} {held:?}");
+            assert!(c.message.contains(held.unwrap_or("why")), "{}", c.message);
+            assert_eq!(c.since_unix_ms, 3);
+        }
+    }
+
+    #[test]
+    fn one_event_per_report_however_many_changes() {
+        let s = state(Route::Upstream, "cache_refused", "cache udp probe refused", None, 1);
+        assert_eq!(event(1, &s), None, "nothing changed since");
+        let e = event(0, &s).expect("an event");
+        assert_eq!((e.kind, e.reason, e.count), ("Warning", "FailedOverToCoreDNS", 1));
+        assert_eq!(e.message, "node-local DNS failed over to CoreDNS: cache udp probe refused");
+        let back = state(Route::Local, "cache_recovered", "cache answered 3", None, 2);
+        let e = event(1, &back).expect("an event");
+        assert_eq!((e.kind, e.reason, e.count), ("Normal", "BackToCache", 1));
+        // A flapping cache between two reports: one event, counted.
+        let e = event(2, &state(Route::Upstream, "cache_failing", "3 failed", None, 9)).unwrap();
+        assert_eq!(e.count, 7);
+        assert!(e.message.contains("7 route changes"), "{}", e.message);
+    }
+}

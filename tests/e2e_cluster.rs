@@ -1,0 +1,211 @@
+//! The agent part of the cluster (issue 33), on the simulated node's real kube-apiserver
+//! (`--kube-proxy real-iptables`, issue 31): with `--node-name` and `--kubeconfig`, the node's
+//! condition NodeLocalDNSReady and one Event per route change, as `kubectl` shows them.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use testkit::*;
+
+/// `kubectl ARGS -o json` as the cluster's admin, parsed.
+fn get(node: &SimNode, args: &[&str]) -> Value {
+    let out = node.kubectl().args(args).args(["-o", "json"]).output().expect("kubectl");
+    assert!(out.status.success(), "kubectl {args:?}: {}", describe(&out));
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
+
+/// The node's NodeLocalDNSReady condition, if it has one.
+fn condition(node: &SimNode, name: &str) -> Option<Value> {
+    let conditions = get(node, &["get", "node", name])["status"]["conditions"].clone();
+    conditions.as_array()?.iter().find(|c| c["type"] == "NodeLocalDNSReady").cloned()
+}
+
+/// Waits until the condition has `status` and `reason`; returns it.
+fn wait_condition(node: &SimNode, name: &str, status: &str, reason: &str) -> Value {
+    let what = format!("condition NodeLocalDNSReady {status} {reason}");
+    wait_for(&what, Duration::from_secs(15), || {
+        condition(node, name).filter(|c| c["status"] == status && c["reason"] == reason)
+    })
+}
+
+/// The node's Events by the agent, oldest first.
+fn events(node: &SimNode, name: &str) -> Vec<Value> {
+    let selector = format!("involvedObject.kind=Node,involvedObject.name={name}");
+    let list = get(node, &["get", "events", "-n", "default", "--field-selector", &selector]);
+    let mut items: Vec<Value> = list["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["source"]["component"] == "nodelocaldns-ha")
+        .cloned()
+        .collect();
+    items.sort_by_key(|e| e["metadata"]["creationTimestamp"].as_str().unwrap_or("").to_owned());
+    items
+}
+
+/// Acceptance 1: a cache SIGKILL and its recovery: the condition goes to FailedOverToCoreDNS
+/// with the reason, then back to CacheServing; exactly one Event per route change, and
+/// `kubectl describe node` shows both.
+#[test]
+fn the_nodes_condition_and_events_follow_a_cache_kill() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
+    let agent = node.agent(&["--node-name", &name, "--kubeconfig", &kubeconfig]);
+    let serving = wait_condition(&node, &name, "True", "CacheServing");
+    println!("at start: {serving}");
+    assert!(events(&node, &name).is_empty(), "the start is no route change");
+
+    node.kill("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    let failed = wait_condition(&node, &name, "False", "FailedOverToCoreDNS");
+    println!("failed over: {failed}");
+    assert!(failed["message"].as_str().unwrap().contains("refused"), "{failed}");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    wait_condition(&node, &name, "True", "CacheServing");
+
+    let seen = wait_for("two Events", Duration::from_secs(10), || {
+        Some(events(&node, &name)).filter(|e| e.len() >= 2)
+    });
+    let reasons: Vec<_> = seen.iter().map(|e| (e["reason"].clone(), e["count"].clone())).collect();
+    assert_eq!(
+        reasons,
+        [
+            (Value::from("FailedOverToCoreDNS"), Value::from(1)),
+            (Value::from("BackToCache"), Value::from(1))
+        ],
+        "{seen:?}"
+    );
+    assert_eq!(seen[0]["type"], "Warning");
+    let out = node.kubectl().args(["describe", "node", &name]).output().expect("kubectl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    for shown in ["NodeLocalDNSReady", "FailedOverToCoreDNS", "BackToCache"] {
+        assert!(text.contains(shown), "kubectl describe node shows {shown}:\n{text}");
+    }
+    node.tear_down(agent);
+}
+
+/// Acceptance 4: the API server hung (SIGSTOP: it takes connections and answers nothing)
+/// through a cache SIGKILL and its recovery: the failover is as without it (no pod lookup
+/// fails), the reporting failure is logged once, and once the API server answers again the
+/// condition is caught up and the route changes are reported, in one Event.
+#[test]
+fn a_hung_api_server_changes_nothing_in_the_failover_and_is_caught_up() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
+    let agent = node.agent(&["--node-name", &name, "--kubeconfig", &kubeconfig]);
+    wait_condition(&node, &name, "True", "CacheServing");
+    let args = ["--rate", "300", "--duration", "60s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    pod.wait_alone("cache");
+
+    node.script(&["kube-apiserver-stop"]);
+    let (killed_at, gone_at) = node.kill("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    pod.wait_alone("coredns");
+    wait_for("the reporting failure in the log", Duration::from_secs(15), || {
+        agent.log_text().contains("reporting to the API server failed").then_some(())
+    });
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    pod.wait_alone("cache");
+    let summary = pod.interrupt();
+    println!("pod: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_lost_to_the_kill("pod", &summary, killed_at, gone_at);
+
+    node.script(&["kube-apiserver-cont"]);
+    wait_for("reporting again", Duration::from_secs(40), || {
+        agent.log_text().contains("reporting to the API server again").then_some(())
+    });
+    let log = agent.log_text();
+    assert_eq!(log.matches("reporting to the API server failed").count(), 1, "{log}");
+    let back = wait_condition(&node, &name, "True", "CacheServing");
+    println!("caught up: {back}");
+    let seen = wait_for("the Event of the two changes", Duration::from_secs(10), || {
+        Some(events(&node, &name)).filter(|e| !e.is_empty())
+    });
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(
+        (&seen[0]["reason"], &seen[0]["count"]),
+        (&Value::from("BackToCache"), &Value::from(2))
+    );
+    node.tear_down(agent);
+}
+
+/// Acceptance 5: the reports' RBAC is the least they need. The base with the cluster-reports
+/// component, built by kubectl's kustomize, is accepted by the real API server (server-side dry
+/// run); its RBAC applied, the agent's service account may patch nodes/status and create Events
+/// in `default`, and nothing else asked of it.
+#[test]
+fn the_reports_rbac_is_the_least_they_need() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = node.dir.join("kustomize-reports");
+    std::fs::create_dir_all(&dir).unwrap();
+    // kustomize takes relative paths only: up to / from the scratch directory, then down.
+    let up = "../".repeat(dir.components().count() - 1);
+    let from_root =
+        |p: &str| format!("{up}{}", repo.join(p).display().to_string().trim_start_matches('/'));
+    let kustomization = format!(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{}]\ncomponents: [{}]\n",
+        from_root("manifests/base"),
+        from_root("manifests/cluster-reports"),
+    );
+    std::fs::write(dir.join("kustomization.yaml"), kustomization).unwrap();
+    let run = |args: &[&str]| {
+        let out = node.kubectl().args(args).output().expect("kubectl");
+        (out.status.success(), describe(&out))
+    };
+    let dir_arg = dir.display().to_string();
+    let built = node
+        .kubectl()
+        .args(["kustomize", &dir_arg, "--load-restrictor", "LoadRestrictionsNone"])
+        .output()
+        .expect("kubectl kustomize");
+    assert!(built.status.success(), "{}", describe(&built));
+    let text = String::from_utf8(built.stdout).unwrap();
+    assert!(text.contains("NODELOCALDNS_HA_NODE_NAME"), "{text}");
+    let manifest = node.dir.join("reports.yaml");
+    std::fs::write(&manifest, &text).unwrap();
+    let manifest = manifest.display().to_string();
+    let (ok, out) = run(&["apply", "--dry-run=server", "-f", &manifest]);
+    assert!(ok, "the API server accepts the base with the component: {out}");
+
+    let rbac = repo.join("manifests/cluster-reports/rbac.yaml").display().to_string();
+    let account = repo.join("manifests/base/serviceaccount.yaml").display().to_string();
+    for file in [&account, &rbac] {
+        let (ok, out) = run(&["apply", "-f", file]);
+        assert!(ok, "{out}");
+    }
+    let who = "--as=system:serviceaccount:kube-system:nodelocaldns-ha";
+    // `what` as RESOURCE or RESOURCE/SUBRESOURCE (can-i reads `nodes/status` as a node's name).
+    let can = |verb: &str, what: &str, namespace: &str| {
+        let (resource, sub) = what.split_once('/').unwrap_or((what, ""));
+        let mut cmd = node.kubectl();
+        cmd.args(["auth", "can-i", verb, resource, "-n", namespace, who]);
+        if !sub.is_empty() {
+            cmd.arg(format!("--subresource={sub}"));
+        }
+        let out = cmd.output().expect("kubectl auth can-i");
+        String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    };
+    // RBAC objects take effect through the API server's informer: wait for the first grant.
+    wait_for("the grant in force", Duration::from_secs(10), || {
+        can("patch", "nodes/status", "default").then_some(())
+    });
+    assert!(can("create", "events", "default"));
+    for (verb, what, namespace) in [
+        ("patch", "nodes", "default"),
+        ("get", "nodes", "default"),
+        ("update", "nodes/status", "default"),
+        ("create", "events", "kube-system"),
+        ("delete", "events", "default"),
+        ("get", "secrets", "kube-system"),
+        ("list", "pods", "default"),
+    ] {
+        assert!(!can(verb, what, namespace), "{verb} {what} in {namespace} is not needed");
+    }
+}
