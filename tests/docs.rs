@@ -42,10 +42,11 @@ fn fail_safe_rows(readme: &str) -> Vec<(String, Vec<String>)> {
     rows
 }
 
-/// Every test that runs (`#[test]`, not `#[ignore]`d) among the `.rs` files under `tests/`.
+/// Every test that runs (`#[test]`, not `#[ignore]`d) among the `.rs` files under `tests/`,
+/// `src/` and the workspace's other crates.
 fn test_names(root: &Path) -> Vec<String> {
     let mut names = Vec::new();
-    for dir in ["tests", "src"] {
+    for dir in ["tests", "src", "crates"] {
         for path in rust_files(&root.join(dir)) {
             names.extend(tests_in(&std::fs::read_to_string(&path).expect("read test file")));
         }
