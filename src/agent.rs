@@ -52,6 +52,8 @@ pub struct Notes {
     pub accepts_in: Vec<String>,
     /// Why the link-local IP is not failed over although it should be.
     pub link_local_off: Option<String>,
+    /// The startup taint's key (`--startup-taint`).
+    pub startup_taint: Option<String>,
 }
 
 /// The synchronous core of the agent.
@@ -505,7 +507,7 @@ impl Agent {
     /// The state file's content; `now` and `wall` are the same moment on both clocks.
     pub fn state(&self, now: Instant, wall: SystemTime) -> State {
         let since = crate::overrides::Moment { now, wall }.unix_ms_at(self.machine.since());
-        State {
+        let mut state = State {
             version: state::VERSION,
             pid: std::process::id(),
             updated_unix_ms: state::unix_ms(wall),
@@ -522,13 +524,19 @@ impl Agent {
             since_unix_ms: since,
             reason: self.machine.reason().to_string(),
             reason_kind: self.machine.reason().kind().to_owned(),
+            startup_taint: None,
             held: self.machine.held().map(ToString::to_string),
             transitions: self.transitions,
             repairs: self.reconciler.repairs(),
             last_error: self.reconciler.last_error().map(str::to_owned),
             probes: self.probes.clone(),
             forwarded: self.forwarded.clone(),
-        }
+        };
+        state.startup_taint = self.notes.startup_taint.clone().map(|key| {
+            let kept = crate::cluster::report::taint_kept(&state);
+            crate::state::StartupTaint { key, kept }
+        });
+        state
     }
 }
 

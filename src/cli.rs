@@ -263,6 +263,10 @@ pub struct RunArgs {
     /// The kubeconfig of the reports' API client; unset: the pod's service account.
     #[arg(long, env = "NODELOCALDNS_HA_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
+    /// A taint on the node (its key) that the reports remove once the cache has answered and
+    /// the ruleset is in, so that workloads are scheduled where DNS works; needs --node-name.
+    #[arg(long, env = "NODELOCALDNS_HA_STARTUP_TAINT")]
+    pub startup_taint: Option<String>,
 }
 
 impl RunArgs {
@@ -293,6 +297,7 @@ impl RunArgs {
             stall_look: self.stall_look.clone(),
             node_name: self.node_name.clone(),
             kubeconfig: self.kubeconfig.clone(),
+            startup_taint: self.startup_taint.clone(),
         }
     }
 }

@@ -45,6 +45,8 @@ pub struct Settings {
     pub node_name: String,
     /// A kubeconfig; `None`: the pod's service account.
     pub kubeconfig: Option<PathBuf>,
+    /// The startup taint's key, removed from the node once the state says it may go.
+    pub startup_taint: Option<String>,
 }
 
 /// Why the reports cannot start (the agent runs without them, and says so).
@@ -99,6 +101,8 @@ struct Reported {
     /// The route changes counted by the last report (the first state's: the agent's start is
     /// no change).
     transitions: Option<u64>,
+    /// Whether the startup taint is off the node.
+    taint_removed: bool,
 }
 
 async fn report_forever(
@@ -203,5 +207,30 @@ async fn report(
         nodes.patch_status(node, &params, &Patch::Apply(&status)).await?;
         reported.condition = Some(condition);
     }
+    if let Some(taint) = state.startup_taint.as_ref().filter(|t| t.kept.is_none()) {
+        if !reported.taint_removed {
+            remove_taint(nodes, node, &taint.key).await?;
+            reported.taint_removed = true;
+            info!(node, key = %taint.key, "removed the startup taint: the cache answered and the ruleset is in");
+        }
+    }
+    Ok(())
+}
+
+/// Removes the taints with `key` from `node`: the node's taints read, then written back without
+/// them, on the condition that nobody changed the node in between (its resourceVersion; a
+/// conflict fails the report, which is retried).
+async fn remove_taint(nodes: &Api<Node>, node: &str, key: &str) -> Result<(), kube::Error> {
+    let current = nodes.get(node).await?;
+    let taints = current.spec.and_then(|s| s.taints).unwrap_or_default();
+    if !taints.iter().any(|t| t.key == key) {
+        return Ok(());
+    }
+    let kept: Vec<_> = taints.into_iter().filter(|t| t.key != key).collect();
+    let patch = json!({
+        "metadata": {"resourceVersion": current.metadata.resource_version},
+        "spec": {"taints": kept},
+    });
+    nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(())
 }

@@ -113,6 +113,12 @@ pub enum ConfigError {
     /// The kubeconfig is not a file.
     #[error("--kubeconfig {}: no such file", .0.display())]
     NoKubeconfig(PathBuf),
+    /// A startup taint with no node to remove it from.
+    #[error("--startup-taint {0:?} without --node-name: give the node's name (NODELOCALDNS_HA_NODE_NAME from spec.nodeName)")]
+    TaintWithoutNode(String),
+    /// A taint key Kubernetes would refuse.
+    #[error("--startup-taint {0:?} is not a taint key: [prefix/]name, the name at most 63 characters of letters, digits, '.', '_' and '-', alphanumeric at both ends")]
+    BadTaintKey(String),
     /// A stall bound too short to split into a suspicion and a confirm probe.
     #[error(
         "--stall-bound={0:?} is too short: at least 6ms (a third of it waits before the confirm \
@@ -337,6 +343,7 @@ pub struct RawRun {
     pub stall_look: String,
     pub node_name: Option<String>,
     pub kubeconfig: Option<PathBuf>,
+    pub startup_taint: Option<String>,
 }
 
 fn cadence(
@@ -554,23 +561,43 @@ pub(crate) fn test_raw() -> RawRun {
         stall_look: "20ms".into(),
         node_name: None,
         kubeconfig: None,
+        startup_taint: None,
     }
 }
 
 /// The reports' settings: on with a node name; a kubeconfig given must exist.
 fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, ConfigError> {
     let node_name = raw.node_name.as_deref().map(str::trim).filter(|n| !n.is_empty());
+    let taint = raw.startup_taint.as_deref().map(str::trim);
     let Some(node_name) = node_name else {
-        return match &raw.kubeconfig {
-            Some(path) => Err(ConfigError::KubeconfigWithoutNode(path.clone())),
-            None => Ok(None),
+        return match (&raw.kubeconfig, taint) {
+            (Some(path), _) => Err(ConfigError::KubeconfigWithoutNode(path.clone())),
+            (None, Some(key)) => Err(ConfigError::TaintWithoutNode(key.to_owned())),
+            (None, None) => Ok(None),
         };
     };
     if let Some(path) = raw.kubeconfig.as_ref().filter(|p| !p.is_file()) {
         return Err(ConfigError::NoKubeconfig(path.clone()));
     }
+    // A taint key: an optional DNS-subdomain prefix and `/`, then a name of at most 63
+    // characters of [A-Za-z0-9._-], starting and ending alphanumeric.
+    if let Some(key) = taint {
+        let name = key.rsplit('/').next().unwrap_or(key);
+        let valid = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
+        let ends = |s: &str| s.chars().next().zip(s.chars().last());
+        let ok = !name.is_empty()
+            && name.len() <= 63
+            && name.chars().all(valid)
+            && ends(name)
+                .is_some_and(|(a, b)| a.is_ascii_alphanumeric() && b.is_ascii_alphanumeric())
+            && key.matches('/').count() <= 1;
+        if !ok {
+            return Err(ConfigError::BadTaintKey(key.to_owned()));
+        }
+    }
     let (node_name, kubeconfig) = (node_name.to_owned(), raw.kubeconfig.clone());
-    Ok(Some(crate::cluster::Settings { node_name, kubeconfig }))
+    let startup_taint = taint.map(str::to_owned);
+    Ok(Some(crate::cluster::Settings { node_name, kubeconfig, startup_taint }))
 }
 
 #[cfg(test)]

@@ -278,7 +278,8 @@ async fn run_with(
             forwarding.renew_lease();
         }
     }
-    agent.set_notes(Notes { link_local_off, ..notes });
+    let startup_taint = cfg.cluster.as_ref().and_then(|c| c.startup_taint.clone());
+    agent.set_notes(Notes { link_local_off, startup_taint, ..notes });
     agent.set_leftovers(leftovers);
     blocking(|| agent.remove_leftovers());
     let state_file = state::Writer::start(cfg.state_dir.clone());

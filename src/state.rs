@@ -65,6 +65,15 @@ pub struct Forwarded {
     pub dropped: u64,
 }
 
+/// The startup taint: the node's taint that keeps workloads off until its DNS works.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StartupTaint {
+    /// The taint's key.
+    pub key: String,
+    /// Why it stays on the node; `None`: it may go (the reports remove it).
+    pub kept: Option<String>,
+}
+
 /// What `status` shows.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct State {
@@ -96,6 +105,9 @@ pub struct State {
     /// The reason's kind, as the metrics label it (`cache_refused`, `manual`, …).
     #[serde(default)]
     pub reason_kind: String,
+    /// The startup taint (`--startup-taint`), when one is configured.
+    #[serde(default)]
+    pub startup_taint: Option<StartupTaint>,
     /// Why the route stays where it is although its resolver fails (the cache and the upstream
     /// both fail), if it does.
     pub held: Option<String>,
@@ -408,6 +420,7 @@ mod tests {
             route: Route::Upstream,
             since_unix_ms: 900,
             reason_kind: "cache_failing".into(),
+            startup_taint: None,
             reason: "3 consecutive cache udp probes failed (last: timeout)".into(),
             held: None,
             transitions: 1,

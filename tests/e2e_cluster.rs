@@ -136,9 +136,10 @@ fn a_hung_api_server_changes_nothing_in_the_failover_and_is_caught_up() {
 }
 
 /// Acceptance 5: the reports' RBAC is the least they need. The base with the cluster-reports
-/// component, built by kubectl's kustomize, is accepted by the real API server (server-side dry
-/// run); its RBAC applied, the agent's service account may patch nodes/status and create Events
-/// in `default`, and nothing else asked of it.
+/// component and its startup-taint one, built by kubectl's kustomize, is accepted by the real
+/// API server (server-side dry run); the reports' RBAC applied, the agent's service account may
+/// patch nodes/status and create Events in `default`, and nothing else asked of it; the startup
+/// taint's added, it may also get and patch nodes, and no more.
 #[test]
 fn the_reports_rbac_is_the_least_they_need() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
@@ -150,9 +151,10 @@ fn the_reports_rbac_is_the_least_they_need() {
     let from_root =
         |p: &str| format!("{up}{}", repo.join(p).display().to_string().trim_start_matches('/'));
     let kustomization = format!(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{}]\ncomponents: [{}]\n",
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [{}]\ncomponents: [{}, {}]\n",
         from_root("manifests/base"),
         from_root("manifests/cluster-reports"),
+        from_root("manifests/cluster-reports/startup-taint"),
     );
     std::fs::write(dir.join("kustomization.yaml"), kustomization).unwrap();
     let run = |args: &[&str]| {
@@ -168,6 +170,7 @@ fn the_reports_rbac_is_the_least_they_need() {
     assert!(built.status.success(), "{}", describe(&built));
     let text = String::from_utf8(built.stdout).unwrap();
     assert!(text.contains("NODELOCALDNS_HA_NODE_NAME"), "{text}");
+    assert!(text.contains("NODELOCALDNS_HA_STARTUP_TAINT"), "{text}");
     let manifest = node.dir.join("reports.yaml");
     std::fs::write(&manifest, &text).unwrap();
     let manifest = manifest.display().to_string();
@@ -197,9 +200,21 @@ fn the_reports_rbac_is_the_least_they_need() {
         can("patch", "nodes/status", "default").then_some(())
     });
     assert!(can("create", "events", "default"));
+    let only_reports = [("patch", "nodes", "default"), ("get", "nodes", "default")];
+    for (verb, what, namespace) in only_reports {
+        assert!(!can(verb, what, namespace), "{verb} {what}: not for the reports alone");
+    }
+    // The startup taint's component adds the node's read and patch, and nothing more.
+    let taint_rbac = repo.join("manifests/cluster-reports/startup-taint/rbac.yaml");
+    let (ok, out) = run(&["apply", "-f", &taint_rbac.display().to_string()]);
+    assert!(ok, "{out}");
+    wait_for("the taint's grant in force", Duration::from_secs(10), || {
+        can("patch", "nodes", "default").then_some(())
+    });
+    assert!(can("get", "nodes", "default"));
     for (verb, what, namespace) in [
-        ("patch", "nodes", "default"),
-        ("get", "nodes", "default"),
+        ("delete", "nodes", "default"),
+        ("create", "nodes", "default"),
         ("update", "nodes/status", "default"),
         ("create", "events", "kube-system"),
         ("delete", "events", "default"),
@@ -208,4 +223,46 @@ fn the_reports_rbac_is_the_least_they_need() {
     ] {
         assert!(!can(verb, what, namespace), "{verb} {what} in {namespace} is not needed");
     }
+}
+
+/// Whether `name`'s taints have one with `key`.
+fn tainted(node: &SimNode, name: &str, key: &str) -> bool {
+    let taints = get(node, &["get", "node", name])["spec"]["taints"].clone();
+    taints.as_array().into_iter().flatten().any(|t| t["key"] == key)
+}
+
+/// Acceptance 2: `--startup-taint`: with the cache dead at start the taint stays (the agent
+/// reports all the same, and `status` says why it stays); once the cache answers and the
+/// ruleset is in, the taint goes.
+#[test]
+fn the_startup_taint_goes_only_once_the_cache_answers() {
+    const KEY: &str = "nodelocaldns-ha.io/dns-not-ready";
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let out = node.kubectl().args(["taint", "node", &name, &format!("{KEY}:NoSchedule")]).output();
+    let out = out.expect("kubectl taint");
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(tainted(&node, &name, KEY));
+    node.kill("cache-kill");
+    let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
+    let agent =
+        node.agent(&["--node-name", &name, "--kubeconfig", &kubeconfig, "--startup-taint", KEY]);
+    // Reported (the reports work), and the taint stays.
+    wait_condition(&node, &name, "False", "FailedOverToCoreDNS");
+    assert!(tainted(&node, &name, KEY), "the taint went with the cache dead");
+    let dir = agent.state_dir.display().to_string();
+    let status = node.cli(&["status", "--state-dir", &dir]);
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains(&format!("taint:       {KEY} kept: the cache has not answered")),
+        "{text}"
+    );
+
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    wait_for("the taint gone", Duration::from_secs(15), || {
+        (!tainted(&node, &name, KEY)).then_some(())
+    });
+    assert!(agent.log_text().contains("removed the startup taint"), "{}", agent.log_text());
+    node.tear_down(agent);
 }

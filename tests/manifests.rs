@@ -75,8 +75,13 @@ const LINK_LOCAL_IP: &str = "169.254.25.10";
 const NODE_CACHE_FILLS: [&str; 2] = ["__PILLAR__CLUSTER__DNS__", "__PILLAR__UPSTREAM__SERVERS__"];
 /// The kustomize components under manifests/ (`kind: Component`): the alerting rules as a
 /// PrometheusRule, whose resources the document check reads.
-const COMPONENTS: [&str; 4] =
-    ["cluster-reports", "monitoring", "monitoring/node-local-dns", "webhook"];
+const COMPONENTS: [&str; 5] = [
+    "cluster-reports",
+    "cluster-reports/startup-taint",
+    "monitoring",
+    "monitoring/node-local-dns",
+    "webhook",
+];
 /// Prometheus's own files under manifests/, checked by promtool (tests/alerts.rs): the rules
 /// and their unit tests.
 const PROMETHEUS_FILES: [&str; 2] = ["monitoring/alerts.yaml", "monitoring/alerts_test.yaml"];

@@ -76,6 +76,22 @@ pub fn event(reported: u64, state: &State) -> Option<Event> {
     Some(Event { kind, reason, message, count })
 }
 
+/// Why the startup taint stays on the node, as `state` says; `None`: it may go. It goes once the
+/// cache has answered a probe, the ruleset of route Local is in, and nothing is held: a node
+/// whose pods' DNS works through its cache.
+pub fn taint_kept(state: &State) -> Option<String> {
+    if state.probes.cache_udp.good == 0 {
+        return Some("the cache has not answered a probe yet".into());
+    }
+    if let Some(error) = &state.last_error {
+        return Some(format!("the ruleset is not in: {error}"));
+    }
+    if state.route != Route::Local || state.held.is_some() {
+        return Some(format!("the cache does not serve: {}", state.reason));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,6 +144,20 @@ mod tests {
             assert!(c.message.contains(held.unwrap_or("why")), "{}", c.message);
             assert_eq!(c.since_unix_ms, 3);
         }
+    }
+
+    #[test]
+    fn the_startup_taint_goes_once_the_cache_answered_and_the_ruleset_is_in() {
+        let mut s = state(Route::Local, "start", "started with route local", None, 0);
+        assert_eq!(taint_kept(&s).as_deref(), Some("the cache has not answered a probe yet"));
+        s.probes.cache_udp.good = 1;
+        assert_eq!(taint_kept(&s), None);
+        s.last_error = Some("iptables-restore: lock".into());
+        assert!(taint_kept(&s).unwrap().contains("the ruleset is not in"));
+        s.last_error = None;
+        s.route = Route::Upstream;
+        s.reason = "cache udp probe refused".into();
+        assert!(taint_kept(&s).unwrap().contains("cache udp probe refused"));
     }
 
     #[test]

@@ -231,3 +231,19 @@ fn reports_to_the_cluster_need_a_node_name_and_an_existing_kubeconfig() {
     let err = AgentConfig::from_args(&r, no_env).unwrap_err();
     assert_eq!(err.to_string(), "--kubeconfig /nonexistent/kubeconfig: no such file");
 }
+
+#[test]
+fn a_startup_taint_needs_a_node_name_and_a_valid_key() {
+    let mut r = test_raw();
+    r.startup_taint = Some("nodelocaldns-ha.io/dns-not-ready".into());
+    let err = AgentConfig::from_args(&r, no_env).unwrap_err();
+    assert!(matches!(err, ConfigError::TaintWithoutNode(_)), "{err}");
+    r.node_name = Some("node-1".into());
+    let cluster = AgentConfig::from_args(&r, no_env).unwrap().cluster.unwrap();
+    assert_eq!(cluster.startup_taint.as_deref(), Some("nodelocaldns-ha.io/dns-not-ready"));
+    for bad in ["", "-x", "a/b/c", "x y", "x:NoSchedule", &"k".repeat(64)] {
+        r.startup_taint = Some(bad.to_owned());
+        let err = AgentConfig::from_args(&r, no_env).unwrap_err();
+        assert!(matches!(err, ConfigError::BadTaintKey(_)), "{bad:?}: {err}");
+    }
+}

@@ -65,7 +65,7 @@ pub(crate) fn open_dataplane(
         .map(|&flavour| iptables(flavour, Role::Accepts, wait))
         .collect::<Result<Vec<_>, _>>()?;
     let accepts_in = found.accepts_in.iter().map(ToString::to_string).collect();
-    let notes = agent::Notes { why, accepts_in, link_local_off: None };
+    let notes = agent::Notes { why, accepts_in, link_local_off: None, startup_taint: None };
     Ok((Layered::new(switch, accepts), notes))
 }
 

@@ -98,6 +98,14 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
     if let Some(held) = &st.held {
         println!("held:        {held}");
     }
+    if let Some(taint) = &st.startup_taint {
+        match &taint.kept {
+            Some(why) => println!("taint:       {} kept: {why}", taint.key),
+            None => {
+                println!("taint:       {} removed (or being removed) by the reports", taint.key)
+            }
+        }
+    }
     if !st.shape.is_empty() {
         println!("shape:       {}", st.shape);
     }
