@@ -579,21 +579,8 @@ fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, Co
     if let Some(path) = raw.kubeconfig.as_ref().filter(|p| !p.is_file()) {
         return Err(ConfigError::NoKubeconfig(path.clone()));
     }
-    // A taint key: an optional DNS-subdomain prefix and `/`, then a name of at most 63
-    // characters of [A-Za-z0-9._-], starting and ending alphanumeric.
-    if let Some(key) = taint {
-        let name = key.rsplit('/').next().unwrap_or(key);
-        let valid = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
-        let ends = |s: &str| s.chars().next().zip(s.chars().last());
-        let ok = !name.is_empty()
-            && name.len() <= 63
-            && name.chars().all(valid)
-            && ends(name)
-                .is_some_and(|(a, b)| a.is_ascii_alphanumeric() && b.is_ascii_alphanumeric())
-            && key.matches('/').count() <= 1;
-        if !ok {
-            return Err(ConfigError::BadTaintKey(key.to_owned()));
-        }
+    if let Some(key) = taint.filter(|k| !crate::cluster::report::is_taint_key(k)) {
+        return Err(ConfigError::BadTaintKey(key.to_owned()));
     }
     let (node_name, kubeconfig) = (node_name.to_owned(), raw.kubeconfig.clone());
     let startup_taint = taint.map(str::to_owned);

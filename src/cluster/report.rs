@@ -76,6 +76,19 @@ pub fn event(reported: u64, state: &State) -> Option<Event> {
     Some(Event { kind, reason, message, count })
 }
 
+/// Whether `key` is a taint key Kubernetes takes: an optional prefix and `/`, then a name of at
+/// most 63 characters of letters, digits, `.`, `_` and `-`, alphanumeric at both ends.
+pub fn is_taint_key(key: &str) -> bool {
+    let name = key.rsplit('/').next().unwrap_or(key);
+    let inner = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
+    let ends = name.chars().next().zip(name.chars().last());
+    !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(inner)
+        && ends.is_some_and(|(a, b)| a.is_ascii_alphanumeric() && b.is_ascii_alphanumeric())
+        && key.matches('/').count() <= 1
+}
+
 /// Why the startup taint stays on the node, as `state` says; `None`: it may go. It goes once the
 /// cache has answered a probe, the ruleset of route Local is in, and nothing is held: a node
 /// whose pods' DNS works through its cache.
