@@ -23,7 +23,8 @@ fn condition(node: &SimNode, name: &str) -> Option<Value> {
 /// Waits until the condition has `status` and `reason`; returns it.
 fn wait_condition(node: &SimNode, name: &str, status: &str, reason: &str) -> Value {
     let what = format!("condition NodeLocalDNSReady {status} {reason}");
-    wait_for(&what, Duration::from_secs(15), || {
+    // Reports retried after a failure wait out their backoff: up to 30 s.
+    wait_for(&what, Duration::from_secs(40), || {
         condition(node, name).filter(|c| c["status"] == status && c["reason"] == reason)
     })
 }
@@ -43,14 +44,53 @@ fn events(node: &SimNode, name: &str) -> Vec<Value> {
     items
 }
 
+/// The agent's user on the test bed (`agent.kubeconfig`, made by simnode's real parts): no
+/// rights until [`grant`].
+const AGENT_USER: &str = "nodelocaldns-ha-agent";
+
+/// Grants the agent's user what `component`'s RBAC (`manifests/<component>/rbac.yaml`) grants
+/// the DaemonSet's service account, and waits until it is in force (`can`, as can-i asks it).
+fn grant(node: &SimNode, component: &str, can: &[&str]) {
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rbac = std::fs::read_to_string(repo.join("manifests").join(component).join("rbac.yaml"))
+        .expect("the component's RBAC");
+    let account = "{kind: ServiceAccount, name: nodelocaldns-ha, namespace: kube-system}";
+    assert!(rbac.contains(account), "{rbac}");
+    let user = format!("{{kind: User, name: {AGENT_USER}, apiGroup: rbac.authorization.k8s.io}}");
+    let rbac = rbac.replace(account, &user);
+    let mut child = node
+        .kubectl()
+        .args(["apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl");
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), rbac.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", describe(&out));
+    let who = format!("--as={AGENT_USER}");
+    wait_for("the grant in force", Duration::from_secs(10), || {
+        let out = node.kubectl().args(["auth", "can-i"]).args(can).arg(&who).output().ok()?;
+        (String::from_utf8_lossy(&out.stdout).trim() == "yes").then_some(())
+    });
+}
+
+/// The agent's kubeconfig on the test bed.
+fn agent_kubeconfig(node: &SimNode) -> String {
+    node.dir.join("agent.kubeconfig").display().to_string()
+}
+
 /// Acceptance 1: a cache SIGKILL and its recovery: the condition goes to FailedOverToCoreDNS
 /// with the reason, then back to CacheServing; exactly one Event per route change, and
-/// `kubectl describe node` shows both.
+/// `kubectl describe node` shows both. The agent reports as a user with exactly the RBAC of
+/// `manifests/cluster-reports`: it suffices.
 #[test]
 fn the_nodes_condition_and_events_follow_a_cache_kill() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
     let name = node.ns("node");
-    let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
+    grant(&node, "cluster-reports", &["patch", "nodes", "--subresource=status"]);
+    let kubeconfig = agent_kubeconfig(&node);
     let agent = node.agent(&["--node-name", &name, "--kubeconfig", &kubeconfig]);
     let serving = wait_condition(&node, &name, "True", "CacheServing");
     println!("at start: {serving}");
@@ -245,8 +285,9 @@ fn the_startup_taint_goes_only_once_the_cache_answers() {
     assert!(tainted(&node, &name, KEY));
     node.kill("cache-kill");
     let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
-    let agent =
-        node.agent(&["--node-name", &name, "--kubeconfig", &kubeconfig, "--startup-taint", KEY]);
+    // Started with the cache dead: its first route is not Local to wait for.
+    let flags = ["--node-name", &name, "--kubeconfig", &kubeconfig, "--startup-taint", KEY];
+    let agent = node.agent_starting(&flags);
     // Reported (the reports work), and the taint stays.
     wait_condition(&node, &name, "False", "FailedOverToCoreDNS");
     assert!(tainted(&node, &name, KEY), "the taint went with the cache dead");
@@ -264,5 +305,52 @@ fn the_startup_taint_goes_only_once_the_cache_answers() {
         (!tainted(&node, &name, KEY)).then_some(())
     });
     assert!(agent.log_text().contains("removed the startup taint"), "{}", agent.log_text());
+    node.tear_down(agent);
+}
+
+/// Acceptance 4, an API server that refuses (403: the agent's user has no rights yet) through a
+/// cache SIGKILL: the failover is as without it (no pod lookup fails), the refusal is logged
+/// once; once the rights are granted, the condition is caught up and the route changes are
+/// reported in one Event.
+#[test]
+fn a_refusing_api_server_changes_nothing_in_the_failover_and_is_caught_up() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let kubeconfig = agent_kubeconfig(&node);
+    let agent = node.agent(&["--node-name", &name, "--kubeconfig", &kubeconfig]);
+    let args = ["--rate", "300", "--duration", "60s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    pod.wait_alone("cache");
+    wait_for("the refusal in the log", Duration::from_secs(10), || {
+        agent.log_text().contains("reporting to the API server failed").then_some(())
+    });
+    assert!(agent.log_text().contains("403"), "{}", agent.log_text());
+
+    let (killed_at, gone_at) = node.kill("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    pod.wait_alone("coredns");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    pod.wait_alone("cache");
+    let summary = pod.interrupt();
+    println!("pod: {summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+    assert_lost_to_the_kill("pod", &summary, killed_at, gone_at);
+    assert!(condition(&node, &name).is_none(), "nothing reported while refused");
+
+    grant(&node, "cluster-reports", &["patch", "nodes", "--subresource=status"]);
+    let back = wait_condition(&node, &name, "True", "CacheServing");
+    println!("caught up: {back}");
+    let log = agent.log_text();
+    assert_eq!(log.matches("reporting to the API server failed").count(), 1, "{log}");
+    assert!(log.contains("reporting to the API server again"), "{log}");
+    let seen = wait_for("the Event of the two changes", Duration::from_secs(10), || {
+        Some(events(&node, &name)).filter(|e| !e.is_empty())
+    });
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(
+        (&seen[0]["reason"], &seen[0]["count"]),
+        (&Value::from("BackToCache"), &Value::from(2))
+    );
     node.tear_down(agent);
 }

@@ -51,10 +51,12 @@ real_pki() {
     ossl x509 -req -in "$pki/apiserver.csr" -CA "$pki/ca.crt" -CAkey "$pki/ca.key" -CAcreateserial \
         -days 2 -extfile "$pki/server.ext" -out "$pki/apiserver.crt"
     # admin: the tests' kubectl; kube-proxy: the user kubeadm's RBAC binds system:node-proxier
-    # to; coredns: bound below to kubeadm's system:coredns role.
-    for who in admin kube-proxy coredns; do
+    # to; coredns: bound below to kubeadm's system:coredns role; agent: the agent's reports, a
+    # user with no rights until a test grants it the manifests' (tests/e2e_cluster.rs).
+    for who in admin kube-proxy coredns agent; do
         case $who in
         admin) subj="/O=system:masters/CN=simnode-admin" ;;
+        agent) subj="/CN=nodelocaldns-ha-agent" ;;
         kube-proxy) subj="/CN=system:kube-proxy" ;;
         coredns) subj="/CN=system:coredns" ;;
         esac
