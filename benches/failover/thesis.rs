@@ -29,15 +29,7 @@ pub(super) struct PodDns {
 impl PodDns {
     /// The resolv.conf kubelet writes for the pod the webhook mutated (namespace `shop`).
     pub(super) fn resolv_conf(&self) -> String {
-        let settings = Settings {
-            nameservers: self.nameservers.iter().map(|s| s.to_string()).collect(),
-            cluster_domain: "cluster.local".into(),
-            options: [("ndots", "3"), ("attempts", "2"), ("timeout", "1")]
-                .iter()
-                .map(|(n, v)| (n.to_string(), Some(v.to_string())))
-                .collect(),
-            host_network: false,
-        };
+        let settings = Settings::ack(self.nameservers);
         let pod = Pod { spec: Some(PodSpec::default()), ..Pod::default() };
         let mutation = mutate::mutate(&pod, "shop", &settings).expect("the webhook mutates it");
         mutate::resolv_conf(&mutation.dns_config)

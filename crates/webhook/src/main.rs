@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use nodelocaldns_ha_webhook::metrics::Metrics;
-use nodelocaldns_ha_webhook::mutate::{Settings, MAX_NAMESERVERS};
+use nodelocaldns_ha_webhook::mutate::{Settings, ACK_OPTIONS, MAX_NAMESERVERS};
 use nodelocaldns_ha_webhook::server::{self, Webhook};
 use nodelocaldns_ha_webhook::tls::{Certificates, Reload};
 use tokio::net::TcpListener;
@@ -73,7 +73,7 @@ enum Options {
 impl Options {
     fn list(self) -> Vec<(String, Option<String>)> {
         let pairs: &[(&str, &str)] = match self {
-            Options::Ack => &[("ndots", "3"), ("attempts", "2"), ("timeout", "1")],
+            Options::Ack => &ACK_OPTIONS,
             Options::Kubelet => &[("ndots", "5")],
             Options::None => &[],
         };

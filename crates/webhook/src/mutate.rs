@@ -47,6 +47,25 @@ pub struct Settings {
     pub host_network: bool,
 }
 
+/// ACK's resolver options (`ack-node-local-dns`), the webhook's default.
+pub const ACK_OPTIONS: [(&str, &str); 3] = [("ndots", "3"), ("attempts", "2"), ("timeout", "1")];
+
+impl Settings {
+    /// `nameservers` with [`ACK_OPTIONS`], for the cluster domain `cluster.local`, host-network
+    /// pods left alone.
+    pub fn ack(nameservers: &[&str]) -> Settings {
+        Settings {
+            nameservers: nameservers.iter().map(|s| s.to_string()).collect(),
+            cluster_domain: "cluster.local".into(),
+            options: ACK_OPTIONS
+                .iter()
+                .map(|(n, v)| (n.to_string(), Some(v.to_string())))
+                .collect(),
+            host_network: false,
+        }
+    }
+}
+
 /// Why a pod is left as it is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Skip {

@@ -30,16 +30,7 @@ const RATE: &str = "40";
 
 /// The resolv.conf of a pod the webhook mutated in namespace `shop`.
 fn mutated_resolv_conf() -> String {
-    let settings = Settings {
-        nameservers: vec![LOCAL_IP.into(), CLUSTER_DNS_IP.into()],
-        cluster_domain: "cluster.local".into(),
-        options: ["ndots:3", "attempts:2", "timeout:1"]
-            .iter()
-            .map(|o| o.split_once(':').unwrap())
-            .map(|(n, v)| (n.to_owned(), Some(v.to_owned())))
-            .collect(),
-        host_network: false,
-    };
+    let settings = Settings::ack(&[LOCAL_IP, CLUSTER_DNS_IP]);
     let pod = Pod { spec: Some(PodSpec::default()), ..Pod::default() };
     let mutation = mutate::mutate(&pod, "shop", &settings).expect("mutated");
     mutate::resolv_conf(&mutation.dns_config)

@@ -13,16 +13,7 @@ const NODE_LOCAL: &str = "169.254.20.10";
 const KUBE_DNS: &str = "10.96.0.10";
 
 fn settings() -> Settings {
-    Settings {
-        nameservers: vec![NODE_LOCAL.into(), KUBE_DNS.into()],
-        cluster_domain: "cluster.local".into(),
-        options: vec![
-            ("ndots".into(), Some("3".into())),
-            ("attempts".into(), Some("2".into())),
-            ("timeout".into(), Some("1".into())),
-        ],
-        host_network: false,
-    }
+    Settings::ack(&[NODE_LOCAL, KUBE_DNS])
 }
 
 fn option(name: &str, value: Option<&str>) -> PodDNSConfigOption {
