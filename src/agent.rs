@@ -66,6 +66,8 @@ pub struct Agent {
     reconciler: Reconciler,
     transitions: u64,
     probes: Probes,
+    /// Where the upstream's address came from ([`State::upstream_from`]).
+    upstream_from: String,
     notes: Notes,
     /// The link-local forwarder's counts, when the daemon runs one.
     forwarded: Option<state::Forwarded>,
@@ -195,6 +197,7 @@ impl Agent {
                 cache_tcp: cfg.cache_tcp.map(|_| stats(cfg.cache_target())),
                 upstream: stats(cfg.upstream_target()),
             },
+            upstream_from: cfg.upstream.from.clone(),
             notes: Notes::default(),
             forwarded: None,
             warnings: Vec::new(),
@@ -476,6 +479,15 @@ impl Agent {
         self.notes = notes;
     }
 
+    /// The upstream's address changed ([`crate::upstream`]): its probes' target, and where it
+    /// came from, as `status` shows them.
+    pub fn set_upstream(&mut self, upstream: &crate::upstream::Upstream) {
+        let v4 = self.addrs.local[0].is_ipv4();
+        let target = crate::upstream::pick(&upstream.ips, v4, crate::ruleset::DNS_PORT);
+        self.probes.upstream.target = target.to_string();
+        self.upstream_from.clone_from(&upstream.from);
+    }
+
     /// Replaces the warnings about the node (logged when they change), and counts its foreign
     /// NOTRACK rules in the metrics.
     pub fn set_problems(&mut self, problems: NodeProblems) {
@@ -530,6 +542,7 @@ impl Agent {
             repairs: self.reconciler.repairs(),
             last_error: self.reconciler.last_error().map(str::to_owned),
             probes: self.probes.clone(),
+            upstream_from: self.upstream_from.clone(),
             forwarded: self.forwarded.clone(),
         };
         state.startup_taint = self.notes.startup_taint.clone().map(|key| {

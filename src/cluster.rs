@@ -11,11 +11,17 @@
 //! does not answer within 5 s has failed), and the condition caught up when the API answers
 //! again; memory stays bounded (one state, no queue).
 //!
+//! The same client follows the upstream Service when no flag fixes its address ([`follow`],
+//! [`crate::upstream`]).
+//!
 //! On with `--node-name` (the DaemonSet sets it from the downward API) and a client: the
 //! kubeconfig of `--kubeconfig`, or the pod's service account. Off otherwise: the agent works
 //! from its flags alone.
 
+mod follow;
 pub mod report;
+
+pub use follow::{follow, Follower};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -47,6 +53,9 @@ pub struct Settings {
     pub kubeconfig: Option<PathBuf>,
     /// The startup taint's key, removed from the node once the state says it may go.
     pub startup_taint: Option<String>,
+    /// The upstream Service followed ([`follow`]), in the client's namespace (the pod's); `None`
+    /// when `--upstream-ip` fixes the upstream.
+    pub upstream_svc: Option<String>,
 }
 
 /// Why the reports cannot start (the agent runs without them, and says so).
@@ -73,10 +82,8 @@ impl Reporter {
     }
 }
 
-/// Builds the client for `settings` and returns the loop's end and the reporting task.
-pub async fn start(
-    settings: &Settings,
-) -> Result<(Reporter, impl std::future::Future<Output = ()>), Error> {
+/// The API client `settings` name: the kubeconfig's, or the pod's service account.
+pub async fn client(settings: &Settings) -> Result<kube::Client, Error> {
     let config = match &settings.kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)
@@ -88,10 +95,17 @@ pub async fn start(
         }
         None => kube::Config::incluster().map_err(Error::InCluster)?,
     };
-    let client = kube::Client::try_from(config).map_err(Error::Client)?;
+    kube::Client::try_from(config).map_err(Error::Client)
+}
+
+/// The loop's end of the reports, and the reporting task.
+pub fn reports(
+    client: kube::Client,
+    settings: &Settings,
+) -> (Reporter, impl std::future::Future<Output = ()>) {
     let (latest, rx) = watch::channel(None);
     let task = report_forever(client, settings.node_name.clone(), rx);
-    Ok((Reporter { latest }, task))
+    (Reporter { latest }, task)
 }
 
 /// What has been reported.

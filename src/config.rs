@@ -80,18 +80,9 @@ pub enum ConfigError {
     /// An address no DNS server listens on: unspecified, multicast or broadcast.
     #[error("{flag} {ip} is not a unicast address: give the IP a DNS server listens on")]
     NotUnicast { flag: String, ip: IpAddr },
-    /// The upstream is one of the addresses the agent intercepts.
-    #[error(
-        "{flag} {ip} is also {other}: probing it would probe the cache; give the \
-         kube-dns-upstream ClusterIP, which the agent does not intercept"
-    )]
-    UpstreamIntercepted { flag: String, ip: IpAddr, other: &'static str },
-    /// The upstream has no address of the family the cache is probed in.
-    #[error(
-        "{flag} ({upstream}) has no {family} address: the upstream is probed over {family}, \
-         like the cache at {cache}; give its {family} ClusterIP"
-    )]
-    UpstreamFamily { flag: String, upstream: String, family: &'static str, cache: IpAddr },
+    /// The upstream is intercepted, or lacks the cache's family.
+    #[error(transparent)]
+    Upstream(#[from] crate::upstream::Unusable),
     /// No upstream Service name to read the upstream's address from.
     #[error("--upstream-svc is empty: give the upstream Service's name, or --upstream-ip")]
     EmptyUpstreamSvc,
@@ -231,33 +222,6 @@ pub fn listen_addrs(local: &[IpAddr], cluster_dns: &[IpAddr]) -> Result<ListenAd
     Ok(ListenAddrs { local, cluster_dns })
 }
 
-/// Checks the upstream (named `flag` in errors) against the listen addresses: it must not be
-/// one of them (the agent intercepts those), and it must have an address of the family the
-/// cache is probed in, so that the two probes compare like with like.
-fn check_upstream(flag: &str, upstream: &[IpAddr], addrs: &ListenAddrs) -> Result<(), ConfigError> {
-    for &ip in upstream {
-        let other = if addrs.cluster_dns.contains(&ip) {
-            "--cluster-dns-ip"
-        } else if addrs.local.contains(&ip) {
-            "--local-ip"
-        } else {
-            continue;
-        };
-        return Err(ConfigError::UpstreamIntercepted { flag: flag.to_owned(), ip, other });
-    }
-    let cache = addrs.local[0];
-    if !upstream.iter().any(|ip| ip.is_ipv4() == cache.is_ipv4()) {
-        let list: Vec<String> = upstream.iter().map(ToString::to_string).collect();
-        return Err(ConfigError::UpstreamFamily {
-            flag: flag.to_owned(),
-            upstream: list.join(","),
-            family: if cache.is_ipv4() { "IPv4" } else { "IPv6" },
-            cache,
-        });
-    }
-    Ok(())
-}
-
 /// The longest file name the agent binds in the state directory: the control socket's
 /// temporary name, `.control.sock.<pid>`.
 fn longest_socket_name() -> String {
@@ -286,8 +250,8 @@ pub struct Cadence {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AgentConfig {
     pub addrs: ListenAddrs,
-    /// The kube-dns-upstream ClusterIP(s): CoreDNS, not intercepted.
-    pub upstream: Vec<IpAddr>,
+    /// The kube-dns-upstream ClusterIP(s) at start, and where they came from ([`crate::upstream`]).
+    pub upstream: crate::upstream::Upstream,
     pub probe_name: String,
     /// UDP probes of the cache.
     pub cache_udp: Cadence,
@@ -410,13 +374,13 @@ impl AgentConfig {
                 .trim()
                 .parse()
                 .map_err(|_| ConfigError::BadUpstreamEnv { env_var: env_var.clone(), value })?;
-            let upstream = address_slot(&env_var, &[ip])?;
-            check_upstream(&env_var, &upstream, &addrs)?;
-            upstream
+            let ips = address_slot(&env_var, &[ip])?;
+            crate::upstream::check(&env_var, &ips, &addrs)?;
+            crate::upstream::Upstream { ips, from: env_var }
         } else {
-            let upstream = address_slot("--upstream-ip", &raw.upstream_ip)?;
-            check_upstream("--upstream-ip", &upstream, &addrs)?;
-            upstream
+            let ips = address_slot("--upstream-ip", &raw.upstream_ip)?;
+            crate::upstream::check("--upstream-ip", &ips, &addrs)?;
+            crate::upstream::Upstream { ips, from: "--upstream-ip".into() }
         };
         if raw.state_dir.as_os_str().is_empty() {
             return Err(ConfigError::EmptyStateDir);
@@ -512,10 +476,7 @@ impl AgentConfig {
 
     /// Where the upstream is probed: same family as the cache target when there is one.
     pub fn upstream_target(&self) -> SocketAddr {
-        let family_v4 = self.addrs.local[0].is_ipv4();
-        let ip =
-            self.upstream.iter().find(|ip| ip.is_ipv4() == family_v4).unwrap_or(&self.upstream[0]);
-        SocketAddr::new(*ip, DNS_PORT)
+        crate::upstream::pick(&self.upstream.ips, self.addrs.local[0].is_ipv4(), DNS_PORT)
     }
 }
 
@@ -584,7 +545,9 @@ fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, Co
     }
     let (node_name, kubeconfig) = (node_name.to_owned(), raw.kubeconfig.clone());
     let startup_taint = taint.map(str::to_owned);
-    Ok(Some(crate::cluster::Settings { node_name, kubeconfig, startup_taint }))
+    // A flag wins: only an upstream from the environment is followed.
+    let upstream_svc = raw.upstream_ip.is_empty().then(|| raw.upstream_svc.trim().to_owned());
+    Ok(Some(crate::cluster::Settings { node_name, kubeconfig, startup_taint, upstream_svc }))
 }
 
 #[cfg(test)]

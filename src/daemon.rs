@@ -35,6 +35,7 @@ use crate::metrics::{Health, Metrics};
 use crate::overrides::{self, Moment};
 use crate::probe::{Probe, ProbeError, Prober};
 use crate::state;
+use crate::upstream::Following;
 use control_loop::ControlLoop;
 use tasks::Tasks;
 
@@ -175,6 +176,7 @@ const STARTUP_GRACE: Duration = Duration::from_secs(2);
 fn start_link_local(
     cfg: &AgentConfig,
     dataplane: &mut dyn Dataplane,
+    upstream: &Following,
     beat: Beat,
     tasks: &mut Tasks,
 ) -> Result<link_local::Forwarding, AgentError> {
@@ -187,7 +189,7 @@ fn start_link_local(
         Ok(()) => {}
     }
     let leased = dataplane.fallback_leased();
-    link_local::start(&cfg.addrs.local, &cfg.upstream, leased, beat, tasks)
+    link_local::start(&cfg.addrs.local, upstream, leased, beat, tasks)
 }
 
 /// Whether the ClusterIP shape runs on without the link-local failover after `error`: the
@@ -252,14 +254,16 @@ async fn run_with(
     let recorded = state::read(&cfg.state_dir).ok().map(|s| s.route);
     let listen: Vec<_> = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).copied().collect();
     // The Services' addresses: the interface the node reaches them through is no pod's.
-    let services: Vec<_> = cfg.addrs.cluster_dns.iter().chain(&cfg.upstream).copied().collect();
+    let services: Vec<_> = cfg.addrs.cluster_dns.iter().chain(&cfg.upstream.ips).copied().collect();
     let firewall = if watch_node { audit_firewall(&listen, &services) } else { Vec::new() };
     // Every cadence on one grid (one wake-up for all that fall on an instant).
     let beat = Beat::start();
+    // The upstream's address, followed through the API server when its Service is.
+    let following = Arc::new(Following::new(cfg.upstream.clone()));
     let mut cfg = cfg;
     let mut dataplane = dataplane;
     let (forwarding, link_local_off) = if watch_node && cfg.shape.link_local {
-        link_local_or_without(&mut cfg, dataplane.as_mut(), beat, &mut tasks)?
+        link_local_or_without(&mut cfg, dataplane.as_mut(), &following, beat, &mut tasks)?
     } else {
         (None, None)
     };
@@ -287,7 +291,8 @@ async fn run_with(
 
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
     let watched = watch_node.then_some((&listen[..], forwarding.as_ref()));
-    let probing = spawn::spawn_probes(&cfg, probers, beat, watched, &cache_wakes, &mut tasks);
+    let probing =
+        spawn::spawn_probes(&cfg, probers, beat, watched, &cache_wakes, &following, &mut tasks);
     let node = watch_node.then(|| spawn::Watched {
         listen: &listen,
         services: &services,
@@ -303,7 +308,7 @@ async fn run_with(
     }
     let hooks = spawn::spawn_hooks(&cfg, &metrics, &mut tasks);
     let reporter = match &cfg.cluster {
-        Some(settings) => spawn::spawn_reports(settings, &mut tasks).await,
+        Some(settings) => spawn::spawn_cluster(settings, &cfg.addrs, &following, &mut tasks).await,
         None => None,
     };
     let control = ControlLoop {
@@ -320,6 +325,7 @@ async fn run_with(
         forwarding,
         state_file,
         reporter,
+        upstream: following.subscribe(),
         tasks,
     };
     control.run(shutdown).await
@@ -399,10 +405,11 @@ fn audit_firewall(
 fn link_local_or_without(
     cfg: &mut AgentConfig,
     dataplane: &mut dyn Dataplane,
+    upstream: &Following,
     beat: Beat,
     tasks: &mut Tasks,
 ) -> Result<(Option<link_local::Forwarding>, Option<String>), AgentError> {
-    match start_link_local(cfg, dataplane, beat, tasks) {
+    match start_link_local(cfg, dataplane, upstream, beat, tasks) {
         Ok(forwarding) => Ok((Some(forwarding), None)),
         // In the ClusterIP shape, the cluster-DNS IP's failover needs neither the forwarder nor
         // TPROXY: run without the link-local one (no fallback chain), and say so, rather than

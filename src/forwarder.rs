@@ -66,6 +66,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 use tokio::net::{TcpListener, UdpSocket};
 
 use crate::probe::Transport;
+pub use crate::upstream::Addr;
 
 /// The pending-connection queue of the TCP listener (the kernel caps it at `somaxconn`).
 const LISTEN_BACKLOG: i32 = 1024;
@@ -419,7 +420,7 @@ impl Error {
 #[derive(Debug)]
 pub struct Forwarder {
     listen: SocketAddr,
-    upstream: SocketAddr,
+    upstream: Addr,
     options: Options,
     udp: UdpSocket,
     pool: upstream::Pool,
@@ -428,14 +429,16 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// Binds UDP and TCP on `listen` with transparent sockets, to forward to `upstream`. Must be
-    /// called inside a tokio runtime (the sockets are registered with its reactor); nothing is
-    /// received until [`Forwarder::run`].
+    /// Binds UDP and TCP on `listen` with transparent sockets, to forward to `upstream` (a fixed
+    /// address, or one that follows its Service: read at each dial). Must be called inside a
+    /// tokio runtime (the sockets are registered with its reactor); nothing is received until
+    /// [`Forwarder::run`].
     pub fn bind(
         listen: SocketAddr,
-        upstream: SocketAddr,
+        upstream: impl Into<Addr>,
         options: Options,
     ) -> Result<Forwarder, Error> {
+        let upstream = upstream.into();
         let udp = transparent_socket(listen, Transport::Udp)?;
         let udp = UdpSocket::from_std(udp.into()).map_err(setup(
             listen,
@@ -443,7 +446,7 @@ impl Forwarder {
             "registering with the tokio runtime",
         ))?;
         let shares = Arc::new(Shares::new(options.max_in_flight_per_client));
-        let pool = upstream::Pool::open(upstream, shares).map_err(setup(
+        let pool = upstream::Pool::open(upstream.clone(), shares).map_err(setup(
             listen,
             Transport::Udp,
             "opening the sockets to the upstream",
@@ -470,7 +473,7 @@ impl Forwarder {
     /// Serves UDP and TCP until the future is dropped (which aborts what is in flight), or
     /// until receiving UDP queries fails for good.
     pub async fn run(self) -> Result<Infallible, Error> {
-        tracing::info!(listen = %self.listen, upstream = %self.upstream, "forwarder serving");
+        tracing::info!(listen = %self.listen, upstream = %self.upstream.now(), "forwarder serving");
         let udp = udp::serve(
             Arc::new(self.udp),
             self.listen,

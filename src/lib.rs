@@ -70,4 +70,6 @@ pub mod state;
 #[forbid(unsafe_code)]
 mod testutil;
 #[forbid(unsafe_code)]
+pub mod upstream;
+#[forbid(unsafe_code)]
 mod waiting;

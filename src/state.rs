@@ -117,6 +117,10 @@ pub struct State {
     /// The last dataplane error, until an apply succeeds again.
     pub last_error: Option<String>,
     pub probes: Probes,
+    /// Where the upstream's address (`probes.upstream.target`) came from: `--upstream-ip`, the
+    /// environment, or its Service followed through the API server ([`crate::upstream`]).
+    #[serde(default)]
+    pub upstream_from: String,
     /// The link-local forwarder's counts, where it runs.
     #[serde(default)]
     pub forwarded: Option<Forwarded>,
@@ -427,6 +431,7 @@ mod tests {
             repairs: 0,
             last_error: None,
             probes: Probes::default(),
+            upstream_from: "--upstream-ip".into(),
             forwarded: None,
         }
     }

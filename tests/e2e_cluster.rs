@@ -180,8 +180,9 @@ fn assert_caught_up(node: &SimNode, name: &str, agent: &Agent) {
 /// Acceptance 5: the reports' RBAC is the least they need. The base with the cluster-reports
 /// component and its startup-taint one, built by kubectl's kustomize, is accepted by the real
 /// API server (server-side dry run); the reports' RBAC applied, the agent's service account may
-/// patch nodes/status and create Events in `default`, and nothing else asked of it; the startup
-/// taint's added, it may also get and patch nodes, and no more.
+/// patch nodes/status, create Events in `default`, and list and watch the upstream Service by
+/// name, and nothing else asked of it; the startup taint's added, it may also get and patch
+/// nodes, and no more.
 #[test]
 fn the_reports_rbac_is_the_least_they_need() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
@@ -242,6 +243,24 @@ fn the_reports_rbac_is_the_least_they_need() {
         can("patch", "nodes/status", "default").then_some(())
     });
     assert!(can("create", "events", "default"));
+    // The upstream Service, by name (a metadata.name field selector), and no other.
+    let can_named = |verb: &str, name: &str, namespace: &str| {
+        let what = format!("services/{name}");
+        let out =
+            node.kubectl().args(["auth", "can-i", verb, &what, "-n", namespace, who]).output();
+        String::from_utf8_lossy(&out.expect("kubectl auth can-i").stdout).trim() == "yes"
+    };
+    assert!(can_named("list", "kube-dns-upstream", "kube-system"));
+    assert!(can_named("watch", "kube-dns-upstream", "kube-system"));
+    for (verb, name, namespace) in [
+        ("get", "kube-dns-upstream", "kube-system"),
+        ("update", "kube-dns-upstream", "kube-system"),
+        ("watch", "kube-dns", "kube-system"),
+        ("watch", "kube-dns-upstream", "default"),
+    ] {
+        assert!(!can_named(verb, name, namespace), "{verb} services/{name} in {namespace}");
+    }
+    assert!(!can("list", "services", "kube-system"), "every Service: not needed");
     let only_reports = [("patch", "nodes", "default"), ("get", "nodes", "default")];
     for (verb, what, namespace) in only_reports {
         assert!(!can(verb, what, namespace), "{verb} {what}: not for the reports alone");
@@ -328,5 +347,91 @@ fn a_refusing_api_server_changes_nothing_in_the_failover_and_is_caught_up() {
     assert!(condition(&node, &name).is_none(), "nothing reported while refused");
     grant(&node, "cluster-reports", &["patch", "nodes", "--subresource=status"]);
     assert_caught_up(&node, &name, &agent);
+    node.tear_down(agent);
+}
+
+/// Acceptance 3: kube-dns-upstream deleted and re-created with a new ClusterIP. The agent, its
+/// upstream from the pod's environment (`KUBE_DNS_UPSTREAM_SERVICE_HOST`, fixed when the pod
+/// started) and the component's RBAC, follows the Service: while it is gone the old address
+/// fails its probes (without following, a cache failure would be held on the cache from then
+/// on); once re-created, the new address is probed and answers within seconds, and a cache
+/// SIGKILL fails no lookup of the cluster-DNS IP, nor of the link-local IP, whose forwarder
+/// dials the new address too.
+#[test]
+fn a_recreated_upstream_service_is_followed() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let watch = ["watch", "services/kube-dns-upstream", "-n", "kube-system"];
+    grant(&node, "cluster-reports", &watch);
+    let kubeconfig = agent_kubeconfig(&node);
+    let args = ["--node-name", &name, "--kubeconfig", &kubeconfig];
+    let env = [("KUBE_DNS_UPSTREAM_SERVICE_HOST", UPSTREAM_IP)];
+    let agent = node.agent_env(LOCAL_IP, CLUSTER_DNS_IP, "", &args, &env);
+    let followed = "Service kube-system/kube-dns-upstream";
+    let upstream = |state: &Value| state["probes"]["upstream"].clone();
+    wait_for("the Service followed", Duration::from_secs(10), || {
+        agent.state().filter(|s| s["upstream_from"] == followed)
+    });
+
+    let old = get(&node, &["get", "service", "-n", "kube-system", "kube-dns-upstream"]);
+    let out = node
+        .kubectl()
+        .args(["delete", "service", "-n", "kube-system", "kube-dns-upstream"])
+        .output()
+        .expect("kubectl");
+    assert!(out.status.success(), "{}", describe(&out));
+    let gone = wait_for("the old address failing", Duration::from_secs(15), || {
+        agent.state().filter(|s| {
+            let from = s["upstream_from"].as_str().unwrap_or("");
+            from.contains("not found") && upstream(s)["streak_bad"].as_u64() >= Some(1)
+        })
+    });
+    println!("gone: {} {}", gone["upstream_from"], upstream(&gone));
+    assert_eq!(upstream(&gone)["target"], format!("{UPSTREAM_IP}:53"));
+
+    let new_ip = "10.96.0.12";
+    let mut service = old.clone();
+    service["metadata"] = serde_json::json!({
+        "name": "kube-dns-upstream",
+        "namespace": "kube-system",
+        "labels": old["metadata"]["labels"],
+    });
+    service["spec"]["clusterIP"] = Value::from(new_ip);
+    service["spec"]["clusterIPs"] = Value::from(vec![new_ip]);
+    service.as_object_mut().unwrap().remove("status");
+    let mut child = node
+        .kubectl()
+        .args(["create", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl");
+    let body = serde_json::to_vec(&service).unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), &body).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", describe(&out));
+    let moved = wait_for("the new address answering", Duration::from_secs(15), || {
+        agent.state().filter(|s| {
+            let probes = upstream(s);
+            s["upstream_from"] == followed
+                && probes["target"] == format!("{new_ip}:53")
+                && probes["streak_good"].as_u64() >= Some(2)
+        })
+    });
+    println!("moved: {}", upstream(&moved));
+
+    let args = ["--rate", "300", "--duration", "60s", "--report-interval", "100ms"];
+    let mut cluster_dns = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let mut link_local = node.load("pod2", LOCAL_IP, &args);
+    let restart = kill_and_restart_cache(&node, &agent, &mut [&mut cluster_dns, &mut link_local]);
+    for (who, load) in [("cluster-DNS IP", cluster_dns), ("link-local IP", link_local)] {
+        let summary = load.interrupt();
+        println!("{who}: {summary}");
+        assert_eq!(summary["failed"], 0, "{who}: {summary}");
+        assert_lost_to_the_kill(who, &summary, restart.killed_at, restart.gone_at);
+    }
+    let log = agent.log_text();
+    assert!(log.contains("the upstream follows its Service"), "{log}");
     node.tear_down(agent);
 }

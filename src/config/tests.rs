@@ -50,7 +50,7 @@ fn upstream_falls_back_to_the_service_env_var() {
     r.upstream_ip.clear();
     let env = |k: &str| (k == "KUBE_DNS_UPSTREAM_SERVICE_HOST").then(|| "10.96.0.12".into());
     let cfg = AgentConfig::from_args(&r, env).unwrap();
-    assert_eq!(cfg.upstream, ips(&["10.96.0.12"]));
+    assert_eq!(cfg.upstream.ips, ips(&["10.96.0.12"]));
     let err = AgentConfig::from_args(&r, no_env).unwrap_err();
     assert!(err.to_string().contains("KUBE_DNS_UPSTREAM_SERVICE_HOST"), "{err}");
     let garbage = |_: &str| Some("not-an-ip".into());

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::{error, info, warn};
 
 use super::link_local::{self, Forwarding};
@@ -23,6 +23,7 @@ use crate::config::AgentConfig;
 use crate::control::Incoming;
 use crate::health::{Stream, Transition};
 use crate::metrics::{Health, Metrics};
+use crate::upstream::Upstream;
 use crate::{maintenance, overrides, state};
 
 /// Everything the loop turns with.
@@ -44,6 +45,8 @@ pub(super) struct ControlLoop<'a> {
     pub(super) state_file: state::Writer,
     /// The reports to the cluster, handed each state the file gets (never blocks).
     pub(super) reporter: Option<Reporter>,
+    /// The upstream's changes ([`crate::upstream`]), when its Service is followed.
+    pub(super) upstream: watch::Receiver<Upstream>,
     pub(super) tasks: Tasks,
 }
 
@@ -68,6 +71,7 @@ impl ControlLoop<'_> {
             forwarding,
             state_file,
             reporter,
+            mut upstream,
             mut tasks,
         } = self;
         let forwarders = forwarding.as_ref().map_or_else(Vec::new, |f| f.counters.clone());
@@ -140,6 +144,12 @@ impl ControlLoop<'_> {
                     if !forwarders.is_empty() {
                         agent.set_forwarded(link_local::forwarded(&forwarders));
                     }
+                    write_state(&agent)
+                }
+                // Its probe goes to the new address now, not at its next tick.
+                Ok(()) = upstream.changed() => {
+                    agent.set_upstream(&upstream.borrow_and_update());
+                    probing.upstream_wake.notify_one();
                     write_state(&agent)
                 }
                 Some(found) = node.problems.recv() => agent.set_problems(found),

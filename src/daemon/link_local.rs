@@ -6,7 +6,7 @@
 //! node-cache's teardown deletes its interface (every rolling update), so that both the cache,
 //! while it runs, and the forwarder, once it is gone, still get the queries.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +19,8 @@ use crate::beat::Beat;
 use crate::blocking::blocking;
 use crate::forwarder::lease::{self, Lease};
 use crate::forwarder::{self, Counters, Forwarder};
-use crate::ruleset::{forwarder_for, DNS_PORT};
+use crate::ruleset::forwarder_for;
+use crate::upstream::Following;
 
 /// How often the copies on lo are checked (one netlink dump of the namespace's addresses).
 const COPIES_PERIOD: Duration = Duration::from_secs(1);
@@ -69,7 +70,7 @@ impl Drop for Forwarding {
 }
 
 /// Binds a forwarder for each family of `local` (to the upstream of that family, else the
-/// first) and starts it on a runtime of its own ([`Forwarding`]), then puts the copies of
+/// first, as it is at each dial: [`crate::upstream`]) and starts it on a runtime of its own ([`Forwarding`]), then puts the copies of
 /// `local` on lo and spawns their keeper. A forwarder that cannot bind is an error: the agent
 /// would TPROXY queries to nobody. One whose socket fails for good ends its task in `tasks`, and
 /// so the agent, to be restarted with a fresh one. Copies that cannot be added now are said and
@@ -77,7 +78,7 @@ impl Drop for Forwarding {
 /// forwarders' lease on the link-local IPs, without which their TPROXY rules do not match.
 pub(super) fn start(
     local: &[IpAddr],
-    upstream: &[IpAddr],
+    upstream: &Following,
     leased: bool,
     beat: Beat,
     tasks: &mut Tasks,
@@ -101,11 +102,10 @@ pub(super) fn start(
         // Binding registers the sockets with the runtime they are in.
         let _in_its_runtime = runtime.enter();
         for &ip in local {
-            let to = upstream.iter().find(|u| u.is_ipv4() == ip.is_ipv4()).or(upstream.first());
-            let Some(&to) = to else { continue };
-            let to = SocketAddr::new(to, DNS_PORT);
-            let forwarder = Forwarder::bind(forwarder_for(ip), to, forwarder::Options::default())?;
-            info!(listen = %forwarder.listen(), upstream = %to, "link-local forwarder bound");
+            let to = upstream.addr(ip.is_ipv4());
+            let forwarder =
+                Forwarder::bind(forwarder_for(ip), to.clone(), forwarder::Options::default())?;
+            info!(listen = %forwarder.listen(), upstream = %to.now(), "link-local forwarder bound");
             forwarders.push(forwarder);
         }
     }

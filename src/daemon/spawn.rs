@@ -21,6 +21,7 @@ use crate::firewall::Blocking;
 use crate::health::{Stream, Transition};
 use crate::metrics::{Health, Metrics};
 use crate::probe::{self, Prober, Report, Transport};
+use crate::upstream::Following;
 use crate::{control, hooks, sockdiag, stall};
 
 /// The probers of every stream, made (and so refused, when a setting is bad) before the host
@@ -40,6 +41,8 @@ pub(super) struct Probing {
     /// Told of every cache probe answered: the stall watch lists a restarted cache's sockets
     /// then.
     pub(super) cache_answered: Arc<Notify>,
+    /// Wakes the upstream's probe (its address changed).
+    pub(super) upstream_wake: Arc<Notify>,
 }
 
 /// The probe streams (cache UDP, cache TCP, upstream), and the stall watch beside them. The
@@ -50,12 +53,14 @@ pub(super) fn spawn_probes(
     beat: Beat,
     watch_node: Option<(&[IpAddr], Option<&Forwarding>)>,
     cache_wakes: &[Arc<Notify>; 2],
+    following: &Following,
     tasks: &mut Tasks,
 ) -> Probing {
     let Probers { cache_udp, cache_tcp, upstream, confirm } = probers;
     let (tx, reports) = mpsc::channel(64);
     let cache_answered = Arc::new(Notify::new());
     let target = cfg.cache_target();
+    let target = move || target;
     let every = beat.every(cfg.cache_udp.interval);
     let wake = cache_wakes[0].clone();
     let stream = Stream::CacheUdp;
@@ -83,12 +88,15 @@ pub(super) fn spawn_probes(
             stall::watch_stalls(bounds, beat, listen.to_vec(), own, confirm, answered, tx.clone());
         tasks.spawn("stall watch", stalls);
     }
-    let (target, every) = (cfg.upstream_target(), beat.every(cfg.upstream_probe.interval));
-    let wake = Arc::new(Notify::new());
+    let target = following.addr(cfg.addrs.local[0].is_ipv4());
+    let every = beat.every(cfg.upstream_probe.interval);
+    let upstream_wake = Arc::new(Notify::new());
+    let wake = upstream_wake.clone();
     let stream = Stream::Upstream;
+    let target = move || target.now();
     let upstream = probe::probe_stream(upstream, target, Transport::Udp, stream, every, wake, tx);
     tasks.spawn("upstream probe", upstream);
-    Probing { reports, cache_answered }
+    Probing { reports, cache_answered, upstream_wake }
 }
 
 /// What the node's watchers tell the control loop.
@@ -211,20 +219,31 @@ pub(super) fn spawn_hooks(
     Some(tx)
 }
 
-/// The reports to the cluster (the node condition, Events), if a client can be had; without
-/// one, the agent runs on from its flags alone, and says why.
-pub(super) async fn spawn_reports(
+/// The cluster's tasks, if a client can be had: the reports (the node condition, Events), and
+/// the upstream Service followed when no flag fixes it. Without a client the agent runs on from
+/// its flags alone, and says why.
+pub(super) async fn spawn_cluster(
     settings: &crate::cluster::Settings,
+    addrs: &crate::ruleset::ListenAddrs,
+    following: &Arc<Following>,
     tasks: &mut Tasks,
 ) -> Option<crate::cluster::Reporter> {
-    match crate::cluster::start(settings).await {
-        Ok((reporter, task)) => {
-            tasks.spawn("cluster reports", task);
-            Some(reporter)
-        }
+    let client = match crate::cluster::client(settings).await {
+        Ok(client) => client,
         Err(e) => {
-            tracing::warn!(error = %e, node = %settings.node_name, "no reports to the cluster");
-            None
+            tracing::warn!(error = %e, node = %settings.node_name, "no reports to the cluster, and the upstream Service is not followed");
+            return None;
         }
+    };
+    if let Some(name) = &settings.upstream_svc {
+        let follower = crate::cluster::Follower {
+            name: name.clone(),
+            addrs: addrs.clone(),
+            following: following.clone(),
+        };
+        tasks.spawn("upstream Service follower", crate::cluster::follow(client.clone(), follower));
     }
+    let (reporter, task) = crate::cluster::reports(client, settings);
+    tasks.spawn("cluster reports", task);
+    Some(reporter)
 }

@@ -578,4 +578,5 @@ fn an_answer_after_its_query_expired_is_dropped_and_counted() {
 /// A second pod's address (on `lo`, IPv4): a client other than [`Family::client`].
 const OTHER_CLIENT: &str = "10.244.0.6:0";
 
+mod moved;
 mod shares;

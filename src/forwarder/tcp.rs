@@ -13,7 +13,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::timeout;
 
-use super::{count, report_task_end, Counters, Options, Share, Shares};
+use super::{count, report_task_end, Addr, Counters, Options, Share, Shares};
 
 /// What each direction of a relay reads at a time (a DNS message may take several reads).
 const CHUNK: usize = 8 << 10;
@@ -27,7 +27,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// client address.
 pub(super) async fn serve(
     listener: TcpListener,
-    upstream: SocketAddr,
+    upstream: Addr,
     options: Options,
     counters: Arc<Counters>,
 ) -> Infallible {
@@ -58,7 +58,7 @@ pub(super) async fn serve(
                 relays.spawn(relay_to_upstream(
                     client,
                     peer,
-                    upstream,
+                    upstream.now(),
                     options,
                     counters.clone(),
                     (permit, share),

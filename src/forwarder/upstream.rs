@@ -54,7 +54,7 @@ use tokio::time::MissedTickBehavior;
 
 use super::ids::{Answered, Pending, HEADER_LEN};
 use super::udp::{send_answers, Buffers, Reply, BATCH};
-use super::{count, Counters, Options, Shares};
+use super::{count, Addr, Counters, Options, Shares};
 
 /// How many sockets the pool has, each with a task to read its answers and a conntrack entry on
 /// the node. Of 1, 2 and 4, four served the benchmark's dnsperf best, on two cores, with the
@@ -94,7 +94,7 @@ pub(super) struct Outgoing {
 
 /// The sockets to the upstream.
 pub(super) struct Pool {
-    upstream: SocketAddr,
+    upstream: Addr,
     sockets: Vec<Arc<Upstream>>,
     /// The socket the next query goes on.
     next: usize,
@@ -108,7 +108,7 @@ impl std::fmt::Debug for Pool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let in_flight = self.in_flight();
         let sockets = self.sockets.len();
-        let upstream = self.upstream;
+        let upstream = self.upstream.now();
         f.debug_struct("Pool")
             .field("upstream", &upstream)
             .field("sockets", &sockets)
@@ -120,13 +120,13 @@ impl std::fmt::Debug for Pool {
 impl Pool {
     /// [`SOCKETS`] sockets for `upstream`, bound to a port each and not yet connected, their
     /// queries counted against their clients' `shares`. Must be called inside a tokio runtime.
-    pub(super) fn open(upstream: SocketAddr, shares: Arc<Shares>) -> io::Result<Pool> {
+    pub(super) fn open(upstream: Addr, shares: Arc<Shares>) -> io::Result<Pool> {
         let in_flight = Arc::new(AtomicUsize::new(0));
         let sockets = (0..SOCKETS)
             .map(|index| {
                 Ok(Arc::new(Upstream {
-                    socket: Mutex::new(Arc::new(open_socket(upstream)?)),
-                    upstream,
+                    socket: Mutex::new(Arc::new(open_socket(upstream.now())?)),
+                    upstream: upstream.clone(),
                     index,
                     pending: Mutex::new(Pending::new()),
                     in_flight: in_flight.clone(),
@@ -143,9 +143,9 @@ impl Pool {
     pub(super) async fn connect(&self) {
         let mut wait = CONNECT_RETRY.0;
         for upstream in &self.sockets {
-            while let Err(error) = upstream.socket().connect(self.upstream).await {
+            while let Err(error) = upstream.socket().connect(self.upstream.now()).await {
                 tracing::warn!(
-                    upstream = %self.upstream, %error, retry_in = ?wait,
+                    upstream = %self.upstream.now(), %error, retry_in = ?wait,
                     "the forwarder cannot connect to the upstream; no UDP query is taken until it can"
                 );
                 tokio::time::sleep(wait).await;
@@ -182,8 +182,8 @@ pub(super) struct Upstream {
     /// Connected to the upstream (by [`Pool::connect`]); replaced by a new one every
     /// [`Options::upstream_redial`](super::Options::upstream_redial).
     socket: Mutex<Arc<UdpSocket>>,
-    /// The upstream.
-    upstream: SocketAddr,
+    /// The upstream, read at each dial.
+    upstream: Addr,
     /// Its place in the pool: when it is re-dialled.
     index: usize,
     /// Its queries in flight.
@@ -263,7 +263,7 @@ impl Upstream {
     /// replaced by a new one, connected afresh: a new source port, so a new conntrack entry
     /// and kube-proxy's choice of a CoreDNS endpoint made again. The old socket's answers are
     /// still read until its queries have had `options.upstream_timeout` (and a sweep), or until
-    /// nothing is pending; a re-dial waits for that drain to end.
+    /// nothing is pending; a re-dial waits for that drain to end, unless the upstream moved.
     pub(super) async fn answer(
         self: Arc<Self>,
         listener: Arc<UdpSocket>,
@@ -280,6 +280,7 @@ impl Upstream {
         redial.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut socket = self.socket();
         let mut draining: Option<(Arc<UdpSocket>, Instant)> = None;
+        let (mut upstream, mut moved) = (self.upstream.clone(), false);
         loop {
             let idle = self.pending().is_empty();
             // The old socket goes once its queries have had their time, or sooner when nothing
@@ -297,8 +298,16 @@ impl Upstream {
                 ready = ready_or_never(draining.as_ref().map(|(old, _)| &**old)) => {
                     (&draining.as_ref().expect("only a draining socket is ready").0, ready)
                 }
+                // The upstream moved (its Service re-created): dial the new address now, not at
+                // this socket's turn, even while an old socket drains (its address is gone).
+                () = upstream.changed() => {
+                    moved = true;
+                    redial.reset_immediately();
+                    continue;
+                }
                 _ = redial.tick() => {
-                    if draining.as_ref().is_some_and(|(_, until)| Instant::now() < *until) {
+                    let moved = std::mem::take(&mut moved);
+                    if !moved && draining.as_ref().is_some_and(|(_, until)| Instant::now() < *until) {
                         continue;
                     }
                     if let Some(new) = self.redial().await {
@@ -345,15 +354,16 @@ impl Upstream {
     /// A new socket connected to the upstream, put in the old one's place for the queries to
     /// come; None (and the old one kept) when that fails.
     async fn redial(&self) -> Option<Arc<UdpSocket>> {
-        let socket = match open_socket(self.upstream) {
+        let upstream = self.upstream.now();
+        let socket = match open_socket(upstream) {
             Ok(socket) => socket,
             Err(error) => {
                 tracing::debug!(%error, "opening a socket to the upstream failed");
                 return None;
             }
         };
-        if let Err(error) = socket.connect(self.upstream).await {
-            tracing::debug!(upstream = %self.upstream, %error, "re-dialling the upstream failed");
+        if let Err(error) = socket.connect(upstream).await {
+            tracing::debug!(%upstream, %error, "re-dialling the upstream failed");
             return None;
         }
         let socket = Arc::new(socket);

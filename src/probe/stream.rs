@@ -42,10 +42,11 @@ impl Prober for Probe {
     }
 }
 
-/// Probes `target` at each tick of `ticker`, and at once when `wake` is notified.
+/// Probes `target` at each tick of `ticker`, and at once when `wake` is notified. The target is
+/// asked anew for each probe: the upstream's follows its Service ([`crate::upstream`]).
 pub(crate) async fn probe_stream(
     probe: Arc<dyn Prober>,
-    target: std::net::SocketAddr,
+    target: impl Fn() -> std::net::SocketAddr + Send,
     transport: Transport,
     stream: Stream,
     mut ticker: Interval,
@@ -61,7 +62,7 @@ pub(crate) async fn probe_stream(
         // a socket that is closing too, and would only time out. Ask again.
         let result = loop {
             tokio::select! {
-                result = probe.probe(target, transport) => break result,
+                result = probe.probe(target(), transport) => break result,
                 _ = wake.notified() => {}
             }
         };

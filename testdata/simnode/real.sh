@@ -53,7 +53,12 @@ real_pki() {
     # admin: the tests' kubectl; kube-proxy: the user kubeadm's RBAC binds system:node-proxier
     # to; coredns: bound below to kubeadm's system:coredns role; agent: the agent's reports, a
     # user with no rights until a test grants it the manifests' (tests/e2e_cluster.rs).
+    local namespace
     for who in admin kube-proxy coredns agent; do
+        # The agent's client works in the namespace its pod would run in (it follows the
+        # upstream Service there).
+        namespace=default
+        [[ $who != agent ]] || namespace=kube-system
         case $who in
         admin) subj="/O=system:masters/CN=simnode-admin" ;;
         agent) subj="/CN=nodelocaldns-ha-agent" ;;
@@ -74,7 +79,7 @@ users:
   user: {client-certificate: "$pki/$who.crt", client-key: "$pki/$who.key"}
 contexts:
 - name: simnode
-  context: {cluster: simnode, user: $who}
+  context: {cluster: simnode, user: $who, namespace: $namespace}
 current-context: simnode
 EOF
     done

@@ -63,7 +63,9 @@ impl SimNode {
             } else {
                 vec!["--cluster-dns-ip", cluster_dns]
             })
-            .args(["--upstream-ip", upstream, "--probe-name", "who.test"])
+            // None: from the environment (`KUBE_DNS_UPSTREAM_SERVICE_HOST`), as in a pod.
+            .args(if upstream.is_empty() { vec![] } else { vec!["--upstream-ip", upstream] })
+            .args(["--probe-name", "who.test"])
             // nftables unless the test picks a backend.
             .args(if extra.contains(&"--dataplane") {
                 &[][..]

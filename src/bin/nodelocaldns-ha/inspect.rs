@@ -146,6 +146,9 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
         line("cache tcp:", tcp);
     }
     line("upstream:", &st.probes.upstream);
+    if !st.upstream_from.is_empty() {
+        println!("             from {}", st.upstream_from);
+    }
     if let Some(f) = &st.forwarded {
         println!(
             "forwarder:   udp {} queries {} answered, tcp {} connections, {} upstream failures, \

@@ -1,0 +1,192 @@
+//! The upstream Service followed through the API server ([`crate::upstream`]): listed by name,
+//! then watched, and listed again whenever the watch ends. Each ClusterIP it shows is checked as
+//! `--upstream-ip` would be and published; a Service deleted, headless or unusable keeps the
+//! last usable address, and `status` says why. The API server away changes nothing but what is
+//! learnt: each failure is said once per outage and retried with backoff, as the reports are.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Service;
+use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+use tracing::{info, warn};
+
+use super::{BACKOFF, REPORT_TIMEOUT};
+use crate::ruleset::ListenAddrs;
+use crate::upstream::{self, Following, Upstream};
+
+/// How long one watch runs before the API server ends it (it is then listed and watched anew).
+const WATCH_SECS: u32 = 290;
+/// A watch that brings nothing for this long (not even the API server's end of it) is dead.
+const WATCH_SILENCE: Duration = Duration::from_secs(WATCH_SECS as u64 + 30);
+
+/// What the follower checks and publishes to.
+pub struct Follower {
+    /// The upstream Service's name; its namespace is the client's (the pod's).
+    pub name: String,
+    /// What the agent intercepts: the upstream must not be one of them.
+    pub addrs: ListenAddrs,
+    pub following: Arc<Following>,
+}
+
+/// Follows the Service forever.
+pub async fn follow(client: kube::Client, follower: Follower) {
+    let namespace = client.default_namespace().to_owned();
+    let services: Api<Service> = Api::namespaced(client, &namespace);
+    let from = format!("Service {namespace}/{}", follower.name);
+    let mut failing: Option<String> = None;
+    let mut backoff = BACKOFF.0;
+    loop {
+        let mut listed = || {
+            if failing.take().is_some() {
+                info!(service = %from, "following the upstream Service again");
+            }
+            backoff = BACKOFF.0;
+        };
+        let Err(said) = watch_once(&services, &from, &follower, &mut listed).await else {
+            continue;
+        };
+        if failing.is_none() {
+            warn!(service = %from, error = %said, "following the upstream Service failed; retrying with backoff (its last address is kept)");
+        }
+        failing = Some(said);
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF.1);
+    }
+}
+
+/// Lists the Service and watches it until the watch ends (`Ok`) or fails.
+async fn watch_once(
+    services: &Api<Service>,
+    from: &str,
+    follower: &Follower,
+    listed: &mut (dyn FnMut() + Send),
+) -> Result<(), String> {
+    let selector = format!("metadata.name={}", follower.name);
+    let params = ListParams::default().fields(&selector);
+    let list = within(REPORT_TIMEOUT, services.list(&params)).await?;
+    listed();
+    observe(list.items.first(), from, follower);
+    let version = list.metadata.resource_version.unwrap_or_default();
+    let params = WatchParams::default().fields(&selector).timeout(WATCH_SECS);
+    let stream = within(REPORT_TIMEOUT, services.watch(&params, &version)).await?;
+    let mut stream = std::pin::pin!(stream);
+    loop {
+        let next = tokio::time::timeout(WATCH_SILENCE, stream.next())
+            .await
+            .map_err(|_| format!("the watch brought nothing for {WATCH_SILENCE:?}"))?;
+        match next.transpose().map_err(|e| e.to_string())? {
+            None => return Ok(()),
+            Some(WatchEvent::Added(service) | WatchEvent::Modified(service)) => {
+                observe(Some(&service), from, follower)
+            }
+            Some(WatchEvent::Deleted(_)) => observe(None, from, follower),
+            Some(WatchEvent::Bookmark(_)) => {}
+            // 410 Gone: the version is too old; the list that follows catches up.
+            Some(WatchEvent::Error(status)) if status.code == 410 => return Ok(()),
+            Some(WatchEvent::Error(status)) => return Err(status.message.clone()),
+        }
+    }
+}
+
+/// `request`, failed when the API server has not answered within `limit`.
+async fn within<T>(
+    limit: Duration,
+    request: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(limit, request).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {limit:?}")),
+    }
+}
+
+/// Publishes what `service` (`None`: there is none) says of the upstream.
+fn observe(service: Option<&Service>, from: &str, follower: &Follower) {
+    let last = follower.following.now().ips;
+    let kept = |why: String| Upstream { ips: last.clone(), from: format!("{from} ({why})") };
+    let upstream = match service.map(|s| usable(s, from, &follower.addrs)) {
+        Some(Ok(ips)) => Upstream { ips, from: from.to_owned() },
+        Some(Err(why)) => kept(format!("{why}; its last usable ClusterIP kept")),
+        None => kept("not found; its last ClusterIP kept".into()),
+    };
+    let ips = upstream.ips.clone();
+    let said = upstream.from.clone();
+    if follower.following.set(upstream) {
+        let ips: Vec<String> = ips.iter().map(ToString::to_string).collect();
+        if said == from {
+            info!(service = %from, upstream = %ips.join(","), "the upstream follows its Service");
+        } else {
+            warn!(upstream = %ips.join(","), "{said}");
+        }
+    }
+}
+
+/// The ClusterIPs of `service`, if the agent can use them as its upstream.
+fn usable(service: &Service, from: &str, addrs: &ListenAddrs) -> Result<Vec<IpAddr>, String> {
+    let spec = service.spec.as_ref();
+    let listed = spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
+    let single = spec.and_then(|s| s.cluster_ip.clone());
+    let texts = if listed.is_empty() { single.into_iter().collect() } else { listed };
+    let texts: Vec<_> = texts.into_iter().filter(|t| !t.is_empty() && t != "None").collect();
+    if texts.is_empty() {
+        return Err("it has no ClusterIP".into());
+    }
+    let ips = texts
+        .iter()
+        .map(|t| t.parse::<IpAddr>().map_err(|_| format!("its ClusterIP {t:?} is no IP")))
+        .collect::<Result<Vec<_>, _>>()?;
+    upstream::check(from, &ips, addrs).map_err(|e| e.to_string())?;
+    Ok(ips)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn service(cluster_ips: &[&str]) -> Service {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "kube-dns-upstream", "namespace": "kube-system"},
+            "spec": {"clusterIP": cluster_ips.first(), "clusterIPs": cluster_ips},
+        }))
+        .unwrap()
+    }
+
+    fn follower() -> Follower {
+        let addrs = ListenAddrs {
+            local: vec!["169.254.20.10".parse().unwrap()],
+            cluster_dns: vec!["10.96.0.10".parse().unwrap()],
+        };
+        let start = Upstream { ips: vec!["10.96.0.11".parse().unwrap()], from: "env".into() };
+        let following = Arc::new(Following::new(start));
+        Follower { name: "kube-dns-upstream".into(), addrs, following }
+    }
+
+    const FROM: &str = "Service kube-system/kube-dns-upstream";
+
+    #[test]
+    fn a_new_cluster_ip_is_published_and_an_unusable_one_keeps_the_last() {
+        let follower = follower();
+        let now = || follower.following.now();
+        observe(Some(&service(&["10.96.0.12"])), FROM, &follower);
+        assert_eq!(now().ips, ["10.96.0.12".parse::<IpAddr>().unwrap()]);
+        assert_eq!(now().from, FROM);
+        for (unusable, why) in [
+            (service(&["None"]), "it has no ClusterIP"),
+            (service(&["10.96.0.10"]), "is also --cluster-dns-ip"),
+            (service(&["fd00::12"]), "has no IPv4 address"),
+        ] {
+            observe(Some(&unusable), FROM, &follower);
+            assert_eq!(now().ips, ["10.96.0.12".parse::<IpAddr>().unwrap()], "{why}");
+            assert!(now().from.contains(why), "{}", now().from);
+            assert!(now().from.contains("its last usable ClusterIP kept"), "{}", now().from);
+        }
+        observe(None, FROM, &follower);
+        assert_eq!(now().ips, ["10.96.0.12".parse::<IpAddr>().unwrap()]);
+        assert_eq!(now().from, format!("{FROM} (not found; its last ClusterIP kept)"));
+        observe(Some(&service(&["10.96.0.13", "fd00::13"])), FROM, &follower);
+        assert_eq!(now().ips.len(), 2);
+        assert_eq!(now().from, FROM);
+    }
+}
