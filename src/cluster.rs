@@ -26,8 +26,7 @@ pub use follow::{follow, Follower};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Event as KubeEvent, Node};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tokio::sync::watch;
 use tracing::{info, warn};
@@ -124,9 +123,9 @@ async fn report_forever(
     node: String,
     mut rx: watch::Receiver<Option<State>>,
 ) {
-    let nodes: Api<Node> = Api::all(client.clone());
+    let nodes = Api::all_with(client.clone(), &core_v1("Node", "nodes"));
     // Node Events go to `default`, as kubelet's do; `kubectl describe node` finds them there.
-    let events: Api<KubeEvent> = Api::namespaced(client, "default");
+    let events = Api::namespaced_with(client, "default", &core_v1("Event", "events"));
     let mut reported = Reported::default();
     let mut failing: Option<String> = None;
     let mut backoff = BACKOFF.0;
@@ -169,8 +168,8 @@ async fn report_forever(
 /// Reports `state`: the Event for the route changes since the last report, then the condition
 /// if it changed.
 async fn report(
-    nodes: &Api<Node>,
-    events: &Api<KubeEvent>,
+    nodes: &Api<DynamicObject>,
+    events: &Api<DynamicObject>,
     node: &str,
     state: &State,
     reported: &mut Reported,
@@ -194,7 +193,7 @@ async fn report(
             "reportingComponent": MANAGER,
             "reportingInstance": node,
         });
-        let event: KubeEvent = serde_json::from_value(body).map_err(kube::Error::SerdeError)?;
+        let event: DynamicObject = serde_json::from_value(body).map_err(kube::Error::SerdeError)?;
         events.create(&PostParams::default(), &event).await?;
         reported.transitions = Some(state.transitions);
     }
@@ -234,17 +233,34 @@ async fn report(
 /// Removes the taints with `key` from `node`: the node's taints read, then written back without
 /// them, on the condition that nobody changed the node in between (its resourceVersion; a
 /// conflict fails the report, which is retried).
-async fn remove_taint(nodes: &Api<Node>, node: &str, key: &str) -> Result<(), kube::Error> {
+async fn remove_taint(
+    nodes: &Api<DynamicObject>,
+    node: &str,
+    key: &str,
+) -> Result<(), kube::Error> {
     let current = nodes.get(node).await?;
-    let taints = current.spec.and_then(|s| s.taints).unwrap_or_default();
-    if !taints.iter().any(|t| t.key == key) {
+    let taints = current.data["spec"]["taints"].as_array().cloned().unwrap_or_default();
+    let kept: Vec<_> = taints.iter().filter(|t| t["key"] != key).collect();
+    if kept.len() == taints.len() {
         return Ok(());
     }
-    let kept: Vec<_> = taints.into_iter().filter(|t| t.key != key).collect();
     let patch = json!({
         "metadata": {"resourceVersion": current.metadata.resource_version},
         "spec": {"taints": kept},
     });
     nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
     Ok(())
+}
+
+/// A core (`v1`) resource, read and written as JSON: the agent reads a few fields of Nodes and
+/// Services, and decoding them whole into their types would keep a megabyte more of code
+/// resident in every node's agent.
+fn core_v1(kind: &str, plural: &str) -> ApiResource {
+    ApiResource {
+        group: String::new(),
+        version: "v1".into(),
+        api_version: "v1".into(),
+        kind: kind.into(),
+        plural: plural.into(),
+    }
 }

@@ -350,23 +350,24 @@ fn a_refusing_api_server_changes_nothing_in_the_failover_and_is_caught_up() {
     node.tear_down(agent);
 }
 
-/// Acceptance 3: kube-dns-upstream deleted and re-created with a new ClusterIP. The agent, its
-/// upstream from the pod's environment (`KUBE_DNS_UPSTREAM_SERVICE_HOST`, fixed when the pod
-/// started) and the component's RBAC, follows the Service: while it is gone the old address
-/// fails its probes (without following, a cache failure would be held on the cache from then
-/// on); once re-created, the new address is probed and answers within seconds, and a cache
-/// SIGKILL fails no lookup of the cluster-DNS IP, nor of the link-local IP, whose forwarder
-/// dials the new address too.
+/// Acceptance 3: kube-dns-upstream deleted and re-created with a new ClusterIP. The agent runs
+/// as its pod does (in-cluster configuration, a token the API server issued to its service
+/// account, which has exactly the component's RBAC; the upstream from the pod's environment,
+/// `KUBE_DNS_UPSTREAM_SERVICE_HOST`, fixed when the pod started). It reports (the condition),
+/// and follows the Service: while it is gone the old address fails its probes (without
+/// following, a cache failure would be held on the cache from then on); once re-created, the
+/// new address is probed and answers within seconds, and a cache SIGKILL fails no lookup of the
+/// cluster-DNS IP, nor of the link-local IP, whose forwarder dials the new address too.
 #[test]
 fn a_recreated_upstream_service_is_followed() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
     let name = node.ns("node");
-    let watch = ["watch", "services/kube-dns-upstream", "-n", "kube-system"];
-    grant(&node, "cluster-reports", &watch);
-    let kubeconfig = agent_kubeconfig(&node);
-    let args = ["--node-name", &name, "--kubeconfig", &kubeconfig];
-    let env = [("KUBE_DNS_UPSTREAM_SERVICE_HOST", UPSTREAM_IP)];
-    let agent = node.agent_env(LOCAL_IP, CLUSTER_DNS_IP, "", &args, &env);
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rbac = repo.join("manifests/cluster-reports/rbac.yaml").display().to_string();
+    let out = node.kubectl().args(["apply", "-f", &rbac]).output().expect("kubectl");
+    assert!(out.status.success(), "{}", describe(&out));
+    let agent = node.agent_in_pod(&["--node-name", &name]);
+    wait_condition(&node, &name, "True", "CacheServing");
     let followed = "Service kube-system/kube-dns-upstream";
     let upstream = |state: &Value| state["probes"]["upstream"].clone();
     wait_for("the Service followed", Duration::from_secs(10), || {

@@ -3,28 +3,43 @@
 //! node (kube-proxy in nftables mode), the iptables-nft node (the benchmark's own), a node
 //! whose kube-proxy is iptables-legacy (`auto`, and `--dataplane nftables`), and the mixed node
 //! (kubelet's canary chains in iptables-legacy; kube-proxy in iptables-nft with 50,000 nat
-//! rules, INPUT policy DROP), idle and with kube-proxy syncing every second. The cases take
-//! turns, `rounds` times, so that other load on the machine falls on all of them alike.
+//! rules, INPUT policy DROP), idle and with kube-proxy syncing every second; and the real parts'
+//! node (real kube-apiserver and kube-proxy, issue 33's acceptance 6), the agent with its API
+//! client off (flags alone) and on (run as its pod: in-cluster configuration, its service
+//! account's token and the component's RBAC, reports and the upstream Service followed). The
+//! cases take turns, `rounds` times, so that other load on the machine falls on all of them
+//! alike.
 
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::{clock_ticks_per_s, cpu_ticks, SimNode, CLUSTER_DNS_IP, LOCAL_IP, UPSTREAM_IP};
 
-/// One measurement: a node, the agent's flags, and whether kube-proxy syncs meanwhile.
+/// One measurement: a node, the agent's flags, whether kube-proxy syncs meanwhile, and whether
+/// the agent runs as its pod with its API client on.
 struct Case {
     node: &'static str,
     flags: &'static [&'static str],
     syncing: bool,
+    api: bool,
 }
 
-const CASES: [Case; 6] = [
-    Case { node: "nftables", flags: &["--dataplane", "auto"], syncing: false },
-    Case { node: "iptables-nft", flags: &["--dataplane", "auto"], syncing: false },
-    Case { node: "iptables-legacy", flags: &["--dataplane", "auto"], syncing: false },
-    Case { node: "iptables-legacy", flags: &["--dataplane", "nftables"], syncing: false },
-    Case { node: "mixed", flags: &["--dataplane", "auto"], syncing: false },
-    Case { node: "mixed", flags: &["--dataplane", "auto"], syncing: true },
+const AUTO: &[&str] = &["--dataplane", "auto"];
+
+const CASES: [Case; 8] = [
+    Case { node: "nftables", flags: AUTO, syncing: false, api: false },
+    Case { node: "iptables-nft", flags: AUTO, syncing: false, api: false },
+    Case { node: "iptables-legacy", flags: AUTO, syncing: false, api: false },
+    Case {
+        node: "iptables-legacy",
+        flags: &["--dataplane", "nftables"],
+        syncing: false,
+        api: false,
+    },
+    Case { node: "mixed", flags: AUTO, syncing: false, api: false },
+    Case { node: "mixed", flags: AUTO, syncing: true, api: false },
+    Case { node: "real parts", flags: AUTO, syncing: false, api: false },
+    Case { node: "real parts", flags: AUTO, syncing: false, api: true },
 ];
 
 /// How long an agent runs after its start before it is measured.
@@ -47,7 +62,17 @@ fn nodes(prefix: &str) -> Vec<(&'static str, SimNode)> {
         }
     }
     super::load_nat_rules(&mixed, 12_500, &["iptables-nft"]);
-    vec![("nftables", nftables), ("iptables-legacy", legacy), ("mixed", mixed)]
+    let real = SimNode::up_prefixed(&format!("{prefix}r"), &["--kube-proxy", "real-iptables"]);
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rbac = repo.join("manifests/cluster-reports/rbac.yaml");
+    let out = real.kubectl().arg("apply").arg("-f").arg(rbac).output().expect("kubectl");
+    assert!(out.status.success(), "the component's RBAC: {}", testkit::describe(&out));
+    vec![
+        ("nftables", nftables),
+        ("iptables-legacy", legacy),
+        ("mixed", mixed),
+        ("real parts", real),
+    ]
 }
 
 /// The agent's CPU (own and children's, in mCPU) over `secs` idle, and its read-backs, for
@@ -63,18 +88,29 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
     let mut about: Vec<Value> = CASES.iter().map(|_| Value::Null).collect();
     for round in 0..rounds {
         for (i, case) in CASES.iter().enumerate() {
+            let flags = if case.api {
+                format!("{} --node-name (in its pod: the API client on)", case.flags.join(" "))
+            } else {
+                case.flags.join(" ")
+            };
             eprintln!(
-                "bench: idle CPU, round {}, {} node, {}{}",
+                "bench: idle CPU, round {}, {} node, {flags}{}",
                 round + 1,
                 case.node,
-                case.flags.join(" "),
                 if case.syncing { ", kube-proxy syncing" } else { "" }
             );
             let node = node_of(case.node);
             let _ = std::fs::remove_file(node.dir.join("agent-state").join("state.json"));
             // At the default log level (the kit's agents log at debug).
             let env = [("NODELOCALDNS_HA_LOG", "info")];
-            let agent = node.agent_env(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, case.flags, &env);
+            let agent = if case.api {
+                let name = node.ns("node");
+                let flags: Vec<&str> =
+                    case.flags.iter().copied().chain(["--node-name", &name]).collect();
+                node.agent_in_pod_env(&flags, &env)
+            } else {
+                node.agent_env(LOCAL_IP, CLUSTER_DNS_IP, UPSTREAM_IP, case.flags, &env)
+            };
             if case.syncing {
                 node.script(&["kube-proxy-resync-start"]);
             }
@@ -108,7 +144,7 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
             }));
             about[i] = json!({
                 "node": case.node,
-                "flags": case.flags.join(" "),
+                "flags": flags,
                 "kube_proxy_syncing": case.syncing,
                 "dataplane": state["dataplane"],
                 "accepts_in": state["accepts_in"],

@@ -9,11 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use k8s_openapi::api::core::v1::Service;
-use kube::api::{Api, ListParams, WatchEvent, WatchParams};
+use kube::api::{Api, DynamicObject, ListParams, WatchEvent, WatchParams};
 use tracing::{info, warn};
 
-use super::{BACKOFF, REPORT_TIMEOUT};
+use super::{core_v1, BACKOFF, REPORT_TIMEOUT};
 use crate::ruleset::ListenAddrs;
 use crate::upstream::{self, Following, Upstream};
 
@@ -34,7 +33,7 @@ pub struct Follower {
 /// Follows the Service forever.
 pub async fn follow(client: kube::Client, follower: Follower) {
     let namespace = client.default_namespace().to_owned();
-    let services: Api<Service> = Api::namespaced(client, &namespace);
+    let services = Api::namespaced_with(client, &namespace, &core_v1("Service", "services"));
     let from = format!("Service {namespace}/{}", follower.name);
     let mut failing: Option<String> = None;
     let mut backoff = BACKOFF.0;
@@ -59,7 +58,7 @@ pub async fn follow(client: kube::Client, follower: Follower) {
 
 /// Lists the Service and watches it until the watch ends (`Ok`) or fails.
 async fn watch_once(
-    services: &Api<Service>,
+    services: &Api<DynamicObject>,
     from: &str,
     follower: &Follower,
     listed: &mut (dyn FnMut() + Send),
@@ -103,7 +102,7 @@ async fn within<T>(
 }
 
 /// Publishes what `service` (`None`: there is none) says of the upstream.
-fn observe(service: Option<&Service>, from: &str, follower: &Follower) {
+fn observe(service: Option<&DynamicObject>, from: &str, follower: &Follower) {
     let last = follower.following.now().ips;
     let kept = |why: String| Upstream { ips: last.clone(), from: format!("{from} ({why})") };
     let upstream = match service.map(|s| usable(s, from, &follower.addrs)) {
@@ -124,12 +123,14 @@ fn observe(service: Option<&Service>, from: &str, follower: &Follower) {
 }
 
 /// The ClusterIPs of `service`, if the agent can use them as its upstream.
-fn usable(service: &Service, from: &str, addrs: &ListenAddrs) -> Result<Vec<IpAddr>, String> {
-    let spec = service.spec.as_ref();
-    let listed = spec.and_then(|s| s.cluster_ips.clone()).unwrap_or_default();
-    let single = spec.and_then(|s| s.cluster_ip.clone());
-    let texts = if listed.is_empty() { single.into_iter().collect() } else { listed };
-    let texts: Vec<_> = texts.into_iter().filter(|t| !t.is_empty() && t != "None").collect();
+fn usable(service: &DynamicObject, from: &str, addrs: &ListenAddrs) -> Result<Vec<IpAddr>, String> {
+    let spec = &service.data["spec"];
+    let listed = spec["clusterIPs"].as_array().filter(|ips| !ips.is_empty());
+    let texts: Vec<&str> = match listed {
+        Some(ips) => ips.iter().filter_map(|ip| ip.as_str()).collect(),
+        None => spec["clusterIP"].as_str().into_iter().collect(),
+    };
+    let texts: Vec<_> = texts.into_iter().filter(|t| !t.is_empty() && *t != "None").collect();
     if texts.is_empty() {
         return Err("it has no ClusterIP".into());
     }
@@ -145,7 +146,7 @@ fn usable(service: &Service, from: &str, addrs: &ListenAddrs) -> Result<Vec<IpAd
 mod tests {
     use super::*;
 
-    fn service(cluster_ips: &[&str]) -> Service {
+    fn service(cluster_ips: &[&str]) -> DynamicObject {
         serde_json::from_value(serde_json::json!({
             "metadata": {"name": "kube-dns-upstream", "namespace": "kube-system"},
             "spec": {"clusterIP": cluster_ips.first(), "clusterIPs": cluster_ips},

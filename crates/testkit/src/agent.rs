@@ -2,7 +2,7 @@
 //! when the handle is dropped.
 
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
@@ -40,11 +40,16 @@ impl SimNode {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Agent {
-        self.spawn_agent(local, cluster_dns, upstream, extra, env, true)
+        let launch = self.cmd("node", agent_exe());
+        self.spawn_agent(launch, local, cluster_dns, upstream, extra, env, true)
     }
 
-    fn spawn_agent(
+    /// Starts the agent by `launch` (the agent's binary, or a command that ends by running it
+    /// with the arguments that follow).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn spawn_agent(
         &self,
+        launch: Command,
         local: &str,
         cluster_dns: &str,
         upstream: &str,
@@ -54,8 +59,8 @@ impl SimNode {
     ) -> Agent {
         let state_dir = self.dir.join("agent-state");
         let log = self.dir.join("agent.log");
-        let child = self
-            .cmd("node", agent_exe())
+        let mut launch = launch;
+        let child = launch
             .args(["run", "--local-ip", local])
             // None: the link-local shape.
             .args(if cluster_dns.is_empty() {
@@ -129,7 +134,8 @@ impl SimNode {
         env: &[(&str, &str)],
     ) -> Agent {
         let _ = std::fs::remove_file(self.dir.join("agent-state").join("state.json"));
-        self.spawn_agent(local, cluster_dns, upstream, extra, env, false)
+        let launch = self.cmd("node", agent_exe());
+        self.spawn_agent(launch, local, cluster_dns, upstream, extra, env, false)
     }
 
     /// Starts the agent again with the same state directory (v4, nftables unless `extra` says
@@ -149,7 +155,8 @@ impl SimNode {
         extra: &[&str],
         previous: &Value,
     ) -> Agent {
-        let agent = self.spawn_agent(local, cluster_dns, upstream, extra, &[], false);
+        let launch = self.cmd("node", agent_exe());
+        let agent = self.spawn_agent(launch, local, cluster_dns, upstream, extra, &[], false);
         wait_for("the restarted agent's state", Duration::from_secs(10), || {
             agent.state().filter(|s| s["pid"] != previous["pid"])
         });

@@ -11,13 +11,20 @@
 //! workspace: `cargo build` (`--release` for the benchmarks, as `ci/bench.sh` does) or a plain
 //! `cargo test` in the root, every crate being a default member. `cargo test --test NAME` and
 //! `cargo bench --bench NAME` use dnsload as it was last built.
+//!
+//! `NLHA_AGENT_EXE` names another agent binary: `ci/bench.sh` measures the agent as it ships,
+//! built on its own (`cargo build -p nodelocaldns-ha`, as the Dockerfile builds it). Built for
+//! a bench, it shares the features cargo unifies over the package's dev-dependencies (the
+//! webhook's HTTP/2 server in hyper), which the shipped binary lacks.
 
 use std::sync::OnceLock;
 
 /// The agent's binary.
 pub fn agent_exe() -> &'static str {
     static PATH: OnceLock<String> = OnceLock::new();
-    PATH.get_or_init(|| built("nodelocaldns-ha"))
+    PATH.get_or_init(|| {
+        std::env::var("NLHA_AGENT_EXE").unwrap_or_else(|_| built("nodelocaldns-ha"))
+    })
 }
 
 /// The load client's binary (crates/dnsload).

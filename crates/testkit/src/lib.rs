@@ -20,6 +20,7 @@ mod cases;
 mod clock;
 mod load;
 mod netns_etc;
+mod pod;
 mod process;
 mod simnode;
 
