@@ -127,8 +127,7 @@ async fn report_forever(
     // Node Events go to `default`, as kubelet's do; `kubectl describe node` finds them there.
     let events = Api::namespaced_with(client, "default", &core_v1("Event", "events"));
     let mut reported = Reported::default();
-    let mut failing: Option<String> = None;
-    let mut backoff = BACKOFF.0;
+    let mut outage = Outage::default();
     loop {
         if rx.changed().await.is_err() {
             return std::future::pending().await;
@@ -136,16 +135,11 @@ async fn report_forever(
         loop {
             let Some(state) = rx.borrow_and_update().clone() else { break };
             let reporting = report(&nodes, &events, &node, &state, &mut reported);
-            let result = match tokio::time::timeout(REPORT_TIMEOUT, reporting).await {
-                Ok(result) => result.map_err(|e| e.to_string()),
-                Err(_) => Err(format!("no answer within {REPORT_TIMEOUT:?}")),
-            };
-            match result {
+            match within(REPORT_TIMEOUT, reporting).await {
                 Ok(()) => {
-                    if failing.take().is_some() {
+                    if outage.ended() {
                         info!(node = %node, "reporting to the API server again");
                     }
-                    backoff = BACKOFF.0;
                     tokio::time::sleep(MIN_SPACING).await;
                     if !rx.has_changed().unwrap_or(false) {
                         break;
@@ -153,15 +147,56 @@ async fn report_forever(
                 }
                 Err(said) => {
                     // Said once per outage; the next state, or the retry, tries again.
-                    if failing.is_none() {
+                    if outage.began() {
                         warn!(node = %node, error = %said, "reporting to the API server failed; retrying with backoff (the failover does not depend on it)");
                     }
-                    failing = Some(said);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(BACKOFF.1);
+                    outage.back_off().await;
                 }
             }
         }
+    }
+}
+
+/// The API server's outage as one task meets it: said when it begins and when it ends, each
+/// request retried meanwhile with backoff ([`BACKOFF`]).
+struct Outage {
+    failing: bool,
+    backoff: Duration,
+}
+
+impl Default for Outage {
+    fn default() -> Outage {
+        Outage { failing: false, backoff: BACKOFF.0 }
+    }
+}
+
+impl Outage {
+    /// A request failed: whether that begins an outage (to be said).
+    fn began(&mut self) -> bool {
+        !std::mem::replace(&mut self.failing, true)
+    }
+
+    /// A request succeeded: whether that ends an outage (to be said); the backoff starts over.
+    fn ended(&mut self) -> bool {
+        self.backoff = BACKOFF.0;
+        std::mem::take(&mut self.failing)
+    }
+
+    /// Waits before the retry, each time twice as long, up to the longest.
+    async fn back_off(&mut self) {
+        tokio::time::sleep(self.backoff).await;
+        self.backoff = (self.backoff * 2).min(BACKOFF.1);
+    }
+}
+
+/// `request`, failed when the API server has not answered within `limit`.
+async fn within<T>(
+    limit: Duration,
+    request: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(limit, request).await {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(_) => Err(format!("no answer within {limit:?}")),
     }
 }
 
@@ -262,5 +297,28 @@ fn core_v1(kind: &str, plural: &str) -> ApiResource {
         api_version: "v1".into(),
         kind: kind.into(),
         plural: plural.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_is_said_once_each_way_and_backs_off_to_the_longest() {
+        let mut outage = Outage::default();
+        assert!(!outage.ended(), "no outage to end");
+        assert!(outage.began());
+        assert!(!outage.began(), "said once");
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            let start = tokio::time::Instant::now();
+            outage.back_off().await;
+            waits.push(start.elapsed().as_secs());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
+        assert!(outage.ended());
+        assert!(!outage.ended());
+        assert_eq!(outage.backoff, BACKOFF.0, "starts over");
     }
 }

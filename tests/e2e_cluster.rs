@@ -44,6 +44,21 @@ fn events(node: &SimNode, name: &str) -> Vec<Value> {
     items
 }
 
+/// `kubectl ARGS` as the cluster's admin, `input` on its stdin; it must succeed.
+fn kubectl_with(node: &SimNode, args: &[&str], input: &[u8]) {
+    let mut child = node
+        .kubectl()
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kubectl");
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "kubectl {args:?}: {}", describe(&out));
+}
+
 /// The agent's user on the test bed (`agent.kubeconfig`, made by simnode's real parts): no
 /// rights until [`grant`].
 const AGENT_USER: &str = "nodelocaldns-ha-agent";
@@ -58,17 +73,7 @@ fn grant(node: &SimNode, component: &str, can: &[&str]) {
     assert!(rbac.contains(account), "{rbac}");
     let user = format!("{{kind: User, name: {AGENT_USER}, apiGroup: rbac.authorization.k8s.io}}");
     let rbac = rbac.replace(account, &user);
-    let mut child = node
-        .kubectl()
-        .args(["apply", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), rbac.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", describe(&out));
+    kubectl_with(node, &["apply", "-f", "-"], rbac.as_bytes());
     let who = format!("--as={AGENT_USER}");
     wait_for("the grant in force", Duration::from_secs(10), || {
         let out = node.kubectl().args(["auth", "can-i"]).args(can).arg(&who).output().ok()?;
@@ -400,18 +405,7 @@ fn a_recreated_upstream_service_is_followed() {
     service["spec"]["clusterIP"] = Value::from(new_ip);
     service["spec"]["clusterIPs"] = Value::from(vec![new_ip]);
     service.as_object_mut().unwrap().remove("status");
-    let mut child = node
-        .kubectl()
-        .args(["create", "-f", "-"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    let body = serde_json::to_vec(&service).unwrap();
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), &body).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", describe(&out));
+    kubectl_with(&node, &["create", "-f", "-"], &serde_json::to_vec(&service).unwrap());
     let moved = wait_for("the new address answering", Duration::from_secs(15), || {
         agent.state().filter(|s| {
             let probes = upstream(s);

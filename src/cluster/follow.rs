@@ -12,7 +12,7 @@ use futures_util::StreamExt;
 use kube::api::{Api, DynamicObject, ListParams, WatchEvent, WatchParams};
 use tracing::{info, warn};
 
-use super::{core_v1, BACKOFF, REPORT_TIMEOUT};
+use super::{core_v1, within, Outage, REPORT_TIMEOUT};
 use crate::ruleset::ListenAddrs;
 use crate::upstream::{self, Following, Upstream};
 
@@ -35,24 +35,20 @@ pub async fn follow(client: kube::Client, follower: Follower) {
     let namespace = client.default_namespace().to_owned();
     let services = Api::namespaced_with(client, &namespace, &core_v1("Service", "services"));
     let from = format!("Service {namespace}/{}", follower.name);
-    let mut failing: Option<String> = None;
-    let mut backoff = BACKOFF.0;
+    let mut outage = Outage::default();
     loop {
         let mut listed = || {
-            if failing.take().is_some() {
+            if outage.ended() {
                 info!(service = %from, "following the upstream Service again");
             }
-            backoff = BACKOFF.0;
         };
         let Err(said) = watch_once(&services, &from, &follower, &mut listed).await else {
             continue;
         };
-        if failing.is_none() {
+        if outage.began() {
             warn!(service = %from, error = %said, "following the upstream Service failed; retrying with backoff (its last address is kept)");
         }
-        failing = Some(said);
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(BACKOFF.1);
+        outage.back_off().await;
     }
 }
 
@@ -87,17 +83,6 @@ async fn watch_once(
             Some(WatchEvent::Error(status)) if status.code == 410 => return Ok(()),
             Some(WatchEvent::Error(status)) => return Err(status.message.clone()),
         }
-    }
-}
-
-/// `request`, failed when the API server has not answered within `limit`.
-async fn within<T>(
-    limit: Duration,
-    request: impl std::future::Future<Output = Result<T, kube::Error>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(limit, request).await {
-        Ok(result) => result.map_err(|e| e.to_string()),
-        Err(_) => Err(format!("no answer within {limit:?}")),
     }
 }
 
