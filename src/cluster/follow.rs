@@ -18,6 +18,8 @@ use crate::upstream::{self, Following, Upstream};
 
 /// How long one watch runs before the API server ends it (it is then listed and watched anew).
 const WATCH_SECS: u32 = 290;
+/// A watch that ends sooner than this after its list is taken for a failure (backed off).
+const SHORTEST_WATCH: Duration = Duration::from_secs(1);
 /// A watch that brings nothing for this long (not even the API server's end of it) is dead.
 const WATCH_SILENCE: Duration = Duration::from_secs(WATCH_SECS as u64 + 30);
 
@@ -42,8 +44,12 @@ pub async fn follow(client: kube::Client, follower: Follower) {
                 info!(service = %from, "following the upstream Service again");
             }
         };
-        let Err(said) = watch_once(&services, &from, &follower, &mut listed).await else {
-            continue;
+        let started = tokio::time::Instant::now();
+        let said = match watch_once(&services, &from, &follower, &mut listed).await {
+            Ok(()) if started.elapsed() >= SHORTEST_WATCH => continue,
+            // Listed and watched again at once, it would spin: backed off like a failure.
+            Ok(()) => format!("the watch ended within {SHORTEST_WATCH:?} of the list"),
+            Err(said) => said,
         };
         if outage.began() {
             warn!(service = %from, error = %said, "following the upstream Service failed; retrying with backoff (its last address is kept)");
