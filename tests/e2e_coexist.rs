@@ -444,8 +444,10 @@ fn iptables_drift(flavour: &str) {
         // At the next check (one a tick when none is in flight): counted from after the tamper
         // (so a check the test was slow to look past cannot count), at most the check in
         // flight across it, then the one that found it; none if the finder was done already.
+        // And one more that the scrape which saw the repair may count: a legacy node is
+        // checked every tick (100 ms), and the scrape's round trip can span one (CI saw it).
         let took = after - before.0;
-        assert!(before.1 >= i || took <= 2, "tamper {i} repaired {took} checks later");
+        assert!(before.1 >= i || took <= 3, "tamper {i} repaired {took} checks later");
         // The next tamper waits until the agent has also read its repair back.
         agent.wait_repairs(i, Duration::from_secs(5));
     }
