@@ -195,9 +195,9 @@ impl Agent {
             probes: Probes {
                 cache_udp: stats(cfg.cache_target()),
                 cache_tcp: cfg.cache_tcp.map(|_| stats(cfg.cache_target())),
-                upstream: stats(cfg.upstream_target()),
+                upstream: ProbeStats::default(),
             },
-            upstream_from: cfg.upstream.from.clone(),
+            upstream_from: String::new(),
             notes: Notes::default(),
             forwarded: None,
             warnings: Vec::new(),
@@ -207,6 +207,7 @@ impl Agent {
             leftover_notes: Vec::new(),
             firewall: Vec::new(),
         };
+        agent.set_upstream(&cfg.upstream);
         agent.note_firewall(&firewall);
         if let Some(failed) = failed {
             agent.reconciler.start_failed(failed, dirty, now);

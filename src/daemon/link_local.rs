@@ -70,12 +70,13 @@ impl Drop for Forwarding {
 }
 
 /// Binds a forwarder for each family of `local` (to the upstream of that family, else the
-/// first, as it is at each dial: [`crate::upstream`]) and starts it on a runtime of its own ([`Forwarding`]), then puts the copies of
-/// `local` on lo and spawns their keeper. A forwarder that cannot bind is an error: the agent
-/// would TPROXY queries to nobody. One whose socket fails for good ends its task in `tasks`, and
-/// so the agent, to be restarted with a fresh one. Copies that cannot be added now are said and
-/// retried by the keeper. With `leased` (the iptables backends), the runtime also renews the
-/// forwarders' lease on the link-local IPs, without which their TPROXY rules do not match.
+/// first, as it is at each dial: [`crate::upstream`]) and starts it on a runtime of its own
+/// ([`Forwarding`]), then puts the copies of `local` on lo and spawns their keeper. A forwarder
+/// that cannot bind is an error: the agent would TPROXY queries to nobody. One whose socket
+/// fails for good ends its task in `tasks`, and so the agent, to be restarted with a fresh one.
+/// Copies that cannot be added now are said and retried by the keeper. With `leased` (the
+/// iptables backends), the runtime also renews the forwarders' lease on the link-local IPs,
+/// without which their TPROXY rules do not match.
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &Following,
