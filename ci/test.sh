@@ -38,6 +38,12 @@ cargo build --locked --workspace --bins
 # clients' own 1 s attempt timeout expires. Run the suite on an otherwise idle machine, as CI
 # does.) Timings are the benchmark's (ci/bench.sh), measured side by side.
 cargo test --locked --workspace --lib --bins --tests
+# The image, built from the Dockerfile here (rootful buildah, vfs, runc; the builder made from
+# Debian's packages: ci/image/build.sh), and the agent run from it as the DaemonSet runs it: a
+# cache SIGKILL in both shapes, and what the image holds. About 9 min on a fresh machine (the
+# agent and the webhook compiled in the builder), 15 s once its caches are warm.
+image=$(ci/image/build.sh)
+NLHA_AGENT_IMAGE=$image cargo test --locked --test e2e_image -- --ignored
 # The same agent on Debian 12's 6.1 LTS kernel (tests/e2e_vm.rs): each test boots its own VM
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
 cargo test --locked --test e2e_vm -- --test-threads 2

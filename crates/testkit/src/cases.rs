@@ -15,8 +15,14 @@ use crate::{Agent, SimNode, CLUSTER_DNS_IP};
 /// already queued in the dying cache lose their first attempt: sent before it was gone, and
 /// within one attempt timeout of the kill (an older loss is not the kill's).
 pub fn cache_sigkill_loses_no_pod_lookup(node: &SimNode, agent: &Agent) {
+    cache_sigkill_loses_no_lookup_to(node, agent, CLUSTER_DNS_IP);
+}
+
+/// [`cache_sigkill_loses_no_pod_lookup`] with the pod querying `server`: the link-local IP in
+/// that shape, where CoreDNS's answers come through the agent's forwarder.
+pub fn cache_sigkill_loses_no_lookup_to(node: &SimNode, agent: &Agent, server: &str) {
     let args = ["--rate", "500", "--duration", "8s", "--report-interval", "250ms"];
-    let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let mut load = node.load("pod1", server, &args);
     load.wait_cache_answers();
 
     let (killed_at, gone_at) = node.kill("cache-kill");

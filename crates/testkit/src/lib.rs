@@ -7,7 +7,7 @@
 //!
 //! The rooms: [`SimNode`] (the namespaces and the servers), [`Agent`] (the agent process and
 //! what it logs and writes), [`Load`] (a dnsload run and its output), [`Proc`] (any other child),
-//! the binaries' paths ([`agent_exe`], [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf
+//! the agent from its image ([`ContainerAgent`]), the binaries' paths ([`agent_exe`], [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf
 //! ([`NetnsEtc`]), waiting ([`wait_for`], [`poll`]), and
 //! what only the benchmarks use ([`Machine`], [`setting`], [`median`], [`cpu_ticks`]).
 
@@ -18,6 +18,7 @@ mod bench;
 mod binaries;
 mod cases;
 mod clock;
+mod image;
 mod load;
 mod netns_etc;
 mod pod;
@@ -28,9 +29,11 @@ pub use agent::{fallback_refused, Agent, Switch};
 pub use bench::{clock_ticks_per_s, cpu_ticks, kernel_ticks, median, percentile, setting, Machine};
 pub use binaries::{agent_exe, dnsload_exe, musl_client};
 pub use cases::{
-    cache_sigkill_loses_no_pod_lookup, node_cache_rules_are_named, tcp_lookups_follow_the_route,
+    cache_sigkill_loses_no_lookup_to, cache_sigkill_loses_no_pod_lookup,
+    node_cache_rules_are_named, tcp_lookups_follow_the_route,
 };
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
+pub use image::{podman, ContainerAgent};
 pub use load::{
     assert_lost_to_the_kill, assert_tcp_lost_to_the_kill_or_return, assert_within,
     coredns_seen_after, field, kill_and_restart_cache, read_lookups, sent_at, summary_of, Load,

@@ -20,7 +20,7 @@ pub const CACHE_ANSWER: &str = "1.1.1.1";
 pub const COREDNS_ANSWER: &str = "2.2.2.2";
 
 /// The repository (this crate is `crates/testkit` in it): `testdata/simnode.sh` is there.
-fn repo() -> &'static Path {
+pub(crate) fn repo() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
