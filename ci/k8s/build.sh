@@ -10,7 +10,7 @@
 # after a pin change cheaper.
 #
 # Usage: ci/k8s/build.sh [--bin-dir] [PART...]
-#   PART: kube-apiserver kube-proxy kubectl etcd coredns node-cache (default: all of them)
+#   PART: kube-apiserver kube-proxy kubectl etcd coredns helm node-cache (default: all of them)
 #   --bin-dir  print the binary directory for these pins and exit (builds nothing)
 # Each part is built, then run (its --version must name the pinned version) before it is put in
 # bin/. A part that cannot be built fails loudly, naming the part and the error; the other parts
@@ -24,14 +24,14 @@ here=$(cd "$(dirname "$0")" && pwd)
 me=ci/k8s/build.sh
 die() { echo "$me: $*" >&2; exit 1; }
 
-all_parts=(kube-apiserver kube-proxy kubectl etcd coredns node-cache)
+all_parts=(kube-apiserver kube-proxy kubectl etcd coredns helm node-cache)
 bin_dir_only=0
 parts=()
 for a in "$@"; do
   case $a in
     --bin-dir) bin_dir_only=1 ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-    kube-apiserver|kube-proxy|kubectl|etcd|coredns|node-cache) parts+=("$a") ;;
+    kube-apiserver|kube-proxy|kubectl|etcd|coredns|helm|node-cache) parts+=("$a") ;;
     *) die "unknown part or option '$a' (parts: ${all_parts[*]})" ;;
   esac
 done
@@ -54,6 +54,7 @@ check_pin() { # wrapper module want
 check_pin kubernetes k8s.io/kubernetes "$K8S_VERSION"
 check_pin etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION"
 check_pin coredns github.com/coredns/coredns "$COREDNS_VERSION"
+check_pin helm helm.sh/helm/v4 "$HELM_VERSION"
 # Every staging replace at the staging version (and there are some: ~30).
 bad=$(awk -v v="$K8S_STAGING_VERSION" '$2 == "=>" && $1 ~ /^k8s\.io\// && $4 != v' "$here/kubernetes/go.mod")
 [ -z "$bad" ] || die "ci/k8s/kubernetes/go.mod replaces staging modules at another version than $K8S_STAGING_VERSION: $bad"
@@ -76,17 +77,21 @@ coredns_ldflags="-s -w"
 coredns_plugins="kubernetes forward cache bind health ready prometheus errors log loop reload"
 etcd_tags=""
 etcd_ldflags=""
+# helm: its Makefile's version variable (the rest of its BuildInfo needs the git tree).
+helm_tags=""
+helm_ldflags="-s -w -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
 
 # The cache key: every input of every binary.
 key=$( {
   cat "$here/versions.env"
-  for w in kubernetes etcd coredns; do
+  for w in kubernetes etcd coredns helm; do
     for f in "$here/$w"/go.mod "$here/$w"/go.sum "$here/$w"/*.go; do
       [ -e "$f" ] && { echo "== $w/${f##*/}"; cat "$f"; }
     done
   done
   echo "$gover $(go env GOOS GOARCH) CGO_ENABLED=$CGO_ENABLED GOFLAGS=$GOFLAGS -trimpath"
   echo "$k8s_tags $k8s_ldflags | $coredns_tags $coredns_ldflags | $etcd_tags $etcd_ldflags"
+  echo "$helm_tags $helm_ldflags"
 } | sha256sum | cut -c1-16)
 cache_root=${NLHA_K8S_CACHE:-/var/cache/nodelocaldns-ha/k8s}
 dir=$cache_root/$key
@@ -174,6 +179,9 @@ for part in "${parts[@]}"; do
     coredns)
       build coredns coredns github.com/coredns/coredns "$coredns_tags" "$coredns_ldflags" \
         -version "CoreDNS-${COREDNS_VERSION#v}" ;;
+    helm)
+      build helm helm helm.sh/helm/v4/cmd/helm "$helm_tags" "$helm_ldflags" version \
+        "Version:\"$HELM_VERSION\"" ;;
     node-cache) node_cache ;;
   esac
 done
