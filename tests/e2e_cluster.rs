@@ -46,16 +46,7 @@ fn events(node: &SimNode, name: &str) -> Vec<Value> {
 
 /// `kubectl ARGS` as the cluster's admin, `input` on its stdin; it must succeed.
 fn kubectl_with(node: &SimNode, args: &[&str], input: &[u8]) {
-    let mut child = node
-        .kubectl()
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = node.kubectl_input(args, input);
     assert!(out.status.success(), "kubectl {args:?}: {}", describe(&out));
 }
 

@@ -53,16 +53,7 @@ fn module_dir(module: &str, version: &str) -> PathBuf {
 
 /// `kubectl ARGS` as the cluster's admin, `input` on its stdin.
 fn kubectl(node: &SimNode, args: &[&str], input: &str) -> Output {
-    let mut child = node
-        .kubectl()
-        .args(args)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("kubectl");
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), input.as_bytes()).unwrap();
-    child.wait_with_output().unwrap()
+    node.kubectl_input(args, input.as_bytes())
 }
 
 /// A rendering: a kustomization one level below manifests/ (its resources and components,
@@ -414,7 +405,6 @@ fn helm_install_upgrade_and_uninstall_change_exactly_the_charts_objects() {
     install_crds(&node);
     let chart = chart();
     let chart = chart.to_str().unwrap();
-    let ids = |yaml: &str| objects(yaml).into_keys().collect::<Vec<_>>();
     let plain = ["clusterDNSIP=10.96.0.10"];
     let components = [
         "clusterDNSIP=10.96.0.10",
@@ -430,34 +420,23 @@ fn helm_install_upgrade_and_uninstall_change_exactly_the_charts_objects() {
     };
     let upstream_ip = upstream(&node);
 
-    helm_on(&node, &["install", "nlha", chart, "--namespace", "kube-system"], &plain);
-    let held = released(&node, "nlha");
-    assert_eq!(
-        held.keys().collect::<Vec<_>>(),
-        ids(&helm_template(&plain)).iter().collect::<Vec<_>>()
-    );
-    assert!(!agent_env(&held).contains(&"NODELOCALDNS_HA_NODE_NAME".to_owned()));
-    println!("installed: {:?}", held.keys().collect::<Vec<_>>());
-
-    helm_on(&node, &["upgrade", "nlha", chart, "--namespace", "kube-system"], &components);
-    let held = released(&node, "nlha");
-    assert_eq!(
-        held.keys().collect::<Vec<_>>(),
-        ids(&helm_template(&components)).iter().collect::<Vec<_>>()
-    );
-    let env = agent_env(&held);
-    for name in ["NODELOCALDNS_HA_NODE_NAME", "NODELOCALDNS_HA_STARTUP_TAINT"] {
+    // `helm VERB` with `values`; then the release's objects in the API server are exactly what
+    // the chart renders for them, and the agent's env as it renders it.
+    let step = |verb: &str, values: &[&str]| {
+        helm_on(&node, &[verb, "nlha", chart, "--namespace", "kube-system"], values);
+        let held = released(&node, "nlha");
+        let rendered = objects(&helm_template(values));
+        assert_eq!(held.keys().collect::<Vec<_>>(), rendered.keys().collect::<Vec<_>>(), "{verb}");
+        println!("{verb} {values:?}: {:?}", held.keys().collect::<Vec<_>>());
+        agent_env(&held)
+    };
+    let reports = "NODELOCALDNS_HA_NODE_NAME".to_owned();
+    assert!(!step("install", &plain).contains(&reports));
+    let env = step("upgrade", &components);
+    for name in [reports.as_str(), "NODELOCALDNS_HA_STARTUP_TAINT"] {
         assert!(env.contains(&name.to_owned()), "the upgraded DaemonSet's env: {env:?}");
     }
-    println!("upgraded: {:?}", held.keys().collect::<Vec<_>>());
-
-    helm_on(&node, &["upgrade", "nlha", chart, "--namespace", "kube-system"], &plain);
-    let held = released(&node, "nlha");
-    assert_eq!(
-        held.keys().collect::<Vec<_>>(),
-        ids(&helm_template(&plain)).iter().collect::<Vec<_>>()
-    );
-    assert!(!agent_env(&held).contains(&"NODELOCALDNS_HA_NODE_NAME".to_owned()));
+    assert!(!step("upgrade", &plain).contains(&reports));
 
     helm_on(&node, &["uninstall", "nlha", "--namespace", "kube-system"], &[]);
     let held = released(&node, "nlha");

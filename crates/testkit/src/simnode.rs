@@ -2,8 +2,9 @@
 //! rules, CoreDNS (dnsmasq) and the cache (unbound); commands run inside it and what its
 //! netfilter holds.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::binaries::agent_exe;
@@ -41,6 +42,20 @@ impl SimNode {
         let mut c = self.cmd("node", real_bin().join("kubectl").to_str().expect("a UTF-8 path"));
         c.arg("--kubeconfig").arg(self.dir.join("admin.kubeconfig")).arg("--request-timeout=10s");
         c
+    }
+
+    /// [`SimNode::kubectl`] `args` with `input` on its stdin: its output, whatever its status.
+    pub fn kubectl_input(&self, args: &[&str], input: &[u8]) -> Output {
+        let mut child = self
+            .kubectl()
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kubectl");
+        child.stdin.take().expect("stdin").write_all(input).expect("kubectl's stdin");
+        child.wait_with_output().expect("kubectl")
     }
 }
 

@@ -5,7 +5,6 @@
 #![allow(dead_code)] // Each test uses its part.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::sync::Arc;
@@ -144,16 +143,7 @@ fn webhook_exe() -> &'static str {
 
 /// kubectl with `input` on its standard input: its output, or a panic saying why not.
 pub fn kubectl(node: &SimNode, args: &[&str], input: &str) -> std::process::Output {
-    let mut child = node
-        .kubectl()
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = node.kubectl_input(args, input.as_bytes());
     assert!(out.status.success(), "kubectl {args:?}: {}", describe(&out));
     out
 }
