@@ -1644,7 +1644,7 @@ fn main() {
             "\nFor comparison, what a kernel-only fallback gets: the agent stopped (its NOTRACK \
              of 169.254.20.10 with it, which on a real node node-cache's own would keep), \
              169.254.20.10 DNATed straight to CoreDNS's two endpoints (option B of \
-             docs/design/link-local.md, not built: the README says why), against straight to \
+             docs/design/link-local.md, not built: docs/benchmark.md says why), against straight to \
              CoreDNS, alternating, with the same pinning of CoreDNS and dnsperf:\n",
         );
         md += &table("dnat", "a kernel DNAT", "dnat_over_coredns");

@@ -1,8 +1,8 @@
-//! The README's fail-safe table promises, row by row, what happens to DNS on a failure and names
-//! the tests that prove it. This keeps every row backed: each names at least one test, and
-//! every test it names exists and runs (a renamed, deleted or `#[ignore]`d test fails here, not
-//! silently in the docs). Its list of metrics, and of the transition hook's results, is what
-//! `/metrics` serves.
+//! The fail-safe tables (the README's, short, and docs/failsafe.md's, every row) promise, row by
+//! row, what happens to DNS on a failure and name the tests that prove it. This keeps every row
+//! backed: each names at least one test, and every test it names exists and runs (a renamed,
+//! deleted or `#[ignore]`d test fails here, not silently in the docs). The README's list of
+//! metrics, and of the transition hook's results, is what `/metrics` serves.
 
 #![forbid(unsafe_code)]
 
@@ -14,7 +14,7 @@ fn fail_safe_rows(readme: &str) -> Vec<(String, Vec<String>)> {
     let section = readme
         .split("\n## ")
         .find(|s| s.starts_with("What happens when") && s.contains("fail-safe"))
-        .expect("README has a fail-safe section");
+        .expect("a fail-safe section");
     let mut rows = Vec::new();
     for line in section.lines().filter(|l| l.starts_with('|')) {
         let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
@@ -110,17 +110,24 @@ fn tests_in(text: &str) -> Vec<String> {
 #[test]
 fn every_fail_safe_row_is_backed_by_tests_that_exist() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
-    let rows = fail_safe_rows(&readme);
     let tests = test_names(root);
-    assert!(rows.len() >= 9, "the table has {} rows", rows.len());
-    for (failure, cited) in &rows {
-        assert!(!cited.is_empty(), "row {failure:?} names no test");
+    for file in ["README.md", "docs/failsafe.md"] {
+        let text = std::fs::read_to_string(root.join(file)).expect(file);
+        let rows = fail_safe_rows(&text);
+        every_row_is_backed(file, &rows, &tests);
+    }
+}
+
+/// Each row of `file`'s table names tests that run, and the failures the policy must cover
+/// (issue 6) each have a row.
+fn every_row_is_backed(file: &str, rows: &[(String, Vec<String>)], tests: &[String]) {
+    assert!(rows.len() >= 9, "{file}: the table has {} rows", rows.len());
+    for (failure, cited) in rows {
+        assert!(!cited.is_empty(), "{file}: row {failure:?} names no test");
         for name in cited {
-            assert!(tests.contains(name), "row {failure:?} cites `{name}`, which is no test that runs (missing or #[ignore]d)");
+            assert!(tests.contains(name), "{file}: row {failure:?} cites `{name}`, which is no test that runs (missing or #[ignore]d)");
         }
     }
-    // The failures the policy must cover (issue 6), each in some row.
     for failure in [
         "cache crashes",
         "cache hangs",
@@ -133,7 +140,7 @@ fn every_fail_safe_row_is_backed_by_tests_that_exist() {
         "flushes",
         "xtables lock",
     ] {
-        assert!(rows.iter().any(|(f, _)| f.contains(failure)), "no row for {failure:?}");
+        assert!(rows.iter().any(|(f, _)| f.contains(failure)), "{file}: no row for {failure:?}");
     }
 }
 

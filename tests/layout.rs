@@ -1,5 +1,6 @@
-//! The layout keeps its promises (README, *Layout*): the library's modules import each other one
-//! way only, and no source file grows past [`MAX_LINES`] unless its opening comment says why.
+//! The layout keeps its promises (docs/design.md, *Layout*): the library's modules import each
+//! other one way only, and no source file grows past [`MAX_LINES`] unless its opening comment says
+//! why.
 //!
 //! A module's imports are the `crate::<module>` paths in its files' code (comments and the unit
 //! tests' files left out: a test may reach anywhere).

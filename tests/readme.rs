@@ -1,4 +1,4 @@
-//! Every command the README shows still works as shown (issue 34): each `nodelocaldns-ha`
+//! Every command the README (and docs/*.md) shows still works as shown (issue 34): each `nodelocaldns-ha`
 //! command names a subcommand the binary has and only flags that subcommand takes; each script
 //! it runs (`ci/…`, `testdata/…`) is there and executable; each repository path it names is
 //! there; each `--set` of the Helm command is a value the chart has. What the commands then do
@@ -17,8 +17,21 @@ fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// README.md and the docs/*.md it links to (the command line, testing, install, operating), as
+/// one text: the commands a reader is shown.
 fn readme() -> String {
-    std::fs::read_to_string(repo().join("README.md")).expect("README.md")
+    let mut text = std::fs::read_to_string(repo().join("README.md")).expect("README.md");
+    let mut docs: Vec<_> = std::fs::read_dir(repo().join("docs"))
+        .expect("docs/")
+        .map(|e| e.expect("docs/").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.sort();
+    for doc in docs {
+        text += "\n";
+        text += &std::fs::read_to_string(&doc).expect("a doc");
+    }
+    text
 }
 
 /// The README's commands: the lines of its code blocks (continuations joined, comments cut) and

@@ -13,7 +13,7 @@
 #
 # Caches, outside the repository: the bases and the layers in the storage's graphroot
 # (/var/cache/nodelocaldns-ha/containers), cargo's registry and target directory in buildah's
-# cache mounts (/var/tmp/buildah-cache-0): on a fresh machine the build compiles the agent and
+# cache mounts (/var/tmp/buildah-cache): on a fresh machine the build compiles the agent and
 # the webhook from scratch; after that, only what changed.
 #
 # Usage: ci/image/build.sh

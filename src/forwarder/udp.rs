@@ -6,8 +6,8 @@
 //! [`BATCH`], and one `sendmmsg` sends them all on one socket of the pool; their answers go back
 //! a batch per `sendmmsg` too ([`send_answers`]). Under load a wake-up and two system calls
 //! serve a batch where they served one query; idle, a batch is one query.
-//! (The kernel's work per packet stays: it is most of the forwarder's CPU; see README,
-//! Figures.)
+//! (The kernel's work per packet stays: it is most of the forwarder's CPU; see docs/benchmark.md,
+//! *The link-local shape in the benchmark*.)
 
 use std::collections::HashMap;
 use std::convert::Infallible;
