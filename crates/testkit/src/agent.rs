@@ -160,6 +160,14 @@ impl SimNode {
         wait_for("the restarted agent's state", Duration::from_secs(10), || {
             agent.state().filter(|s| s["pid"] != previous["pid"])
         });
+        // Its control socket listens a moment after the state is written, and the killed
+        // agent's socket file may still be there: wait until one answers a connection, so a
+        // `release` sent next finds the new agent listening (CI saw "holds agent.lock but does
+        // not answer" once).
+        let socket = agent.state_dir.join("control.sock");
+        wait_for("the restarted agent's control socket", Duration::from_secs(10), || {
+            std::os::unix::net::UnixStream::connect(&socket).ok().map(drop)
+        });
         agent
     }
 }
