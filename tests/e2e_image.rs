@@ -7,6 +7,7 @@
 
 use std::path::Path;
 
+use nodelocaldns_ha::dataplane::iptables::{Flavour, Tool};
 use testkit::*;
 
 /// The image under test.
@@ -66,11 +67,10 @@ fn image_holds_what_runs_and_no_shell() {
         "/opt/nodelocaldns-ha/ld.so".to_owned(),
         "/usr/bin/cp".to_owned(),
     ];
-    for family in ["iptables", "ip6tables"] {
-        for flavour in ["legacy", "nft"] {
-            for tool in ["", "-save", "-restore"] {
-                wanted.push(format!("/usr/sbin/{family}-{flavour}{tool}"));
-            }
+    // The iptables tools by the names the agent runs them (this kernel's families).
+    for flavour in Flavour::ALL {
+        for tool in [Tool::List, Tool::Save, Tool::Restore] {
+            wanted.extend(flavour.binaries(tool).iter().map(|b| format!("/usr/sbin/{b}")));
         }
     }
     let missing: Vec<_> = wanted.iter().filter(|p| !has(p)).collect();

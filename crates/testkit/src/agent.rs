@@ -90,12 +90,7 @@ impl SimNode {
         if wait_local {
             // Generous: at start, `auto` saves every table (seconds with 50,000 nat rules).
             agent.wait_route("local", Duration::from_secs(30));
-            // The control socket listens a moment after the state is written: a `flip` sent
-            // before then finds the agent's lock but nobody answering, and fails.
-            let socket = agent.state_dir.join("control.sock");
-            wait_for("the control socket", Duration::from_secs(10), || {
-                socket.exists().then_some(())
-            });
+            agent.wait_listening();
         } else {
             wait_for("the agent's state", Duration::from_secs(10), || agent.state());
         }
@@ -160,14 +155,7 @@ impl SimNode {
         wait_for("the restarted agent's state", Duration::from_secs(10), || {
             agent.state().filter(|s| s["pid"] != previous["pid"])
         });
-        // Its control socket listens a moment after the state is written, and the killed
-        // agent's socket file may still be there: wait until one answers a connection, so a
-        // `release` sent next finds the new agent listening (CI saw "holds agent.lock but does
-        // not answer" once).
-        let socket = agent.state_dir.join("control.sock");
-        wait_for("the restarted agent's control socket", Duration::from_secs(10), || {
-            std::os::unix::net::UnixStream::connect(&socket).ok().map(drop)
-        });
+        agent.wait_listening();
         agent
     }
 }
@@ -188,6 +176,17 @@ impl Agent {
     /// The agent's process id, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
+    }
+
+    /// Waits until the control socket takes a connection. It listens a moment after the state
+    /// is written, and an earlier agent's socket file may still be there: a `flip` or
+    /// `release` sent before then finds the agent's lock but nobody answering, and fails (CI
+    /// saw it once, after a restart).
+    fn wait_listening(&self) {
+        let socket = self.state_dir.join("control.sock");
+        wait_for("the control socket", Duration::from_secs(10), || {
+            std::os::unix::net::UnixStream::connect(&socket).ok().map(drop)
+        });
     }
 
     /// The state file, if it is there and complete.

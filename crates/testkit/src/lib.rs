@@ -7,9 +7,10 @@
 //!
 //! The rooms: [`SimNode`] (the namespaces and the servers), [`Agent`] (the agent process and
 //! what it logs and writes), [`Load`] (a dnsload run and its output), [`Proc`] (any other child),
-//! the agent from its image ([`ContainerAgent`]), the binaries' paths ([`agent_exe`], [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf
-//! ([`NetnsEtc`]), waiting ([`wait_for`], [`poll`]), and
-//! what only the benchmarks use ([`Machine`], [`setting`], [`median`], [`cpu_ticks`]).
+//! the agent from its image ([`ContainerAgent`]), the binaries' paths ([`agent_exe`],
+//! [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf ([`NetnsEtc`]), waiting ([`wait_for`],
+//! [`poll`]), and what only the benchmarks use ([`Machine`], [`setting`], [`median`],
+//! [`cpu_ticks`]).
 
 #![forbid(unsafe_code)]
 
