@@ -260,17 +260,11 @@ fn install_crds(node: &SimNode) {
 
 /// The names of the Namespaces `yaml` creates.
 fn namespaces(yaml: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    for doc in yaml.split("\n---\n") {
-        if doc.lines().any(|l| l == "kind: Namespace") {
-            let name = doc
-                .lines()
-                .skip_while(|l| *l != "metadata:")
-                .find_map(|l| l.trim().strip_prefix("name: "));
-            found.push(name.expect("the Namespace's name").to_owned());
-        }
-    }
-    found
+    objects(yaml)
+        .into_keys()
+        .filter(|(kind, _, _)| kind == "Namespace")
+        .map(|(_, _, n)| n)
+        .collect()
 }
 
 #[test]
