@@ -136,6 +136,11 @@ pub struct Iptables {
     seen: [[Option<Seen>; 3]; 2],
     /// How long a [`Seen`] stands ([`FULL_READ_EVERY`]).
     full_read_every: Duration,
+    /// iptables-legacy: what its checks read the kernel's copies of the tables through.
+    kernel: snapshot::Kernel,
+    /// The ruleset [`Iptables::unchanged_legacy`] last looked for, and what each family's
+    /// tables (indexed like `seen`) should hold of it: rendered once a ruleset, not every tick.
+    wanted: Option<(RuleSet, [[Option<text::Wanted>; 3]; 2])>,
     /// Tables read back (saved or listed) by checks so far.
     read_backs: u64,
 }
@@ -193,6 +198,8 @@ impl Iptables {
             families: kernel_families(),
             seen: Default::default(),
             full_read_every: FULL_READ_EVERY,
+            kernel: snapshot::Kernel::default(),
+            wanted: None,
             read_backs: 0,
         })
     }
@@ -386,9 +393,8 @@ impl Iptables {
         let mut states = Vec::new();
         for family in families {
             // iptables-legacy's list of the family's tables, read once for all of them.
-            let listed = (self.flavour == Flavour::Legacy)
-                .then(|| legacy_tables(family == Family::V6))
-                .flatten();
+            let listed =
+                (self.flavour == Flavour::Legacy).then(|| self.kernel.listed(family)).flatten();
             for &table in self.role.tables() {
                 let wanted = text::wanted(rules, table, family);
                 let has_rules = wanted.is_some();
@@ -424,7 +430,7 @@ impl Iptables {
             self.seen[f][t] = None;
             return Ok(text::compare(table, family, &Saved::default(), wanted.as_ref()));
         }
-        let before = legacy.then(|| snapshot::take(family, table).ok()).flatten();
+        let before = legacy.then(|| self.kernel.take(family, table).ok()).flatten();
         if let Some(state) =
             before.as_ref().and_then(|now| self.seen_as(family, table, now, &wanted))
         {
@@ -437,7 +443,7 @@ impl Iptables {
         let state = text::compare(table, family, &saved, wanted.as_ref());
         // Kept only when nothing changed while the save ran: what it printed is then exactly
         // what the snapshot holds.
-        let after = before.as_ref().and_then(|_| snapshot::take(family, table).ok());
+        let after = before.as_ref().and_then(|_| self.kernel.take(family, table).ok());
         if let (Some(snapshot), Some(after)) = (before, after) {
             if snapshot == after {
                 let state = state.clone();
@@ -464,19 +470,29 @@ impl Iptables {
     /// [`Dataplane::unchanged`] for iptables-legacy: every table as at its last read-back, by
     /// the kernel's copy of each (a table the kernel does not list holds nothing); `None`
     /// for iptables-nft, or when one is not.
-    fn unchanged_legacy(&self, rules: &RuleSet) -> Option<Check> {
+    fn unchanged_legacy(&mut self, rules: &RuleSet) -> Option<Check> {
         if self.flavour != Flavour::Legacy {
             return None;
         }
+        if self.wanted.as_ref().is_none_or(|(for_rules, _)| for_rules != rules) {
+            let mut wanted: [[Option<text::Wanted>; 3]; 2] = Default::default();
+            for family in Family::ALL {
+                for table in Table::ALL {
+                    wanted[family.index()][table.index()] = text::wanted(rules, table, family);
+                }
+            }
+            self.wanted = Some((rules.clone(), wanted));
+        }
+        let (_, all_wanted) = self.wanted.as_ref()?;
         let mut states = Vec::new();
         for &family in &self.families {
-            let listed = legacy_tables(family == Family::V6)?;
+            let listed = self.kernel.listed(family)?;
             for &table in self.role.tables() {
-                let wanted = text::wanted(rules, table, family);
+                let wanted = &all_wanted[family.index()][table.index()];
                 let has_rules = wanted.is_some();
                 let state = if listed.iter().any(|n| n == table.as_str()) {
-                    let now = snapshot::take(family, table).ok()?;
-                    self.seen_as(family, table, &now, &wanted)?
+                    let now = self.kernel.take(family, table).ok()?;
+                    self.seen_as(family, table, &now, wanted)?
                 } else {
                     text::compare(table, family, &Saved::default(), wanted.as_ref())
                 };

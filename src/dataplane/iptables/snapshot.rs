@@ -13,8 +13,11 @@
 //! snapshots only of tables the kernel lists. Needs CAP_NET_ADMIN (and CAP_NET_RAW for the
 //! socket), as `iptables-legacy-save` does.
 
+use std::fs::File;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use nix::sys::socket::{socket, AddressFamily, SockFlag, SockProtocol, SockType};
 
@@ -92,14 +95,86 @@ pub fn legacy_tables(tables: &[Table]) -> Option<LegacyTables> {
     Some(LegacyTables(all))
 }
 
-/// `family`'s `table` as the kernel holds it now. The table must be one the kernel lists.
-pub(super) fn take(family: Family, table: Table) -> io::Result<Snapshot> {
+/// The descriptors a check that runs every tick reads iptables-legacy through, opened at their
+/// first use and kept (copies of the backend share them): each family's list of tables and a
+/// raw socket for copies of its tables. A look is then a `pread` a family and two `getsockopt`s
+/// a table, where opening the list and a socket each time was most of what an idle legacy node
+/// cost the agent (issue 30). Opened in the network namespace of the thread that first reads,
+/// the agent's for its whole life.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Kernel(Arc<Mutex<[Opened; 2]>>);
+
+/// One family's kept descriptors, each `None` until opened (again after a failed read).
+#[derive(Debug, Default)]
+struct Opened {
+    names: Option<File>,
+    socket: Option<OwnedFd>,
+}
+
+impl Kernel {
+    /// `family`'s iptables-legacy tables, as [`super::legacy_tables`] reads them: none while the
+    /// list is missing (the module not loaded); `None` when it cannot be read.
+    pub(super) fn listed(&self, family: Family) -> Option<Vec<String>> {
+        let mut opened = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let names = &mut opened[family.index()].names;
+        if names.is_none() {
+            match File::open(super::table::names_path(family == Family::V6)) {
+                Ok(file) => *names = Some(file),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Some(Vec::new()),
+                Err(_) => return None,
+            }
+        }
+        let read = names.as_ref().map(read_from_start)?;
+        match read {
+            Ok(text) => Some(text.lines().map(str::to_owned).collect()),
+            Err(_) => {
+                *names = None;
+                None
+            }
+        }
+    }
+
+    /// `family`'s `table` as the kernel holds it now ([`take`]), through the kept socket.
+    pub(super) fn take(&self, family: Family, table: Table) -> io::Result<Snapshot> {
+        let mut opened = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let socket = &mut opened[family.index()].socket;
+        if socket.is_none() {
+            *socket = Some(raw_socket(family)?);
+        }
+        take_on(socket.as_ref().expect("just opened").as_fd(), family, table)
+    }
+}
+
+/// A procfs file's whole text, read from its start (a seq_file starts over at offset 0).
+fn read_from_start(file: &File) -> io::Result<String> {
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 512];
+    loop {
+        match file.read_at(&mut chunk, text.len() as u64)? {
+            0 => break,
+            n => text.extend_from_slice(&chunk[..n]),
+        }
+    }
+    String::from_utf8(text).map_err(io::Error::other)
+}
+
+/// A raw socket of `family`, in the calling thread's network namespace, as
+/// iptables-legacy-save's would be.
+fn raw_socket(family: Family) -> io::Result<OwnedFd> {
     let address_family = match family {
         Family::V4 => AddressFamily::Inet,
         Family::V6 => AddressFamily::Inet6,
     };
-    // In the calling thread's network namespace, as iptables-legacy-save's would be.
-    let socket = socket(address_family, SockType::Raw, SockFlag::SOCK_CLOEXEC, SockProtocol::Raw)?;
+    Ok(socket(address_family, SockType::Raw, SockFlag::SOCK_CLOEXEC, SockProtocol::Raw)?)
+}
+
+/// `family`'s `table` as the kernel holds it now. The table must be one the kernel lists.
+pub(super) fn take(family: Family, table: Table) -> io::Result<Snapshot> {
+    take_on(raw_socket(family)?.as_fd(), family, table)
+}
+
+/// [`take`], through `socket` (a raw socket of `family`).
+fn take_on(socket: BorrowedFd<'_>, family: Family, table: Table) -> io::Result<Snapshot> {
     let (level, layout) = family.x_tables();
     let mut name = [0u8; NAME_LEN];
     name[..table.as_str().len()].copy_from_slice(table.as_str().as_bytes());
@@ -107,12 +182,12 @@ pub(super) fn take(family: Family, table: Table) -> io::Result<Snapshot> {
     for _ in 0..ATTEMPTS {
         let mut info = [0u8; INFO_LEN];
         info[..NAME_LEN].copy_from_slice(&name);
-        iptables_sockopt::get(socket.as_fd(), level, SO_GET_INFO, &mut info)?;
+        iptables_sockopt::get(socket, level, SO_GET_INFO, &mut info)?;
         let size = u32::from_ne_bytes(info[INFO_SIZE_AT..INFO_SIZE_AT + 4].try_into().unwrap());
         let mut entries = vec![0u8; ENTRIES_AT + size as usize];
         entries[..NAME_LEN].copy_from_slice(&name);
         entries[ENTRIES_SIZE_AT..ENTRIES_SIZE_AT + 4].copy_from_slice(&size.to_ne_bytes());
-        match iptables_sockopt::get(socket.as_fd(), level, SO_GET_ENTRIES, &mut entries) {
+        match iptables_sockopt::get(socket, level, SO_GET_ENTRIES, &mut entries) {
             // The table was replaced by one of another size in between: again.
             Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => last = e,
             Err(e) => return Err(e),

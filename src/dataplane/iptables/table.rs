@@ -15,11 +15,19 @@ use crate::dataplane::{TableRef, TableWatch};
 /// present): a table not listed holds nothing and is better left unnamed. `None` when the list
 /// cannot be read for another reason.
 pub fn legacy_tables(ipv6: bool) -> Option<Vec<String>> {
-    let path = if ipv6 { "/proc/net/ip6_tables_names" } else { "/proc/net/ip_tables_names" };
-    match std::fs::read_to_string(path) {
+    match std::fs::read_to_string(names_path(ipv6)) {
         Ok(names) => Some(names.lines().map(str::to_owned).collect()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(Vec::new()),
         Err(_) => None,
+    }
+}
+
+/// Where the kernel lists a family's iptables-legacy tables.
+pub(super) fn names_path(ipv6: bool) -> &'static str {
+    if ipv6 {
+        "/proc/net/ip6_tables_names"
+    } else {
+        "/proc/net/ip_tables_names"
     }
 }
 
