@@ -26,6 +26,7 @@ use nodelocaldns_ha::control::{self, ControlError, Request};
 use nodelocaldns_ha::daemon;
 use nodelocaldns_ha::dataplane::iptables::kernel_has_ipv6;
 use nodelocaldns_ha::dataplane::Dataplane;
+use nodelocaldns_ha::malloc;
 use nodelocaldns_ha::overrides;
 use nodelocaldns_ha::ruleset::RuleSet;
 use nodelocaldns_ha::state;
@@ -68,6 +69,8 @@ pub(crate) fn with_causes(error: &dyn std::error::Error) -> String {
 }
 
 fn main() -> ExitCode {
+    // Before any thread starts.
+    malloc::one_arena();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => {
@@ -141,6 +144,13 @@ fn run(command: Command) -> Result<(), Failure> {
             // The loop runs as a task on the workers, beside the probes and watches, not on
             // this thread: each report would otherwise wake one more thread.
             runtime()?.block_on(async {
+                tokio::spawn(async {
+                    let mut every = tokio::time::interval(malloc::TRIM_EVERY);
+                    loop {
+                        every.tick().await;
+                        malloc::trim();
+                    }
+                });
                 let shutdown = shutdown_signal();
                 let agent = daemon::run(cfg, dataplane, notes, leftovers, shutdown);
                 match tokio::spawn(agent).await {
