@@ -14,7 +14,7 @@ ci/vm/run --prepare
 # The real Kubernetes parts (ci/k8s/: kube-apiserver, kube-proxy, kubectl, etcd, CoreDNS, helm from
 # pinned Go modules) into a cache outside the repository: about 13 min on a fresh machine, 0.1 s
 # once built. node-cache is not among them: the module proxy refuses it (docs/testing.md, "Real parts").
-# Then the real control plane, started and stopped in a namespace of its own (ci/k8s/smoke.sh).
+# Then the simulated node with the real parts, brought up and torn down (ci/k8s/smoke.sh).
 ci/k8s/build.sh etcd kube-apiserver kube-proxy kubectl coredns helm
 ci/k8s/smoke.sh
 
