@@ -5,12 +5,13 @@
 //!   of its own, up to eight per core, and each keeps the pages it once used. The agent's
 //!   threads (the loop's worker, the blocking pool's, the forwarders', the state writer) sleep
 //!   nearly all the time, and their hot paths' small blocks come from each thread's cache
-//!   (tcache) without the arena's lock: one arena cost no measurable CPU and saved about 750 KiB
-//!   resident with the API client on (`ci/bench.sh`, footprint part).
+//!   (tcache) without the arena's lock: one arena saved about 750 KiB resident with the API
+//!   client on, its idle CPU within the run-to-run spread (`ci/bench.sh`, footprint part, one
+//!   round).
 //! * **Trimmed now and then.** glibc returns freed memory at the top of the heap only; what a
 //!   burst frees below live blocks (a failover's reports and logs, the API client's start) stays
-//!   resident. [`trim`] gives every free page back (`malloc_trim`), microseconds on a heap this
-//!   size.
+//!   resident. [`trim`] gives every free page back (`malloc_trim`, a walk of the free chunks of
+//!   a heap of well under a MiB here).
 //!
 //! This module may use `unsafe`, in two calls into the C library that take and return plain
 //! integers: `mallopt` and `malloc_trim`.
