@@ -19,7 +19,7 @@ use crate::netlink::{attributes, messages, string};
 const NFNLGRP_NFTABLES: u32 = libc::NFNLGRP_NFTABLES as u32;
 
 /// `NFT_MSG_NEWGEN`: the end of a batch; it names no table (the batch's other messages do).
-const NFT_MSG_NEWGEN: u16 = 16;
+const NFT_MSG_NEWGEN: u16 = libc::NFT_MSG_NEWGEN as u16;
 /// The table's name in every object's message: `NFTA_TABLE_NAME`, `NFTA_CHAIN_TABLE`,
 /// `NFTA_RULE_TABLE`, `NFTA_SET_TABLE`, … are all attribute 1.
 const OBJECT_TABLE: u16 = objects::NFTA_TABLE_NAME;
