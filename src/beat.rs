@@ -3,34 +3,187 @@
 //! wake the process apart from the others (each wake-up costs about as much CPU as the work it
 //! does). On one grid, the cadences that divide each other fall on the same instants, and the
 //! timer wakes the process once for all of them: at the defaults, ten times a second.
+//!
+//! The grid's timers are the kernel's: a timerfd each, armed at absolute instants of
+//! `CLOCK_MONOTONIC` (the clock of [`Instant`]). tokio's timer wheel keeps a timer due more than
+//! 64 ms ahead in a coarser level and wakes the process at that level's slot boundary to move it
+//! down, a second wake-up for nearly every 100 ms tick (`docs/failsafe.md`, "What an idle agent
+//! costs"). A timerfd wakes the process when it expires and not before. The lib's unit tests,
+//! whose clock may be paused, run on tokio's timers; so does a process that cannot make a
+//! timerfd (said once).
 
+use std::io;
+use std::os::fd::AsFd;
+use std::sync::Once;
 use std::time::Duration;
 
+use nix::sys::time::TimeSpec;
+use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFlags};
 use tokio::time::{interval_at, Instant, Interval, MissedTickBehavior};
+
+use crate::netlink::socket::AsyncSocket;
 
 /// The grid's origin; cadences are multiples of their period from it.
 #[derive(Clone, Copy, Debug)]
-pub struct Beat(Instant);
+pub struct Beat {
+    origin: Instant,
+    /// `CLOCK_MONOTONIC` at `origin`, for the kernel's timers; `None`: tokio's.
+    kernel: Option<Duration>,
+}
 
 impl Beat {
-    /// A grid starting now.
+    /// A grid starting now, on the kernel's timers (tokio's in the lib's unit tests).
     pub fn start() -> Beat {
-        Beat(Instant::now())
+        Beat::new(!cfg!(test))
+    }
+
+    fn new(kernel: bool) -> Beat {
+        let origin = Instant::now();
+        let monotonic = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC);
+        Beat { origin, kernel: kernel.then(|| monotonic.ok().map(Duration::from)).flatten() }
     }
 
     /// Ticks every `period` on the grid, the first at once. A tick that comes late (a busy
-    /// runtime) is not caught up, nor does it move the ones after it off the grid.
-    pub fn every(self, period: Duration) -> Interval {
-        let mut ticks = interval_at(self.0, period);
-        ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
-        ticks
+    /// runtime) is not caught up, nor does it move the ones after it off the grid. Call it
+    /// within the runtime that will await the ticks.
+    pub fn every(self, period: Duration) -> Ticks {
+        let kernel = self.kernel_timer().filter(|kernel| {
+            let first = self.on_kernel_clock(self.next(Instant::now(), period));
+            let every = Expiration::IntervalDelayed(first, TimeSpec::from_duration(period));
+            kernel.timer.set(every, TimerSetTimeFlags::TFD_TIMER_ABSTIME).is_ok()
+        });
+        Ticks(match kernel {
+            Some(timer) => Clock::Kernel { timer, first: true },
+            None => {
+                let mut ticks = interval_at(self.origin, period);
+                ticks.set_missed_tick_behavior(MissedTickBehavior::Skip);
+                Clock::Tokio(ticks)
+            }
+        })
+    }
+
+    /// A timer to sleep until an instant, on the grid or off it (see [`Timer::sleep_until`]).
+    /// Call it within the runtime that will await it.
+    pub fn timer(self) -> Timer {
+        Timer { fd: self.kernel_timer(), beat: self }
     }
 
     /// The first instant after `now` on the grid of `step` (> 0).
     pub fn next(self, now: Instant, step: Duration) -> Instant {
-        let (since, step) = (now.saturating_duration_since(self.0).as_nanos(), step.as_nanos());
+        let (since, step) =
+            (now.saturating_duration_since(self.origin).as_nanos(), step.as_nanos());
         let nanos = (since / step + 1) * step;
-        self.0 + Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+        self.origin + Duration::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
+    }
+
+    /// A timerfd on the current runtime's reactor, or `None` (tokio's timers then).
+    fn kernel_timer(self) -> Option<KernelTimer> {
+        self.kernel?;
+        let made = TimerFd::new(ClockId::CLOCK_MONOTONIC, TimerFlags::TFD_CLOEXEC)
+            .map_err(io::Error::from)
+            .and_then(|timer| {
+                let ready = AsyncSocket::register(timer.as_fd().try_clone_to_owned()?)?;
+                Ok(KernelTimer { timer, ready })
+            });
+        match made {
+            Ok(timer) => Some(timer),
+            Err(e) => {
+                static SAID: Once = Once::new();
+                SAID.call_once(|| {
+                    tracing::warn!(
+                        error = %e,
+                        "cannot make a timerfd; the grid runs on tokio's timers, at about a \
+                         third more wake-ups"
+                    )
+                });
+                None
+            }
+        }
+    }
+
+    /// `at` on `CLOCK_MONOTONIC` (never 0, which would disarm a timerfd).
+    fn on_kernel_clock(self, at: Instant) -> TimeSpec {
+        let origin = self.kernel.unwrap_or_default();
+        let at = if at >= self.origin {
+            origin.saturating_add(at - self.origin)
+        } else {
+            origin.saturating_sub(self.origin - at)
+        };
+        TimeSpec::from_duration(at.max(Duration::from_nanos(1)))
+    }
+}
+
+/// A cadence on the grid ([`Beat::every`]).
+pub struct Ticks(Clock);
+
+enum Clock {
+    Tokio(Interval),
+    Kernel { timer: KernelTimer, first: bool },
+}
+
+impl Ticks {
+    /// The next tick (the first at once). Cancel-safe: a tick not awaited to its end is not lost.
+    pub async fn tick(&mut self) {
+        match &mut self.0 {
+            Clock::Tokio(ticks) => {
+                ticks.tick().await;
+            }
+            Clock::Kernel { timer, first } => {
+                if !std::mem::take(first) {
+                    timer.expired().await;
+                }
+            }
+        }
+    }
+}
+
+/// A one-shot timer ([`Beat::timer`]).
+pub struct Timer {
+    fd: Option<KernelTimer>,
+    beat: Beat,
+}
+
+impl Timer {
+    /// Completes at `at` (at once if it has passed). Cancel-safe; each call sets the timer
+    /// afresh.
+    pub async fn sleep_until(&mut self, at: Instant) {
+        if let Some(kernel) = &self.fd {
+            let when = Expiration::OneShot(self.beat.on_kernel_clock(at));
+            // Not seen to fail (the arguments are valid); if it did, tokio's timer serves.
+            if kernel.timer.set(when, TimerSetTimeFlags::TFD_TIMER_ABSTIME).is_ok() {
+                return kernel.expired().await;
+            }
+        }
+        tokio::time::sleep_until(at).await
+    }
+}
+
+/// A timerfd, and its duplicate on tokio's reactor.
+struct KernelTimer {
+    timer: TimerFd,
+    ready: AsyncSocket,
+}
+
+impl KernelTimer {
+    /// Until the timer has expired at least once since it was last read (expirations merged).
+    async fn expired(&self) {
+        loop {
+            if self.ready.readable().await.is_err() {
+                // The runtime is shutting down; its tasks go with it.
+                return std::future::pending().await;
+            }
+            match self.ready.try_read(&mut [0; 8]) {
+                Ok(_) => return,
+                // A readiness seen before the timer was set afresh: wait for the new expiry.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                // Not seen: a timerfd of `CLOCK_MONOTONIC` read 8 bytes at a time fails with
+                // `EAGAIN` alone. Never tick rather than tick in a busy loop.
+                Err(e) => {
+                    tracing::error!(error = %e, "reading a timerfd failed; its cadence stops");
+                    return std::future::pending().await;
+                }
+            }
+        }
     }
 }
 
@@ -58,5 +211,47 @@ mod tests {
         assert_eq!(Instant::now() - t0, ms(350));
         probe.tick().await;
         assert_eq!(Instant::now() - t0, ms(400));
+    }
+
+    /// The kernel's timers, on the real clock: a tick never comes before its grid instant, a
+    /// late one is not caught up, and a one-shot timer wakes at its instant, set afresh each
+    /// time (a timer left from a sleep given up does not end the next one early).
+    #[tokio::test]
+    async fn the_kernel_timers_keep_the_grid() {
+        let beat = Beat::new(true);
+        assert!(beat.kernel.is_some());
+        let ms = Duration::from_millis;
+        let mut ticks = beat.every(ms(20));
+        assert!(matches!(ticks.0, Clock::Kernel { .. }), "a timerfd");
+        let before = Instant::now();
+        ticks.tick().await; // at once
+        ticks.tick().await;
+        let second = Instant::now();
+        assert!(second >= beat.next(before, ms(20)), "not before its grid instant");
+        // A busy runtime: three grid instants go by; one tick comes for them, then the grid.
+        std::thread::sleep(ms(70));
+        let late = Instant::now();
+        ticks.tick().await;
+        ticks.tick().await;
+        assert!(Instant::now() >= beat.next(late, ms(20)), "the missed ticks are not caught up");
+
+        let mut timer = beat.timer();
+        let far = Instant::now() + ms(10_000);
+        tokio::select! {
+            () = timer.sleep_until(far) => panic!("woke 10 s early"),
+            () = tokio::task::yield_now() => {}
+        }
+        // A sleep given up after its timer expired, the expiry unread: the next sleep is not
+        // ended by it.
+        tokio::select! {
+            () = timer.sleep_until(Instant::now() + ms(1)) => panic!("woke before its time"),
+            () = tokio::task::yield_now() => {}
+        }
+        std::thread::sleep(ms(5));
+        let at = Instant::now() + ms(30);
+        timer.sleep_until(at).await;
+        assert!(Instant::now() >= at);
+        let passed = Instant::now() - ms(5);
+        timer.sleep_until(passed).await;
     }
 }

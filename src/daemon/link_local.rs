@@ -16,7 +16,6 @@ use super::tasks::Tasks;
 use super::AgentError;
 use crate::addresses;
 use crate::beat::Beat;
-use crate::blocking::blocking;
 use crate::forwarder::lease::{self, Lease};
 use crate::forwarder::{self, Counters, Forwarder};
 use crate::ruleset::forwarder_for;
@@ -33,19 +32,20 @@ pub(super) struct Forwarding {
     runtime: Option<tokio::runtime::Runtime>,
     /// The forwarders' counters, live.
     pub counters: Vec<Arc<Counters>>,
-    /// The link-local IPs whose lease the forwarders' runtime renews (iptables), ended when the
-    /// forwarders stop.
+    /// The link-local IPs whose lease the agent renews (iptables), ended when the forwarders
+    /// stop.
     leased: Vec<IpAddr>,
-    /// That lease, renewed by the runtime every [`lease::RENEW`].
-    lease: Option<Arc<Lease>>,
+    /// That lease, renewed every [`lease::RENEW`] by a task on the agent's runtime (its ticks'
+    /// wake-ups), which goes when the forwarders do.
+    lease: Option<(Arc<Lease>, tokio::task::AbortHandle)>,
 }
 
 impl Forwarding {
     /// Renews the lease now (when there is one), from the calling thread: for the moment the
     /// agent's rules are first in, which the heartbeats sent before them could not renew.
     pub fn renew_lease(&self) {
-        if let Some(lease) = &self.lease {
-            // A failure is the runtime's to say, at its next renewal.
+        if let Some((lease, _)) = &self.lease {
+            // A failure is the heartbeats' to say, at their next renewal.
             let _ = lease.renew();
         }
     }
@@ -62,6 +62,9 @@ impl Drop for Forwarding {
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }
+        if let Some((_, heartbeats)) = &self.lease {
+            heartbeats.abort();
+        }
         // The forwarders are gone: the cache gets the link-local queries now, not a second on.
         if !self.leased.is_empty() {
             lease::release(&self.leased);
@@ -75,8 +78,8 @@ impl Drop for Forwarding {
 /// that cannot bind is an error: the agent would TPROXY queries to nobody. One whose socket
 /// fails for good ends its task in `tasks`, and so the agent, to be restarted with a fresh one.
 /// Copies that cannot be added now are said and retried by the keeper. With `leased` (the
-/// iptables backends), the runtime also renews the forwarders' lease on the link-local IPs,
-/// without which their TPROXY rules do not match.
+/// iptables backends), the agent's runtime also renews the forwarders' lease on the link-local
+/// IPs, without which their TPROXY rules do not match.
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &Following,
@@ -113,9 +116,9 @@ pub(super) fn start(
     forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
     if leased {
         let lease = Arc::new(Lease::new(local).map_err(AgentError::ForwarderRuntime)?);
-        runtime.spawn(lease::hold(lease.clone()));
+        let heartbeats = tokio::spawn(lease::hold(lease.clone(), beat)).abort_handle();
         forwarding.leased = local.to_vec();
-        forwarding.lease = Some(lease);
+        forwarding.lease = Some((lease, heartbeats));
     }
     for forwarder in forwarders {
         let listen = forwarder.listen();
@@ -160,9 +163,10 @@ async fn keep_copies(local: Vec<IpAddr>, beat: Beat) {
     let mut tick = beat.every(COPIES_PERIOD);
     loop {
         tick.tick().await;
-        // One netlink dump, and a request per missing copy: short, but blocking.
-        let checked = blocking(|| {
-            let missing = addresses::missing(&local)?;
+        // One netlink dump, and a request per missing copy, answered by the kernel at once
+        // (a millisecond with thousands of addresses): run on the worker as it is. Handing the
+        // worker over to a thread (`blocking`) woke a second thread every second.
+        let checked = addresses::missing(&local).and_then(|missing| {
             if missing.is_empty() {
                 return Ok(missing);
             }

@@ -35,10 +35,11 @@ pub const NAME: &str = "nodelocaldns-ha";
 pub const LEASE_SECONDS: u32 = 1;
 /// The port the heartbeats go to (discard): only the fallback chain's first rule sees them.
 pub const HEARTBEAT_PORT: u16 = 9;
-/// How often the forwarders' runtime renews it: four heartbeats a lease, so that a starved
-/// runtime has 750 ms before the lease lapses. Each is a wake-up of an idle runtime: at 50 ms
-/// they were a third of an idle agent's CPU on an iptables node.
-pub const RENEW: Duration = Duration::from_millis(250);
+/// How often the agent renews it: five heartbeats a lease, on the agent's grid, so that each
+/// rides a wake-up the probes make anyway (at 250 ms, off the grid and on the forwarders' own
+/// runtime, they were four wake-ups a second of two more threads, a tenth of an idle iptables
+/// node's CPU; at 50 ms, a third). A starved agent has 800 ms before the lease lapses.
+pub const RENEW: Duration = Duration::from_millis(200);
 
 /// The lease on the link-local IPs, held while [`Lease::renew`] is called.
 #[derive(Debug)]
@@ -89,11 +90,11 @@ pub fn release(local: &[IpAddr]) {
     }
 }
 
-/// Renews `lease` every [`RENEW`] for as long as the future runs (on the forwarders' runtime,
-/// so that the lease lives and dies with them). A failure is said once, not every renewal.
-pub async fn hold(lease: std::sync::Arc<Lease>) {
-    let mut tick = tokio::time::interval(RENEW);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+/// Renews `lease` every [`RENEW`] on the agent's grid (`beat`) for as long as the future runs
+/// (on the agent's runtime, aborted when the forwarders stop). A failure is said once, not
+/// every renewal.
+pub async fn hold(lease: std::sync::Arc<Lease>, beat: crate::beat::Beat) {
+    let mut tick = beat.every(RENEW);
     let mut failing = false;
     loop {
         tick.tick().await;

@@ -74,6 +74,7 @@ pub fn lost_messages(err: &io::Error) -> bool {
 }
 
 /// A netlink socket that waits for datagrams on tokio's reactor instead of blocking a thread.
+/// (Also the duplicate of a timerfd that `crate::beat` waits on: [`Self::try_read`].)
 pub struct AsyncSocket {
     fd: AsyncFd<OwnedFd>,
 }
@@ -120,6 +121,13 @@ impl AsyncSocket {
     /// [`Self::recv_from`]), or an error of kind `WouldBlock` when none is pending.
     pub fn try_recv(&self, buf: &mut [u8]) -> io::Result<usize> {
         self.fd.try_io(Interest::READABLE, |fd| recv_from(fd, buf)).map(|(len, _)| len)
+    }
+
+    /// Reads what is pending into `buf` without waiting (`read(2)`: what a descriptor that is
+    /// not a socket gives, such as a timerfd's count of expirations), or an error of kind
+    /// `WouldBlock` when nothing is.
+    pub fn try_read(&self, buf: &mut [u8]) -> io::Result<usize> {
+        self.fd.try_io(Interest::READABLE, |fd| nix::unistd::read(fd, buf).map_err(Into::into))
     }
 }
 

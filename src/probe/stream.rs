@@ -9,9 +9,9 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::{mpsc, Notify};
-use tokio::time::Interval;
 
 use super::{Probe, ProbeResult, Transport};
+use crate::beat::Ticks;
 use crate::health::Stream;
 
 /// A probe result, tagged with the stream it belongs to.
@@ -49,7 +49,7 @@ pub(crate) async fn probe_stream(
     target: impl Fn() -> std::net::SocketAddr + Send,
     transport: Transport,
     stream: Stream,
-    mut ticker: Interval,
+    mut ticker: Ticks,
     wake: Arc<Notify>,
     tx: mpsc::Sender<Report>,
 ) {

@@ -71,10 +71,11 @@ pub(crate) async fn watch_stalls(
     let (mut read_due, mut was_seen) = (Instant::now(), true);
     let quiet = bounds.look_idle.max(QUIET_LOOK);
     let mut next = tokio::time::Instant::now();
+    let mut timer = beat.timer();
     loop {
         let uncovered = !covered(&addrs, &watched);
         tokio::select! {
-            _ = tokio::time::sleep_until(next) => {}
+            () = timer.sleep_until(next) => {}
             // The cache answers where no socket is watched: it is back, list its sockets now.
             () = answered.notified(), if uncovered => list_due = Instant::now(),
             Some(Ok((cookie, sent, result))) = probes.join_next(), if !probes.is_empty() => {
