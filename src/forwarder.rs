@@ -89,7 +89,8 @@ pub struct Options {
     /// closed.
     pub max_connections_per_client: usize,
     /// How often each socket to the upstream is replaced by a new one (a new source port:
-    /// kube-proxy picks a CoreDNS endpoint for it afresh); the sockets are spread over it.
+    /// kube-proxy picks a CoreDNS endpoint for it afresh); the sockets are spread over it. A
+    /// socket that has carried no query since it was dialled waits for one first.
     pub upstream_redial: Duration,
 }
 

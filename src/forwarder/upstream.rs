@@ -50,7 +50,7 @@ use nix::sys::socket::{
 use tokio::io::Interest;
 use tokio::net::UdpSocket;
 use tokio::sync::Notify;
-use tokio::time::MissedTickBehavior;
+use tokio::time::{Instant as TokioInstant, MissedTickBehavior};
 
 use super::ids::{Answered, Pending, HEADER_LEN};
 use super::udp::{send_answers, Buffers, Reply, BATCH};
@@ -259,8 +259,8 @@ impl Upstream {
     /// Reads this socket's answers forever, each sent back to its client through `listener`,
     /// and every [`SWEEP_PERIOD`] while any query is pending expires those past their deadline.
     ///
-    /// Every `options.upstream_redial` (the pool's sockets a quarter of it apart) the socket is
-    /// replaced by a new one, connected afresh: a new source port, so a new conntrack entry
+    /// Every `options.upstream_redial` (the pool's sockets a quarter of it apart) a socket that
+    /// has carried a query is replaced by a new one, connected afresh: a new source port, so a new conntrack entry
     /// and kube-proxy's choice of a CoreDNS endpoint made again. The old socket's answers are
     /// still read until its queries have had `options.upstream_timeout` (and a sweep), or until
     /// nothing is pending; a re-dial waits for that drain to end, unless the upstream moved.
@@ -276,13 +276,25 @@ impl Upstream {
         sweep.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let every = options.upstream_redial;
         let first = every.mul_f64((self.index + 1) as f64 / SOCKETS as f64);
-        let mut redial = tokio::time::interval_at(tokio::time::Instant::now() + first, every);
+        let turns = TokioInstant::now() + first;
+        let mut redial = tokio::time::interval_at(turns, every);
         redial.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut socket = self.socket();
         let mut draining: Option<(Arc<UdpSocket>, Instant)> = None;
         let (mut upstream, mut moved) = (self.upstream.clone(), false);
+        // Whether the socket has carried a query since it was dialled. One that has not has no
+        // conntrack entry, and so no endpoint a new one would choose again: it waits for its
+        // first query before its next turn, and an idle forwarder has no timer to wake it.
+        let mut used = false;
         loop {
             let idle = self.pending().is_empty();
+            if !idle && !used {
+                used = true;
+                // Its turn; a moved upstream's re-dial stays due at once.
+                if !moved {
+                    redial.reset_at(next_turn(turns, every, TokioInstant::now()));
+                }
+            }
             // The old socket goes once its queries have had their time, or sooner when nothing
             // can still come back on it: no query pending (each is taken before it is sent) and
             // no sender holding it.
@@ -305,12 +317,13 @@ impl Upstream {
                     redial.reset_immediately();
                     continue;
                 }
-                _ = redial.tick() => {
+                _ = redial.tick(), if used || moved => {
                     let moved = std::mem::take(&mut moved);
                     if !moved && draining.as_ref().is_some_and(|(_, until)| Instant::now() < *until) {
                         continue;
                     }
                     if let Some(new) = self.redial().await {
+                        used = false;
                         let old = std::mem::replace(&mut socket, new);
                         let until = Instant::now() + options.upstream_timeout + SWEEP_PERIOD;
                         // Drained whether or not anything was pending when the loop last
@@ -575,4 +588,13 @@ fn receive_error(fd: RawFd, buffer: &mut [u8]) -> io::Result<usize> {
     let mut iov = [IoSliceMut::new(buffer)];
     let message = recvmsg::<()>(fd, &mut iov, None, MsgFlags::MSG_ERRQUEUE)?;
     Ok(message.bytes)
+}
+
+/// The first of the turns `first`, `first` + `every`, … after `now` (`first` if it is ahead).
+fn next_turn(first: TokioInstant, every: Duration, now: TokioInstant) -> TokioInstant {
+    let turns = match now.checked_duration_since(first) {
+        Some(since) => since.as_nanos() / every.as_nanos().max(1) + 1,
+        None => 0,
+    };
+    first + every.saturating_mul(u32::try_from(turns).unwrap_or(u32::MAX))
 }

@@ -241,31 +241,46 @@ fn sockets_to_the_upstream_are_redialled_and_answers_on_the_old_ones_still_arriv
 }
 
 #[test]
-fn an_idle_forwarder_keeps_only_the_pools_sockets_through_its_redials() {
+fn an_idle_forwarder_keeps_only_the_pools_sockets_and_redials_only_what_it_used() {
     // A replaced socket with nothing pending on it goes at once, not after the upstream's
     // timeout: an idle forwarder held a second socket per slot for good (the flapping-cache
-    // chaos test saw the agent's descriptors grow by two).
+    // chaos test saw the agent's descriptors grow by two). And a socket that carried no query
+    // is not replaced (it has no conntrack entry to renew): the re-dials of an idle forwarder
+    // were two wake-ups a second of an idle agent.
     in_netns("fwd", test_path!(), |ns| {
+        const REDIAL: Duration = Duration::from_millis(50);
         let family = v4();
         set_up(ns);
+        let upstream = UdpSocket::bind(family.upstream).unwrap();
+        upstream.set_read_timeout(Some(DEADLINE)).unwrap();
         let options = Options {
-            upstream_redial: Duration::from_millis(100),
+            upstream_redial: REDIAL,
             upstream_timeout: Duration::from_secs(60),
             ..Options::default()
         };
         let forwarder = serve(family, options);
-        let want = 3 * super::upstream::SOCKETS as u64;
-        let redialled = testkit::poll(DEADLINE, || {
-            (forwarder.counters.totals().upstream_redials >= want).then_some(())
-        });
-        let redials = forwarder.counters.totals().upstream_redials;
-        assert!(redialled.is_some(), "{redials} re-dials in {DEADLINE:?}, want {want}");
-        // A look may fall between a new socket's connect and the old one's close.
+        let redials = || forwarder.counters.totals().upstream_redials;
+        // Ten periods untouched: nothing to renew.
+        std::thread::sleep(REDIAL * 10);
+        assert_eq!(redials(), 0, "an unused socket was re-dialled");
+
+        // One query, answered: its socket, and it alone, is replaced once.
+        let client = udp_client(family);
+        let mut buf = [0; 512];
+        client.send_to(&dns_query(1, "one.test"), family.link_local).unwrap();
+        let (len, from) = upstream.recv_from(&mut buf).expect("the query");
+        upstream.send_to(&answer_to(&buf[..len]), from).unwrap();
+        client.recv(&mut buf).expect("its answer");
+        let redialled = testkit::poll(DEADLINE, || (redials() >= 1).then_some(()));
+        assert!(redialled.is_some(), "the used socket is re-dialled");
+        std::thread::sleep(REDIAL * 10);
+        assert_eq!(redials(), 1, "only the used socket is re-dialled, once");
+        // A look may fall between the new socket's connect and the old one's close.
         let pool = testkit::poll(DEADLINE, || {
             (sockets_connected_to(family.upstream) == super::upstream::SOCKETS).then_some(())
         });
         let held = sockets_connected_to(family.upstream);
-        assert!(pool.is_some(), "{held} sockets to the upstream after {redials} re-dials");
+        assert!(pool.is_some(), "{held} sockets to the upstream after {} re-dials", redials());
     });
 }
 
