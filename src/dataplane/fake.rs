@@ -37,6 +37,9 @@ pub struct FakeKernel {
     pub copies: bool,
     /// How many `unchanged` calls told it at once.
     pub unchanged: usize,
+    /// The ruleset generation `ruleset_generation` reports (`None`: none known); each apply
+    /// and removal moves it, as a commit does; a test moves it for another tool's change.
+    pub generation: Option<u32>,
 }
 
 /// A gate that held checks wait at, until it is opened.
@@ -107,6 +110,7 @@ impl Dataplane for FakeDataplane {
         }
         kernel.installed = Some(rules.clone());
         kernel.applies += 1;
+        kernel.generation = kernel.generation.map(|g| g + 1);
         Ok(())
     }
 
@@ -147,8 +151,14 @@ impl Dataplane for FakeDataplane {
     }
 
     fn remove(&mut self) -> Result<(), Error> {
-        self.kernel().installed = None;
+        let mut kernel = self.kernel();
+        kernel.installed = None;
+        kernel.generation = kernel.generation.map(|g| g + 1);
         Ok(())
+    }
+
+    fn ruleset_generation(&mut self) -> Option<u32> {
+        self.kernel().generation
     }
 
     fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {

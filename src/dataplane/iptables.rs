@@ -20,8 +20,9 @@
 //!   rules for is cleaned of the agent's objects. Then the tables are read back.
 //! * [`Iptables::check`] parses `iptables-save -t <table>` and compares text lines: the rules are
 //!   written exactly in the form `iptables-save` prints them ([`render`] shows them).
-//!   iptables-legacy's tables announce no change, so a check runs on every tick; a save each
-//!   time was 30 child processes a second on an idle node. The kernel hands out a legacy table
+//!   iptables-legacy's tables announce no change, so a check runs every third tick
+//!   (`reconciler::LOOK_UNANNOUNCED`); a save on every tick was 30 child processes a second on
+//!   an idle node. The kernel hands out a legacy table
 //!   in-process (`snapshot`, what `iptables-legacy-save` reads, counters zeroed): a table whose
 //!   snapshot is the one taken around its last read-back would print the same again, and that
 //!   read-back's outcome stands. A read-back runs when a table changed (anyone's change: a
@@ -653,6 +654,15 @@ impl Dataplane for Iptables {
     /// Its mangle chain's TPROXY: xt_TPROXY drops a packet no socket takes.
     fn fallback_leased(&self) -> bool {
         self.role.tables().contains(&Table::Mangle)
+    }
+
+    /// iptables-nft's rules are nftables objects: their generation is the namespace's, read on a
+    /// netlink socket of its own for the call (only the reconciler's safety net asks).
+    fn ruleset_generation(&mut self) -> Option<u32> {
+        if self.flavour != Flavour::Nft {
+            return None;
+        }
+        super::nftables::Nftables::new().and_then(|mut nft| nft.generation()).ok()
     }
 
     /// Every call runs its own child processes: a copy is a reader.

@@ -163,7 +163,7 @@ pub trait Dataplane: Send {
         None
     }
     /// Whether part of what a check reads announces nothing (iptables-legacy's tables) and is
-    /// looked at on every tick even where [`Dataplane::announced_tables`] lists the rest: a
+    /// looked at every few ticks (`reconciler::LOOK_UNANNOUNCED`) even where [`Dataplane::announced_tables`] lists the rest: a
     /// [`Dataplane::check_changed`] always reads that part, whatever was announced. The
     /// default: when nothing is announced.
     fn polled(&self) -> bool {
@@ -176,6 +176,14 @@ pub trait Dataplane: Send {
     /// as matching, as in [`Dataplane::check_changed`] with nothing announced.
     fn unchanged(&mut self, rules: &RuleSet) -> Option<Check> {
         let _ = rules;
+        None
+    }
+    /// The nftables ruleset's generation now ([`nftables::Nftables::generation`]), for a
+    /// dataplane whose announced part is nftables objects (nftables, iptables-nft): a whole
+    /// check that began in the generation still current would read the announced part as it
+    /// did then, so the reconciler's safety net can tell it unchanged without a read-back.
+    /// `None` (the default): not known.
+    fn ruleset_generation(&mut self) -> Option<u32> {
         None
     }
 }
@@ -341,6 +349,16 @@ impl Dataplane for Layered {
     fn check(&mut self, rules: &RuleSet) -> Result<Check, Error> {
         let checks = self.parts().map(|p| p.check(rules)).collect::<Result<Vec<_>, _>>()?;
         self.combine(checks)
+    }
+
+    /// The namespace's one generation, as every part that announces its tables (each is
+    /// nftables objects) reads it; none when one of them knows none.
+    fn ruleset_generation(&mut self) -> Option<u32> {
+        let mut generation = None;
+        for part in self.parts().filter(|p| p.announced_tables().is_some()) {
+            generation = Some(part.ruleset_generation()?);
+        }
+        generation
     }
 
     /// Reads back only the parts whose tables were announced changed, and those that announce

@@ -214,6 +214,33 @@ impl Nftables {
         Ok(Nftables { socket, portid, next_seq: FIRST_REQUEST_SEQ, buf: vec![0; RECV_BUFFER] })
     }
 
+    /// The ruleset's generation: the kernel's count of the nftables transactions committed in
+    /// this network namespace (`NFT_MSG_GETGEN`), moved by every change to any table,
+    /// iptables-nft's included. A read-back that began in the generation that is still current
+    /// would find what it found then.
+    pub fn generation(&mut self) -> Result<u32, Error> {
+        let what = "the ruleset generation";
+        let mut found = None;
+        let read = |_, attrs: &[u8]| {
+            let a = netlink::attribute_table::<2>(attrs)?;
+            let id = netlink::required(a[usize::from(objects::NFTA_GEN_ID)], "NFTA_GEN_ID")?;
+            found = Some(netlink::be_u32(id, "NFTA_GEN_ID")?);
+            Ok(())
+        };
+        let mut snapshot = Snapshot::default();
+        match self.request(
+            &mut snapshot,
+            what,
+            objects::NFT_MSG_GETGEN,
+            NLM_F_REQUEST,
+            &[],
+            read,
+        )? {
+            Ok(()) => found.ok_or(Error::Malformed { what, source: ParseError::Missing("NEWGEN") }),
+            Err(source) => Err(Error::List { what, source }),
+        }
+    }
+
     /// Whether kube-proxy's nftables mode is at work here: `table ip kube-proxy` or
     /// `table ip6 kube-proxy` exists.
     pub fn kube_proxy_tables(&mut self) -> Result<bool, Error> {
@@ -536,6 +563,10 @@ impl Dataplane for Nftables {
 
     fn check(&mut self, rules: &RuleSet) -> Result<Check, super::Error> {
         Ok(self.check_table(rules)?)
+    }
+
+    fn ruleset_generation(&mut self) -> Option<u32> {
+        self.generation().ok()
     }
 
     fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {

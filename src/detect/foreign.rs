@@ -14,6 +14,7 @@ use super::{complaint, parse_save, SaveFacts};
 use crate::dataplane::iptables::{
     legacy_snapshot, legacy_tables, Flavour, LegacyTables, Table, Tool,
 };
+use crate::dataplane::nftables::Nftables;
 use crate::dataplane::POLL_ANNOUNCED;
 
 /// What one look at the node found that only an operator can fix.
@@ -33,8 +34,9 @@ pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 /// they exist, the `Upstream` route cannot take effect, and only an operator can fix that.
 ///
 /// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
-/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and then
-/// only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
+/// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and not
+/// even then while the nftables generation is the one its last read began in (nothing in
+/// nftables changed since); then only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
 /// ([`gather_builtin_chains`]): `iptables-nft-save` fetches the whole ruleset, 4 s of CPU
 /// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing: its raw and filter
 /// tables (where node-cache writes) are copied from the kernel in-process every period, and
@@ -49,27 +51,42 @@ pub(crate) async fn watch_foreign_rules(
 ) {
     use crate::detect::{gather_builtin_chains, Facts};
     let mut ticker = tokio::time::interval(period);
-    let mut nft: Option<(SaveFacts, Vec<String>, Instant)> = None;
+    // The last read of iptables-nft, the generation it began in, and when.
+    let mut nft: Option<(SaveFacts, Vec<String>, Option<u32>, Instant)> = None;
     let mut legacy_read: Option<LegacyRead> = None;
     loop {
         ticker.tick().await;
         let changed = raw_changed.swap(false, Ordering::Relaxed);
-        let fresh = nft.as_ref().is_some_and(|(_, _, at)| at.elapsed() < POLL_ANNOUNCED);
+        let fresh = nft.as_ref().is_some_and(|(.., at)| at.elapsed() < POLL_ANNOUNCED);
         let reread = changed || !(fresh && hearing.load(Ordering::Relaxed));
+        let read_in = nft.as_ref().and_then(|(_, _, began_in, _)| *began_in);
         let addrs = addrs.clone();
         let last = legacy_read.take();
         let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
             let legacy = gather_legacy(&addrs, last);
-            (legacy, reread.then(|| gather_builtin_chains(Flavour::Nft, &addrs)))
+            // `Err`: not read again, nothing in nftables having changed since the last read.
+            let nft_now = reread.then(|| {
+                let now = Nftables::new().and_then(|mut nft| nft.generation()).ok();
+                if now.is_some() && now == read_in {
+                    return Err(());
+                }
+                let (facts, unreadable) = gather_builtin_chains(Flavour::Nft, &addrs);
+                Ok((facts, unreadable, now))
+            });
+            (legacy, nft_now)
         })
         .await
         else {
             continue;
         };
-        if let Some((facts, unreadable)) = nft_now {
-            nft = Some((facts, unreadable, Instant::now()));
+        match (nft_now, nft.as_mut()) {
+            (Some(Ok((facts, unreadable, began_in))), _) => {
+                nft = Some((facts, unreadable, began_in, Instant::now()));
+            }
+            (Some(Err(())), Some((.., at))) => *at = Instant::now(),
+            _ => {}
         }
-        let Some((nft_facts, nft_unreadable, _)) = &nft else { continue };
+        let Some((nft_facts, nft_unreadable, ..)) = &nft else { continue };
         let mut unreadable = legacy.unreadable.clone();
         let legacy = legacy_read.insert(legacy).facts.clone();
         unreadable.extend(nft_unreadable.iter().cloned());

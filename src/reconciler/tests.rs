@@ -171,7 +171,9 @@ fn ticks_check_an_announced_ruleset_only_as_a_safety_net() {
     for n in 1..=10 {
         reconcilers.iter_mut().for_each(|r| poll(r, t0 + tick * n, true));
     }
-    assert_eq!(checks(&polled) - before[0], 10, "a polled ruleset is checked every tick");
+    // Looked at on the first tick, then every LOOK_UNANNOUNCED: ticks 1, 4, 7 and 10.
+    assert_eq!(LOOK_UNANNOUNCED, tick * 3);
+    assert_eq!(checks(&polled) - before[0], 4, "a polled ruleset is checked every third tick");
     assert_eq!(checks(&announced), before[1], "an announced one waits for announcements");
     // Not heard (the watch failed): every tick again.
     poll(&mut reconcilers[1], t0 + tick * 11, false);
@@ -184,9 +186,45 @@ fn ticks_check_an_announced_ruleset_only_as_a_safety_net() {
     assert_eq!(installed(&announced), Some(Route::Local));
 }
 
+/// The safety net reads an announced ruleset back only when the nftables generation moved
+/// since the last whole check began (another commit, heard or not): on an idle iptables-nft
+/// node, each read-back was eight child processes.
+#[test]
+fn the_safety_net_reads_back_only_when_the_generation_moved() {
+    let t0 = Instant::now();
+    let fake = FakeDataplane::default();
+    fake.kernel().announces = true;
+    fake.kernel().generation = Some(7);
+    let mut reconciler = start(&fake, t0);
+    let before = fake.kernel().checks;
+    // The first safety net reads back: no generation is known yet.
+    poll(&mut reconciler, t0 + POLL_ANNOUNCED, true);
+    assert_eq!(fake.kernel().checks, before + 1);
+    // The next ones, in the same generation, need not.
+    poll(&mut reconciler, t0 + POLL_ANNOUNCED * 2, true);
+    poll(&mut reconciler, t0 + POLL_ANNOUNCED * 3, true);
+    assert_eq!(fake.kernel().checks, before + 1, "read back in an unchanged generation");
+    // Another tool's commit, its announcement lost: the generation moved, the safety net
+    // reads back and repairs.
+    {
+        let mut kernel = fake.kernel();
+        kernel.installed = None;
+        kernel.generation = Some(9);
+    }
+    poll(&mut reconciler, t0 + POLL_ANNOUNCED * 4, true);
+    assert_eq!(fake.kernel().checks, before + 2);
+    assert_eq!(installed(&fake), Some(Route::Local));
+    // The repair was a commit of the agent's own: the next safety net reads back once more.
+    let repaired = fake.kernel().checks;
+    poll(&mut reconciler, t0 + POLL_ANNOUNCED * 5, true);
+    assert_eq!(fake.kernel().checks, repaired + 1);
+    poll(&mut reconciler, t0 + POLL_ANNOUNCED * 6, true);
+    assert_eq!(fake.kernel().checks, repaired + 1);
+}
+
 /// A node that mixes them: the switch announced (nftables, iptables-nft), the ACCEPTs polled
-/// (iptables-legacy). Each tick reads the polled part alone; the announced one is read when
-/// announced, and with the rest every POLL_ANNOUNCED. Before, the whole ruleset was read back
+/// (iptables-legacy). The ticks read the polled part alone, every LOOK_UNANNOUNCED; the announced
+/// one is read when announced, and with the rest every POLL_ANNOUNCED. Before, the whole ruleset was read back
 /// every tick (on the mixed node, every iptables-nft chain of both families: 350 mCPU idle).
 #[test]
 fn ticks_read_back_only_the_part_that_announces_nothing() {
@@ -213,17 +251,19 @@ fn ticks_read_back_only_the_part_that_announces_nothing() {
     for n in 1..=10 {
         poll(&mut reconciler, t0 + TICK * n, true);
     }
-    assert_eq!(checks(&polled) - before.1, 10, "the polled part is read every tick");
+    assert_eq!(checks(&polled) - before.1, 4, "the polled part is read every LOOK_UNANNOUNCED");
     assert_eq!(checks(&switch), before.0, "the announced part waits for announcements");
-    // Drift in the polled part is repaired on the next tick.
+    // Drift in the polled part is repaired at the next look, LOOK_UNANNOUNCED after the last.
     polled.kernel().installed = None;
-    poll(&mut reconciler, t0 + TICK * 11, true);
+    poll(&mut reconciler, t0 + TICK * 12, true);
+    assert_eq!(polled.kernel().installed, None, "not looked at two ticks after a look");
+    poll(&mut reconciler, t0 + TICK * 13, true);
     assert_eq!(polled.kernel().installed, Some(rules(Route::Local)));
     assert_eq!(reconciler.repairs(), 1);
     // The per-tick reads are no whole check: the safety net still comes.
     let switch_checks = checks(&switch);
     switch.kernel().installed = None;
-    poll(&mut reconciler, t0 + TICK * 11 + POLL_ANNOUNCED, true);
+    poll(&mut reconciler, t0 + TICK * 13 + POLL_ANNOUNCED, true);
     assert_eq!(checks(&switch), switch_checks + 1);
     assert_eq!(switch.kernel().installed, Some(rules(Route::Local)), "repaired");
 }
@@ -243,14 +283,15 @@ fn a_tick_whose_check_is_told_at_once_runs_no_job() {
     for n in 1..=10 {
         assert!(reconciler.poll(t0 + TICK * n, false).is_none(), "tick {n} handed a job over");
     }
-    assert_eq!(fake.kernel().unchanged, 10);
+    // Ticks 1, 4, 7 and 10 looked (every LOOK_UNANNOUNCED).
+    assert_eq!(fake.kernel().unchanged, 4);
     assert_eq!(fake.kernel().checks, checks, "no read-back");
-    let counted = "nodelocaldns_ha_dataplane_check_duration_seconds_count 10";
+    let counted = "nodelocaldns_ha_dataplane_check_duration_seconds_count 4";
     assert!(metrics.encode_text().contains(counted), "{}", metrics.encode_text());
 
     fake.kernel().installed = None;
-    let job = reconciler.poll(t0 + TICK * 11, false).expect("a check of the changed ruleset");
-    assert!(reconciler.checked(job.run(), t0 + TICK * 11).is_none());
+    let job = reconciler.poll(t0 + TICK * 13, false).expect("a check of the changed ruleset");
+    assert!(reconciler.checked(job.run(), t0 + TICK * 13).is_none());
     assert_eq!(reconciler.repairs(), 1);
     assert_eq!(installed(&fake), Some(Route::Local));
 }

@@ -29,6 +29,10 @@ pub const NFT_MSG_GETCHAIN: u16 = 4;
 pub const NFT_MSG_NEWRULE: u16 = 6;
 /// Dump the rules (of one table, given `NFTA_RULE_TABLE`).
 pub const NFT_MSG_GETRULE: u16 = 7;
+/// Get the ruleset's generation.
+pub const NFT_MSG_GETGEN: u16 = libc::NFT_MSG_GETGEN as u16;
+/// `NFTA_GEN_ID`, in the answer to [`NFT_MSG_GETGEN`].
+pub const NFTA_GEN_ID: u16 = 1;
 /// The name in a table request.
 pub const NFTA_TABLE_NAME: u16 = table::NAME;
 /// The table filter of a rule dump.

@@ -213,6 +213,27 @@ mod kernel {
         });
     }
 
+    /// The generation moves with every commit in the namespace, another tool's included (an
+    /// iptables-nft rule), and with nothing else: the reconciler's safety net may trust it.
+    #[test]
+    fn the_ruleset_generation_moves_with_every_commit_and_only_then() {
+        in_netns("nft", test_path!(), |ns| {
+            let mut nftables = Nftables::new().unwrap();
+            let first = nftables.generation().unwrap();
+            assert_eq!(nftables.generation().unwrap(), first, "a read moved it");
+            nftables.apply(&RuleSet::desired(&dual_stack(), Route::Local)).unwrap();
+            let applied = nftables.generation().unwrap();
+            assert_ne!(applied, first);
+            nftables.check(&RuleSet::desired(&dual_stack(), Route::Local)).unwrap();
+            assert_eq!(nftables.generation().unwrap(), applied, "a read-back moved it");
+            run(
+                "ip",
+                &["netns", "exec", ns, "iptables-nft", "-t", "raw", "-A", "OUTPUT", "-j", "ACCEPT"],
+            );
+            assert_ne!(nftables.generation().unwrap(), applied, "iptables-nft's commit");
+        });
+    }
+
     #[test]
     fn switching_to_upstream_drops_the_cluster_dns_rules() {
         in_netns("nft", test_path!(), |ns| {
