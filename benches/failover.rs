@@ -23,7 +23,7 @@
 //! Output: a table on stdout and in `docs/bench.md`, every figure in `docs/bench.json`, and
 //! `docs/failover.svg` (lookups/s by who answered them, per 100 ms of when they ended, per
 //! arrangement and fault). Environment: `NLHA_BENCH_RATE` (lookups/s, default 1000),
-//! `NLHA_BENCH_OUT` (default `docs`), `NLHA_BENCH_FOOTPRINT_SECS` and `_ROUNDS` (default 2 of 20 s),
+//! `NLHA_BENCH_OUT` (default `docs`), `NLHA_BENCH_FOOTPRINT_SECS` and `_ROUNDS` (default 2 of 30 s),
 //! `NLHA_BENCH_DNSPERF_ROUNDS` and `NLHA_BENCH_DNSPERF_SECS` (of both dnsperf parts, default 2
 //! rounds of 5 s),
 //! `NLHA_BENCH_MUSL_CLIENT` (the musl client; without it, that arrangement is skipped), and for
@@ -1429,7 +1429,7 @@ fn main() {
     require_root();
     let began = Instant::now();
     let rate: u32 = setting("NLHA_BENCH_RATE", 1000);
-    let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 20);
+    let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 30);
     let footprint_rounds: u32 = setting("NLHA_BENCH_FOOTPRINT_ROUNDS", 2);
     let perf_rounds: u32 = setting("NLHA_BENCH_DNSPERF_ROUNDS", 2);
     let perf_secs: u32 = setting("NLHA_BENCH_DNSPERF_SECS", 5);

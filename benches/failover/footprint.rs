@@ -42,8 +42,10 @@ const CASES: [Case; 8] = [
     Case { node: "real parts", flags: AUTO, syncing: false, api: true },
 ];
 
-/// How long an agent runs after its start before it is measured.
-const SETTLE: Duration = Duration::from_secs(5);
+/// How long an agent runs after its start before it is measured: past its start's read-backs
+/// and its first safety-net check (`POLL_ANNOUNCED`, 30 s, the first after a start reads back
+/// whole), so that a run of 30 s or more measures a long-running agent, one safety net in it.
+const SETTLE: Duration = Duration::from_secs(32);
 
 /// The nodes of [`CASES`] but the iptables-nft one (`main`), their namespaces `PREFIX` + a
 /// letter, taken down when dropped.
