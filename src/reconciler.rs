@@ -26,7 +26,7 @@ use tracing::{debug, error, warn};
 
 use crate::blocking::blocking;
 use crate::dataplane::TableRef;
-use crate::dataplane::{self, Check, Dataplane, POLL_ANNOUNCED};
+use crate::dataplane::{self, Check, Dataplane, FULL_READ_EVERY, POLL_ANNOUNCED};
 use crate::metrics::Metrics;
 use crate::ruleset::{Route, RuleSet};
 
@@ -112,6 +112,8 @@ pub struct Reconciler {
     /// in; `None` after an apply (the agent's own commit moved it) or a check that found
     /// drift.
     checked_in: Option<u32>,
+    /// When the ruleset was last really read back whole (not told by its generation).
+    read_at: Option<Instant>,
     /// When a tick last looked at what announces nothing ([`LOOK_UNANNOUNCED`]).
     looked_at: Option<Instant>,
     /// The handle checks read back through, off the loop; `None` while a check is in flight.
@@ -160,6 +162,7 @@ impl Reconciler {
             polled,
             checked_at: Some(now),
             checked_in: None,
+            read_at: Some(now),
             looked_at: None,
             reader: Some(reader),
             generation: 0,
@@ -278,13 +281,15 @@ impl Reconciler {
         // A whole check of an announced ruleset (the safety net, an announcement not understood)
         // in the nftables generation the last one began in, anything polled unchanged: nothing
         // it would read has changed since. Told here with no read-back (on an iptables-nft
-        // node, eight child processes each time).
+        // node, eight child processes each time), for up to FULL_READ_EVERY.
         let mut began_in = None;
+        let trusted = self.read_at.is_some_and(|t| now.duration_since(t) < FULL_READ_EVERY);
         if self.check_all && self.announced {
             if let Some(reader) = self.reader.as_mut() {
                 let started = Instant::now();
                 began_in = reader.ruleset_generation();
-                if began_in.is_some()
+                if trusted
+                    && began_in.is_some()
                     && began_in == self.checked_in
                     && (!self.polled || reader.unchanged(&self.desired) == Some(Check::Matches))
                 {
@@ -316,7 +321,7 @@ impl Reconciler {
             debug!(result = ?done.result.as_ref().ok(), "a check overtaken by an apply, discarded");
         } else {
             if done.whole {
-                self.checked_at = Some(now);
+                (self.checked_at, self.read_at) = (Some(now), Some(now));
             }
             match done.result {
                 Ok(Check::Matches) if done.whole => self.checked_in = done.began_in,
@@ -361,7 +366,7 @@ impl Reconciler {
         self.metrics.apply(started.elapsed(), result.is_ok());
         match result {
             Ok(()) => {
-                self.checked_at = Some(now);
+                (self.checked_at, self.read_at) = (Some(now), Some(now));
                 self.dirty = false;
                 self.apply_failures = 0;
                 self.not_before = None;

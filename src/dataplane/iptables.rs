@@ -96,9 +96,9 @@ const FALLBACK_DIRS: [&str; 3] = ["/usr/sbin", "/sbin", "/usr/local/sbin"];
 /// How much longer than the lock wait a child process may run before it is killed.
 const KILL_GRACE: Duration = Duration::from_secs(2);
 /// How long an iptables-legacy check trusts a read-back whose table has not changed since (its
-/// [`Snapshot`] the same): after that it reads back all the same. The safety net of an
-/// announced table ([`super::POLL_ANNOUNCED`]): the snapshot is the blob a save prints.
-pub const FULL_READ_EVERY: Duration = super::POLL_ANNOUNCED;
+/// [`Snapshot`] the same): after that it reads back all the same ([`super::FULL_READ_EVERY`]:
+/// the snapshot is the blob a save prints).
+pub const FULL_READ_EVERY: Duration = super::FULL_READ_EVERY;
 
 /// The binaries for one address family.
 #[derive(Clone, Debug)]

@@ -23,6 +23,13 @@ use crate::ruleset::{ListenAddrs, Route, RuleSet};
 /// announcements say when to.
 pub const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 
+/// How long a read-back is trusted while the kernel's own evidence says nothing it read has
+/// changed since (the nftables generation it began in, iptables-legacy's copies of its tables
+/// as then): each is exact, so reading back all the same only guards the agent's own
+/// comparisons, and needs no shorter period. On an idle node that mixes iptables-nft and
+/// iptables-legacy a whole read-back was twenty child processes.
+pub const FULL_READ_EVERY: Duration = Duration::from_secs(300);
+
 /// What a dataplane failed to do.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

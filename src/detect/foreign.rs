@@ -15,7 +15,7 @@ use crate::dataplane::iptables::{
     legacy_snapshot, legacy_tables, Flavour, LegacyTables, Table, Tool,
 };
 use crate::dataplane::nftables::Nftables;
-use crate::dataplane::POLL_ANNOUNCED;
+use crate::dataplane::{FULL_READ_EVERY, POLL_ANNOUNCED};
 
 /// What one look at the node found that only an operator can fix.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 /// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
 /// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and not
 /// even then while the nftables generation is the one its last read began in (nothing in
-/// nftables changed since); then only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
+/// nftables changed since), for up to [`FULL_READ_EVERY`]; then only the built-in chains node-cache writes to, one `iptables-nft -S <chain>` each
 /// ([`gather_builtin_chains`]): `iptables-nft-save` fetches the whole ruleset, 4 s of CPU
 /// with kube-proxy's 50,000 nat rules. iptables-legacy announces nothing: its raw and filter
 /// tables (where node-cache writes) are copied from the kernel in-process every period, and
@@ -51,15 +51,15 @@ pub(crate) async fn watch_foreign_rules(
 ) {
     use crate::detect::{gather_builtin_chains, Facts};
     let mut ticker = tokio::time::interval(period);
-    // The last read of iptables-nft, the generation it began in, and when.
-    let mut nft: Option<(SaveFacts, Vec<String>, Option<u32>, Instant)> = None;
+    let mut nft: Option<NftRead> = None;
     let mut legacy_read: Option<LegacyRead> = None;
     loop {
         ticker.tick().await;
         let changed = raw_changed.swap(false, Ordering::Relaxed);
-        let fresh = nft.as_ref().is_some_and(|(.., at)| at.elapsed() < POLL_ANNOUNCED);
+        let fresh = nft.as_ref().is_some_and(|n| n.looked_at.elapsed() < POLL_ANNOUNCED);
         let reread = changed || !(fresh && hearing.load(Ordering::Relaxed));
-        let read_in = nft.as_ref().and_then(|(_, _, began_in, _)| *began_in);
+        let trusted = nft.as_ref().filter(|n| n.read_at.elapsed() < FULL_READ_EVERY);
+        let read_in = trusted.and_then(|n| n.began_in);
         let addrs = addrs.clone();
         let last = legacy_read.take();
         let Ok((legacy, nft_now)) = tokio::task::spawn_blocking(move || {
@@ -79,14 +79,17 @@ pub(crate) async fn watch_foreign_rules(
         else {
             continue;
         };
+        let now = Instant::now();
         match (nft_now, nft.as_mut()) {
             (Some(Ok((facts, unreadable, began_in))), _) => {
-                nft = Some((facts, unreadable, began_in, Instant::now()));
+                nft = Some(NftRead { facts, unreadable, began_in, read_at: now, looked_at: now });
             }
-            (Some(Err(())), Some((.., at))) => *at = Instant::now(),
+            (Some(Err(())), Some(last)) => last.looked_at = now,
             _ => {}
         }
-        let Some((nft_facts, nft_unreadable, ..)) = &nft else { continue };
+        let Some(NftRead { facts: nft_facts, unreadable: nft_unreadable, .. }) = &nft else {
+            continue;
+        };
         let mut unreadable = legacy.unreadable.clone();
         let legacy = legacy_read.insert(legacy).facts.clone();
         unreadable.extend(nft_unreadable.iter().cloned());
@@ -114,6 +117,16 @@ pub(crate) async fn watch_foreign_rules(
             return;
         }
     }
+}
+
+/// What the search last read of iptables-nft: what it found, the nftables generation the read
+/// began in, when it was read, and when the generation last said it still stood.
+struct NftRead {
+    facts: SaveFacts,
+    unreadable: Vec<String>,
+    began_in: Option<u32>,
+    read_at: Instant,
+    looked_at: Instant,
 }
 
 /// What the search last read of iptables-legacy, and the kernel's copy of its tables then.

@@ -220,6 +220,17 @@ fn the_safety_net_reads_back_only_when_the_generation_moved() {
     assert_eq!(fake.kernel().checks, repaired + 1);
     poll(&mut reconciler, t0 + POLL_ANNOUNCED * 6, true);
     assert_eq!(fake.kernel().checks, repaired + 1);
+    // The generation is trusted for FULL_READ_EVERY after a read-back, then read back all the
+    // same: the safety net of the agent's own comparisons.
+    let read = t0 + POLL_ANNOUNCED * 5;
+    let mut at = read + POLL_ANNOUNCED * 2;
+    while at < read + FULL_READ_EVERY {
+        poll(&mut reconciler, at, true);
+        at += POLL_ANNOUNCED;
+    }
+    assert_eq!(fake.kernel().checks, repaired + 1, "the generation stands: nothing read");
+    poll(&mut reconciler, read + FULL_READ_EVERY, true);
+    assert_eq!(fake.kernel().checks, repaired + 2, "read back after FULL_READ_EVERY");
 }
 
 /// A node that mixes them: the switch announced (nftables, iptables-nft), the ACCEPTs polled
