@@ -445,7 +445,8 @@ fn iptables_drift(flavour: &str) {
         // (so a check the test was slow to look past cannot count), at most the check in
         // flight across it, then the one that found it; none if the finder was done already.
         // And one more that the scrape which saw the repair may count: a legacy node is
-        // checked every tick (100 ms), and the scrape's round trip can span one (CI saw it).
+        // checked every third tick (300 ms), and the scrape's round trip can span one (CI saw
+        // it at every tick).
         let took = after - before.0;
         assert!(before.1 >= i || took <= 3, "tamper {i} repaired {took} checks later");
         // The next tamper waits until the agent has also read its repair back.
@@ -525,18 +526,20 @@ fn iptables_nft_is_checked_when_its_tables_change_not_every_tick() {
     assert!(checks(&node) > calm);
 }
 
-/// iptables-legacy announces nothing: its tables are checked on every tick (each copied from the
-/// kernel in-process; `iptables-legacy-save` runs only when a copy changed,
-/// `tests/e2e_legacy_idle.rs`).
+/// iptables-legacy announces nothing: its tables are checked every third tick
+/// (`LOOK_UNANNOUNCED`, 300 ms at `--interval 100ms`; each copied from the kernel in-process;
+/// `iptables-legacy-save` runs only when a copy changed, `tests/e2e_legacy_idle.rs`), with no
+/// announcement to wait for.
 #[test]
-fn iptables_legacy_is_checked_every_tick() {
+fn iptables_legacy_is_checked_every_third_tick() {
     let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
     let agent = node.agent(&["--dataplane", "iptables-legacy", "--interval", "100ms"]);
     ticks(&agent, 3);
     let before = checks(&node);
-    ticks(&agent, 20);
+    ticks(&agent, 30);
     let after = checks(&node);
-    assert!(after >= before + 10, "{} checks in 20 ticks", after - before);
+    // Ten looks in 30 ticks; a tick that slips past a look's instant may take one.
+    assert!(after >= before + 8, "{} checks in 30 ticks", after - before);
 }
 
 /// Issues 17 and 14: on an iptables-nft node whose kube-proxy rewrites a filter chain every
