@@ -816,6 +816,41 @@ fn apply_histogram(node: &SimNode) -> (f64, f64) {
 /// Flips before the counted ones in [`switch_latency`].
 const SWITCH_WARM_UP: u32 = 2;
 
+/// Set for this benchmark's own binary run in a node's namespace: it measures the floor there
+/// ([`commit_floor_here`]) and exits.
+const FLOOR_ENV: &str = "NLHA_BENCH_COMMIT_FLOOR";
+
+/// Prints the median (ms) of 20 commits, after [`SWITCH_WARM_UP`], of the least real nftables
+/// transaction (`Nftables::commit_floor`: a table created and deleted) in the namespace this
+/// process runs in: what any writer's switch pays there, timed in-process as the agent's apply
+/// is. Refuses the root namespace.
+fn commit_floor_here() {
+    let ns = |path: &str| std::fs::metadata(path).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
+    assert_ne!(
+        ns("/proc/self/ns/net").ok(),
+        ns("/proc/1/ns/net").ok(),
+        "not in a node's namespace"
+    );
+    let mut nft = nodelocaldns_ha::dataplane::nftables::Nftables::new().expect("nftables socket");
+    let mut times = Vec::new();
+    for i in 0..SWITCH_WARM_UP + 20 {
+        let t0 = Instant::now();
+        nft.commit_floor().expect("the floor's commit");
+        if i >= SWITCH_WARM_UP {
+            times.push(t0.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    println!("{}", median(&mut times));
+}
+
+/// [`commit_floor_here`] in `node`'s namespace, beside whatever runs there.
+fn commit_floor(node: &SimNode) -> f64 {
+    let exe = std::env::current_exe().expect("this benchmark's binary");
+    let out = node.cmd("node", &exe.to_string_lossy()).env(FLOOR_ENV, "1").output().expect("floor");
+    assert!(out.status.success(), "the commit floor: {}", describe(&out));
+    String::from_utf8_lossy(&out.stdout).trim().parse().expect("the floor's median")
+}
+
 /// Flips the route [`SWITCH_WARM_UP`] times, then `flips` times counted, per dataplane: the
 /// agent's own apply duration of each flip (from its histogram, read around the flip; median
 /// and mean: at a few milliseconds a mean follows its outliers) and the `flip` command's round
@@ -844,15 +879,21 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
         }
         let out = node.cli(&["release", "--state-dir", &dir]);
         assert!(out.status.success(), "release: {}", describe(&out));
+        // The floor of an nftables switch in the same namespace, the agent still running.
+        let floor = (dataplane == "nftables").then(|| commit_floor(node));
+        let apply_median = median(&mut applies_ms);
+        let hundredths = |x: f64| (x * 100.0).round() / 100.0;
         stop_agent(node, agent);
         rows.push(json!({
             "dataplane": dataplane,
             "nat_rules": nat_rules,
+            "commit_floor_median_ms": floor.map(hundredths),
+            "apply_to_floor": floor.map(|f| hundredths(apply_median / f)),
             "flips": flips,
             "flips_counted": applies_ms.len(),
             "warm_up_flips": SWITCH_WARM_UP,
             "apply_mean_ms": round1(mean(&applies_ms)),
-            "apply_median_ms": round1(median(&mut applies_ms)),
+            "apply_median_ms": round1(apply_median),
             "flip_round_trip_median_ms": round1(median(&mut round_trips)),
         }));
     }
@@ -1427,6 +1468,9 @@ fn svg(
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument is not supported.
     require_root();
+    if std::env::var_os(FLOOR_ENV).is_some() {
+        return commit_floor_here();
+    }
     let began = Instant::now();
     let rate: u32 = setting("NLHA_BENCH_RATE", 1000);
     let footprint_secs: u64 = setting("NLHA_BENCH_FOOTPRINT_SECS", 30);
@@ -1536,7 +1580,7 @@ fn main() {
             ms(&d["max_ms"])
         );
     }
-    md += "\n| dataplane | switch (agent's apply, median of 20 after 2 warm-up), 0 nat rules | with 50,000 kube-proxy-shaped nat rules | ratio | `flip` round trip, 0 / 50,000 |\n|---|---|---|---|---|\n";
+    md += "\n| dataplane | switch (agent's apply, median of 20 after 2 warm-up), 0 nat rules | with 50,000 kube-proxy-shaped nat rules | ratio | the least nftables transaction's commit in the same namespace, 0 / 50,000 | switch ÷ it, 0 / 50,000 | `flip` round trip, 0 / 50,000 |\n|---|---|---|---|---|---|---|\n";
     for dataplane in DATAPLANES {
         let find = |n: u64| {
             switch
@@ -1550,11 +1594,20 @@ fn main() {
             (Some(x), Some(y)) if x > 0.0 => format!("{:.1}×", y / x),
             _ => "-".into(),
         };
+        let to_floor =
+            |s: &Value| s["apply_to_floor"].as_f64().map_or("-".into(), |r| format!("{r:.2}"));
+        let floor_ms = |s: &Value| {
+            s["commit_floor_median_ms"].as_f64().map_or("-".into(), |f| format!("{f:.2} ms"))
+        };
         let _ = writeln!(
             md,
-            "| {dataplane} | {} | {} | {ratio} | {} / {} |",
+            "| {dataplane} | {} | {} | {ratio} | {} / {} | {} / {} | {} / {} |",
             ms(&a["apply_median_ms"]),
             ms(&b["apply_median_ms"]),
+            floor_ms(&a),
+            floor_ms(&b),
+            to_floor(&a),
+            to_floor(&b),
             ms(&a["flip_round_trip_median_ms"]),
             ms(&b["flip_round_trip_median_ms"])
         );

@@ -214,10 +214,9 @@ impl Nftables {
         Ok(Nftables { socket, portid, next_seq: FIRST_REQUEST_SEQ, buf: vec![0; RECV_BUFFER] })
     }
 
-    /// The ruleset's generation: the kernel's count of the nftables transactions committed in
-    /// this network namespace (`NFT_MSG_GETGEN`), moved by every change to any table,
-    /// iptables-nft's included. A read-back that began in the generation that is still current
-    /// would find what it found then.
+    /// The ruleset's generation (`NFT_MSG_GETGEN`): the namespace's count of committed nftables
+    /// transactions, iptables-nft's included. A read-back begun in it finds the same while it
+    /// stands.
     pub fn generation(&mut self) -> Result<u32, Error> {
         let what = "the ruleset generation";
         let mut found = None;
@@ -227,18 +226,19 @@ impl Nftables {
             found = Some(netlink::be_u32(id, "NFTA_GEN_ID")?);
             Ok(())
         };
-        let mut snapshot = Snapshot::default();
-        match self.request(
-            &mut snapshot,
-            what,
-            objects::NFT_MSG_GETGEN,
-            NLM_F_REQUEST,
-            &[],
-            read,
-        )? {
+        let (get, snapshot) = (objects::NFT_MSG_GETGEN, &mut Snapshot::default());
+        match self.request(snapshot, what, get, NLM_F_REQUEST, &[], read)? {
             Ok(()) => found.ok_or(Error::Malformed { what, source: ParseError::Missing("NEWGEN") }),
             Err(source) => Err(Error::List { what, source }),
         }
+    }
+
+    /// Commits the least real transaction (a table of its own created and deleted), leaving the
+    /// ruleset as it was: the floor of any writer's switch in this namespace, which the
+    /// benchmark (`ci/bench.sh`) puts beside the agent's.
+    pub fn commit_floor(&mut self) -> Result<(), Error> {
+        let (batch, described) = batch::floor();
+        self.send_batch(&batch, &described)
     }
 
     /// Whether kube-proxy's nftables mode is at work here: `table ip kube-proxy` or

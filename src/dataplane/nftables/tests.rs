@@ -231,6 +231,11 @@ mod kernel {
                 &["netns", "exec", ns, "iptables-nft", "-t", "raw", "-A", "OUTPUT", "-j", "ACCEPT"],
             );
             assert_ne!(nftables.generation().unwrap(), applied, "iptables-nft's commit");
+            // The benchmark's floor is a real transaction, and leaves nothing.
+            let before = nftables.generation().unwrap();
+            nftables.commit_floor().unwrap();
+            assert_ne!(nftables.generation().unwrap(), before, "the floor committed nothing");
+            assert!(!nft(ns, &["list", "tables"]).contains("trial"), "the floor left its table");
         });
     }
 
