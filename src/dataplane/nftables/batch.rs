@@ -2,7 +2,7 @@
 //! delete, create, base chains, rules), or deleted. Built with nftnl from [`rule_expressions`],
 //! which the read-back compares with too; each message is described for error messages.
 
-use std::ffi::CString;
+use std::ffi::{CStr, CString};
 
 use nftnl::{Batch, FinalizedBatch, MsgType, ProtoFamily};
 
@@ -64,22 +64,21 @@ pub(super) fn trial(rules: &RuleSet) -> Result<Option<(FinalizedBatch, Vec<Strin
 /// An empty batch is no yardstick (the kernel returns before its commit when there is nothing
 /// to commit); this one pays what every writer's commit pays in the namespace.
 pub(super) fn floor() -> (FinalizedBatch, Vec<String>) {
-    let table = nftnl::Table::new(TRIAL_TABLE_NAME, ProtoFamily::Inet);
-    let mut batch = Batch::new();
-    batch.add(&table, MsgType::Add);
-    batch.add(&table, MsgType::Del);
-    let described = ["trial table (create)", "trial table (delete)"].map(String::from);
-    (batch.finalize(), described.into())
+    created_and_deleted(TRIAL_TABLE_NAME, ["trial table (create)", "trial table (delete)"])
 }
 
 /// The batch that deletes the table, a no-op when it is absent.
 pub(super) fn deleting() -> (FinalizedBatch, Vec<String>) {
-    let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
+    created_and_deleted(TABLE_NAME, ["table (create if absent)", "table (delete)"])
+}
+
+/// The batch that creates table `name` (if absent) and deletes it, each message `described`.
+fn created_and_deleted(name: &CStr, described: [&str; 2]) -> (FinalizedBatch, Vec<String>) {
+    let table = nftnl::Table::new(name, ProtoFamily::Inet);
     let mut batch = Batch::new();
     batch.add(&table, MsgType::Add);
     batch.add(&table, MsgType::Del);
-    let described = ["table (create if absent)", "table (delete)"].map(String::from);
-    (batch.finalize(), described.into())
+    (batch.finalize(), described.map(String::from).into())
 }
 
 /// Adds `nft_chain` and `chain`'s rules (each with its comment) to `batch`, each message
