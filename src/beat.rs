@@ -65,7 +65,7 @@ impl Beat {
     /// A timer to sleep until an instant, on the grid or off it (see [`Timer::sleep_until`]).
     /// Call it within the runtime that will await it.
     pub fn timer(self) -> Timer {
-        Timer { fd: self.kernel_timer(), beat: self }
+        Timer { kernel: self.kernel_timer(), beat: self }
     }
 
     /// The first instant after `now` on the grid of `step` (> 0).
@@ -139,7 +139,7 @@ impl Ticks {
 
 /// A one-shot timer ([`Beat::timer`]).
 pub struct Timer {
-    fd: Option<KernelTimer>,
+    kernel: Option<KernelTimer>,
     beat: Beat,
 }
 
@@ -147,7 +147,7 @@ impl Timer {
     /// Completes at `at` (at once if it has passed). Cancel-safe; each call sets the timer
     /// afresh.
     pub async fn sleep_until(&mut self, at: Instant) {
-        if let Some(kernel) = &self.fd {
+        if let Some(kernel) = &self.kernel {
             let when = Expiration::OneShot(self.beat.on_kernel_clock(at));
             // Not seen to fail (the arguments are valid); if it did, tokio's timer serves.
             if kernel.timer.set(when, TimerSetTimeFlags::TFD_TIMER_ABSTIME).is_ok() {

@@ -662,7 +662,7 @@ impl Dataplane for Iptables {
         if self.flavour != Flavour::Nft {
             return None;
         }
-        super::nftables::Nftables::new().and_then(|mut nft| nft.generation()).ok()
+        super::nftables_generation()
     }
 
     /// Every call runs its own child processes: a copy is a reader.

@@ -30,6 +30,12 @@ pub const POLL_ANNOUNCED: Duration = Duration::from_secs(30);
 /// iptables-legacy a whole read-back was twenty child processes.
 pub const FULL_READ_EVERY: Duration = Duration::from_secs(300);
 
+/// The namespace's nftables generation ([`nftables::Nftables::generation`]), read on a netlink
+/// socket of its own for the call; `None` when it cannot be read.
+pub(crate) fn nftables_generation() -> Option<u32> {
+    nftables::Nftables::new().and_then(|mut nft| nft.generation()).ok()
+}
+
 /// What a dataplane failed to do.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

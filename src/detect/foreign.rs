@@ -14,8 +14,7 @@ use super::{complaint, parse_save, SaveFacts};
 use crate::dataplane::iptables::{
     legacy_snapshot, legacy_tables, Flavour, LegacyTables, Table, Tool,
 };
-use crate::dataplane::nftables::Nftables;
-use crate::dataplane::{FULL_READ_EVERY, POLL_ANNOUNCED};
+use crate::dataplane::{nftables_generation, FULL_READ_EVERY, POLL_ANNOUNCED};
 
 /// What one look at the node found that only an operator can fix.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -66,7 +65,7 @@ pub(crate) async fn watch_foreign_rules(
             let legacy = gather_legacy(&addrs, last);
             // `Err`: not read again, nothing in nftables having changed since the last read.
             let nft_now = reread.then(|| {
-                let now = Nftables::new().and_then(|mut nft| nft.generation()).ok();
+                let now = nftables_generation();
                 if now.is_some() && now == read_in {
                     return Err(());
                 }

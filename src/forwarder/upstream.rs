@@ -259,8 +259,8 @@ impl Upstream {
     /// Reads this socket's answers forever, each sent back to its client through `listener`,
     /// and every [`SWEEP_PERIOD`] while any query is pending expires those past their deadline.
     ///
-    /// Every `options.upstream_redial` (the pool's sockets a quarter of it apart) a socket that
-    /// has carried a query is replaced by a new one, connected afresh: a new source port, so a new conntrack entry
+    /// Every `options.upstream_redial` (the sockets a quarter of it apart) a socket that carried
+    /// a query is replaced by one connected afresh: a new source port, so a new conntrack entry
     /// and kube-proxy's choice of a CoreDNS endpoint made again. The old socket's answers are
     /// still read until its queries have had `options.upstream_timeout` (and a sweep), or until
     /// nothing is pending; a re-dial waits for that drain to end, unless the upstream moved.
