@@ -19,6 +19,7 @@
 //! | `nodelocaldns_ha_probes_total` | counter | `target`, `protocol`, `outcome` |
 //! | `nodelocaldns_ha_probe_duration_seconds` | histogram | `target`, `protocol` |
 //! | `nodelocaldns_ha_dataplane_apply_duration_seconds` | histogram | |
+//! | `nodelocaldns_ha_dataplane_commit_duration_seconds` | histogram | |
 //! | `nodelocaldns_ha_dataplane_apply_errors_total` | counter | |
 //! | `nodelocaldns_ha_dataplane_check_duration_seconds` | histogram | |
 //! | `nodelocaldns_ha_drift_repairs_total` | counter | |
@@ -244,6 +245,7 @@ pub struct Metrics {
     probes: Family<ProbeLabels, Counter>,
     probe_duration: Family<StreamLabels, Histogram, fn() -> Histogram>,
     apply_duration: Histogram,
+    commit_duration: Histogram,
     apply_errors: Counter,
     check_duration: Histogram,
     repairs: Counter,
@@ -270,6 +272,7 @@ impl Metrics {
             probes: Family::default(),
             probe_duration: Family::new_with_constructor(probe_histogram),
             apply_duration: Histogram::new(APPLY_BUCKETS),
+            commit_duration: Histogram::new(APPLY_BUCKETS),
             apply_errors: Counter::default(),
             check_duration: Histogram::new(APPLY_BUCKETS),
             repairs: Counter::default(),
@@ -330,6 +333,13 @@ impl Metrics {
             "Time to install a route's ruleset and read it back, failed attempts included",
             Unit::Seconds,
             self.apply_duration.clone(),
+        );
+        r.register_with_unit(
+            "dataplane_commit_duration",
+            "Time the kernel took to commit an applied ruleset (nftables): the switch itself, \
+             without the read-back",
+            Unit::Seconds,
+            self.commit_duration.clone(),
         );
         r.register(
             "dataplane_apply_errors",
@@ -394,9 +404,13 @@ impl Metrics {
             .observe(latency.as_secs_f64());
     }
 
-    /// Records one attempt to install a ruleset, successful or not.
-    pub fn apply(&self, duration: Duration, ok: bool) {
+    /// Records one attempt to install a ruleset, successful or not, and the kernel's commit of
+    /// it when the backend timed one.
+    pub fn apply(&self, duration: Duration, commit: Option<Duration>, ok: bool) {
         self.apply_duration.observe(duration.as_secs_f64());
+        if let Some(commit) = commit {
+            self.commit_duration.observe(commit.as_secs_f64());
+        }
         if !ok {
             self.apply_errors.inc();
         }

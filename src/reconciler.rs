@@ -363,7 +363,7 @@ impl Reconciler {
         self.generation += 1;
         self.checked_in = None;
         let result = blocking(|| self.dataplane.apply(&self.desired));
-        self.metrics.apply(started.elapsed(), result.is_ok());
+        self.metrics.apply(started.elapsed(), self.dataplane.last_commit(), result.is_ok());
         match result {
             Ok(()) => {
                 (self.checked_at, self.read_at) = (Some(now), Some(now));

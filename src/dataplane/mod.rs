@@ -199,6 +199,13 @@ pub trait Dataplane: Send {
     fn ruleset_generation(&mut self) -> Option<u32> {
         None
     }
+    /// How long the kernel took to commit the last [`Dataplane::apply`]'s transaction: the
+    /// switch itself, which packets take at its end, without the read-back that follows.
+    /// `None` (the default) when the backend cannot tell it apart, or the apply committed
+    /// nothing.
+    fn last_commit(&self) -> Option<Duration> {
+        None
+    }
 }
 
 pub use crate::ruleset::{reply_weight, REPLY_COMMENT};

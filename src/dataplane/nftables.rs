@@ -1,8 +1,11 @@
 //! nftables backend: installs a [`RuleSet`] as the table `inet nodelocaldns-ha` over netlink.
 //!
-//! * [`Nftables::apply`] replaces the table in **one atomic batch** (create-if-absent, delete,
-//!   create, base chains, rules), built with nftnl and sent on a `NETLINK_NETFILTER` socket; then
-//!   it reads the table back. Either the whole new table is in place or the old one still is.
+//! * [`Nftables::apply`] installs a ruleset in **one atomic batch**, built with nftnl and sent on
+//!   a `NETLINK_NETFILTER` socket, then reads the table back. A route switch refills the base
+//!   chains in place (each flushed and given its rules; their hooks stay registered); a first
+//!   apply, or one after anything else changed the table, replaces the whole table
+//!   (create-if-absent, delete, create, base chains, rules). Either the new rules are all in
+//!   place or the old ones still are.
 //! * [`Nftables::check`] reads the table back with netlink dumps (built and parsed in safe Rust by
 //!   `objects`) and `compare`s tables, chains (hook, priority, type, policy), rules in order,
 //!   their comments and every expression value (counter values aside) with what `expr` says
@@ -25,6 +28,8 @@ pub(crate) mod changes;
 #[forbid(unsafe_code)]
 mod compare;
 #[forbid(unsafe_code)]
+mod error;
+#[forbid(unsafe_code)]
 mod expr;
 #[allow(unsafe_code)]
 mod ffi;
@@ -39,6 +44,7 @@ use std::ffi::CStr;
 use std::fmt;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use nftnl::FinalizedBatch;
 use nix::errno::Errno;
@@ -55,6 +61,7 @@ use objects::{nft_body, nft_type};
 
 pub use crate::netlink::ParseError;
 pub use changes::{Announced, ChangeWatch};
+pub use error::Error;
 pub use host_firewall::{audit_firewall, host_firewall_candidate, watch_firewall};
 pub(crate) use watch::{watch_nftables, Watched};
 
@@ -74,100 +81,6 @@ const READ_ATTEMPTS: usize = 3;
 /// Sequence numbers of this backend's requests; nftnl numbers batch messages from 1.
 const FIRST_REQUEST_SEQ: u32 = 1 << 31;
 
-/// What the nftables backend failed to do.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// The netlink socket could not be opened.
-    #[error(
-        "opening a netfilter netlink socket failed: {0} \
-         (needs CAP_NET_ADMIN in the node's network namespace)"
-    )]
-    Open(#[source] Errno),
-    /// A batch or a request could not be sent.
-    #[error(
-        "sending {what} to nftables failed: {source} \
-         (needs CAP_NET_ADMIN in the node's network namespace)"
-    )]
-    Send {
-        /// What was being sent.
-        what: &'static str,
-        /// The socket's error.
-        #[source]
-        source: Errno,
-    },
-    /// The kernel's answer did not arrive.
-    #[error(
-        "reading the kernel's answer to {what} failed: {source} \
-         (EAGAIN: no answer within {REPLY_TIMEOUT_SECS} s)"
-    )]
-    Receive {
-        /// What the answer was to.
-        what: &'static str,
-        /// The socket's error.
-        #[source]
-        source: Errno,
-    },
-    /// The kernel refused the batch; nothing of it was applied.
-    #[error(
-        "the kernel rejected the nftables batch at {at}: {source}; nothing was changed \
-         (EPERM: needs CAP_NET_ADMIN; ENOENT or EOPNOTSUPP at a rule: a kernel module is \
-         missing, needs kernel ≥ 5.x with nf_tables, nft_fib_inet and nft_socket, and for the \
-         chain fallback nft_tproxy; --link-local-failover=false runs without that chain)"
-    )]
-    Rejected {
-        /// The message the kernel refused, e.g. `chain prerouting: rule 3 (…)`.
-        at: String,
-        /// The kernel's error.
-        #[source]
-        source: Errno,
-    },
-    /// Listing the installed table failed.
-    #[error(
-        "listing nftables {what} failed: {source} \
-         (needs CAP_NET_ADMIN; is nf_tables available?)"
-    )]
-    List {
-        /// Tables, chains or rules.
-        what: &'static str,
-        /// The kernel's error.
-        #[source]
-        source: Errno,
-    },
-    /// The kernel's answer could not be parsed.
-    #[error(
-        "the kernel's answer to {what} could not be parsed: {source} \
-         (an nf_tables this agent does not know; please report it with the kernel version)"
-    )]
-    Malformed {
-        /// What the answer was to.
-        what: &'static str,
-        /// What is wrong with it.
-        #[source]
-        source: ParseError,
-    },
-    /// The ruleset changed during every attempt to read it back.
-    #[error(
-        "the nftables ruleset kept changing while it was read back ({READ_ATTEMPTS} attempts); \
-         is another process rewriting it in a loop?"
-    )]
-    Unsettled,
-    /// A rule's comment cannot be stored by nftables.
-    #[error("the rule comment {0:?} cannot be stored: it must be under 128 bytes, without NUL")]
-    Comment(String),
-    /// The batch was accepted but the table read back is not the one applied.
-    #[error(
-        "the nftables table read back differs from the one just applied: {0} \
-         (did another process change it at the same moment?)"
-    )]
-    NotApplied(String),
-    /// Watching for nftables changes failed.
-    #[error(
-        "watching for nftables changes failed: {0} \
-         (needs CAP_NET_ADMIN in the node's network namespace, and a tokio runtime)"
-    )]
-    Watch(#[source] std::io::Error),
-}
-
 /// The nftables dataplane: owns the table `inet nodelocaldns-ha`.
 pub struct Nftables {
     /// A `NETLINK_NETFILTER` socket for batches and dumps, with a receive timeout.
@@ -176,6 +89,11 @@ pub struct Nftables {
     portid: u32,
     next_seq: u32,
     buf: Vec<u8>,
+    /// What the last apply left in the kernel, as read back: a switch from it to a ruleset of
+    /// the same chains refills them (`batch::refilling`). `None` after a failure.
+    applied: Option<RuleSet>,
+    /// How long the kernel took to commit the last apply's batch.
+    last_commit: Option<Duration>,
 }
 
 impl fmt::Debug for Nftables {
@@ -211,7 +129,14 @@ impl Nftables {
         socket::setsockopt(&socket, sockopt::ReceiveTimeout, &timeout).map_err(Error::Open)?;
         let portid =
             socket::getsockname::<NetlinkAddr>(socket.as_raw_fd()).map_err(Error::Open)?.pid();
-        Ok(Nftables { socket, portid, next_seq: FIRST_REQUEST_SEQ, buf: vec![0; RECV_BUFFER] })
+        Ok(Nftables {
+            socket,
+            portid,
+            next_seq: FIRST_REQUEST_SEQ,
+            buf: vec![0; RECV_BUFFER],
+            applied: None,
+            last_commit: None,
+        })
     }
 
     /// The ruleset's generation (`NFT_MSG_GETGEN`): the namespace's count of committed nftables
@@ -241,44 +166,40 @@ impl Nftables {
         self.send_batch(&batch, &described)
     }
 
-    /// Whether kube-proxy's nftables mode is at work here: `table ip kube-proxy` or
-    /// `table ip6 kube-proxy` exists.
-    pub fn kube_proxy_tables(&mut self) -> Result<bool, Error> {
-        let name = c"kube-proxy".to_bytes_with_nul();
-        for family in [libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8] {
-            let mut snapshot = Snapshot::default();
-            let answer = self.request_in(
-                family,
-                &mut snapshot,
-                "kube-proxy's table",
-                objects::NFT_MSG_GETTABLE,
-                NLM_F_REQUEST,
-                &[(objects::NFTA_TABLE_NAME, name)],
-                |_, _| Ok(()),
-            )?;
-            match answer {
-                Ok(()) => return Ok(true),
-                Err(Errno::ENOENT) => {}
-                Err(source) => return Err(Error::List { what: "tables", source }),
-            }
-        }
-        Ok(false)
-    }
-
     /// A [`ChangeWatch`] that ignores the changes made through `self`, so the agent's own
     /// applies do not wake it. Must be called inside a tokio runtime.
     pub fn change_watch(&self) -> Result<ChangeWatch, Error> {
         ChangeWatch::open(Some(self.portid))
     }
 
-    /// Replaces the table with `rules` in one batch.
-    fn replace(&mut self, rules: &RuleSet) -> Result<(), Error> {
-        let (batch, described) = batch::replacing(rules)?;
-        self.send_batch(&batch, &described)
+    /// Commits `batch` (built by `batch`, with its descriptions), timed as [`Self::last_commit`].
+    fn commit(&mut self, built: (FinalizedBatch, Vec<String>)) -> Result<(), Error> {
+        let started = Instant::now();
+        self.send_batch(&built.0, &built.1)?;
+        self.last_commit = Some(started.elapsed());
+        Ok(())
+    }
+
+    /// Puts `rules` in and reads them back: by refilling the chains in place when the last
+    /// apply left the same ones, and when that is refused or does not read back as `rules`
+    /// (another writer changed the table meanwhile), by replacing the whole table.
+    fn install(&mut self, rules: &RuleSet) -> Result<Check, Error> {
+        if self.applied.take().is_some_and(|applied| batch::same_chains(&applied, rules))
+            && self.commit(batch::refilling(rules)?).is_ok()
+            && self.check_table(rules)? == Check::Matches
+        {
+            self.applied = Some(rules.clone());
+            return Ok(Check::Matches);
+        }
+        self.commit(batch::replacing(rules)?)?;
+        let check = self.check_table(rules)?;
+        self.applied = (check == Check::Matches).then(|| rules.clone());
+        Ok(check)
     }
 
     /// Deletes the table in one batch; nothing happens when it is absent.
     fn delete(&mut self) -> Result<(), Error> {
+        self.applied = None;
         let (batch, described) = batch::deleting();
         self.send_batch(&batch, &described)
     }
@@ -553,8 +474,8 @@ impl Dataplane for Nftables {
     }
 
     fn apply(&mut self, rules: &RuleSet) -> Result<(), super::Error> {
-        self.replace(rules)?;
-        match self.check_table(rules)? {
+        self.last_commit = None;
+        match self.install(rules)? {
             Check::Matches => Ok(()),
             Check::Missing => Err(Error::NotApplied("the table is missing".to_owned()).into()),
             Check::Differs(difference) => Err(Error::NotApplied(difference).into()),
@@ -567,6 +488,10 @@ impl Dataplane for Nftables {
 
     fn ruleset_generation(&mut self) -> Option<u32> {
         self.generation().ok()
+    }
+
+    fn last_commit(&self) -> Option<Duration> {
+        self.last_commit
     }
 
     fn reply_packets(&mut self) -> Result<Option<u64>, super::Error> {

@@ -65,7 +65,7 @@ fn every_name_has_the_prefix_help_and_a_type() {
     let m = Metrics::new();
     m.transition(Route::Local, Route::Upstream, "cache_refused");
     let s = Scrape::of(&m);
-    assert_eq!(s.types.len(), 12, "{:?}", s.types.keys());
+    assert_eq!(s.types.len(), 13, "{:?}", s.types.keys());
     for name in s.types.keys().chain(s.samples.keys()) {
         assert!(name.starts_with("nodelocaldns_ha_"), "{name}");
     }
@@ -95,6 +95,8 @@ fn every_series_exists_from_the_start() {
         "nodelocaldns_ha_dataplane_apply_errors_total",
         "nodelocaldns_ha_dataplane_check_duration_seconds_count",
         "nodelocaldns_ha_dataplane_check_duration_seconds_sum",
+        "nodelocaldns_ha_dataplane_commit_duration_seconds_count",
+        "nodelocaldns_ha_dataplane_commit_duration_seconds_sum",
         "nodelocaldns_ha_drift_repairs_total",
         "nodelocaldns_ha_foreign_notrack_rules",
         r#"nodelocaldns_ha_override_active{route="local"}"#,
@@ -126,9 +128,9 @@ fn every_series_exists_from_the_start() {
     expected.sort_unstable();
     assert_eq!(series, expected);
     assert!(s.samples.values().all(|v| *v == 0.0), "not all at zero");
-    // Each histogram with its buckets: three of probes, one each of applies and checks.
+    // Each histogram with its buckets: three of probes, one each of applies, commits and checks.
     let buckets = s.samples.keys().filter(|name| name.contains("_bucket{")).count();
-    assert_eq!(buckets, 3 * (PROBE_BUCKETS.len() + 1) + 2 * (APPLY_BUCKETS.len() + 1));
+    assert_eq!(buckets, 3 * (PROBE_BUCKETS.len() + 1) + 3 * (APPLY_BUCKETS.len() + 1));
 }
 
 #[test]
@@ -248,8 +250,8 @@ fn probe_outcomes_created_up_front_are_the_probes_labels() {
 #[test]
 fn applies_are_timed_and_failures_counted() {
     let m = Metrics::new();
-    m.apply(Duration::from_micros(700), true);
-    m.apply(Duration::from_secs(2), false);
+    m.apply(Duration::from_micros(700), Some(Duration::from_micros(200)), true);
+    m.apply(Duration::from_secs(2), None, false);
     let s = Scrape::of(&m);
     s.family("nodelocaldns_ha_dataplane_apply_duration_seconds", "histogram");
     s.family("nodelocaldns_ha_dataplane_apply_errors", "counter");
@@ -264,6 +266,10 @@ fn applies_are_timed_and_failures_counted() {
     assert_eq!(bucket("+Inf"), 2.0);
     assert_eq!(s.value("nodelocaldns_ha_dataplane_apply_duration_seconds_count"), 2.0);
     assert_eq!(s.value("nodelocaldns_ha_dataplane_apply_errors_total"), 1.0);
+    // Only the apply whose backend timed its commit has one.
+    s.family("nodelocaldns_ha_dataplane_commit_duration_seconds", "histogram");
+    assert_eq!(s.value("nodelocaldns_ha_dataplane_commit_duration_seconds_count"), 1.0);
+    assert_eq!(s.value("nodelocaldns_ha_dataplane_commit_duration_seconds_sum"), 0.0002);
 }
 
 #[test]

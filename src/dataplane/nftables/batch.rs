@@ -1,6 +1,8 @@
 //! The batches that change the agent's table: the whole table replaced (create-if-absent,
-//! delete, create, base chains, rules), or deleted. Built with nftnl from [`rule_expressions`],
-//! which the read-back compares with too; each message is described for error messages.
+//! delete, create, base chains, rules), its chains refilled (each flushed and given its rules,
+//! the base chains and their hooks left in place), or deleted. Built with nftnl from
+//! [`rule_expressions`], which the read-back compares with too; each message is described for
+//! error messages.
 
 use std::ffi::{CStr, CString};
 
@@ -30,6 +32,36 @@ pub(super) fn replacing(rules: &RuleSet) -> Result<(FinalizedBatch, Vec<String>)
         add_chain(&mut batch, &mut described, nft_chain, chain, "chain")?;
     }
     Ok((batch.finalize(), described))
+}
+
+/// The batch that puts `rules` into the base chains already in place: each chain flushed and
+/// given its rules, the table and the chains themselves (their hooks) left as they are. A route
+/// switch changes rules only, and unregistering and registering hooks is most of what a table's
+/// replacement costs the kernel beyond its commit. Refused as a whole (nothing changed) when a
+/// chain is missing; a table someone else changed otherwise shows in the read-back.
+pub(super) fn refilling(rules: &RuleSet) -> Result<(FinalizedBatch, Vec<String>), Error> {
+    let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
+    let mut batch = Batch::new();
+    let mut described = Vec::new();
+    let chains: Vec<nftnl::Chain<'_>> = rules
+        .chains
+        .iter()
+        .map(|chain| nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), &table))
+        .collect();
+    for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
+        // A rule without a handle deletes every rule of its chain.
+        batch.add(&nftnl::Rule::new(nft_chain), MsgType::Del);
+        described.push(format!("chain {} (flush)", chain.name()));
+        add_rules(&mut batch, &mut described, nft_chain, chain, "chain")?;
+    }
+    Ok((batch.finalize(), described))
+}
+
+/// Whether `a` and `b` have the same base chains (names, hooks, priorities, in order), so that
+/// one replaces the other by [`refilling`] them.
+pub(super) fn same_chains(a: &RuleSet, b: &RuleSet) -> bool {
+    let shape = |c: &ruleset::Chain| (c.name(), c.hook, c.priority);
+    a.chains.iter().map(shape).eq(b.chains.iter().map(shape))
 }
 
 /// The batch that tries `rules`' link-local fallback chains on the kernel and leaves nothing:
@@ -81,8 +113,7 @@ fn created_and_deleted(name: &CStr, described: [&str; 2]) -> (FinalizedBatch, Ve
     (batch.finalize(), described.map(String::from).into())
 }
 
-/// Adds `nft_chain` and `chain`'s rules (each with its comment) to `batch`, each message
-/// described as `<what> <name>` and `<what> <name>: rule <n> (<rule>)`.
+/// Adds `nft_chain` and `chain`'s rules to `batch`, the chain described as `<what> <name>`.
 fn add_chain(
     batch: &mut Batch,
     described: &mut Vec<String>,
@@ -92,6 +123,18 @@ fn add_chain(
 ) -> Result<(), Error> {
     batch.add(nft_chain, MsgType::Add);
     described.push(format!("{what} {}", chain.name()));
+    add_rules(batch, described, nft_chain, chain, what)
+}
+
+/// Adds `chain`'s rules to `nft_chain` in `batch`, each with its comment, described as
+/// `<what> <name>: rule <n> (<rule>)`.
+fn add_rules(
+    batch: &mut Batch,
+    described: &mut Vec<String>,
+    nft_chain: &nftnl::Chain<'_>,
+    chain: &ruleset::Chain,
+    what: &str,
+) -> Result<(), Error> {
     for (index, rule) in chain.rules.iter().enumerate() {
         let mut nft_rule = nftnl::Rule::new(nft_chain);
         for expr in rule_expressions(rule) {

@@ -27,6 +27,30 @@ pub fn host_firewall_candidate(family: u8, name: &str) -> bool {
 }
 
 impl Nftables {
+    /// Whether kube-proxy's nftables mode is at work here: `table ip kube-proxy` or
+    /// `table ip6 kube-proxy` exists.
+    pub fn kube_proxy_tables(&mut self) -> Result<bool, Error> {
+        let name = c"kube-proxy".to_bytes_with_nul();
+        for family in [libc::NFPROTO_IPV4 as u8, libc::NFPROTO_IPV6 as u8] {
+            let mut snapshot = Snapshot::default();
+            let answer = self.request_in(
+                family,
+                &mut snapshot,
+                "kube-proxy's table",
+                objects::NFT_MSG_GETTABLE,
+                NLM_F_REQUEST,
+                &[(objects::NFTA_TABLE_NAME, name)],
+                |_, _| Ok(()),
+            )?;
+            match answer {
+                Ok(()) => return Ok(true),
+                Err(Errno::ENOENT) => {}
+                Err(source) => return Err(Error::List { what: "tables", source }),
+            }
+        }
+        Ok(false)
+    }
+
     /// The node's own nftables firewall: every table of another owner with a base chain on the
     /// `input` or `output` hook, with all its chains and rules, for [`crate::firewall`]. Left
     /// out: the agent's table; kube-proxy's (`ip`/`ip6 kube-proxy`: it judges only new
