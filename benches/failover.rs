@@ -4,8 +4,9 @@
 //! resolv.conf; the same in the link-local shape (issue 12: pods ask 169.254.20.10 itself) with
 //! node-cache alone, kubespray's second DaemonSet (two caches in one SO_REUSEPORT group, one of
 //! them killed or hung) and the agent; then the agent's drift repair, switch latency, data-path
-//! cost (dnsperf; and dnsperf through the link-local fallback, and through a kernel DNAT for
-//! comparison, against straight to CoreDNS) and
+//! cost (dnsperf; and dnsperf through the link-local fallback against CoreDNS's own forward
+//! plugin as node-cache runs it, straight to CoreDNS and a kernel DNAT: `failover/fallback.rs`)
+//! and
 //! footprint (idle CPU on an nftables, an iptables-nft, an iptables-legacy and a mixed node:
 //! `failover/footprint.rs`); then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
 //! every second with filter churn, 0 and 50,000 nat rules): the agent's CPU with its children,
@@ -32,6 +33,8 @@
 
 #![forbid(unsafe_code)]
 
+#[path = "failover/fallback.rs"]
+mod fallback;
 #[path = "failover/footprint.rs"]
 mod footprint;
 #[path = "failover/stall.rs"]
@@ -46,10 +49,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::{
-    clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, kernel_ticks, median, now_ms, percentile,
-    read_lookups, require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine,
-    NetnsEtc, Outcome, Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP,
-    UPSTREAM_IP,
+    clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, median, now_ms, percentile, read_lookups,
+    require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, NetnsEtc, Outcome,
+    Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
@@ -1157,207 +1159,6 @@ fn machine_ticks() -> u64 {
     [0, 1, 2, 5, 6].iter().filter_map(|&i| fields.get(i)).sum()
 }
 
-/// The nft table of [`dnat_to_coredns`].
-const DNAT_TABLE: &str = "nlha-bench-dnat";
-
-/// What a kernel-only fallback would get, for comparison (docs/design/link-local.md, option B,
-/// not built): 169.254.20.10's UDP port 53 DNATed to simnode's two CoreDNS endpoints
-/// (testdata/simnode.sh's layout); no process between the pod and CoreDNS. Only without the
-/// agent, whose NOTRACK of the link-local IP (node-cache's too, on a real node) keeps NAT away.
-fn dnat_to_coredns() -> String {
-    format!(
-        "table ip {DNAT_TABLE} {{\n  chain pre {{\n    type nat hook prerouting priority -100;\n    \
-         ip daddr {LOCAL_IP} udp dport 53 dnat to numgen random mod 2 map \
-         {{ 0 : 10.244.1.2, 1 : 10.244.1.3 }}\n  }}\n}}\n"
-    )
-}
-
-/// Issue 12, acceptance 4: the link-local shape's fallback is not the bottleneck. Queries/s of
-/// `dnsperf` from a pod (the settings of [`dnsperf`]) to 169.254.20.10 with the agent running
-/// and the cache killed, so that TPROXY hands every query to the agent's forwarder, which asks
-/// kube-dns-upstream (10.96.0.11, kube-proxy's DNAT to CoreDNS); against `dnsperf` from the same
-/// pod straight to CoreDNS through that Service; alternating, `rounds` times `secs` s each.
-/// Then, the agent stopped, the same against [`dnat_to_coredns`], the kernel-only alternative.
-///
-/// In three arrangements: with every process free to run on any core (`shared`: the
-/// forwarder's CPU is taken from dnsperf's and CoreDNS's), and, on a machine of two cores or
-/// more, with the agent on a core of its own and dnsperf and CoreDNS on another
-/// (`agent-own-core`, taskset; the same pinning for both paths), as on a cluster's node, whose
-/// cores CoreDNS does not share, or CoreDNS on a core of its own and the client with the agent
-/// (`coredns-own-core`). The CPU of CoreDNS (dnsmasq, one thread) and of the agent, and the
-/// agent's share of it spent in the kernel, say which one limits. None when dnsperf is not
-/// installed.
-fn fallback_dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
-    let queries = dnsperf_queries(node)?;
-    let pid = |svc: &str| -> u32 {
-        let out = node.script(&[&format!("{svc}-pid")]);
-        out.trim().parse().unwrap_or_else(|_| panic!("{svc}-pid printed {out:?}"))
-    };
-    let coredns = pid("coredns");
-    let agent = start_agent_for(node, Shape::LinkLocal, &[]);
-    let agent_pid = agent.pid().expect("the agent runs");
-    node.kill("cache-kill");
-    agent.wait_route("upstream", Duration::from_secs(10));
-    let table = node.agent_table().expect("the agent's table");
-    assert!(table.contains("tproxy"), "the forwarder's TPROXY:\n{table}");
-    assert_eq!(node.dig("pod1", LOCAL_IP), COREDNS_ANSWER, "the forwarder answers");
-    assert_eq!(node.dig("pod1", UPSTREAM_IP), COREDNS_ANSWER, "CoreDNS answers");
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let every_core = format!("0-{}", cores - 1);
-    let variants: &[&str] =
-        if cores >= 2 { &["shared", "agent-own-core", "coredns-own-core"] } else { &["shared"] };
-    // agent-own-core: the forwarder has a core; coredns-own-core: CoreDNS has one, as off the
-    // node, and the client shares the other with the agent, as pods do on a node.
-    let cpus = |variant: &str| match variant {
-        "agent-own-core" => ("0".to_string(), "1".to_string(), Some("1")),
-        "coredns-own-core" => ("0".to_string(), "1".to_string(), Some("0")),
-        _ => (every_core.clone(), every_core.clone(), None),
-    };
-    let mut rows = Vec::new();
-    for &variant in variants {
-        let (agent_cpu, coredns_cpu, dnsperf_cpus) = cpus(variant);
-        pin(agent_pid, &agent_cpu);
-        pin(coredns, &coredns_cpu);
-        for round in 1..=rounds {
-            eprintln!("bench: dnsperf through the link-local fallback, {variant}, round {round}");
-            for (path, server) in [("coredns", UPSTREAM_IP), ("fallback", LOCAL_IP)] {
-                let run = Run { variant, round, series: "fallback", path, server };
-                rows.push(run.measure(
-                    node,
-                    &queries,
-                    secs,
-                    dnsperf_cpus,
-                    coredns,
-                    Some(agent_pid),
-                ));
-            }
-        }
-    }
-    let route = agent.state().map(|s| s["route"].clone()).unwrap_or(Value::Null);
-    assert_eq!(route, "upstream", "the route stayed on the forwarder throughout");
-    stop_agent(node, agent);
-    let file = node.dir.join("dnat.nft");
-    std::fs::write(&file, dnat_to_coredns()).expect("write the DNAT's ruleset");
-    let out = node.run("node", "nft", &["-f", &file.display().to_string()]);
-    assert!(out.status.success(), "nft -f {}: {}", file.display(), describe(&out));
-    assert_eq!(node.dig("pod1", LOCAL_IP), COREDNS_ANSWER, "the DNAT to CoreDNS answers");
-    for &variant in variants {
-        let (_, coredns_cpu, dnsperf_cpus) = cpus(variant);
-        pin(coredns, &coredns_cpu);
-        for round in 1..=rounds {
-            eprintln!("bench: dnsperf through a kernel DNAT, {variant}, round {round}");
-            for (path, server) in [("coredns", UPSTREAM_IP), ("dnat", LOCAL_IP)] {
-                let run = Run { variant, round, series: "dnat", path, server };
-                rows.push(run.measure(node, &queries, secs, dnsperf_cpus, coredns, None));
-            }
-        }
-    }
-    let out = node.run("node", "nft", &["delete", "table", "ip", DNAT_TABLE]);
-    assert!(out.status.success(), "{}", describe(&out));
-    pin(coredns, &every_core);
-    node.script(&["cache-start"]);
-    let summary: Vec<Value> = variants
-        .iter()
-        .map(|&variant| {
-            let qps = |series: &str, path: &str| -> Vec<f64> {
-                let of = rows.iter().filter(|r| {
-                    r["variant"] == variant && r["series"] == series && r["path"] == path
-                });
-                of.map(|r| r["qps"].as_f64().unwrap_or(0.0)).collect()
-            };
-            let over = |of: &[f64], to: &[f64]| (mean(of) / mean(to) * 1000.0).round() / 1000.0;
-            let (direct, fallback) = (qps("fallback", "coredns"), qps("fallback", "fallback"));
-            let (direct_b, dnat) = (qps("dnat", "coredns"), qps("dnat", "dnat"));
-            json!({
-                "variant": variant,
-                "coredns_qps": direct,
-                "fallback_qps": fallback,
-                "fallback_over_coredns": over(&fallback, &direct),
-                "coredns_qps_beside_dnat": direct_b,
-                "dnat_qps": dnat,
-                "dnat_over_coredns": over(&dnat, &direct_b),
-            })
-        })
-        .collect();
-    Some(json!({
-        "seconds_per_round": secs,
-        "rounds": rounds,
-        "variants": summary,
-        "runs": rows,
-    }))
-}
-
-/// Pins every thread of `pid` to `cpus` (taskset's list).
-fn pin(pid: u32, cpus: &str) {
-    let out = Command::new("taskset").args(["-a", "-p", "-c", cpus, &pid.to_string()]).output();
-    let out = out.expect("run taskset");
-    assert!(out.status.success(), "taskset -a -p -c {cpus} {pid}: {}", describe(&out));
-}
-
-/// One dnsperf run of [`fallback_dnsperf`].
-struct Run<'a> {
-    variant: &'a str,
-    round: u32,
-    /// `fallback` (the agent running) or `dnat` (the agent stopped, [`dnat_to_coredns`]).
-    series: &'a str,
-    /// `coredns` (straight, through the Service), `fallback` or `dnat`.
-    path: &'a str,
-    server: &'a str,
-}
-
-impl Run<'_> {
-    /// Runs dnsperf to the run's server; its figures, with the CPU of CoreDNS, of the agent (if
-    /// it runs), of dnsperf and of the machine over the run.
-    fn measure(
-        &self,
-        node: &SimNode,
-        queries: &str,
-        secs: u32,
-        dnsperf_cpus: Option<&str>,
-        coredns: u32,
-        agent: Option<u32>,
-    ) -> Value {
-        // The forwarder asks the Service from a few long-lived sockets: a conntrack entry each.
-        // (A socket per query, as it once had, left one per query, kept 30 s.) Each run starts
-        // from an empty table, so that the rounds compare.
-        let flushed = node.run("node", "conntrack", &["-F"]);
-        assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
-        let (t0, coredns0, agent0) = (Instant::now(), ticks_of(coredns), agent.map(ticks_of));
-        let kernel0 = agent.and_then(kernel_ticks).unwrap_or_default();
-        // dnsperf is this process's child once it is waited for; the machine's share is
-        // everyone's, this benchmark's and any other load's.
-        let (dnsperf0, machine0) = (children_ticks(), machine_ticks());
-        let run = dnsperf_run_on(node, self.server, queries, secs, dnsperf_cpus);
-        let wall = t0.elapsed().as_secs_f64();
-        let mcpu = |from: u64, to: u64| {
-            round1(to.saturating_sub(from) as f64 / clock_ticks_per_s() / wall * 1000.0)
-        };
-        let kernel1 = agent.and_then(kernel_ticks).unwrap_or_default();
-        let kernel = kernel1.0.saturating_sub(kernel0.0);
-        let total = kernel1.1.saturating_sub(kernel0.1);
-        let agent_kernel_share =
-            (total > 0).then(|| (kernel as f64 / total as f64 * 100.0).round());
-        let conntrack = node.run("node", "cat", &["/proc/sys/net/netfilter/nf_conntrack_count"]);
-        let conntrack: Option<u64> = String::from_utf8_lossy(&conntrack.stdout).trim().parse().ok();
-        json!({
-            "variant": self.variant,
-            "round": self.round,
-            "series": self.series,
-            "path": self.path,
-            "server": self.server,
-            "qps": run.qps.round(),
-            "lost": run.lost,
-            "latency_ms_mean": (run.latency_ms * 100.0).round() / 100.0,
-            "coredns_mcpu": mcpu(coredns0, ticks_of(coredns)),
-            "agent_mcpu": agent.zip(agent0).map(|(pid, from)| mcpu(from, ticks_of(pid))),
-            "agent_kernel_percent": agent_kernel_share,
-            "dnsperf_mcpu": mcpu(dnsperf0, children_ticks()),
-            "machine_busy_mcpu": mcpu(machine0, machine_ticks()),
-            "conntrack_entries_after": conntrack,
-        })
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Output.
 
@@ -1524,7 +1325,7 @@ fn main() {
     };
     let perf = if part("dnsperf") { dnsperf(&node, perf_rounds, perf_secs) } else { None };
     let fallback_perf = if part("fallback-dnsperf") {
-        fallback_dnsperf(&node, perf_rounds, perf_secs)
+        fallback::dnsperf(&node, perf_rounds, perf_secs)
     } else {
         None
     };
@@ -1646,88 +1447,7 @@ fn main() {
         );
     }
     if let Some(p) = &fallback_perf {
-        let list = |variant: &str, series: &str, path: &str| {
-            let runs = p["runs"].as_array().into_iter().flatten();
-            let runs = runs
-                .filter(|r| r["variant"] == variant && r["series"] == series && r["path"] == path);
-            runs.map(|r| {
-                let agent = match (r["agent_mcpu"].as_f64(), r["agent_kernel_percent"].as_f64()) {
-                    (Some(a), Some(k)) if path == "fallback" => {
-                        format!(", agent {a:.0} ({k:.0} % of it in the kernel) mCPU")
-                    }
-                    (Some(a), _) => format!(", agent {a:.0} mCPU"),
-                    (None, _) => String::new(),
-                };
-                format!(
-                    "{:.0} ({:.2} ms mean latency; dnsperf {:.0}, CoreDNS {:.0}{agent}, \
-                     the machine {:.0} mCPU busy; {} conntrack entries after)",
-                    r["qps"].as_f64().unwrap_or(0.0),
-                    r["latency_ms_mean"].as_f64().unwrap_or(0.0),
-                    r["dnsperf_mcpu"].as_f64().unwrap_or(0.0),
-                    r["coredns_mcpu"].as_f64().unwrap_or(0.0),
-                    r["machine_busy_mcpu"].as_f64().unwrap_or(0.0),
-                    r["conntrack_entries_after"],
-                )
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
-        };
-        let label = |variant: &str| match variant {
-            "shared" => "every process on either core",
-            "agent-own-core" => "the agent on a core of its own; dnsperf and CoreDNS on the other",
-            _ => "CoreDNS on a core of its own; dnsperf and the agent on the other",
-        };
-        let _ = writeln!(
-            md,
-            "\ndnsperf from a pod in the link-local shape ({} rounds of {} s each per \
-             arrangement, the two paths alternating, same settings), straight to CoreDNS \
-             through kube-dns-upstream {UPSTREAM_IP} against through the fallback (the agent at \
-             defaults, the cache killed: 169.254.20.10 TPROXYed to its forwarder, which asks \
-             {UPSTREAM_IP}); issue 12 asks for at least 0.8:\n",
-            p["rounds"], p["seconds_per_round"],
-        );
-        let table = |series: &str, through: &str, ratio: &str| {
-            let mut rows = format!(
-                "| arrangement | straight to CoreDNS, queries/s | through {through}, queries/s | \
-                 ratio |\n|---|---|---|---|\n"
-            );
-            for v in p["variants"].as_array().into_iter().flatten() {
-                let variant = v["variant"].as_str().unwrap_or("?");
-                let _ = writeln!(
-                    rows,
-                    "| {} | {} | {} | **{}** |",
-                    label(variant),
-                    list(variant, series, "coredns"),
-                    list(variant, series, series),
-                    v[ratio],
-                );
-            }
-            rows
-        };
-        md += &table("fallback", "the fallback", "fallback_over_coredns");
-        let _ = writeln!(
-            md,
-            "\nFor comparison, what a kernel-only fallback gets: the agent stopped (its NOTRACK \
-             of 169.254.20.10 with it, which on a real node node-cache's own would keep), \
-             169.254.20.10 DNATed straight to CoreDNS's two endpoints (option B of \
-             docs/design/link-local.md, not built: docs/benchmark.md says why), against straight to \
-             CoreDNS, alternating, with the same pinning of CoreDNS and dnsperf:\n",
-        );
-        md += &table("dnat", "a kernel DNAT", "dnat_over_coredns");
-        let _ = writeln!(
-            md,
-            "\nThe CPU figures (over each run) say which side limits a path: CoreDNS here is \
-             dnsmasq, one thread (1000 mCPU at most); the machine's figure counts every \
-             process, other load included, out of 1000 mCPU per core. Straight, a query is two \
-             packets through the kernel (the query, the answer); through the fallback it is \
-             four, and the forwarder's CPU is mostly the kernel's work on its two; through the \
-             DNAT it is two again, with a NAT per packet and no process between. With every \
-             process on either core that CPU is taken from dnsperf and CoreDNS; with a core of \
-             its own, as on a node whose cores CoreDNS does not share, it is not. Each run \
-             starts from an empty conntrack table in the node's namespace; the forwarder's \
-             queries to the Service leave one entry per socket of its pool. dnsperf keeps 200 \
-             queries outstanding: its rate is at most 200 over the mean latency.",
-        );
+        md += &fallback::table(p);
     }
     if let Some(h) = &hang {
         md += &stall::table(h);

@@ -4,8 +4,9 @@
 # musl clients); the same in the link-local shape (issue 12: pods ask 169.254.20.10 itself)
 # with node-cache alone, kubespray's second DaemonSet (two caches sharing the IP with
 # SO_REUSEPORT, one killed or hung) and the agent; then the agent's drift repair, switch
-# latency (with 0 and 50,000 kube-proxy-shaped nat rules), dnsperf through node-cache's rules
-# and the agent's, dnsperf through the link-local fallback (the forwarder) against straight to
+# latency (with 0 and 50,000 kube-proxy-shaped nat rules, beside the least nftables commit),
+# dnsperf through node-cache's rules and the agent's, dnsperf through the link-local fallback
+# (the forwarder) against real CoreDNS's forward plugin as node-cache runs it and straight to
 # CoreDNS, the agent's footprint, and a busy iptables-nft node (0 and 50,000 nat rules,
 # kube-proxy syncing every second): the agent's CPU and a host-network client across a cache
 # SIGKILL. Writes docs/bench.md (the tables), docs/bench.json and docs/failover.svg. Run as
