@@ -819,14 +819,16 @@ fn apply_histogram(node: &SimNode) -> (f64, f64) {
 const SWITCH_WARM_UP: u32 = 2;
 
 /// Set for this benchmark's own binary run in a node's namespace: it measures the floor there
-/// ([`commit_floor_here`]) and exits.
+/// ([`commit_floor_here`]) and exits. `loop`: the median of 20 commits in a row; `once`: one.
 const FLOOR_ENV: &str = "NLHA_BENCH_COMMIT_FLOOR";
 
-/// Prints the median (ms) of 20 commits, after [`SWITCH_WARM_UP`], of the least real nftables
-/// transaction (`Nftables::commit_floor`: a table created and deleted) in the namespace this
-/// process runs in: what any writer's switch pays there, timed in-process as the agent's apply
-/// is. Refuses the root namespace.
-fn commit_floor_here() {
+/// Prints the time (ms) of the least real nftables transaction (`Nftables::commit_floor`: a
+/// table created and deleted) committed in the namespace this process runs in: what any
+/// writer's switch pays there, timed in-process as the agent's commit is. `once`: one commit,
+/// after a request that walks no chain (the socket's first exchange is not timed), as a writer
+/// that commits now and then meets the kernel, its data out of the CPU's caches; otherwise the
+/// median of 20 in a row, after [`SWITCH_WARM_UP`], caches warm. Refuses the root namespace.
+fn commit_floor_here(mode: &str) {
     let ns = |path: &str| std::fs::metadata(path).map(|m| std::os::unix::fs::MetadataExt::ino(&m));
     assert_ne!(
         ns("/proc/self/ns/net").ok(),
@@ -834,21 +836,24 @@ fn commit_floor_here() {
         "not in a node's namespace"
     );
     let mut nft = nodelocaldns_ha::dataplane::nftables::Nftables::new().expect("nftables socket");
+    let (warm_up, commits) = if mode == "once" { (0, 1) } else { (SWITCH_WARM_UP, 20) };
+    nft.generation().expect("the ruleset generation");
     let mut times = Vec::new();
-    for i in 0..SWITCH_WARM_UP + 20 {
+    for i in 0..warm_up + commits {
         let t0 = Instant::now();
         nft.commit_floor().expect("the floor's commit");
-        if i >= SWITCH_WARM_UP {
+        if i >= warm_up {
             times.push(t0.elapsed().as_secs_f64() * 1000.0);
         }
     }
     println!("{}", median(&mut times));
 }
 
-/// [`commit_floor_here`] in `node`'s namespace, beside whatever runs there.
-fn commit_floor(node: &SimNode) -> f64 {
+/// [`commit_floor_here`] (`mode`) in `node`'s namespace, beside whatever runs there.
+fn commit_floor(node: &SimNode, mode: &str) -> f64 {
     let exe = std::env::current_exe().expect("this benchmark's binary");
-    let out = node.cmd("node", &exe.to_string_lossy()).env(FLOOR_ENV, "1").output().expect("floor");
+    let out =
+        node.cmd("node", &exe.to_string_lossy()).env(FLOOR_ENV, mode).output().expect("floor");
     assert!(out.status.success(), "the commit floor: {}", describe(&out));
     String::from_utf8_lossy(&out.stdout).trim().parse().expect("the floor's median")
 }
@@ -857,7 +862,10 @@ fn commit_floor(node: &SimNode) -> f64 {
 /// agent's own apply duration of each flip (from its histogram, read around the flip; median
 /// and mean: at a few milliseconds a mean follows its outliers), the kernel's commit of it
 /// where the backend times one (nftables: the switch itself, the apply less its read-back),
-/// and the `flip` command's round trip (median; it returns once the agent applied).
+/// and the `flip` command's round trip (median; it returns once the agent applied). For
+/// nftables, beside each counted flip, the least transaction committed once by a process of its
+/// own, as the flip's is (the two meet the kernel alike, seldom and cold); and 20 of them in a
+/// row, warm, at the end.
 fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
     let mut rows = Vec::new();
     for dataplane in DATAPLANES {
@@ -866,6 +874,7 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
         let dir = agent.state_dir.to_string_lossy().into_owned();
         let (mut applies_ms, mut commits_ms, mut round_trips) =
             (Vec::new(), Vec::new(), Vec::new());
+        let mut floors_ms = Vec::new();
         let commit = "nodelocaldns_ha_dataplane_commit_duration_seconds";
         for i in 0..SWITCH_WARM_UP + flips {
             let route = if i % 2 == 0 { "upstream" } else { "local" };
@@ -886,12 +895,14 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
             if i >= SWITCH_WARM_UP && commit_count1 > commit_count0 {
                 let per_commit = (commit_sum1 - commit_sum0) / (commit_count1 - commit_count0);
                 commits_ms.push(per_commit * 1000.0);
+                floors_ms.push(commit_floor(node, "once"));
             }
         }
         let out = node.cli(&["release", "--state-dir", &dir]);
         assert!(out.status.success(), "release: {}", describe(&out));
         // The floor of an nftables switch in the same namespace, the agent still running.
-        let floor = (dataplane == "nftables").then(|| commit_floor(node));
+        let warm_floor = (dataplane == "nftables").then(|| commit_floor(node, "loop"));
+        let floor = (!floors_ms.is_empty()).then(|| median(&mut floors_ms));
         let apply_median = median(&mut applies_ms);
         let commit_median = (!commits_ms.is_empty()).then(|| median(&mut commits_ms));
         let hundredths = |x: f64| (x * 100.0).round() / 100.0;
@@ -900,6 +911,7 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
             "dataplane": dataplane,
             "nat_rules": nat_rules,
             "commit_floor_median_ms": floor.map(hundredths),
+            "commit_floor_warm_median_ms": warm_floor.map(hundredths),
             "commit_median_ms": commit_median.map(hundredths),
             "commits_counted": commits_ms.len(),
             "commit_to_floor": commit_median.zip(floor).map(|(c, f)| hundredths(c / f)),
@@ -1282,8 +1294,8 @@ fn svg(
 fn main() {
     // `cargo bench` passes `--bench`; a filter argument is not supported.
     require_root();
-    if std::env::var_os(FLOOR_ENV).is_some() {
-        return commit_floor_here();
+    if let Ok(mode) = std::env::var(FLOOR_ENV) {
+        return commit_floor_here(&mode);
     }
     let began = Instant::now();
     let rate: u32 = setting("NLHA_BENCH_RATE", 1000);
@@ -1394,7 +1406,7 @@ fn main() {
             ms(&d["max_ms"])
         );
     }
-    md += "\n| dataplane | switch: the kernel's commit of the agent's batch, 0 / 50,000 kube-proxy-shaped nat rules (median of 20 flips after 2 warm-up) | the least nftables transaction's commit in the same namespace, 0 / 50,000 | commit ÷ it, 0 / 50,000 | the agent's apply (commit and read-back), 0 / 50,000 | apply, 50,000 ÷ 0 | `flip` round trip, 0 / 50,000 |\n|---|---|---|---|---|---|---|\n";
+    md += "\n| dataplane | switch: the kernel's commit of the agent's batch, 0 / 50,000 kube-proxy-shaped nat rules (median of 20 flips after 2 warm-up) | the least nftables transaction's commit in the same namespace, once beside each flip, 0 / 50,000 | commit ÷ it, 0 / 50,000 | the least commit, 20 in a row, 0 / 50,000 | the agent's apply (commit and read-back), 0 / 50,000 | apply, 50,000 ÷ 0 | `flip` round trip, 0 / 50,000 |\n|---|---|---|---|---|---|---|---|\n";
     for dataplane in DATAPLANES {
         let find = |n: u64| {
             switch
@@ -1413,13 +1425,15 @@ fn main() {
             |s: &Value| s["commit_to_floor"].as_f64().map_or("-".into(), |r| format!("{r:.2}"));
         let _ = writeln!(
             md,
-            "| {dataplane} | {} / {} | {} / {} | {} / {} | {} / {} | {ratio} | {} / {} |",
+            "| {dataplane} | {} / {} | {} / {} | {} / {} | {} / {} | {} / {} | {ratio} | {} / {} |",
             precise(&a["commit_median_ms"]),
             precise(&b["commit_median_ms"]),
             precise(&a["commit_floor_median_ms"]),
             precise(&b["commit_floor_median_ms"]),
             to_floor(&a),
             to_floor(&b),
+            precise(&a["commit_floor_warm_median_ms"]),
+            precise(&b["commit_floor_warm_median_ms"]),
             ms(&a["apply_median_ms"]),
             ms(&b["apply_median_ms"]),
             ms(&a["flip_round_trip_median_ms"]),

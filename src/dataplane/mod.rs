@@ -410,6 +410,10 @@ impl Dataplane for Layered {
         self.switch.fallback_leased()
     }
 
+    fn last_commit(&self) -> Option<Duration> {
+        self.switch.last_commit()
+    }
+
     fn reader(&self) -> Result<Box<dyn Dataplane>, Error> {
         let accepts = self.accepts.iter().map(|d| d.reader()).collect::<Result<_, _>>()?;
         Ok(Box::new(Layered::new(self.switch.reader()?, accepts)))

@@ -136,9 +136,12 @@ fn a_switch_refills_the_chains_and_a_changed_table_is_replaced() {
         assert!(nftables.last_commit().is_some());
         let first = table_handle(ns);
         for rules in [&upstream, &local, &upstream] {
+            let generation = nftables.generation().unwrap();
             nftables.apply(rules).unwrap();
             assert_eq!(listing(ns), rules.to_string());
             assert_eq!(table_handle(ns), first, "a switch replaced the table");
+            let commits = nftables.generation().unwrap().wrapping_sub(generation);
+            assert_eq!(commits, 1, "a switch is one transaction");
         }
         // A chain gone: the refill is refused, and the table replaced.
         nft(ns, &["delete", "chain", "inet", TABLE, "fallback"]);
