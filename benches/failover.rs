@@ -3,7 +3,9 @@
 //! with this agent, with probe-driven switching only, and with two nameservers in the pod's
 //! resolv.conf; the same in the link-local shape (issue 12: pods ask 169.254.20.10 itself) with
 //! node-cache alone, kubespray's second DaemonSet (two caches in one SO_REUSEPORT group, one of
-//! them killed or hung) and the agent; then the agent's drift repair, switch latency, data-path
+//! them killed or hung) and the agent; on the node with real kube-proxy and CoreDNS, the
+//! agent beside kube-dns with `trafficDistribution: PreferSameNode` (`failover/prefer.rs`);
+//! then the agent's drift repair, switch latency, data-path
 //! cost (dnsperf; and dnsperf through the link-local fallback against CoreDNS's own forward
 //! plugin as node-cache runs it, straight to CoreDNS and a kernel DNAT: `failover/fallback.rs`)
 //! and
@@ -37,6 +39,8 @@
 mod fallback;
 #[path = "failover/footprint.rs"]
 mod footprint;
+#[path = "failover/prefer.rs"]
+mod prefer;
 #[path = "failover/stall.rs"]
 mod stall;
 #[path = "failover/thesis.rs"]
@@ -53,6 +57,10 @@ use testkit::{
     require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, NetnsEtc, Outcome,
     Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
+
+/// The node's address on the real parts' node (testdata/simnode/real.sh), where the cache is an
+/// endpoint of kube-dns with PreferSameNode.
+const NODE_IP: &str = "10.240.0.1";
 
 /// Load before the fault, the fault itself (kill: time until the restart; hang: SIGSTOP until
 /// SIGCONT), and after it.
@@ -82,6 +90,9 @@ enum Setup {
     /// second cache on the same IPs and port (simnode's `cache2`), the two in one SO_REUSEPORT
     /// group; no agent. The fault hits the first; the second runs throughout.
     SecondCache,
+    /// kube-dns with `trafficDistribution: PreferSameNode`, the cache one of its endpoints, on
+    /// this node; no NOTRACK rules, no agent (the real parts' node: [`prefer`]).
+    PreferSameNode,
 }
 
 /// What the pods ask, and so what has to fail over.
@@ -384,6 +395,17 @@ fn verify(node: &SimNode, arrangement: &Arrangement, agent: Option<&Agent>) -> V
             assert!(table.is_none() && !agent_chains, "arrangement d: the agent's rules exist");
             assert_eq!(node_cache_rules, 0, "arrangement d: node-cache's rules exist");
         }
+        Setup::PreferSameNode => {
+            assert!(table.is_none() && !agent_chains, "PreferSameNode: the agent's rules exist");
+            assert_eq!(node_cache_rules, 0, "PreferSameNode: node-cache's rules exist");
+            let nat = node.run("node", "iptables-nft-save", &["-t", "nat"]);
+            let nat = String::from_utf8_lossy(&nat.stdout);
+            let cache = format!("--to-destination {NODE_IP}:53");
+            assert!(nat.contains(&cache), "PreferSameNode: no DNAT to the cache's endpoint");
+            checked.push(format!(
+                "no agent, no NOTRACK rules; kube-proxy DNATs to the cache's endpoint {NODE_IP}:53"
+            ));
+        }
     }
     if let Some(text) = resolv_conf(arrangement) {
         let seen = node.run("pod1", "cat", &["/etc/resolv.conf"]);
@@ -471,6 +493,11 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
         }
     };
     cmd.stdout(std::fs::File::create(&stdout_path).expect("stdout file")).stderr(Stdio::inherit());
+    // Each run starts from an empty conntrack table: an entry an earlier run left (a query
+    // DNATed to CoreDNS, kept 30 s) would take a later query from the same source port where
+    // it went, whatever the route or the endpoints are now.
+    let flushed = node.run("node", "conntrack", &["-F"]);
+    assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
     let load = Proc::spawn(&mut cmd);
     let started = now_ms();
 
@@ -479,6 +506,13 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
         Fault::Kill => node.signal("cache-kill"),
         Fault::Hang => node.signal("cache-stop"),
     };
+    // PreferSameNode: the kubelet (played here) reports the killed container, and the endpoint
+    // turns not-ready; a hang it cannot see within the fault ([`prefer`]).
+    let kubelet = arrangement.setup == Setup::PreferSameNode && fault == Fault::Kill;
+    if kubelet {
+        sleep_until_ms(fault_at + prefer::KUBELET_NOTICES_MS);
+        node.script(&["cache-endpoint", "not-ready"]);
+    }
     sleep_until_ms(fault_at + FAULT_MS);
     let recovered_at = match fault {
         Fault::Kill => {
@@ -487,6 +521,10 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
         }
         Fault::Hang => node.signal("cache-cont"),
     };
+    if kubelet {
+        sleep_until_ms(recovered_at + prefer::KUBELET_NOTICES_MS);
+        node.script(&["cache-endpoint", "ready"]);
+    }
     let status = load.wait();
     assert!(status.success(), "dnsload failed: {status}");
 
@@ -713,6 +751,12 @@ fn failover_of(
         if arrangement.setup == Setup::SecondCache {
             node.script(&["cache2-start"]);
         }
+        // The cache binds the node's address while kube-dns prefers it: restarted around.
+        if arrangement.setup == Setup::PreferSameNode {
+            node.script(&["prefer-same-node", "on"]);
+            node.script(&["cache-kill"]);
+            node.script(&["cache-start"]);
+        }
         for fault in [Fault::Kill, Fault::Hang] {
             let mut agent = match arrangement.setup {
                 Setup::Agent(flags) | Setup::AgentGone(flags) => {
@@ -741,6 +785,11 @@ fn failover_of(
         }
         if matches!(arrangement.setup, Setup::NodeCacheRules | Setup::SecondCache) {
             node.script(&["node-cache-rules", "--remove"]);
+        }
+        if arrangement.setup == Setup::PreferSameNode {
+            node.script(&["prefer-same-node", "off"]);
+            node.script(&["cache-kill"]);
+            node.script(&["cache-start"]);
         }
         results.push(ArrangementResult { arrangement, checked, runs, skipped: None });
     }
@@ -1314,7 +1363,8 @@ fn main() {
     // For working on one part: NLHA_BENCH_PARTS=drift,switch (default: all). The parts:
     // failover (the ClusterIP shape), link-local (its failover arrangements), drift, footprint,
     // dnsperf, fallback-dnsperf (the link-local fallback against CoreDNS), hang-detection (the
-    // stall watch against the probes alone), switch, busy, thesis (the webhook's table).
+    // stall watch against the probes alone), switch, busy, thesis (the webhook's table),
+    // prefer-same-node (the real parts' node: the agent, and kube-dns with PreferSameNode).
     let parts = std::env::var("NLHA_BENCH_PARTS").unwrap_or_else(|_| "all".into());
     let part = |name: &str| parts == "all" || parts.split(',').any(|p| p == name);
 
@@ -1328,6 +1378,10 @@ fn main() {
     }
     if part("thesis") {
         results.extend(failover_of(&node, rate, thesis::ARRANGEMENTS.iter()));
+    }
+    if part("prefer-same-node") {
+        let real = SimNode::up_prefixed(&format!("{prefix}p"), &["--kube-proxy", "real-iptables"]);
+        results.extend(failover_of(&real, rate, prefer::ARRANGEMENTS.iter()));
     }
     let drift = if part("drift") { drift_repair(&node, 10) } else { json!([]) };
     let footprint = if part("footprint") {

@@ -39,8 +39,9 @@ cleanup() {
     SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "$prefix" >/dev/null 2>&1 || true
     # The busy node of issue 17; the footprint's nftables, iptables-legacy, mixed and real-parts
     # (r) nodes.
-    # w: the webhook benchmark's node (its real control plane).
-    for node in k n l m r w; do
+    # w: the webhook benchmark's node (its real control plane); p: the real parts' failover node
+    # (the agent and PreferSameNode).
+    for node in k n l m p r w; do
         SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}$node" >/dev/null 2>&1 || true
     done
     rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"

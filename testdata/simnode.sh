@@ -121,6 +121,15 @@
 #   endpoint-churn-start PREFIX RATE | endpoint-churn-stop | endpoint-churn-changes PREFIX
 #     RATE EndpointSlice changes a second over the busy Services, through the API (the endpoint
 #     controller of a busy cluster); -changes prints how many were accepted so far.
+#   prefer-same-node PREFIX on|off                (real parts, real-iptables)
+#     on: kube-dns as KEP-3015's `trafficDistribution: PreferSameNode` shapes it: the cache an
+#     endpoint of kube-dns at the node's address (10.240.0.1, as node-local-dns's host-network
+#     pods would be; cache-start binds it while this is on), every endpoint hinted for its own
+#     node as the EndpointSlice controller hints them; returns once real kube-proxy sends
+#     10.96.0.10 to the cache alone. off: kube-dns as `up` made it. Restart the cache around it.
+#   cache-endpoint PREFIX ready|not-ready         (with prefer-same-node on)
+#     The cache's endpoint condition, as the kubelet and the EndpointSlice controller would set
+#     it (there are neither here); prints when the API server took it, in ms since the epoch.
 #   kube-apiserver-stop PREFIX | kube-apiserver-cont PREFIX
 #     SIGSTOP / SIGCONT to the real kube-apiserver: an API server that takes connections and
 #     answers nothing (prints when the signal went out).
@@ -297,6 +306,8 @@ main() {
     busy-services) (($# == 1)) || usage; load_state; is_real || die "busy-services needs the real parts"; real_busy_services "$1" ;;
     endpoint-churn-start) (($# == 1)) || usage; load_state; is_real || die "endpoint-churn needs the real parts"; real_churn_start "$1" ;;
     endpoint-churn-stop) (($# == 0)) || usage; svc_term endpoint-churn ;;
+    prefer-same-node) (($# == 1)) || usage; load_state; is_real || die "$cmd needs the real parts"; real_prefer_same_node "$1" ;;
+    cache-endpoint) (($# == 1)) || usage; load_state; is_real || die "$cmd needs the real parts"; real_cache_endpoint "$1" ;;
     kube-apiserver-stop) (($# == 0)) || usage; load_state; is_real || die "$cmd needs the real parts"; svc_signal kube-apiserver STOP ;;
     kube-apiserver-cont) (($# == 0)) || usage; load_state; is_real || die "$cmd needs the real parts"; svc_signal kube-apiserver CONT ;;
     endpoint-churn-changes) (($# == 0)) || usage; cat "$RUN_DIR/endpoint-churn.changes" ;;

@@ -45,6 +45,8 @@ cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
     load_state
     if has_v4; then ips+=("$V4_LOCAL_IP" "$V4_CLUSTER_DNS"); fi
     if has_v6; then ips+=("$V6_LOCAL_IP" "$V6_CLUSTER_DNS"); fi
+    # An endpoint of kube-dns at the node's address (prefer-same-node, real parts).
+    if [[ -f $RUN_DIR/prefer-same-node ]]; then ips+=("$V4_CP_NODE"); fi
     local server=$V4_LOCAL_IP
     has_v4 || server=$V6_LOCAL_IP
     if [[ $FILTER_LO == loopback ]]; then

@@ -291,6 +291,102 @@ EOF
     real_wait 300 "kube-proxy's rules for $n busy Services" kube_proxy_has "$last"
 }
 
+# real_prefer_same_node on|off: kube-dns as KEP-3015's PreferSameNode shapes it (GA in 1.35), or
+# as real_control_plane made it. On: the Service with `trafficDistribution: PreferSameNode`; its
+# EndpointSlice with the cache as a third endpoint, at the node's address (node-local-dns's pods
+# are on the host network) on this node; and, playing the EndpointSlice controller, each
+# endpoint hinted for its own node, as that controller hints them for PreferSameNode (CoreDNS's
+# nodes are named only). Real kube-proxy then sends this node's queries for 10.96.0.10 to the
+# cache while its endpoint is ready (every ready endpoint has a node hint, one is this node's)
+# and to CoreDNS when it is not. cache-start binds the node's address while the state file is
+# there. Returns once kube-proxy's rules say so.
+real_prefer_same_node() {
+    local node ready_rules file="$RUN_DIR/prefer-same-node.yaml"
+    node=$(ns_name node)
+    [[ $KUBE_PROXY == real-iptables ]] || die "prefer-same-node is modelled for real-iptables"
+    real_bin
+    case $1 in
+    on)
+        cat >"$file" <<EOF
+apiVersion: v1
+kind: Service
+metadata: {name: kube-dns, namespace: kube-system, labels: {k8s-app: kube-dns}}
+spec:
+  clusterIP: $V4_CLUSTER_DNS
+  selector: {k8s-app: kube-dns}
+  trafficDistribution: PreferSameNode
+  ports:
+  - {name: dns, port: 53, protocol: UDP}
+  - {name: dns-tcp, port: 53, protocol: TCP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: kube-dns-simnode
+  namespace: kube-system
+  labels: {kubernetes.io/service-name: kube-dns, endpointslice.kubernetes.io/managed-by: simnode}
+addressType: IPv4
+ports:
+- {name: dns, port: 53, protocol: UDP}
+- {name: dns-tcp, port: 53, protocol: TCP}
+endpoints:
+- addresses: ["${V4_DNS_EPS[0]}"]
+  nodeName: dns-a
+  conditions: {ready: true, serving: true, terminating: false}
+  hints: {forNodes: [{name: dns-a}]}
+- addresses: ["${V4_DNS_EPS[1]}"]
+  nodeName: dns-b
+  conditions: {ready: true, serving: true, terminating: false}
+  hints: {forNodes: [{name: dns-b}]}
+- addresses: ["$V4_CP_NODE"]
+  nodeName: $node
+  conditions: {ready: true, serving: true, terminating: false}
+  hints: {forNodes: [{name: $node}]}
+EOF
+        kc apply -f "$file" >>"$RUN_DIR/kubectl.log" 2>&1 ||
+            die "real parts: kubectl apply of PreferSameNode failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+        touch "$RUN_DIR/prefer-same-node"
+        ready_rules=kube_proxy_prefers_cache
+        ;;
+    off)
+        kc apply -f "$RUN_DIR/cluster-dns.yaml" >>"$RUN_DIR/kubectl.log" 2>&1 ||
+            die "real parts: kubectl apply of the DNS Services failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+        rm -f "$RUN_DIR/prefer-same-node"
+        ready_rules=kube_proxy_rules_ready
+        ;;
+    *) die "prefer-same-node: on or off" ;;
+    esac
+    real_wait 60 "kube-proxy's rules for kube-dns (prefer-same-node $1)" "$ready_rules"
+}
+
+# kube_proxy_prefers_cache: kube-proxy's rules send 10.96.0.10 to the cache alone: the node's
+# address is a DNAT target, and kube-dns's service chain jumps to one endpoint chain only.
+kube_proxy_prefers_cache() {
+    local rules svc
+    rules=$(in_ns node "$IPT4-save" -t nat) || return 1
+    [[ $rules == *"--to-destination $V4_CP_NODE:53"* ]] || return 1
+    svc=$(grep -oE -- '-A KUBE-SERVICES -d 10\.96\.0\.10/32 -p udp .* -j (KUBE-SVC-[A-Z0-9]+)' <<<"$rules" | grep -oE 'KUBE-SVC-[A-Z0-9]+$') || return 1
+    (($(grep -c -- "^-A $svc .*-j KUBE-SEP-" <<<"$rules") == 1))
+}
+
+# real_cache_endpoint ready|not-ready: the cache's endpoint condition in kube-dns's EndpointSlice
+# (the third endpoint: real_prefer_same_node); prints when the API server took it.
+real_cache_endpoint() {
+    local ready
+    case $1 in
+    ready) ready=true ;;
+    not-ready) ready=false ;;
+    *) die "cache-endpoint: ready or not-ready" ;;
+    esac
+    [[ -f $RUN_DIR/prefer-same-node ]] || die "cache-endpoint needs prefer-same-node on"
+    real_bin
+    local patch="[{\"op\":\"replace\",\"path\":\"/endpoints/2/conditions\",\"value\":{\"ready\":$ready,\"serving\":$ready,\"terminating\":false}}]"
+    kc -n kube-system patch endpointslice kube-dns-simnode --type=json -p "$patch" \
+        >>"$RUN_DIR/kubectl.log" 2>&1 ||
+        die "real parts: patching the cache's endpoint failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+    now_ms
+}
+
 # kube_proxy_has IP: kube-proxy's rules name the Service IP (read whole: a reader cut short by
 # `grep -q` would fail the pipeline).
 kube_proxy_has() {
