@@ -405,10 +405,10 @@ impl Metrics {
     }
 
     /// Records one attempt to install a ruleset, successful or not, and the kernel's commit of
-    /// it when the backend timed one.
+    /// a successful one when the backend timed it.
     pub fn apply(&self, duration: Duration, commit: Option<Duration>, ok: bool) {
         self.apply_duration.observe(duration.as_secs_f64());
-        if let Some(commit) = commit {
+        if let Some(commit) = commit.filter(|_| ok) {
             self.commit_duration.observe(commit.as_secs_f64());
         }
         if !ok {

@@ -341,8 +341,8 @@ fn sigterm_leaves_rules_restart_adopts_teardown_removes() {
 
 /// Issue 18, point 4: an agent stopped (SIGTERM) on `Upstream` while the cache is still dead,
 /// restarted with the same flags, adopts `Upstream`: no transition, and the installed table is
-/// never replaced (its handles are unchanged: any apply, even of `Local` for a moment, replaces
-/// the whole table and renumbers them). Pods lose nothing across the restart. It returns to
+/// never replaced (its handles are unchanged: any apply, even of `Local` for a moment, renumbers
+/// them; a restarted agent's first replaces the whole table). Pods lose nothing across the restart. It returns to
 /// `Local` only once the cache is back, after `rise` good probes and `min-hold` counted from the
 /// restart.
 #[test]

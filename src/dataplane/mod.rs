@@ -1,8 +1,9 @@
 //! Dataplane backends: install a [`RuleSet`] atomically, read it back, remove it.
 //!
-//! Every backend owns its objects outright (for nftables, one table) and replaces them whole in
-//! one transaction (iptables: one per address family), so what each transaction holds is always
-//! exactly its share of a ruleset [`RuleSet::desired`] produced, never a mix.
+//! Every backend owns its objects outright (for nftables, one table) and replaces what they hold
+//! in one transaction (iptables: one per address family; nftables: its chains' rules, or the
+//! whole table), so what each transaction leaves is always exactly its share of a ruleset
+//! [`RuleSet::desired`] produced, never a mix.
 
 #[cfg(test)]
 #[forbid(unsafe_code)]
@@ -199,10 +200,10 @@ pub trait Dataplane: Send {
     fn ruleset_generation(&mut self) -> Option<u32> {
         None
     }
-    /// How long the kernel took to commit the last [`Dataplane::apply`]'s transaction: the
-    /// switch itself, which packets take at its end, without the read-back that follows.
-    /// `None` (the default) when the backend cannot tell it apart, or the apply committed
-    /// nothing.
+    /// How long the kernel took with the last [`Dataplane::apply`]'s transactions (one, unless
+    /// the first was refused or read back wrong): the switch itself, which packets take at its
+    /// end, without the read-back that follows. `None` (the default) when the backend cannot
+    /// tell it apart.
     fn last_commit(&self) -> Option<Duration> {
         None
     }

@@ -50,6 +50,7 @@ use nftnl::FinalizedBatch;
 use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, MsgFlags, NetlinkAddr, SockProtocol};
 use nix::sys::time::TimeVal;
+use tracing::debug;
 
 use super::{Check, Dataplane, TableRef, TableWatch};
 use crate::netlink::{
@@ -92,7 +93,7 @@ pub struct Nftables {
     /// What the last apply left in the kernel, as read back: a switch from it to a ruleset of
     /// the same chains refills them (`batch::refilling`). `None` after a failure.
     applied: Option<RuleSet>,
-    /// How long the kernel took to commit the last apply's batch.
+    /// How long the kernel took to commit the last apply's batches.
     last_commit: Option<Duration>,
 }
 
@@ -172,24 +173,34 @@ impl Nftables {
         ChangeWatch::open(Some(self.portid))
     }
 
-    /// Commits `batch` (built by `batch`, with its descriptions), timed as [`Self::last_commit`].
+    /// Commits a batch `batch` built (with its descriptions), its time added to the apply's
+    /// [`Dataplane::last_commit`] (a refill that reads back wrong is followed by a replacement:
+    /// both count).
     fn commit(&mut self, built: (FinalizedBatch, Vec<String>)) -> Result<(), Error> {
         let started = Instant::now();
-        self.send_batch(&built.0, &built.1)?;
-        self.last_commit = Some(started.elapsed());
-        Ok(())
+        let result = self.send_batch(&built.0, &built.1);
+        self.last_commit = Some(self.last_commit.unwrap_or_default() + started.elapsed());
+        result
     }
 
     /// Puts `rules` in and reads them back: by refilling the chains in place when the last
     /// apply left the same ones, and when that is refused or does not read back as `rules`
     /// (another writer changed the table meanwhile), by replacing the whole table.
     fn install(&mut self, rules: &RuleSet) -> Result<Check, Error> {
-        if self.applied.take().is_some_and(|applied| batch::same_chains(&applied, rules))
-            && self.commit(batch::refilling(rules)?).is_ok()
-            && self.check_table(rules)? == Check::Matches
-        {
-            self.applied = Some(rules.clone());
-            return Ok(Check::Matches);
+        if self.applied.take().is_some_and(|applied| batch::same_chains(&applied, rules)) {
+            match self.commit(batch::refilling(rules)?) {
+                Ok(()) if self.check_table(rules)? == Check::Matches => {
+                    self.applied = Some(rules.clone());
+                    return Ok(Check::Matches);
+                }
+                Ok(()) => debug!("the refilled nftables table reads back wrong: replacing it"),
+                // Refused whole (a chain gone): nothing changed, and the replacement below puts
+                // everything back. Any other failure leaves the exchange in doubt: returned.
+                Err(Error::Rejected { at, source }) => {
+                    debug!(at, error = %source, "the nftables refill was refused: replacing the table");
+                }
+                Err(e) => return Err(e),
+            }
         }
         self.commit(batch::replacing(rules)?)?;
         let check = self.check_table(rules)?;

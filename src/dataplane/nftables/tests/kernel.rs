@@ -68,7 +68,7 @@ fn apply_local_lists_exactly_the_rendering() {
         nftables.apply(&local).unwrap();
         assert_eq!(listing(ns), local.to_string());
         assert_eq!(nftables.check(&local).unwrap(), Check::Matches);
-        // Applying again replaces the table with the same.
+        // Applying again puts in the same.
         nftables.apply(&local).unwrap();
         assert_eq!(listing(ns), local.to_string());
     });
