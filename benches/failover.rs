@@ -10,9 +10,10 @@
 //! plugin as node-cache runs it, straight to CoreDNS and a kernel DNAT: `failover/fallback.rs`)
 //! and
 //! footprint (idle CPU on an nftables, an iptables-nft, an iptables-legacy and a mixed node:
-//! `failover/footprint.rs`); then a busy iptables-nft node (issue 17: INPUT policy DROP, kube-proxy syncing
-//! every second with filter churn, 0 and 50,000 nat rules): the agent's CPU with its children,
-//! and a host-network client across a cache SIGKILL.
+//! `failover/footprint.rs`); then a busy iptables-nft node (issue 17: INPUT policy DROP,
+//! kube-proxy syncing every second with filter churn, 0 and 50,000 nat rules; and real
+//! kube-proxy under EndpointSlice churn: `failover/busy.rs`): the agent's CPU with its
+//! children, and a host-network client across a cache SIGKILL.
 //!
 //! One file past 600 lines: the arrangements, their checks, the fault runs and the report share
 //! their types and are read together; each part is one function.
@@ -35,6 +36,8 @@
 
 #![forbid(unsafe_code)]
 
+#[path = "failover/busy.rs"]
+mod busy;
 #[path = "failover/fallback.rs"]
 mod fallback;
 #[path = "failover/footprint.rs"]
@@ -53,9 +56,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use testkit::{
-    clock_ticks_per_s, cpu_ticks, describe, dnsload_exe, median, now_ms, percentile, read_lookups,
-    require_root, setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, NetnsEtc, Outcome,
-    Proc, SimNode, CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
+    cpu_ticks, describe, dnsload_exe, median, now_ms, percentile, read_lookups, require_root,
+    setting, sleep_until_ms, summary_of, Agent, Lookup, Machine, NetnsEtc, Outcome, Proc, SimNode,
+    CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };
 
 /// The node's address on the real parts' node (testdata/simnode/real.sh), where the cache is an
@@ -447,6 +450,9 @@ struct FaultRun {
     client: Client,
     /// The pod's resolv.conf lists the cache's IP and then kube-dns.
     two_nameservers: bool,
+    /// PreferSameNode: when the API server took the cache's endpoint's changes (the test bed
+    /// playing the kubelet), after the fault and after the recovery.
+    endpoint_changes: Option<Value>,
 }
 
 /// The arrangement's client in pod1 at `rate` lookups/s (dnsload asking the shape's address;
@@ -493,11 +499,6 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
         }
     };
     cmd.stdout(std::fs::File::create(&stdout_path).expect("stdout file")).stderr(Stdio::inherit());
-    // Each run starts from an empty conntrack table: an entry an earlier run left (a query
-    // DNATed to CoreDNS, kept 30 s) would take a later query from the same source port where
-    // it went, whatever the route or the endpoints are now.
-    let flushed = node.run("node", "conntrack", &["-F"]);
-    assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
     let load = Proc::spawn(&mut cmd);
     let started = now_ms();
 
@@ -509,9 +510,15 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
     // PreferSameNode: the kubelet (played here) reports the killed container, and the endpoint
     // turns not-ready; a hang it cannot see within the fault ([`prefer`]).
     let kubelet = arrangement.setup == Setup::PreferSameNode && fault == Fault::Kill;
+    // When the API server took each change of the cache's endpoint (printed by simnode).
+    let endpoint = |condition: &str| -> u64 {
+        let out = node.script(&["cache-endpoint", condition]);
+        out.trim().parse().unwrap_or_else(|_| panic!("cache-endpoint printed {out:?}"))
+    };
+    let mut not_ready_at = None;
     if kubelet {
         sleep_until_ms(fault_at + prefer::KUBELET_NOTICES_MS);
-        node.script(&["cache-endpoint", "not-ready"]);
+        not_ready_at = Some(endpoint("not-ready"));
     }
     sleep_until_ms(fault_at + FAULT_MS);
     let recovered_at = match fault {
@@ -521,10 +528,18 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
         }
         Fault::Hang => node.signal("cache-cont"),
     };
+    let mut ready_at = None;
     if kubelet {
         sleep_until_ms(recovered_at + prefer::KUBELET_NOTICES_MS);
-        node.script(&["cache-endpoint", "ready"]);
+        ready_at = Some(endpoint("ready"));
     }
+    // Each as long after the fault and the recovery.
+    let endpoint_changes = not_ready_at.zip(ready_at).map(|(down, up)| {
+        json!({
+            "not_ready_after_fault_ms": down.saturating_sub(fault_at),
+            "ready_after_recovery_ms": up.saturating_sub(recovered_at),
+        })
+    });
     let status = load.wait();
     assert!(status.success(), "dnsload failed: {status}");
 
@@ -532,7 +547,16 @@ fn run_fault(node: &SimNode, arrangement: &Arrangement, fault: Fault, rate: u32)
     let summary = summary_of(stdout.lines());
     let lookups = read_lookups(&lookups_path, &summary);
     let two_nameservers = arrangement.setup == Setup::TwoNameservers;
-    FaultRun { fault, fault_at, recovered_at, lookups, summary, client, two_nameservers }
+    FaultRun {
+        fault,
+        fault_at,
+        recovered_at,
+        lookups,
+        summary,
+        client,
+        two_nameservers,
+        endpoint_changes,
+    }
 }
 
 fn round1(x: f64) -> f64 {
@@ -615,6 +639,7 @@ impl FaultRun {
             self.lookups.iter().filter(|l| l.start < fault && l.outcome == Outcome::Cache).count();
         json!({
             "fault": self.fault.name(),
+            "endpoint_changes": self.endpoint_changes,
             "sent": self.lookups.len(),
             "answered_by_cache": count(Outcome::Cache),
             "answered_by_coredns": count(Outcome::CoreDns),
@@ -764,6 +789,11 @@ fn failover_of(
                 }
                 _ => None,
             };
+            // Each fault starts from an empty conntrack table: an entry an earlier run left (a
+            // query DNATed to CoreDNS, kept 30 s) would take a later query from the same source
+            // port where it went, whatever the route or the endpoints are now.
+            let flushed = node.run("node", "conntrack", &["-F"]);
+            assert!(flushed.status.success(), "conntrack -F: {}", describe(&flushed));
             // Checked before each fault: the previous one must not have changed the setup.
             checked = verify(node, arrangement, agent.as_ref());
             let gone = matches!(arrangement.setup, Setup::AgentGone(_));
@@ -959,7 +989,7 @@ fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
         rows.push(json!({
             "dataplane": dataplane,
             "nat_rules": nat_rules,
-            "commit_floor_median_ms": floor.map(hundredths),
+            "commit_floor_once_median_ms": floor.map(hundredths),
             "commit_floor_warm_median_ms": warm_floor.map(hundredths),
             "commit_median_ms": commit_median.map(hundredths),
             "commits_counted": commits_ms.len(),
@@ -1029,91 +1059,6 @@ fn histogram(node: &SimNode, name: &str) -> (f64, f64) {
             .unwrap_or(0.0)
     };
     (value("sum"), value("count"))
-}
-
-/// Issue 17, acceptance 6: a busy iptables-nft node (INPUT policy DROP, kube-proxy syncing
-/// every second with a filter chain rewritten each time, as endpoint churn does), with 0 and
-/// then 50,000 kube-proxy-shaped nat rules, the agent at default settings (`auto`: iptables-nft,
-/// its ACCEPTs in iptables-nft's filter table). Per node: the agent's CPU over `cpu_secs`,
-/// its children (iptables) included, and its read-backs; then a host-network client of the
-/// cluster-DNS IP at `rate` lookups/s across a cache SIGKILL (restarted after 2 s).
-fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) -> Vec<Value> {
-    let node = SimNode::up_prefixed(
-        &format!("{prefix}k"),
-        &["--kube-proxy", "iptables-nft", "--filter-drop"],
-    );
-    let mut rows = Vec::new();
-    for nat_rules in [0, 50_000] {
-        if nat_rules > 0 {
-            load_nat_rules(&node, nat_rules / 4, &["iptables-nft"]);
-        }
-        eprintln!("bench: busy node, {nat_rules} nat rules");
-        let agent = start_agent(&node, &["--dataplane", "auto"]);
-        let state = agent.state().expect("state");
-        assert_eq!(state["dataplane"], "iptables-nft", "{state}");
-        assert_eq!(state["accepts_in"], json!(["iptables-nft"]), "{state}");
-        node.script(&["kube-proxy-resync-start"]);
-        let pid = agent.pid().expect("agent pid");
-        let hz = clock_ticks_per_s();
-        let check = "nodelocaldns_ha_dataplane_check_duration_seconds";
-        let (sum0, count0) = histogram(&node, check);
-        let (own0, children0) = cpu_ticks(pid).expect("the agent runs");
-        let t0 = Instant::now();
-        std::thread::sleep(Duration::from_secs(cpu_secs));
-        let (own1, children1) = cpu_ticks(pid).expect("the agent runs");
-        let wall = t0.elapsed().as_secs_f64();
-        let (sum1, count1) = histogram(&node, check);
-        let mcpu = |ticks: u64| round1(ticks as f64 / hz / wall * 1000.0);
-        let checks = count1 - count0;
-
-        // The fault, with kube-proxy still syncing.
-        let apply = "nodelocaldns_ha_dataplane_apply_duration_seconds";
-        let (asum0, acount0) = histogram(&node, apply);
-        let duration = "6s";
-        let args = ["--rate", &rate.to_string(), "--duration", duration];
-        let mut load = node.load("node", CLUSTER_DNS_IP, &args);
-        load.wait_cache_answers();
-        let started = now_ms();
-        sleep_until_ms(started + 1_500);
-        let killed = node.signal("cache-kill");
-        sleep_until_ms(killed + 2_000);
-        node.script(&["cache-start"]);
-        let restarted = now_ms();
-        let (summary, lookups) = load.finish_recorded();
-        let (asum1, acount1) = histogram(&node, apply);
-        node.script(&["kube-proxy-resync-stop"]);
-        let log = out_dir.join(format!("busy-node-{nat_rules}-agent.log"));
-        std::fs::write(log, agent.log_text()).expect("write the agent's log");
-        stop_agent(&node, agent);
-        let down: Vec<&Lookup> = lookups
-            .iter()
-            .filter(|l| l.start >= killed as f64 && l.start < restarted as f64)
-            .collect();
-        let failed: Vec<f64> =
-            down.iter().filter(|l| l.outcome == Outcome::Failed).map(|l| l.start).collect();
-        let window = match (failed.first(), failed.last()) {
-            (Some(a), Some(b)) => round1(b - a),
-            _ => 0.0,
-        };
-        let first_lost = down.iter().filter(|l| l.first_attempt_lost()).count();
-        rows.push(json!({
-            "nat_rules": nat_rules,
-            "cpu_seconds_measured": round1(wall),
-            "agent_mcpu": mcpu(own1 - own0),
-            "children_mcpu": mcpu(children1 - children0),
-            "total_mcpu": mcpu(own1 - own0 + children1 - children0),
-            "read_backs": checks,
-            "read_back_mean_ms": round1((sum1 - sum0) / checks.max(1.0) * 1000.0),
-            "applies_in_fault": acount1 - acount0,
-            "apply_mean_ms": round1((asum1 - asum0) / (acount1 - acount0).max(1.0) * 1000.0),
-            "lookups_while_down": down.len(),
-            "failed_while_down": failed.len(),
-            "first_attempts_lost_while_down": first_lost,
-            "failure_window_ms": window,
-            "summary": summary,
-        }));
-    }
-    rows
 }
 
 /// dnsperf's query file (`who.test A`), or None when dnsperf is not installed.
@@ -1403,7 +1348,7 @@ fn main() {
         switch.extend(switch_latency(&node, 20, 50_000));
     }
     drop(node);
-    let busy = if part("busy") { busy_node(&prefix, rate, 20, &out_dir) } else { Vec::new() };
+    let busy = if part("busy") { busy::busy_node(&prefix, rate, 20, &out_dir) } else { Vec::new() };
 
     let Machine { date, cores, kernel } = Machine::this();
     let run_seconds = began.elapsed().as_secs_f64().round();
@@ -1482,8 +1427,8 @@ fn main() {
             "| {dataplane} | {} / {} | {} / {} | {} / {} | {} / {} | {} / {} | {ratio} | {} / {} |",
             precise(&a["commit_median_ms"]),
             precise(&b["commit_median_ms"]),
-            precise(&a["commit_floor_median_ms"]),
-            precise(&b["commit_floor_median_ms"]),
+            precise(&a["commit_floor_once_median_ms"]),
+            precise(&b["commit_floor_once_median_ms"]),
             to_floor(&a),
             to_floor(&b),
             precise(&a["commit_floor_warm_median_ms"]),
@@ -1523,29 +1468,7 @@ fn main() {
     md += &footprint::table(&footprint);
 
     if !busy.is_empty() {
-        md += "\nA busy iptables-nft node (INPUT policy DROP; kube-proxy syncing every second, \
-               rewriting a filter chain each time as endpoint churn does; agent at defaults: \
-               iptables-nft with its ACCEPTs in iptables-nft's filter table). CPU over 20 s of \
-               syncs, its iptables children included; then a host-network client of \
-               10.96.0.10 across a cache SIGKILL (restarted 2 s later).\n\n\
-               | nat rules | agent CPU, children included | read-backs (mean) | switch (agent's apply) | host client: failed while the cache was down | failure window |\n\
-               |---|---|---|---|---|---|\n";
-        for b in &busy {
-            let _ = writeln!(
-                md,
-                "| {} | {} mCPU (own {}, children {}) | {} ({}) | {} | {} of {} | {} |",
-                b["nat_rules"],
-                b["total_mcpu"],
-                b["agent_mcpu"],
-                b["children_mcpu"],
-                b["read_backs"],
-                ms(&b["read_back_mean_ms"]),
-                ms(&b["apply_mean_ms"]),
-                b["failed_while_down"],
-                b["lookups_while_down"],
-                ms(&b["failure_window_ms"]),
-            );
-        }
+        md += &busy::table(&busy);
     }
 
     let failover_json: Vec<Value> = results

@@ -8,8 +8,9 @@
 # dnsperf through node-cache's rules and the agent's, dnsperf through the link-local fallback
 # (the forwarder) against real CoreDNS's forward plugin as node-cache runs it and straight to
 # CoreDNS, the agent's footprint, and a busy iptables-nft node (0 and 50,000 nat rules,
-# kube-proxy syncing every second): the agent's CPU and a host-network client across a cache
-# SIGKILL. Writes docs/bench.md (the tables), docs/bench.json and docs/failover.svg. Run as
+# kube-proxy syncing every second; and real kube-proxy with 5,000 Services under EndpointSlice
+# churn): the agent's CPU and a host-network client across a cache SIGKILL. On a second node
+# with the real parts: the agent beside kube-dns with PreferSameNode. Writes docs/bench.md (the tables), docs/bench.json and docs/failover.svg. Run as
 # root; about 17 minutes on a 2-core machine (1031 s on 2026-11-27), plus the build. Everything
 # happens in network namespaces named $prefix-*, removed when it ends, also on failure.
 #
@@ -40,8 +41,8 @@ cleanup() {
     # The busy node of issue 17; the footprint's nftables, iptables-legacy, mixed and real-parts
     # (r) nodes.
     # w: the webhook benchmark's node (its real control plane); p: the real parts' failover node
-    # (the agent and PreferSameNode).
-    for node in k n l m p r w; do
+    # (the agent and PreferSameNode); q: the busy node with real kube-proxy.
+    for node in k n l m p q r w; do
         SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}$node" >/dev/null 2>&1 || true
     done
     rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"

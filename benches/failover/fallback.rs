@@ -167,6 +167,10 @@ pub(crate) fn dnsperf(node: &SimNode, rounds: u32, secs: u32) -> Option<Value> {
         }
     }
     drop(peer);
+    // The route back to the agent's own: a held flip outlives the agent in its state directory.
+    let dir = agent.state_dir.to_string_lossy().into_owned();
+    let out = node.cli(&["release", "--state-dir", &dir]);
+    assert!(out.status.success(), "release: {}", describe(&out));
     stop_agent(node, agent);
     let file = node.dir.join("dnat.nft");
     std::fs::write(&file, dnat_to_coredns()).expect("write the DNAT's ruleset");

@@ -78,7 +78,17 @@ fn hang_trial(
     let lookups = read_lookups(&lookups_path, &summary);
     let (client, two_nameservers) = (Client::Dnsload, false);
     let fault = Fault::Hang;
-    let run = FaultRun { fault, fault_at, recovered_at, lookups, summary, client, two_nameservers };
+    let endpoint_changes = None;
+    let run = FaultRun {
+        fault,
+        fault_at,
+        recovered_at,
+        lookups,
+        summary,
+        client,
+        two_nameservers,
+        endpoint_changes,
+    };
     (run, switch_ms)
 }
 

@@ -345,28 +345,32 @@ endpoints:
 EOF
         kc apply -f "$file" >>"$RUN_DIR/kubectl.log" 2>&1 ||
             die "real parts: kubectl apply of PreferSameNode failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+        real_wait 60 "kube-proxy's rules to send kube-dns to the cache alone" kube_dns_endpoints 1
         touch "$RUN_DIR/prefer-same-node"
-        ready_rules=kube_proxy_prefers_cache
         ;;
     off)
         kc apply -f "$RUN_DIR/cluster-dns.yaml" >>"$RUN_DIR/kubectl.log" 2>&1 ||
             die "real parts: kubectl apply of the DNS Services failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
+        real_wait 60 "kube-proxy's rules to send kube-dns to CoreDNS" kube_dns_endpoints 2
         rm -f "$RUN_DIR/prefer-same-node"
-        ready_rules=kube_proxy_rules_ready
         ;;
     *) die "prefer-same-node: on or off" ;;
     esac
-    real_wait 60 "kube-proxy's rules for kube-dns (prefer-same-node $1)" "$ready_rules"
 }
 
-# kube_proxy_prefers_cache: kube-proxy's rules send 10.96.0.10 to the cache alone: the node's
-# address is a DNAT target, and kube-dns's service chain jumps to one endpoint chain only.
-kube_proxy_prefers_cache() {
+# kube_dns_endpoints N: kube-proxy's rules send 10.96.0.10's UDP to N endpoints: 1, the cache's
+# alone (the node's address a DNAT target); 2, CoreDNS's (and the cache's not).
+kube_dns_endpoints() {
     local rules svc
     rules=$(in_ns node "$IPT4-save" -t nat) || return 1
-    [[ $rules == *"--to-destination $V4_CP_NODE:53"* ]] || return 1
-    svc=$(grep -oE -- '-A KUBE-SERVICES -d 10\.96\.0\.10/32 -p udp .* -j (KUBE-SVC-[A-Z0-9]+)' <<<"$rules" | grep -oE 'KUBE-SVC-[A-Z0-9]+$') || return 1
-    (($(grep -c -- "^-A $svc .*-j KUBE-SEP-" <<<"$rules") == 1))
+    if (($1 == 1)); then
+        [[ $rules == *"--to-destination $V4_CP_NODE:53"* ]] || return 1
+    else
+        [[ $rules != *"--to-destination $V4_CP_NODE:53"* ]] || return 1
+    fi
+    svc=$(grep -oE -- "-A KUBE-SERVICES -d ${V4_CLUSTER_DNS//./\\.}/32 -p udp .* -j KUBE-SVC-[A-Z0-9]+" <<<"$rules" |
+        grep -oE 'KUBE-SVC-[A-Z0-9]+$') || return 1
+    (($(grep -c -- "^-A $svc .*-j KUBE-SEP-" <<<"$rules") == $1))
 }
 
 # real_cache_endpoint ready|not-ready: the cache's endpoint condition in kube-dns's EndpointSlice
@@ -379,7 +383,9 @@ real_cache_endpoint() {
     *) die "cache-endpoint: ready or not-ready" ;;
     esac
     [[ -f $RUN_DIR/prefer-same-node ]] || die "cache-endpoint needs prefer-same-node on"
-    real_bin
+    # The parts are built (prefer-same-node was): their directory only, no build check, so that
+    # the change goes out when it is asked for.
+    REAL_BIN=$("$SCRIPT_DIR/../ci/k8s/build.sh" --bin-dir) || die "real parts: ci/k8s/build.sh --bin-dir failed"
     local patch="[{\"op\":\"replace\",\"path\":\"/endpoints/2/conditions\",\"value\":{\"ready\":$ready,\"serving\":$ready,\"terminating\":false}}]"
     kc -n kube-system patch endpointslice kube-dns-simnode --type=json -p "$patch" \
         >>"$RUN_DIR/kubectl.log" 2>&1 ||
