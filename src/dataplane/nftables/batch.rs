@@ -43,11 +43,8 @@ pub(super) fn refilling(rules: &RuleSet) -> Result<(FinalizedBatch, Vec<String>)
     let table = nftnl::Table::new(TABLE_NAME, ProtoFamily::Inet);
     let mut batch = Batch::new();
     let mut described = Vec::new();
-    let chains: Vec<nftnl::Chain<'_>> = rules
-        .chains
-        .iter()
-        .map(|chain| nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), &table))
-        .collect();
+    let chains: Vec<nftnl::Chain<'_>> =
+        rules.chains.iter().map(|chain| named(chain, &table)).collect();
     for (nft_chain, chain) in chains.iter().zip(&rules.chains) {
         // A rule without a handle deletes every rule of its chain.
         batch.add(&nftnl::Rule::new(nft_chain), MsgType::Del);
@@ -80,10 +77,7 @@ pub(super) fn trial(rules: &RuleSet) -> Result<Option<(FinalizedBatch, Vec<Strin
     let mut described = Vec::new();
     batch.add(&table, MsgType::Add);
     described.push("trial table (create)".to_owned());
-    let chains: Vec<nftnl::Chain<'_>> = fallback
-        .iter()
-        .map(|chain| nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), &table))
-        .collect();
+    let chains: Vec<nftnl::Chain<'_>> = fallback.iter().map(|chain| named(chain, &table)).collect();
     for (nft_chain, chain) in chains.iter().zip(&fallback) {
         add_chain(&mut batch, &mut described, nft_chain, chain, "trial chain")?;
     }
@@ -149,16 +143,21 @@ fn add_rules(
     Ok(())
 }
 
-/// `type filter hook <hook> priority <priority>; policy accept;` (named by one of the ruleset's
-/// constants, which hold no NUL).
+/// `chain` as `type filter hook <hook> priority <priority>; policy accept;`.
 fn base_chain<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
     let hook = match chain.hook {
         Hook::Prerouting => nftnl::Hook::PreRouting,
         Hook::Output => nftnl::Hook::Out,
     };
-    let mut nft_chain = nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), table);
+    let mut nft_chain = named(chain, table);
     nft_chain.set_hook(hook, chain.priority);
     nft_chain.set_type(nftnl::ChainType::Filter);
     nft_chain.set_policy(nftnl::Policy::Accept);
     nft_chain
+}
+
+/// `chain` as a chain of `table` named by one of the ruleset's constants (which hold no NUL),
+/// hooked to nothing until a caller says so.
+fn named<'a>(chain: &ruleset::Chain, table: &'a nftnl::Table) -> nftnl::Chain<'a> {
+    nftnl::Chain::new(CString::new(chain.name()).unwrap_or_default(), table)
 }
