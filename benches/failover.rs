@@ -945,9 +945,14 @@ fn commit_floor(node: &SimNode, mode: &str) -> f64 {
 /// nftables, beside each counted flip, the least transaction committed once by a process of its
 /// own, as the flip's is (the two meet the kernel alike, seldom and cold); and 20 of them in a
 /// row, warm, at the end.
-fn switch_latency(node: &SimNode, flips: u32, nat_rules: u32) -> Vec<Value> {
+pub(crate) fn switch_latency(
+    node: &SimNode,
+    dataplanes: &[&str],
+    flips: u32,
+    nat_rules: usize,
+) -> Vec<Value> {
     let mut rows = Vec::new();
-    for dataplane in DATAPLANES {
+    for &dataplane in dataplanes {
         eprintln!("bench: switch latency, {dataplane}, {nat_rules} nat rules");
         let agent = start_agent(node, &["--dataplane", dataplane]);
         let dir = agent.state_dir.to_string_lossy().into_owned();
@@ -1343,9 +1348,9 @@ fn main() {
     let hang = if part("hang-detection") { Some(stall::hang_detection(&node, rate)) } else { None };
     let mut switch = Vec::new();
     if part("switch") {
-        switch = switch_latency(&node, 20, 0);
+        switch = switch_latency(&node, &DATAPLANES, 20, 0);
         load_nat_rules(&node, 12_500, &["iptables-nft", "iptables-legacy"]);
-        switch.extend(switch_latency(&node, 20, 50_000));
+        switch.extend(switch_latency(&node, &DATAPLANES, 20, 50_000));
     }
     drop(node);
     let busy = if part("busy") { busy::busy_node(&prefix, rate, 20, &out_dir) } else { Vec::new() };

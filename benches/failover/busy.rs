@@ -6,7 +6,8 @@
 //! kube-proxy-shaped nat rules; and the node with the real parts, real kube-proxy (iptables
 //! mode) holding 5,000 Services of two endpoints each, created through the API, while the test
 //! bed, playing the endpoint controller, changes 10 of their EndpointSlices a second (real
-//! kube-proxy rewrites its rules after them, at most once a second).
+//! kube-proxy rewrites its rules after them, at most once a second). On that node, the churn
+//! going on, the nftables switch beside the least nftables transaction (issue 35, part 2).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -58,12 +59,17 @@ pub(crate) fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) 
     let log = out_dir.join("busy-node-real-agent.log");
     let row = busy_row(&real, churn, rate, cpu_secs, &log);
     let changes = real.script(&["endpoint-churn-changes"]);
+    // The nftables switch on the same node, the churn going on, beside the least transaction.
+    real.script(churn[0]);
+    let switch = super::switch_latency(&real, &["nftables"], 20, nat_rules).pop();
+    real.script(churn[1]);
     let base = json!({
         "kube_proxy": "real",
         "services": REAL_SERVICES,
         "nat_rules": nat_rules,
         "endpoint_changes_per_s": REAL_CHURN_PER_S.parse::<u32>().unwrap_or(0),
         "endpoint_changes_accepted": changes.trim().parse::<u64>().ok(),
+        "nftables_switch": switch,
     });
     rows.push(with(base, row));
     rows
@@ -178,6 +184,24 @@ pub(crate) fn table(busy: &[Value]) -> String {
             b["failed_while_down"],
             b["lookups_while_down"],
             ms(&b["failure_window_ms"]),
+        );
+    }
+    let real_switch = busy.iter().find_map(|b| b.get("nftables_switch").filter(|s| !s.is_null()));
+    if let Some(s) = real_switch {
+        let precise = |v: &Value| v.as_f64().map_or("-".into(), |f| format!("{f:.2} ms"));
+        let _ = writeln!(
+            md,
+            "\nThe agent in nftables on the real node, the churn going on (median of {} flips \
+             after {} warm-up): the kernel's commit of its switch {}, the least nftables \
+             transaction committed once beside each flip {} (÷: {}), 20 in a row {}; its apply \
+             (commit and read-back) {}.",
+            s["flips_counted"],
+            s["warm_up_flips"],
+            precise(&s["commit_median_ms"]),
+            precise(&s["commit_floor_once_median_ms"]),
+            s["commit_to_floor"],
+            precise(&s["commit_floor_warm_median_ms"]),
+            ms(&s["apply_median_ms"]),
         );
     }
     md

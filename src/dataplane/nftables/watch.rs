@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::ChangeWatch;
 use crate::dataplane;
@@ -61,6 +61,12 @@ pub(crate) async fn watch_nftables(
                     None => announced.tables.clone(),
                 };
                 if announced.unknown || !concerned.is_empty() {
+                    debug!(
+                        unknown = announced.unknown,
+                        whole = ?announced.whole,
+                        rules = ?announced.rules,
+                        "a change to the agent's chains announced, checking"
+                    );
                     // Which of them, for the check; taken (and emptied) by the loop. `None`:
                     // unknown, check everything.
                     if let Ok(mut changed) = changed.lock() {
