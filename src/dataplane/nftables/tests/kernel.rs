@@ -2,6 +2,7 @@
 //! again under `ip netns exec`, so no thread of the calling process ever changes namespace and
 //! nothing here can touch the host's netfilter.
 
+use std::fmt::Write as _;
 use std::io::{ErrorKind, Write};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -390,6 +391,54 @@ fn iptables_nft_read_backs_follow_only_their_chains() {
             ipt(&["-F", "NODELOCALDNS-HA-INPUT"]);
             assert!(concerned(&next().await), "the agent's chain flushed");
             assert!(matches!(accepts.check(&rules).unwrap(), Check::Differs(_)));
+        });
+    });
+}
+
+/// Real kube-proxy (iptables mode) rewrites `KUBE-SERVICES` whole on every sync, one rule per
+/// Service: the change watch hears such a sync of 5,000 Services without losing any of it
+/// (a loss would make the agent read everything back, on every sync), and it does not concern
+/// the agent's chains.
+#[test]
+fn a_busy_kube_proxy_sync_is_heard_without_loss() {
+    in_netns("nft", test_path!(), |ns| {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let restore = |services: u32| {
+                let mut script = String::from("*nat\n:KUBE-SERVICES - [0:0]\n");
+                for i in 0..services {
+                    let _ = writeln!(
+                        script,
+                        "-A KUBE-SERVICES -d 10.96.{}.{}/32 -p tcp -m comment --comment \
+                         \"busy/svc-{i}:http cluster IP\" -m tcp --dport 80 -j RETURN",
+                        i / 250,
+                        i % 250 + 1
+                    );
+                }
+                script.push_str("COMMIT\n");
+                let mut child = Command::new("ip")
+                    .args(["netns", "exec", ns, "iptables-nft-restore", "--noflush"])
+                    .stdin(Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                child.stdin.take().unwrap().write_all(script.as_bytes()).unwrap();
+                assert!(child.wait().unwrap().success());
+            };
+            restore(5_000);
+            let mut watch = ChangeWatch::new().unwrap();
+            // The kernel queues a batch's announcements before iptables-nft-restore's batch is
+            // acked: all of the sync's are waiting when it returns.
+            restore(5_000);
+            let sync = tokio::time::timeout(Duration::from_secs(2), watch.changed())
+                .await
+                .expect("the sync is announced within 2 s")
+                .unwrap();
+            assert!(!sync.unknown, "announcements lost");
+            let nat = TableRef { family: libc::NFPROTO_IPV4 as u8, name: "nat".into() };
+            assert_eq!(sync.tables, [nat]);
+            let filter = TableRef { family: libc::NFPROTO_IPV4 as u8, name: "filter".into() };
+            let watch = TableWatch { table: filter, chains: Some(vec!["INPUT"]) };
+            assert!(!sync.concerns(&watch));
         });
     });
 }
