@@ -1353,7 +1353,11 @@ fn main() {
         switch.extend(switch_latency(&node, &DATAPLANES, 20, 50_000));
     }
     drop(node);
-    let busy = if part("busy") { busy::busy_node(&prefix, rate, 20, &out_dir) } else { Vec::new() };
+    // The busy rows' agent logs, for reading after a surprising row: beside the build, not
+    // among the figures.
+    let logs = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench-logs"));
+    std::fs::create_dir_all(&logs).expect("the agent logs' directory");
+    let busy = if part("busy") { busy::busy_node(&prefix, rate, 20, &logs) } else { Vec::new() };
 
     let Machine { date, cores, kernel } = Machine::this();
     let run_seconds = began.elapsed().as_secs_f64().round();

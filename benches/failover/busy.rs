@@ -27,8 +27,8 @@ const REAL_CHURN_PER_S: &str = "10";
 
 /// The three rows (see the module's doc): the agent's CPU over `cpu_secs` and its read-backs,
 /// then a host-network client of the cluster-DNS IP at `rate` lookups/s across a cache SIGKILL
-/// (restarted after 2 s).
-pub(crate) fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) -> Vec<Value> {
+/// (restarted after 2 s); the agents' logs to `logs`.
+pub(crate) fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, logs: &Path) -> Vec<Value> {
     let mut rows = Vec::new();
     let node = SimNode::up_prefixed(
         &format!("{prefix}k"),
@@ -40,7 +40,7 @@ pub(crate) fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) 
             load_nat_rules(&node, nat_rules / 4, &["iptables-nft"]);
         }
         eprintln!("bench: busy node, {nat_rules} nat rules");
-        let log = out_dir.join(format!("busy-node-{nat_rules}-agent.log"));
+        let log = logs.join(format!("busy-node-{nat_rules}-agent.log"));
         let row = busy_row(&node, resync, rate, cpu_secs, &log);
         rows.push(with(json!({"kube_proxy": "stand-in", "nat_rules": nat_rules}), row));
     }
@@ -56,7 +56,7 @@ pub(crate) fn busy_node(prefix: &str, rate: u32, cpu_secs: u64, out_dir: &Path) 
     let nat_rules = nat.lines().filter(|l| l.starts_with("-A ")).count();
     let churn: [&[&str]; 2] =
         [&["endpoint-churn-start", REAL_CHURN_PER_S], &["endpoint-churn-stop"]];
-    let log = out_dir.join("busy-node-real-agent.log");
+    let log = logs.join("busy-node-real-agent.log");
     let row = busy_row(&real, churn, rate, cpu_secs, &log);
     let changes = real.script(&["endpoint-churn-changes"]);
     // The nftables switch on the same node, the churn going on, beside the least transaction.
