@@ -1353,11 +1353,15 @@ fn main() {
         switch.extend(switch_latency(&node, &DATAPLANES, 20, 50_000));
     }
     drop(node);
-    // The busy rows' agent logs, for reading after a surprising row: beside the build, not
-    // among the figures.
-    let logs = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench-logs"));
-    std::fs::create_dir_all(&logs).expect("the agent logs' directory");
-    let busy = if part("busy") { busy::busy_node(&prefix, rate, 20, &logs) } else { Vec::new() };
+    let busy = if part("busy") {
+        // The busy rows' agent logs, for reading after a surprising row: beside the build,
+        // not among the figures.
+        let logs = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/target/bench-logs"));
+        std::fs::create_dir_all(&logs).expect("the agent logs' directory");
+        busy::busy_node(&prefix, rate, 20, &logs)
+    } else {
+        Vec::new()
+    };
 
     let Machine { date, cores, kernel } = Machine::this();
     let run_seconds = began.elapsed().as_secs_f64().round();
