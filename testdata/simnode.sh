@@ -33,11 +33,12 @@
 #   firewall.sh              --filter-drop, --filter-accept-lo, --filter-reject, --nft-firewall
 #   node-cache.sh            node-cache's own iptables rules and its interface teardown
 #   noise.sh                 the CNI and kube-proxy loops, the xtables lock holder
-#   real.sh                  --kube-proxy real-iptables|real-nftables: the real parts (control
-#                            plane in $P-cp, kube-proxy, CoreDNS) in place of the stand-ins
+#   real.sh                  --kube-proxy real-iptables|real-nftables|real-ipvs: the real parts
+#                            (control plane in $P-cp, kube-proxy, CoreDNS) in place of the
+#                            stand-ins (real-ipvs in the ci/vm guest, which has ip_vs)
 #
 # Usage: simnode.sh CMD PREFIX [args]   (PREFIX: 1-8 chars [a-z0-9]; namespaces are $PREFIX-*)
-#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs|real-iptables|real-nftables]
+#   up PREFIX [--kube-proxy iptables-nft|iptables-legacy|nftables|ipvs|real-iptables|real-nftables|real-ipvs]
 #             [--family 4|6|dual]
 #             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
 #             [--listen-dev veth|lo|dummy]   (default veth: node-cache's own interface)
@@ -187,8 +188,8 @@ cmd_up() {
         *) usage ;;
         esac
     done
-    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables|ipvs|real-(iptables|nftables))$ ]] ||
-        die "--kube-proxy must be iptables-nft, iptables-legacy, nftables, ipvs, real-iptables or real-nftables"
+    [[ "$kube_proxy" =~ ^(iptables-(nft|legacy)|nftables|ipvs|real-(iptables|nftables|ipvs))$ ]] ||
+        die "--kube-proxy must be iptables-nft, iptables-legacy, nftables, ipvs, real-iptables, real-nftables or real-ipvs"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
     [[ "$LISTEN_DEV" =~ ^(lo|dummy|veth)$ ]] || die "--listen-dev must be lo, dummy or veth"
     if [[ $LISTEN_DEV == dummy || $kube_proxy == ipvs ]] && [[ $FAMILY != 4 ]]; then

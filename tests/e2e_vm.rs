@@ -19,11 +19,28 @@ use testkit::*;
 
 /// Runs `body` in the guest: directly when this is the guest, else by booting one.
 fn in_guest(name: &str, body: impl FnOnce()) {
-    in_guest_booted(name, &[], body)
+    boot(name, &[], &[], 600, body)
 }
 
 /// [`in_guest`], the guest kernel booted with `kernel_args` besides the test bed's own.
 fn in_guest_booted(name: &str, kernel_args: &[&str], body: impl FnOnce()) {
+    boot(name, kernel_args, &[], 600, body)
+}
+
+/// [`in_guest`] with the real Kubernetes parts: built on the host (the guest has no Go) and
+/// named to the guest by `NLHA_K8S_BIN`. The real control plane starts in about two minutes
+/// under TCG, hence the longer bound.
+fn in_guest_real(name: &str, body: impl FnOnce()) {
+    let guest = std::env::var_os("NLHA_GUEST_KERNEL").is_some();
+    let bin = (!guest).then(real_parts_built);
+    let bin = bin.as_deref().map(|b| b.to_str().expect("a UTF-8 path"));
+    let env: Vec<_> = bin.into_iter().map(|b| ("NLHA_K8S_BIN", b)).collect();
+    boot(name, &[], &env, 1200, body)
+}
+
+/// In the guest, runs `body`; on the host, boots a guest (kernel command line plus
+/// `kernel_args`, `env` passed on, cut off after `timeout` seconds) that runs this test.
+fn boot(name: &str, kernel_args: &[&str], env: &[(&str, &str)], timeout: u32, body: impl FnOnce()) {
     if let Ok(kernel) = std::env::var("NLHA_GUEST_KERNEL") {
         println!("in the guest, kernel {kernel}");
         body();
@@ -33,8 +50,9 @@ fn in_guest_booted(name: &str, kernel_args: &[&str], body: impl FnOnce()) {
     let exe = std::env::current_exe().expect("the test binary's path");
     let runner = concat!(env!("CARGO_MANIFEST_DIR"), "/ci/vm/run");
     let out = Command::new(runner)
-        .args(["--no-install", "--timeout", "600"])
+        .args(["--no-install", "--timeout", &timeout.to_string()])
         .args(kernel_args.iter().flat_map(|a| ["--kernel-arg", a]))
+        .envs(env.iter().copied())
         .arg("--")
         .arg(&exe)
         .args([name, "--exact", "--nocapture", "--test-threads", "1"])
@@ -312,27 +330,33 @@ fn ipvs_clusterip_interception_never_reaches_the_cache() {
 fn ipvs_auto_refuses_clusterip_interception() {
     in_guest(test_name!(), || {
         let node = SimNode::up_with(&["--kube-proxy", "ipvs", "--listen-dev", "dummy"]);
-        let state_dir = node.dir.join("agent-state");
-        let out = node.cli(&[
-            "run",
-            "--local-ip",
-            LOCAL_IP,
-            "--cluster-dns-ip",
-            CLUSTER_DNS_IP,
-            "--upstream-ip",
-            UPSTREAM_IP,
-            "--dataplane",
-            "auto",
-            "--state-dir",
-            state_dir.to_str().expect("utf-8 path"),
-        ]);
-        println!("{}", describe(&out));
-        assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains("IPVS") && stderr.contains("kube-ipvs0"), "{stderr}");
-        assert!(stderr.contains("10.96.0.10"), "the ClusterIP is not named: {stderr}");
-        node.assert_nothing_left();
+        assert_auto_refuses_clusterip(&node);
     });
+}
+
+/// `run --dataplane auto` with the ClusterIP on an IPVS node: exit 2, a message naming IPVS,
+/// kube-ipvs0 and the ClusterIP, nothing installed anywhere.
+fn assert_auto_refuses_clusterip(node: &SimNode) {
+    let state_dir = node.dir.join("agent-state");
+    let out = node.cli(&[
+        "run",
+        "--local-ip",
+        LOCAL_IP,
+        "--cluster-dns-ip",
+        CLUSTER_DNS_IP,
+        "--upstream-ip",
+        UPSTREAM_IP,
+        "--dataplane",
+        "auto",
+        "--state-dir",
+        state_dir.to_str().expect("utf-8 path"),
+    ]);
+    println!("{}", describe(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("IPVS") && stderr.contains("kube-ipvs0"), "{stderr}");
+    assert!(stderr.contains("10.96.0.10"), "the ClusterIP is not named: {stderr}");
+    node.assert_nothing_left();
 }
 
 /// The link-local shape (issue 12) on the guest kernel, listen IPs on node-cache's dummy: pods
@@ -382,6 +406,56 @@ guest_tests! {
     fn link_local_ipvs_kube_proxy_nftables_agent() { link_local_cell("ipvs", "nftables") }
     fn link_local_ipvs_kube_proxy_legacy_agent() { link_local_cell("ipvs", "iptables-legacy") }
     fn link_local_ipvs_kube_proxy_nft_agent() { link_local_cell("ipvs", "iptables-nft") }
+}
+
+/// Real kube-proxy in IPVS mode (issue 31), beside the real control plane and real CoreDNS (the
+/// cache: CoreDNS with node-local-dns's Corefile), which the build machine's kernel cannot run
+/// (no ip_vs). What the stand-in's cells above show, on kube-proxy's own IPVS services, ipsets,
+/// `kube-ipvs0` and chains:
+/// * pods' queries for the ClusterIP are IPVS's: CoreDNS answers every one, the cache none;
+/// * `auto` sees real kube-proxy's IPVS and refuses the ClusterIP's interception, changing
+///   nothing;
+/// * the link-local shape with `auto`: the cache killed and hung under pod load, the forwarder
+///   answers through real IPVS to real CoreDNS, back to the cache each time, no lookup failed.
+#[test]
+fn real_ipvs_kube_proxy() {
+    in_guest_real(test_name!(), || {
+        let node = SimNode::up_with(&["--kube-proxy", "real-ipvs", "--listen-dev", "dummy"]);
+        assert_dummy_layout(&node);
+        let clusterip = burst(&node, CLUSTER_DNS_IP, 100);
+        println!("pods on the ClusterIP, real IPVS: {clusterip}");
+        assert_eq!(origin(&clusterip, "coredns"), 100, "not all answered by CoreDNS: {clusterip}");
+        assert_eq!(clusterip["failed"], 0, "{clusterip}");
+
+        assert_auto_refuses_clusterip(&node);
+
+        let mut args = vec!["--dataplane", "auto"];
+        args.extend(AGENT_TIMING);
+        let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &args);
+        let mut pod = pod_load(&node, LOCAL_IP);
+        wait_only(&mut pod, "cache");
+        println!("link-local shape on real IPVS: dataplane {}", settled(&agent)["dataplane"]);
+
+        node.signal("cache-kill");
+        wait_only(&mut pod, "coredns");
+        node.script(&["cache-start"]);
+        agent.wait_route("local", ROUTE);
+        wait_only(&mut pod, "cache");
+
+        node.signal("cache-stop");
+        let up = agent.wait_route("upstream", ROUTE);
+        println!("hang: {}", up["reason"]);
+        wait_only(&mut pod, "coredns");
+        node.signal("cache-cont");
+        agent.wait_route("local", ROUTE);
+        wait_only(&mut pod, "cache");
+
+        let summary = pod.interrupt();
+        println!("link-local, real IPVS on {}: pod {summary}", Machine::this().kernel);
+        assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
+        assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
+        node.tear_down(agent);
+    });
 }
 
 /// A kernel without TPROXY: the guest booted with nft_tproxy and xt_TPROXY kept from loading

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# simnode real parts (--kube-proxy real-iptables|real-nftables): the node with real Kubernetes parts, built by
-# ci/k8s/build.sh from pinned Go modules, in place of the stand-ins:
+# simnode real parts (--kube-proxy real-iptables|real-nftables|real-ipvs): the node with real
+# Kubernetes parts, built by ci/k8s/build.sh from pinned Go modules, in place of the stand-ins:
 #   * a control-plane host, namespace $P-cp (eth0 10.240.0.2), behind a veth `cp` on the node
 #     (10.240.0.1): etcd (on its lo) and kube-apiserver (on 10.240.0.2:6443), TLS from a
 #     throwaway CA made here with openssl, a service-account key pair, client certificates and
@@ -11,9 +11,11 @@
 #     53, same selector, and playing the endpoint controller, one EndpointSlice for each with the
 #     CoreDNS endpoints 10.244.1.2 and 10.244.1.3, ready.
 #   * real kube-proxy in the node namespace, in iptables mode (the host's `iptables`, i.e.
-#     iptables-nft here; kubelet's chains beside it) or nftables mode (`table ip kube-proxy`), with the flags kubeadm's config gives it; its metrics and healthz
-#     servers listen inside the node namespace only. `up` waits until its rules for both
-#     Services and both endpoints are in the nat table.
+#     iptables-nft here; kubelet's chains beside it), nftables mode (`table ip kube-proxy`) or
+#     IPVS mode (its `kube-ipvs0`, IPVS services, ipsets and iptables chains; needs the ip_vs
+#     modules: the ci/vm guest), with the flags kubeadm's config gives it; its metrics and
+#     healthz servers listen inside the node namespace only. `up` waits until its rules send
+#     both Services to both endpoints.
 #   * real CoreDNS (coredns-start) in the dns namespace on the endpoint addresses, with the
 #     kubernetes plugin reading the API server, and the template plugin answering who.test with
 #     2.2.2.2 (and fd00::2:2:2:2), as the dnsmasq stand-in does, so tests still see who answered.
@@ -26,9 +28,18 @@ readonly V4_CP_NODE=10.240.0.1 V4_APISERVER=10.240.0.2 REAL_CP_NET=10.240.0.0/30
 is_real() { [[ $KUBE_PROXY == real-* ]]; }
 
 # The parts' directory: build.sh builds what is missing (0.1 s when cached) and fails naming the
-# part that would not build.
+# part that would not build. NLHA_K8S_BIN names a directory the host built instead (the ci/vm
+# guest has no Go: its tests pass the host's `build.sh --bin-dir`).
 real_bin() {
-    local build="$SCRIPT_DIR/../ci/k8s/build.sh" out
+    local build="$SCRIPT_DIR/../ci/k8s/build.sh" out part
+    if [[ -n "${NLHA_K8S_BIN:-}" ]]; then
+        for part in etcd kube-apiserver kube-proxy kubectl coredns; do
+            [[ -x "$NLHA_K8S_BIN/$part" ]] ||
+                die "real parts: NLHA_K8S_BIN=$NLHA_K8S_BIN has no $part (build it with ci/k8s/build.sh)"
+        done
+        REAL_BIN=$NLHA_K8S_BIN
+        return
+    fi
     out=$("$build" etcd kube-apiserver kube-proxy kubectl coredns 2>&1) ||
         die "real parts: ci/k8s/build.sh failed: $(tail -n 5 <<<"$out")"
     REAL_BIN=$("$build" --bin-dir) || die "real parts: ci/k8s/build.sh --bin-dir failed"
@@ -217,7 +228,11 @@ EOF
 # (iptables mode), its `table ip kube-proxy` (nftables mode).
 kube_proxy_rules_ready() {
     local rules want wants
-    if [[ $KUBE_PROXY == real-nftables ]]; then
+    if [[ $KUBE_PROXY == real-ipvs ]]; then
+        rules=$(in_ns node ipvsadm-save -n) || return 1
+        wants=("-A -u $V4_CLUSTER_DNS:53" "-A -u $V4_UPSTREAM:53"
+            "-a -u $V4_CLUSTER_DNS:53 -r ${V4_DNS_EPS[0]}:53" "-a -u $V4_CLUSTER_DNS:53 -r ${V4_DNS_EPS[1]}:53")
+    elif [[ $KUBE_PROXY == real-nftables ]]; then
         rules=$(in_ns node nft list table ip kube-proxy) || return 1
         wants=("$V4_CLUSTER_DNS . udp . 53" "$V4_UPSTREAM . udp . 53"
             "${V4_DNS_EPS[0]} . 53" "${V4_DNS_EPS[1]} . 53") # numgen maps to the endpoints
@@ -237,6 +252,11 @@ kube_proxy_rules_ready() {
 # loopback.
 real_kube_proxy() {
     local mode=${KUBE_PROXY#real-}
+    if [[ $mode == ipvs ]]; then
+        # kube-proxy would only log it and fall short of rules: say it here.
+        { modprobe ip_vs && modprobe ip_vs_rr; } ||
+            die "--kube-proxy real-ipvs needs the ip_vs modules (this kernel: $(uname -r)); run it in the ci/vm guest"
+    fi
     svc_start kube-proxy node "$REAL_BIN/kube-proxy" --proxy-mode "$mode" \
         --kubeconfig "$RUN_DIR/kube-proxy.kubeconfig" --hostname-override "$(ns_name node)" \
         --cluster-cidr "$V4_CLUSTER_CIDR" --conntrack-max-per-core 0 \
@@ -397,7 +417,10 @@ real_cache_endpoint() {
 # `grep -q` would fail the pipeline).
 kube_proxy_has() {
     local rules
-    if [[ $KUBE_PROXY == real-nftables ]]; then
+    if [[ $KUBE_PROXY == real-ipvs ]]; then
+        rules=$(in_ns node ipvsadm-save -n) || return 1
+        [[ $rules == *"-A -t $1:80 "* ]]
+    elif [[ $KUBE_PROXY == real-nftables ]]; then
         rules=$(in_ns node nft list map ip kube-proxy service-ips) || return 1
         [[ $rules == *"$1 . tcp . 80 "* ]]
     else

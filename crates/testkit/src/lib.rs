@@ -43,6 +43,6 @@ pub use load::{
 pub use netns_etc::NetnsEtc;
 pub use process::Proc;
 pub use simnode::{
-    counting_wrappers, describe, real_bin, require_root, strip_counters, SimNode, CACHE_ANSWER,
-    CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
+    counting_wrappers, describe, real_bin, real_parts_built, require_root, strip_counters, SimNode,
+    CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,
 };

@@ -26,14 +26,29 @@ pub(crate) fn repo() -> &'static Path {
 }
 
 /// The directory of the real Kubernetes parts (`ci/k8s/build.sh --bin-dir`), built by a node
-/// brought up with `--kube-proxy real-*`.
+/// brought up with `--kube-proxy real-*`; or `NLHA_K8S_BIN`, where the host built them (the
+/// ci/vm guest has no Go: [`real_parts_built`]).
 pub fn real_bin() -> PathBuf {
+    if let Some(dir) = std::env::var_os("NLHA_K8S_BIN") {
+        return PathBuf::from(dir);
+    }
     let out = Command::new(repo().join("ci/k8s/build.sh"))
         .arg("--bin-dir")
         .output()
         .expect("ci/k8s/build.sh");
     assert!(out.status.success(), "ci/k8s/build.sh --bin-dir: {}", describe(&out));
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// The real parts a node with `--kube-proxy real-*` runs, built here if they are not yet (as
+/// `simnode.sh up` does), and their directory: for a guest to be given as `NLHA_K8S_BIN`.
+pub fn real_parts_built() -> PathBuf {
+    let out = Command::new(repo().join("ci/k8s/build.sh"))
+        .args(["etcd", "kube-apiserver", "kube-proxy", "kubectl", "coredns"])
+        .output()
+        .expect("ci/k8s/build.sh");
+    assert!(out.status.success(), "ci/k8s/build.sh: a real part did not build: {}", describe(&out));
+    real_bin()
 }
 
 impl SimNode {
