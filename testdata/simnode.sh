@@ -192,8 +192,8 @@ cmd_up() {
         die "--kube-proxy must be iptables-nft, iptables-legacy, nftables, ipvs, real-iptables, real-nftables or real-ipvs"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
     [[ "$LISTEN_DEV" =~ ^(lo|dummy|veth)$ ]] || die "--listen-dev must be lo, dummy or veth"
-    if [[ $LISTEN_DEV == dummy || $kube_proxy == ipvs ]] && [[ $FAMILY != 4 ]]; then
-        die "--listen-dev dummy and --kube-proxy ipvs are modelled for --family 4 only"
+    if [[ $LISTEN_DEV == dummy || $kube_proxy == *ipvs ]] && [[ $FAMILY != 4 ]]; then
+        die "--listen-dev dummy and --kube-proxy $kube_proxy are modelled for --family 4 only"
     fi
     LISTEN_DEV_KIND=$LISTEN_DEV
     [[ $LISTEN_DEV == lo ]] || LISTEN_DEV=nodelocaldns
@@ -235,9 +235,11 @@ cmd_up() {
         # kubelet creates its canaries in both families even on a single-stack node.
         kubelet_canaries "$kube_proxy"
     fi
-    if has_v6 && ! is_real; then
+    if has_v6; then
         listen_ips add 6
-        if [[ $kube_proxy == nftables ]]; then
+        if is_real; then
+            : # real kube-proxy wrote its own IPv6 rules (real_up)
+        elif [[ $kube_proxy == nftables ]]; then
             kube_nft_rules ip6 "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"
         else
             kube_iptables_rules "ip6${kube_proxy#ip}" "$V6_CLUSTER_DNS" "$V6_UPSTREAM" "${V6_DNS_EPS[@]}"

@@ -6,7 +6,8 @@
 //! hang moves the route at the `fall`-th failed probe; the route returns after recovery;
 //! `teardown` leaves nothing of the agent in nftables or in either iptables flavour. The
 //! `real_*` cells run on the real Kubernetes parts (issue 31: real kube-proxy in iptables and
-//! nftables mode, real CoreDNS, the API server; `testdata/simnode/real.sh`).
+//! nftables mode, real CoreDNS, the API server; `testdata/simnode/real.sh`), their IPv6 cells on
+//! a dual-stack cluster.
 
 use std::time::Duration;
 
@@ -23,6 +24,15 @@ impl Family {
         match self {
             Family::V4 => "4",
             Family::V6 => "6",
+        }
+    }
+
+    /// `--family` for the node. The real parts' cluster is IPv4 or dual-stack (its API server on
+    /// IPv4, as in kubeadm's dual-stack clusters): an IPv6 cell there runs on a dual-stack node.
+    fn node_flag(self, kube_proxy: &str) -> &'static str {
+        match self {
+            Family::V6 if kube_proxy.starts_with("real-") => "dual",
+            _ => self.flag(),
         }
     }
 
@@ -83,7 +93,8 @@ fn agent_args(dataplane: &str) -> [&str; 8] {
 
 /// One ClusterIP cell: the clients run until the last phase is over, then are interrupted.
 fn cell(kube_proxy: &str, dataplane: &str, family: Family) {
-    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
+    let node =
+        SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.node_flag(kube_proxy)]);
     let (local, cluster_dns, upstream) = family.addrs();
     let agent = node.agent_for(local, cluster_dns, upstream, &agent_args(dataplane));
     let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
@@ -168,7 +179,8 @@ fn fixed_port_answer(node: &SimNode, family: Family) -> String {
 /// loses its first attempt. A client that keeps one source port goes to the forwarder and back
 /// to the cache with the route. `teardown` leaves nothing, the agent's copies on lo included.
 fn link_local_cell(kube_proxy: &str, dataplane: &str, family: Family) {
-    let node = SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.flag()]);
+    let node =
+        SimNode::up_with(&["--kube-proxy", kube_proxy, "--family", family.node_flag(kube_proxy)]);
     let (local, _, upstream) = family.addrs();
     let agent = node.agent_for(local, "", upstream, &agent_args(dataplane));
     let expected = if dataplane == "auto" { auto_choice(kube_proxy) } else { dataplane };
@@ -259,6 +271,8 @@ link_local_matrix! {
     // The real parts (issue 31): the forwarder answering through real kube-proxy to real CoreDNS.
     link_local_real_iptables_auto_v4: "real-iptables", "auto", V4;
     link_local_real_nftables_auto_v4: "real-nftables", "auto", V4;
+    link_local_real_iptables_auto_v6: "real-iptables", "auto", V6;
+    link_local_real_nftables_auto_v6: "real-nftables", "auto", V6;
 }
 
 macro_rules! matrix {
@@ -301,4 +315,7 @@ matrix! {
     // node-local-dns's Corefile (testdata/simnode/real.sh).
     real_iptables_auto_v4: "real-iptables", "auto", V4;
     real_nftables_auto_v4: "real-nftables", "auto", V4;
+    // On a dual-stack node: real kube-proxy's IPv6 rules (ip6tables-nft, `table ip6 kube-proxy`).
+    real_iptables_auto_v6: "real-iptables", "auto", V6;
+    real_nftables_auto_v6: "real-nftables", "auto", V6;
 }

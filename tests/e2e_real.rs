@@ -209,3 +209,59 @@ fn real_kube_proxy_stock_node_cache_rules_are_named_and_cost_lookups() {
     assert_eq!(ours["failed"], 0, "{ours}");
     node.tear_down(agent);
 }
+
+/// A dual-stack cluster on the real parts: kube-dns with a ClusterIP of each family, real
+/// kube-proxy's rules for both (iptables mode: iptables-nft and ip6tables-nft; nftables mode:
+/// `table ip` and `table ip6 kube-proxy`), CoreDNS on both families' endpoints, and one agent for
+/// both families, as a dual-stack node's DaemonSet gives it. IPv4 and IPv6 pods under load: a
+/// cache SIGKILL and a hang each move both families to real CoreDNS through real kube-proxy and
+/// back, and no lookup of either fails.
+fn dual_stack_pods_survive_kill_and_hang(mode: &str, dataplane: &str) {
+    use std::time::Duration;
+    let node = SimNode::up_with(&["--kube-proxy", mode, "--family", "dual"]);
+    let agent = node.agent_for(
+        "169.254.20.10,fd00:169:254::10",
+        "10.96.0.10,fd00:96::10",
+        "10.96.0.11,fd00:96::11",
+        &["--dataplane", "auto"],
+    );
+    let st = agent.state().expect("state");
+    assert_eq!(st["dataplane"], dataplane, "{st}");
+    let args = ["--rate", "250", "--duration", "60s", "--report-interval", "100ms"];
+    let mut v4 = node.load("pod1", CLUSTER_DNS_IP, &args);
+    let mut v6_args = args.to_vec();
+    v6_args.extend(["--qtype", "AAAA"]);
+    let mut v6 = node.load("pod2", "[fd00:96::10]:53", &v6_args);
+    for (down, up) in [("cache-kill", "cache-start"), ("cache-stop", "cache-cont")] {
+        for load in [&mut v4, &mut v6] {
+            load.wait_cache_answers();
+        }
+        node.signal(down);
+        agent.wait_route("upstream", Duration::from_secs(5));
+        for load in [&mut v4, &mut v6] {
+            load.wait_alone("coredns");
+        }
+        node.script(&[up]);
+        agent.wait_route("local", Duration::from_secs(10));
+    }
+    for load in [&mut v4, &mut v6] {
+        load.wait_alone("cache");
+    }
+    for (family, load) in [("IPv4", v4), ("IPv6", v6)] {
+        let summary = load.interrupt();
+        println!("{mode}, {family}: {summary}");
+        assert_eq!(summary["failed"], 0, "{family}: {summary}");
+        assert_eq!(summary["by_origin"]["other"], 0, "{family}: {summary}");
+    }
+    node.tear_down(agent);
+}
+
+#[test]
+fn real_kube_proxy_iptables_dual_stack_pods_survive_kill_and_hang() {
+    dual_stack_pods_survive_kill_and_hang("real-iptables", "iptables-nft");
+}
+
+#[test]
+fn real_kube_proxy_nftables_dual_stack_pods_survive_kill_and_hang() {
+    dual_stack_pods_survive_kill_and_hang("real-nftables", "nftables");
+}

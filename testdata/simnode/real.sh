@@ -21,7 +21,12 @@
 #     2.2.2.2 (and fd00::2:2:2:2), as the dnsmasq stand-in does, so tests still see who answered.
 #   * the node-local cache: CoreDNS with node-local-dns's Corefile (real_cache_conf; node-cache
 #     itself cannot be had: the module proxy refuses k8s.io/dns, 403).
-# IPv4 only. `down` stops every part by its recorded pid and deletes $P-cp.
+# --family 4, or dual: a dual-stack cluster (IPv4 primary, as kubeadm's dual-stack guide sets it
+# up): both service CIDRs, kube-dns and kube-dns-upstream RequireDualStack with both ClusterIPs,
+# an EndpointSlice per family, the Node with both pod CIDRs and an address of each family,
+# kube-proxy with both cluster CIDRs (its IPv6 rules in ip6tables-nft, or `table ip6
+# kube-proxy`), CoreDNS on both endpoints' addresses; the API server itself on IPv4. IPVS: IPv4
+# only. `down` stops every part by its recorded pid and deletes $P-cp.
 
 readonly V4_CP_NODE=10.240.0.1 V4_APISERVER=10.240.0.2 REAL_CP_NET=10.240.0.0/30
 
@@ -133,6 +138,29 @@ real_wait() {
     done
 }
 
+# real_dns_slice SVC 4|6: the EndpointSlice the EndpointSlice controller would write for SVC's
+# CoreDNS pods in one family (there is no controller-manager here: this plays it).
+real_dns_slice() {
+    local svc=$1 eps=("${V4_DNS_EPS[@]}") name=$1-simnode type=IPv4
+    if [[ $2 == 6 ]]; then eps=("${V6_DNS_EPS[@]}") name=$1-simnode-v6 type=IPv6; fi
+    cat <<EOF
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: $name
+  namespace: kube-system
+  labels: {kubernetes.io/service-name: $svc, endpointslice.kubernetes.io/managed-by: simnode}
+addressType: $type
+ports:
+- {name: dns, port: 53, protocol: UDP}
+- {name: dns-tcp, port: 53, protocol: TCP}
+endpoints:
+- {addresses: ["${eps[0]}"], conditions: {ready: true, serving: true, terminating: false}}
+- {addresses: ["${eps[1]}"], conditions: {ready: true, serving: true, terminating: false}}
+EOF
+}
+
 # real_control_plane: etcd and kube-apiserver in $P-cp, ready, and the cluster's DNS objects.
 real_control_plane() {
     local pki="$RUN_DIR/pki"
@@ -143,7 +171,7 @@ real_control_plane() {
     svc_start kube-apiserver cp "$REAL_BIN/kube-apiserver" \
         --etcd-servers=http://127.0.0.1:2379 \
         --bind-address="$V4_APISERVER" --advertise-address="$V4_APISERVER" --secure-port=6443 \
-        --service-cluster-ip-range="$V4_SERVICE_CIDR" \
+        --service-cluster-ip-range="$V4_SERVICE_CIDR$(! has_v6 || echo ",$V6_SERVICE_CIDR")" \
         --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
         --client-ca-file="$pki/ca.crt" \
         --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
@@ -154,39 +182,34 @@ real_control_plane() {
     real_wait 180 "kube-apiserver's /readyz" kc get --raw /readyz
     # The default Service and kube-system come from the API server's own controllers.
     real_wait 60 "namespace kube-system" kc get namespace kube-system
-    local ep1=${V4_DNS_EPS[0]} ep2=${V4_DNS_EPS[1]} svc ip
+    local svc ip ip6 family
     {
         for svc in kube-dns kube-dns-upstream; do
-            ip=$V4_CLUSTER_DNS
-            [[ $svc == kube-dns ]] || ip=$V4_UPSTREAM
+            ip=$V4_CLUSTER_DNS ip6=$V6_CLUSTER_DNS
+            [[ $svc == kube-dns ]] || ip=$V4_UPSTREAM ip6=$V6_UPSTREAM
             cat <<EOF
 ---
 apiVersion: v1
 kind: Service
 metadata: {name: $svc, namespace: kube-system, labels: {k8s-app: kube-dns}}
 spec:
-  clusterIP: $ip
+EOF
+            if has_v6; then
+                printf '  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n'
+                printf '  clusterIP: %s\n  clusterIPs: [%s, "%s"]\n' "$ip" "$ip" "$ip6"
+            else
+                printf '  clusterIP: %s\n' "$ip"
+            fi
+            cat <<EOF
   selector: {k8s-app: kube-dns}
   ports:
   - {name: dns, port: 53, protocol: UDP}
   - {name: dns-tcp, port: 53, protocol: TCP}
----
-# What the EndpointSlice controller would write for the CoreDNS pods (there is no
-# controller-manager here: this plays it).
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: $svc-simnode
-  namespace: kube-system
-  labels: {kubernetes.io/service-name: $svc, endpointslice.kubernetes.io/managed-by: simnode}
-addressType: IPv4
-ports:
-- {name: dns, port: 53, protocol: UDP}
-- {name: dns-tcp, port: 53, protocol: TCP}
-endpoints:
-- {addresses: ["$ep1"], conditions: {ready: true, serving: true, terminating: false}}
-- {addresses: ["$ep2"], conditions: {ready: true, serving: true, terminating: false}}
 EOF
+            for family in 4 6; do
+                [[ $family == 4 ]] || has_v6 || continue
+                real_dns_slice "$svc" "$family"
+            done
         done
         # The node (kubelet would register it, and report its address: below): kube-proxy waits
         # up to 30 s for its Node object and its address before it syncs.
@@ -195,7 +218,7 @@ EOF
 apiVersion: v1
 kind: Node
 metadata: {name: $(ns_name node), labels: {kubernetes.io/hostname: $(ns_name node), kubernetes.io/os: linux}}
-spec: {podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24]}
+spec: {podCIDR: 10.244.0.0/24, podCIDRs: [10.244.0.0/24$(! has_v6 || echo ', "fd00:244::/64"')]}
 EOF
         # kubeadm's CoreDNS role and binding, for the coredns client certificate's user.
         cat <<'EOF'
@@ -218,8 +241,12 @@ EOF
     kc apply -f "$RUN_DIR/cluster-dns.yaml" >>"$RUN_DIR/kubectl.log" 2>&1 ||
         die "real parts: kubectl apply of the DNS Services failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
     # The address kubelet would report: kube-proxy waits up to 30 s for the Node to have one.
+    # On a dual-stack node, an IPv6 one too (its address towards the pods: the node has no
+    # other).
+    local addresses="{\"type\":\"InternalIP\",\"address\":\"$V4_CP_NODE\"}"
+    ! has_v6 || addresses+=",{\"type\":\"InternalIP\",\"address\":\"$V6_NODE_POD\"}"
     kc patch node "$(ns_name node)" --subresource=status --type=merge \
-        -p "{\"status\":{\"addresses\":[{\"type\":\"InternalIP\",\"address\":\"$V4_CP_NODE\"}]}}" \
+        -p "{\"status\":{\"addresses\":[$addresses]}}" \
         >>"$RUN_DIR/kubectl.log" 2>&1 ||
         die "real parts: kubectl patch of the Node's addresses failed: $(tail -n 5 "$RUN_DIR/kubectl.log")"
 }
@@ -236,10 +263,20 @@ kube_proxy_rules_ready() {
         rules=$(in_ns node nft list table ip kube-proxy) || return 1
         wants=("$V4_CLUSTER_DNS . udp . 53" "$V4_UPSTREAM . udp . 53"
             "${V4_DNS_EPS[0]} . 53" "${V4_DNS_EPS[1]} . 53") # numgen maps to the endpoints
+        if has_v6; then
+            rules+=$(in_ns node nft list table ip6 kube-proxy) || return 1
+            wants+=("$V6_CLUSTER_DNS . udp . 53" "$V6_UPSTREAM . udp . 53"
+                "${V6_DNS_EPS[0]} . 53" "${V6_DNS_EPS[1]} . 53")
+        fi
     else
         rules=$(in_ns node "$IPT4-save" -t nat) || return 1
         wants=("-d $V4_CLUSTER_DNS/32 -p udp" "-d $V4_UPSTREAM/32 -p udp"
             "--to-destination ${V4_DNS_EPS[0]}:53" "--to-destination ${V4_DNS_EPS[1]}:53")
+        if has_v6; then
+            rules+=$(in_ns node "$IPT6-save" -t nat) || return 1
+            wants+=("-d $V6_CLUSTER_DNS/128 -p udp" "-d $V6_UPSTREAM/128 -p udp"
+                "--to-destination [${V6_DNS_EPS[0]}]:53" "--to-destination [${V6_DNS_EPS[1]}]:53")
+        fi
     fi
     for want in "${wants[@]}"; do
         [[ $rules == *"$want"* ]] || return 1
@@ -259,9 +296,9 @@ real_kube_proxy() {
     fi
     svc_start kube-proxy node "$REAL_BIN/kube-proxy" --proxy-mode "$mode" \
         --kubeconfig "$RUN_DIR/kube-proxy.kubeconfig" --hostname-override "$(ns_name node)" \
-        --cluster-cidr "$V4_CLUSTER_CIDR" --conntrack-max-per-core 0 \
+        --cluster-cidr "$V4_CLUSTER_CIDR$(! has_v6 || echo ",$V6_CLUSTER_CIDR")" --conntrack-max-per-core 0 \
         --metrics-bind-address 127.0.0.1:10249 --healthz-bind-address 127.0.0.1:10256 -v 2
-    real_wait 60 "kube-proxy's rules for $V4_CLUSTER_DNS and $V4_UPSTREAM" kube_proxy_rules_ready
+    real_wait 60 "kube-proxy's rules for $V4_CLUSTER_DNS and $V4_UPSTREAM$(! has_v6 || echo " (and $V6_CLUSTER_DNS, $V6_UPSTREAM)")" kube_proxy_rules_ready
 }
 
 # real_busy_services N: a busy cluster, as kube-proxy sees it: N Services (namespace `busy`, TCP
@@ -323,7 +360,7 @@ EOF
 real_prefer_same_node() {
     local node ready_rules file="$RUN_DIR/prefer-same-node.yaml"
     node=$(ns_name node)
-    [[ $KUBE_PROXY == real-iptables ]] || die "prefer-same-node is modelled for real-iptables"
+    [[ $KUBE_PROXY == real-iptables && $FAMILY == 4 ]] || die "prefer-same-node is modelled for real-iptables, --family 4"
     real_bin
     case $1 in
     on)
@@ -478,7 +515,8 @@ real_kube_proxy_migrate() {
 
 # real_up: everything above, in order (from cmd_up, after the node's namespaces and veths).
 real_up() {
-    [[ $FAMILY == 4 ]] || die "--kube-proxy $KUBE_PROXY is modelled for --family 4 only"
+    [[ $FAMILY == 4 || ($FAMILY == dual && $KUBE_PROXY != real-ipvs) ]] ||
+        die "--kube-proxy $KUBE_PROXY is modelled for --family 4$([[ $KUBE_PROXY == real-ipvs ]] || echo " and dual") only"
     real_bin
     real_pki
     add_cp
@@ -489,9 +527,11 @@ real_up() {
 # real_coredns_start: CoreDNS on both endpoint IPs (coredns-start in the real modes).
 real_coredns_start() {
     real_bin
+    local eps=("${V4_DNS_EPS[@]}")
+    ! has_v6 || eps+=("${V6_DNS_EPS[@]}")
     cat >"$RUN_DIR/Corefile" <<EOF
 .:53 {
-    bind ${V4_DNS_EPS[*]}
+    bind ${eps[*]}
     errors
     template IN A $PROBE_NAME {
         answer "{{ .Name }} 0 IN A $COREDNS_A"
@@ -510,10 +550,12 @@ EOF
     echo "--- coredns-start" >>"$RUN_DIR/coredns.log"
     svc_start coredns dns "$REAL_BIN/coredns" -conf "$RUN_DIR/Corefile"
     local ip
-    for ip in "${V4_DNS_EPS[@]}"; do
+    for ip in "${eps[@]}"; do
         real_wait 30 "CoreDNS endpoint $ip" dig_answers node "$ip" "$PROBE_NAME" "$COREDNS_A"
     done
     real_wait 30 "CoreDNS through kube-proxy and the upstream Service" dig_answers node "$V4_UPSTREAM" "$PROBE_NAME" "$COREDNS_A"
+    ! has_v6 || real_wait 30 "CoreDNS through kube-proxy and the upstream Service's IPv6 ClusterIP" \
+        dig_answers node "$V6_UPSTREAM" "$PROBE_NAME" "$COREDNS_A"
     real_wait 30 "CoreDNS answering kubernetes.default from the API" dig_answers node "${V4_DNS_EPS[0]}" kubernetes.default.svc.cluster.local 10.96.0.1
     svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
 }
@@ -525,8 +567,8 @@ EOF
 # nodelocaldns in kubernetes/kubernetes) filled in as node-cache fills it: the cluster domain,
 # in-addr.arpa and ip6.arpa forwarded over TCP (force_tcp) to the kube-dns-upstream IP; cache
 # sizes, loop, reload, errors, prometheus :9253 and health on the local IP's :8080 as upstream.
-# The test bed's two changes: who.test answered by the template plugin with 1.1.1.1 (so tests
-# see who answered, as with unbound), and `.` forwarded to the kube-dns-upstream IP too (a real
+# The test bed's two changes: who.test answered by the template plugin with 1.1.1.1 and
+# fd00::1:1:1:1 (so tests see who answered, as with unbound), and `.` forwarded to the kube-dns-upstream IP too (a real
 # node's /etc/resolv.conf; the simulated node's is the build machine's). node-cache's own setup
 # is not here: the agent runs it as our overlay does (-setupiptables=false); its interface is
 # the simulated node's. cache2 (kubespray's second instance) takes :9255 and :8081, as
@@ -553,6 +595,8 @@ real_cache_conf() {
                 if [[ $zone == . ]]; then
                     printf '    template IN A %s {\n' "$PROBE_NAME"
                     printf '        answer "{{ .Name }} 30 IN A %s"\n    }\n' "$CACHE_A"
+                    printf '    template IN AAAA %s {\n' "$PROBE_NAME"
+                    printf '        answer "{{ .Name }} 30 IN AAAA %s"\n    }\n' "$CACHE_AAAA"
                     echo "    forward . $V4_UPSTREAM"
                 else
                     printf '    forward . %s {\n        force_tcp\n    }\n' "$V4_UPSTREAM"
