@@ -89,6 +89,10 @@ impl Announced {
     /// rule's also its chain's ([`RULE_CHAIN`]); a message that cannot be read makes the
     /// announcement `unknown`.
     pub fn add(&mut self, buf: &[u8], ignore_portid: Option<u32>) {
+        // The last change counted, as its message's bytes: a busy writer's batch announces
+        // thousands of rules of one chain in a row (kube-proxy rewriting `KUBE-SERVICES`), and
+        // counting the same change again would change nothing.
+        let mut last = None;
         for message in messages(buf) {
             let Ok(message) = message else {
                 self.unknown = true;
@@ -100,30 +104,41 @@ impl Announced {
             }
             let family = message.payload.first().copied();
             let attrs = nft_body(&message).map(|(_, attrs)| attrs).unwrap_or_default();
-            let find = |kind: u16| {
-                attributes(attrs).map_while(Result::ok).find(|a| a.kind == kind).map(|a| a.value)
-            };
-            let (Some(family), Some(name)) = (family, find(OBJECT_TABLE)) else {
+            let (mut name, mut chain) = (None, None);
+            for attr in attributes(attrs).map_while(Result::ok) {
+                match attr.kind {
+                    OBJECT_TABLE => name = name.or(Some(attr.value)),
+                    RULE_CHAIN => chain = chain.or(Some(attr.value)),
+                    _ => {}
+                }
+            }
+            let (Some(family), Some(name)) = (family, name) else {
                 self.unknown = true;
                 continue;
             };
-            let table = TableRef { family, name: string(name) };
-            let chain = [NFT_MSG_NEWRULE, NFT_MSG_DELRULE]
-                .contains(&kind)
-                .then(|| find(RULE_CHAIN))
-                .flatten();
-            match chain {
-                Some(_) if self.whole.contains(&table) => {}
-                Some(chain) if self.chains_of(&table).count() < CHAINS_PER_TABLE => {
-                    self.rules.insert((table.clone(), string(chain)));
+            let chain = chain.filter(|_| [NFT_MSG_NEWRULE, NFT_MSG_DELRULE].contains(&kind));
+            if last.replace((family, name, chain)) == Some((family, name, chain)) {
+                continue;
+            }
+            self.count(TableRef { family, name: string(name) }, chain);
+        }
+    }
+
+    /// Counts a change of `table`: of the rules of `chain`, or with none, of the table whole.
+    fn count(&mut self, table: TableRef, chain: Option<&[u8]>) {
+        if !self.whole.contains(&table) {
+            match chain.map(|chain| (table.clone(), string(chain))) {
+                Some(rule) if self.rules.contains(&rule) => {}
+                Some(rule) if self.chains_of(&table).count() < CHAINS_PER_TABLE => {
+                    self.rules.insert(rule);
                 }
                 _ => {
                     self.rules.retain(|(t, _)| *t != table);
                     insert(&mut self.whole, &table);
                 }
             }
-            insert(&mut self.tables, &table);
         }
+        insert(&mut self.tables, &table);
     }
 }
 
@@ -282,6 +297,16 @@ mod tests {
         let chainless = [vec![2, 0, 0, 0], attr(1, b"filter\0")].concat();
         let chainless = message(kind(NFT_MSG_NEWRULE), 99, &chainless);
         assert!(announced(&chainless, None).concerns(&watch));
+        // Rules of one chain announced one after another, or a chain seen again once as many
+        // chains as are kept are counted: each chain counted once, the table not whole.
+        let rewrite: Vec<Vec<u8>> = (0..CHAINS_PER_TABLE)
+            .flat_map(|i| [NFT_MSG_DELRULE, NFT_MSG_NEWRULE].map(|msg| (i, msg)))
+            .map(|(i, msg)| rule(msg, format!("KUBE-SVC-{i}\0").as_bytes()))
+            .chain([rule(NFT_MSG_NEWRULE, b"KUBE-SVC-0\0")])
+            .collect();
+        let seen = announced(&rewrite.concat(), None);
+        assert_eq!((seen.rules.len(), seen.whole.len()), (CHAINS_PER_TABLE, 0), "{seen:?}");
+        assert!(!seen.concerns(&watch), "{seen:?}");
         // A rewrite of more chains than are kept: the table counts as changed whole.
         let many: Vec<Vec<u8>> = (0..=CHAINS_PER_TABLE)
             .map(|i| rule(NFT_MSG_NEWRULE, format!("KUBE-SEP-{i}\0").as_bytes()))
