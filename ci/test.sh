@@ -21,6 +21,8 @@ ci/k8s/smoke.sh
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The kernel column is not among `--all-targets` (test = false in Cargo.toml): linted by name.
+cargo clippy --locked --test e2e_vm -- -D warnings
 # Licences, duplicate versions, sources (deny.toml); `unsafe` only in the reviewed modules is
 # checked by tests/unsafe_confined.rs and the compiler.
 cargo deny --workspace --locked check bans licenses sources

@@ -122,7 +122,7 @@
 #   endpoint-churn-start PREFIX RATE | endpoint-churn-stop | endpoint-churn-changes PREFIX
 #     RATE EndpointSlice changes a second over the busy Services, through the API (the endpoint
 #     controller of a busy cluster); -changes prints how many were accepted so far.
-#   prefer-same-node PREFIX on|off                (real parts, real-iptables)
+#   prefer-same-node PREFIX on|off                (real parts, real-iptables, --family 4)
 #     on: kube-dns as KEP-3015's `trafficDistribution: PreferSameNode` shapes it: the cache an
 #     endpoint of kube-dns at the node's address (10.240.0.1, as node-local-dns's host-network
 #     pods would be; cache-start binds it while this is on), every endpoint hinted for its own
@@ -192,8 +192,9 @@ cmd_up() {
         die "--kube-proxy must be iptables-nft, iptables-legacy, nftables, ipvs, real-iptables, real-nftables or real-ipvs"
     [[ "$FAMILY" =~ ^(4|6|dual)$ ]] || die "--family must be 4, 6 or dual"
     [[ "$LISTEN_DEV" =~ ^(lo|dummy|veth)$ ]] || die "--listen-dev must be lo, dummy or veth"
-    if [[ $LISTEN_DEV == dummy || $kube_proxy == *ipvs ]] && [[ $FAMILY != 4 ]]; then
-        die "--listen-dev dummy and --kube-proxy $kube_proxy are modelled for --family 4 only"
+    if [[ $FAMILY != 4 ]]; then
+        [[ $LISTEN_DEV != dummy ]] || die "--listen-dev dummy is modelled for --family 4 only"
+        [[ $kube_proxy != *ipvs ]] || die "--kube-proxy $kube_proxy is modelled for --family 4 only"
     fi
     LISTEN_DEV_KIND=$LISTEN_DEV
     [[ $LISTEN_DEV == lo ]] || LISTEN_DEV=nodelocaldns

@@ -32,6 +32,9 @@ fn in_guest_booted(name: &str, kernel_args: &[&str], body: impl FnOnce()) {
 /// under TCG, hence the longer bound.
 fn in_guest_real(name: &str, body: impl FnOnce()) {
     let guest = std::env::var_os("NLHA_GUEST_KERNEL").is_some();
+    if !guest {
+        require_root();
+    }
     let bin = (!guest).then(real_parts_built);
     let bin = bin.as_deref().map(|b| b.to_str().expect("a UTF-8 path"));
     let env: Vec<_> = bin.into_iter().map(|b| ("NLHA_K8S_BIN", b)).collect();
@@ -415,8 +418,15 @@ guest_tests! {
 /// * pods' queries for the ClusterIP are IPVS's: CoreDNS answers every one, the cache none;
 /// * `auto` sees real kube-proxy's IPVS and refuses the ClusterIP's interception, changing
 ///   nothing;
-/// * the link-local shape with `auto`: the cache killed and hung under pod load, the forwarder
-///   answers through real IPVS to real CoreDNS, back to the cache each time, no lookup failed.
+/// * the link-local shape: `auto` picks iptables-nft (kube-proxy's IPVS mode writes its chains
+///   with the host's iptables); the cache killed and hung under pod load, the forwarder answers
+///   through real IPVS to real CoreDNS, back to the cache each time, no lookup failed.
+///
+/// The faults run with the nftables backend, one kernel transaction a switch. Beside the real
+/// control plane on the guest's one emulated CPU, iptables-nft's children took seconds each: a
+/// retried apply of `local` once held the control loop for 12 s, across the hang that followed
+/// (an apply is not abandoned for a newer decision), and lookups failed. The stand-in's cells
+/// above run every backend on this kernel.
 #[test]
 fn real_ipvs_kube_proxy() {
     in_guest_real(test_name!(), || {
@@ -429,12 +439,16 @@ fn real_ipvs_kube_proxy() {
 
         assert_auto_refuses_clusterip(&node);
 
-        let mut args = vec!["--dataplane", "auto"];
+        let auto = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &["--dataplane", "auto"]);
+        assert_eq!(auto.state().expect("state")["dataplane"], "iptables-nft");
+        node.tear_down(auto);
+
+        let mut args = vec!["--dataplane", "nftables"];
         args.extend(AGENT_TIMING);
         let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &args);
         let mut pod = pod_load(&node, LOCAL_IP);
         wait_only(&mut pod, "cache");
-        println!("link-local shape on real IPVS: dataplane {}", settled(&agent)["dataplane"]);
+        settled(&agent);
 
         node.signal("cache-kill");
         wait_only(&mut pod, "coredns");

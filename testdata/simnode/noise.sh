@@ -137,8 +137,8 @@ run_loop() { # run_loop SVC
 loop_start() { # loop_start SVC
     local svc=$1 pid deadline
     load_state
-    if [[ $svc == kube-proxy-resync && $KUBE_PROXY == ipvs ]]; then
-        die "kube-proxy-resync is not modelled for --kube-proxy ipvs"
+    if [[ $svc == kube-proxy-resync && ($KUBE_PROXY == ipvs || $KUBE_PROXY == real-*) ]]; then
+        die "kube-proxy-resync is the stand-in's loop: not modelled for --kube-proxy $KUBE_PROXY (real kube-proxy syncs itself; busy-services and endpoint-churn-start keep it busy)"
     fi
     ns_exists node || die "namespace $(ns_name node) does not exist"
     rm -f "$RUN_DIR/$svc.ready" "$RUN_DIR/$svc.rounds"

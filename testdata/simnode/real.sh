@@ -7,9 +7,10 @@
 #     kubeconfigs for the tests (admin), kube-proxy and CoreDNS. The dns namespace reaches the API
 #     server through the node (its default route), as CoreDNS pods do through theirs.
 #   * no kubelet and no controller-manager: `up` creates, through the API (kubectl, admin), the
-#     node's Node object (as kubelet registers it), the Services kube-system/kube-dns (10.96.0.10) and kube-dns-upstream (10.96.0.11), udp and tcp
-#     53, same selector, and playing the endpoint controller, one EndpointSlice for each with the
-#     CoreDNS endpoints 10.244.1.2 and 10.244.1.3, ready.
+#     node's Node object (as kubelet registers it), the Services kube-system/kube-dns
+#     (10.96.0.10) and kube-dns-upstream (10.96.0.11), udp and tcp 53, same selector, and
+#     playing the endpoint controller, an EndpointSlice for each (and each family) with the
+#     CoreDNS endpoints 10.244.1.2 and 10.244.1.3 (fd00:244:1::2 and ::3), ready.
 #   * real kube-proxy in the node namespace, in iptables mode (the host's `iptables`, i.e.
 #     iptables-nft here; kubelet's chains beside it), nftables mode (`table ip kube-proxy`) or
 #     IPVS mode (its `kube-ipvs0`, IPVS services, ipsets and iptables chains; needs the ip_vs
@@ -252,7 +253,8 @@ EOF
 }
 
 # kube_proxy_rules_ready: kube-proxy's rules send both Services to both endpoints: its nat table
-# (iptables mode), its `table ip kube-proxy` (nftables mode).
+# (iptables mode), its `table ip kube-proxy` (nftables mode), its IPVS services (IPVS mode); on a
+# dual-stack node its ip6tables nat table or `table ip6 kube-proxy` too.
 kube_proxy_rules_ready() {
     local rules want wants
     if [[ $KUBE_PROXY == real-ipvs ]]; then
@@ -442,7 +444,8 @@ real_cache_endpoint() {
     [[ -f $RUN_DIR/prefer-same-node ]] || die "cache-endpoint needs prefer-same-node on"
     # The parts are built (prefer-same-node was): their directory only, no build check, so that
     # the change goes out when it is asked for.
-    REAL_BIN=$("$SCRIPT_DIR/../ci/k8s/build.sh" --bin-dir) || die "real parts: ci/k8s/build.sh --bin-dir failed"
+    REAL_BIN=${NLHA_K8S_BIN:-$("$SCRIPT_DIR/../ci/k8s/build.sh" --bin-dir)} ||
+        die "real parts: ci/k8s/build.sh --bin-dir failed"
     local patch="[{\"op\":\"replace\",\"path\":\"/endpoints/2/conditions\",\"value\":{\"ready\":$ready,\"serving\":$ready,\"terminating\":false}}]"
     kc -n kube-system patch endpointslice kube-dns-simnode --type=json -p "$patch" \
         >>"$RUN_DIR/kubectl.log" 2>&1 ||
@@ -504,7 +507,8 @@ real_churn_start() {
 # real_kube_proxy_migrate: kube-proxy-migrate with the real parts: real kube-proxy stopped in
 # iptables mode and started in nftables mode, which cleans up the iptables mode's rules itself.
 real_kube_proxy_migrate() {
-    [[ $KUBE_PROXY == real-iptables ]] || die "kube-proxy already runs in ${KUBE_PROXY#real-} mode"
+    [[ $KUBE_PROXY == real-iptables ]] ||
+        die "kube-proxy-migrate is modelled from real-iptables only (kube-proxy runs in ${KUBE_PROXY#real-} mode)"
     real_bin
     svc_term kube-proxy
     KUBE_PROXY=real-nftables

@@ -41,8 +41,12 @@ pub fn real_bin() -> PathBuf {
 }
 
 /// The real parts a node with `--kube-proxy real-*` runs, built here if they are not yet (as
-/// `simnode.sh up` does), and their directory: for a guest to be given as `NLHA_K8S_BIN`.
+/// `simnode.sh up` does), and their directory: for a guest to be given as `NLHA_K8S_BIN`. An
+/// `NLHA_K8S_BIN` already set is taken as it is.
 pub fn real_parts_built() -> PathBuf {
+    if std::env::var_os("NLHA_K8S_BIN").is_some() {
+        return real_bin();
+    }
     let out = Command::new(repo().join("ci/k8s/build.sh"))
         .args(["etcd", "kube-apiserver", "kube-proxy", "kubectl", "coredns"])
         .output()
