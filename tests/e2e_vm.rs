@@ -376,19 +376,7 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str) {
     let mut pod = pod_load(&node, LOCAL_IP);
     wait_only(&mut pod, "cache");
 
-    node.signal("cache-kill");
-    wait_only(&mut pod, "coredns");
-    node.script(&["cache-start"]);
-    agent.wait_route("local", ROUTE);
-    wait_only(&mut pod, "cache");
-
-    node.signal("cache-stop");
-    let up = agent.wait_route("upstream", ROUTE);
-    println!("hang: {}", up["reason"]);
-    wait_only(&mut pod, "coredns");
-    node.signal("cache-cont");
-    agent.wait_route("local", ROUTE);
-    wait_only(&mut pod, "cache");
+    link_local_kill_and_hang(&node, &agent, &mut pod);
 
     // node-cache's teardown deletes its dummy, and the IP with it: the agent's copy on lo
     // keeps it, so the running cache still answers, and the forwarder once it is killed.
@@ -403,6 +391,24 @@ fn link_local_cell(kube_proxy: &str, dataplane: &str) {
     assert_eq!(summary["failed"], 0, "pod lookups failed: {summary}");
     assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
     node.tear_down(agent);
+}
+
+/// The link-local shape's two faults under `pod`'s load: the cache killed (the forwarder answers
+/// at once) and started again, then hung and resumed; back to the cache each time.
+fn link_local_kill_and_hang(node: &SimNode, agent: &Agent, pod: &mut Load) {
+    node.signal("cache-kill");
+    wait_only(pod, "coredns");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", ROUTE);
+    wait_only(pod, "cache");
+
+    node.signal("cache-stop");
+    let up = agent.wait_route("upstream", ROUTE);
+    println!("hang: {}", up["reason"]);
+    wait_only(pod, "coredns");
+    node.signal("cache-cont");
+    agent.wait_route("local", ROUTE);
+    wait_only(pod, "cache");
 }
 
 guest_tests! {
@@ -450,19 +456,7 @@ fn real_ipvs_kube_proxy() {
         wait_only(&mut pod, "cache");
         settled(&agent);
 
-        node.signal("cache-kill");
-        wait_only(&mut pod, "coredns");
-        node.script(&["cache-start"]);
-        agent.wait_route("local", ROUTE);
-        wait_only(&mut pod, "cache");
-
-        node.signal("cache-stop");
-        let up = agent.wait_route("upstream", ROUTE);
-        println!("hang: {}", up["reason"]);
-        wait_only(&mut pod, "coredns");
-        node.signal("cache-cont");
-        agent.wait_route("local", ROUTE);
-        wait_only(&mut pod, "cache");
+        link_local_kill_and_hang(&node, &agent, &mut pod);
 
         let summary = pod.interrupt();
         println!("link-local, real IPVS on {}: pod {summary}", Machine::this().kernel);
