@@ -33,20 +33,23 @@ readonly V4_CP_NODE=10.240.0.1 V4_APISERVER=10.240.0.2 REAL_CP_NET=10.240.0.0/30
 
 is_real() { [[ $KUBE_PROXY == real-* ]]; }
 
+# The parts a node with the real parts runs.
+readonly REAL_PARTS=(etcd kube-apiserver kube-proxy kubectl coredns)
+
 # The parts' directory: build.sh builds what is missing (0.1 s when cached) and fails naming the
 # part that would not build. NLHA_K8S_BIN names a directory the host built instead (the ci/vm
 # guest has no Go: its tests pass the host's `build.sh --bin-dir`).
 real_bin() {
     local build="$SCRIPT_DIR/../ci/k8s/build.sh" out part
     if [[ -n "${NLHA_K8S_BIN:-}" ]]; then
-        for part in etcd kube-apiserver kube-proxy kubectl coredns; do
+        for part in "${REAL_PARTS[@]}"; do
             [[ -x "$NLHA_K8S_BIN/$part" ]] ||
                 die "real parts: NLHA_K8S_BIN=$NLHA_K8S_BIN has no $part (build it with ci/k8s/build.sh)"
         done
         REAL_BIN=$NLHA_K8S_BIN
         return
     fi
-    out=$("$build" etcd kube-apiserver kube-proxy kubectl coredns 2>&1) ||
+    out=$("$build" "${REAL_PARTS[@]}" 2>&1) ||
         die "real parts: ci/k8s/build.sh failed: $(tail -n 5 <<<"$out")"
     REAL_BIN=$("$build" --bin-dir) || die "real parts: ci/k8s/build.sh --bin-dir failed"
 }
