@@ -5,8 +5,8 @@
 # Run as root. Everything happens in namespaces this script creates and removes.
 #   ci/demo.sh          the light stand-in node (hand-written DNAT, dnsmasq, unbound): seconds
 #   ci/demo.sh --real   the real Kubernetes parts (kube-apiserver and etcd, real kube-proxy in
-#                       iptables mode, real CoreDNS, the cache CoreDNS with node-local-dns's
-#                       Corefile; built by ci/k8s/build.sh: 13 min the first time, then cached)
+#                       iptables mode, real CoreDNS, the real node-cache; built by
+#                       ci/k8s/build.sh: 25 min the first time, then cached)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,7 +16,7 @@ case "${1:-}" in
 "") ;;
 --real)
   up_args=(--kube-proxy real-iptables)
-  node_desc="real kube-apiserver, kube-proxy (iptables mode) and CoreDNS; the cache CoreDNS with node-local-dns's Corefile"
+  node_desc="real kube-apiserver, kube-proxy (iptables mode) and CoreDNS; the cache the real node-cache"
   ;;
 *) echo "usage: ci/demo.sh [--real]" >&2; exit 2 ;;
 esac
@@ -37,7 +37,7 @@ cleanup() {
 trap cleanup EXIT
 
 echo "== simulated node $prefix: pods, node, $node_desc"
-if [ ${#up_args[@]} -gt 0 ]; then ci/k8s/build.sh etcd kube-apiserver kube-proxy kubectl coredns; fi
+if [ ${#up_args[@]} -gt 0 ]; then ci/k8s/build.sh etcd kube-apiserver kube-proxy kubectl coredns node-cache; fi
 sim up "${up_args[@]}" >/dev/null
 sim coredns-start >/dev/null
 sim cache-start >/dev/null

@@ -450,10 +450,9 @@ fn the_cluster_s_prometheus_scrapes_the_agent_on_the_node_s_address_only() {
     assert_eq!(empty.len(), 1, "only node-local-dns's own request rate: {empty:#?}");
 }
 
-/// Issue 31, acceptance 6: the same on the real parts, where the node-local cache is CoreDNS with
-/// node-local-dns's Corefile, serving `coredns_dns_requests_total` on :9253 as node-cache does,
-/// scraped as a second job: every dashboard query returns data, node-local-dns's request rate
-/// included.
+/// The same on the real parts, where the node-local cache is the real node-cache with
+/// node-local-dns's Corefile, serving `coredns_dns_requests_total` on :9253, scraped as a second
+/// job: every dashboard query returns data, node-local-dns's request rate included.
 #[test]
 fn the_dashboard_fills_on_the_real_parts_node_local_dns_request_rate_included() {
     let empty = dashboard_after_a_kill_and_recovery(&["--kube-proxy", "real-nftables"], true);

@@ -311,7 +311,7 @@ matrix! {
     nftmode_nftables_v6: "nftables", "nftables", V6;
     nftmode_legacy_v6: "nftables", "iptables-legacy", V6;
     nftmode_nft_v6: "nftables", "iptables-nft", V6;
-    // The real parts (issue 31): real kube-proxy's rules, real CoreDNS, the cache CoreDNS with
+    // The real parts: real kube-proxy's rules, real CoreDNS, the cache the real node-cache with
     // node-local-dns's Corefile (testdata/simnode/real.sh).
     real_iptables_auto_v4: "real-iptables", "auto", V4;
     real_nftables_auto_v4: "real-nftables", "auto", V4;

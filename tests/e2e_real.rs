@@ -1,11 +1,11 @@
-//! End to end on a simulated node with real Kubernetes parts (issue 31), built by
-//! `ci/k8s/build.sh`: etcd and kube-apiserver on a control-plane namespace of their own, real
-//! kube-proxy (iptables mode, iptables-nft; or nftables mode) in the node's namespace writing its own rules from
-//! the Services and EndpointSlices created through the API, real CoreDNS (the kubernetes plugin
-//! reading the API server) at the kube-dns endpoints. The node-local cache is CoreDNS, the server
-//! node-cache embeds, with node-local-dns's own Corefile: node-cache itself cannot be had here
-//! (the Go module proxy refuses k8s.io/dns: 403). The matrix's `real_*` cells (tests/
-//! e2e_matrix.rs) run the hang, host-network clients and the link-local shape on these parts.
+//! End to end on a simulated node with real Kubernetes parts, built by `ci/k8s/build.sh`: etcd
+//! and kube-apiserver on a control-plane namespace of their own, real kube-proxy (iptables mode,
+//! iptables-nft; or nftables mode) in the node's namespace writing its own rules from the
+//! Services and EndpointSlices created through the API, real CoreDNS (the kubernetes plugin
+//! reading the API server) at the kube-dns endpoints, and the real node-cache (kubernetes/dns,
+//! built from its source) with node-local-dns's own Corefile and flags. The matrix's `real_*`
+//! cells (tests/e2e_matrix.rs) run the hang, host-network clients and the link-local shape on
+//! these parts; tests/e2e_kubelet.rs runs them all as pods of a real kubelet.
 //!
 //! A real part that does not build or start fails `simnode.sh up` naming the part and its log's
 //! tail, and so the test: never a skip, never a stand-in. Each test makes its own namespaces

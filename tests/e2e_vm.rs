@@ -417,8 +417,8 @@ guest_tests! {
     fn link_local_ipvs_kube_proxy_nft_agent() { link_local_cell("ipvs", "iptables-nft") }
 }
 
-/// Real kube-proxy in IPVS mode (issue 31), beside the real control plane and real CoreDNS (the
-/// cache: CoreDNS with node-local-dns's Corefile), which the build machine's kernel cannot run
+/// Real kube-proxy in IPVS mode, beside the real control plane, real CoreDNS and the real
+/// node-cache, which the build machine's kernel cannot run
 /// (no ip_vs). What the stand-in's cells above show, on kube-proxy's own IPVS services, ipsets,
 /// `kube-ipvs0` and chains:
 /// * pods' queries for the ClusterIP are IPVS's: CoreDNS answers every one, the cache none;

@@ -24,12 +24,12 @@ udp_listener() {
 }
 
 # cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in (with the real
-# parts, CoreDNS with node-local-dns's Corefile: real_cache_conf in real.sh), answering who.test
+# parts, node-cache with node-local-dns's Corefile: real_cache_conf in real.sh), answering who.test
 # itself and forwarding the rest to the kube-dns-upstream Service (normal), or answering
 # SERVFAIL to everything (servfail: no upstream it can reach).
 # cache2-start (the same options): a second cache, same config (its own file, pidfile and
 # log), on the same IPs and port: kubespray's `nodelocaldns-second`. Both set SO_REUSEPORT
-# (unbound.conf.in; CoreDNS always does), so the kernel puts their sockets in one reuseport
+# (unbound.conf.in; node-cache's CoreDNS always does), so the kernel puts their sockets in one reuseport
 # group and hashes each query's source address and port to one of them.
 cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
     local svc=$1 mode=normal ips=() ip wait=1
@@ -72,9 +72,9 @@ cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
         echo "$at"
         return
     fi
-    # How long the cache may take to answer: unbound starts in well under a second; CoreDNS (the
-    # real parts' cache) took over 10 s in the ci/vm guest, two guests sharing the machine's
-    # cores beside the real control plane.
+    # How long the cache may take to answer: unbound starts in well under a second; the real
+    # parts' cache (node-cache, CoreDNS inside) took over 10 s in the ci/vm guest, two guests
+    # sharing the machine's cores beside the real control plane.
     local ready=10
     ! is_real || ready=60
     # With the other cache running, it may answer the check below: see that this one has bound

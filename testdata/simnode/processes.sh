@@ -8,8 +8,8 @@
 
 svc_comm() {
     case $1 in
-    cache | cache2) # CoreDNS with node-local-dns's Corefile with the real parts, else unbound
-        if [[ "$(cat "$RUN_DIR/kube-proxy" 2>/dev/null)" == real-* ]]; then echo coredns; else echo unbound; fi ;;
+    cache | cache2) # node-cache with the real parts, else unbound
+        if [[ "$(cat "$RUN_DIR/kube-proxy" 2>/dev/null)" == real-* ]]; then echo node-cache; else echo unbound; fi ;;
     coredns) # real CoreDNS with the real parts (real.sh), else the dnsmasq stand-in
         if [[ "$(cat "$RUN_DIR/kube-proxy" 2>/dev/null)" == real-* ]]; then echo coredns; else echo dnsmasq; fi ;;
     etcd | kube-apiserver | kube-proxy) echo "$1" ;;

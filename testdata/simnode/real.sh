@@ -20,8 +20,8 @@
 #   * real CoreDNS (coredns-start) in the dns namespace on the endpoint addresses, with the
 #     kubernetes plugin reading the API server, and the template plugin answering who.test with
 #     2.2.2.2 (and fd00::2:2:2:2), as the dnsmasq stand-in does, so tests still see who answered.
-#   * the node-local cache: CoreDNS with node-local-dns's Corefile (real_cache_conf; node-cache
-#     itself cannot be had: the module proxy refuses k8s.io/dns, 403).
+#   * the node-local cache: node-cache itself, built from kubernetes/dns's source, with node-local-
+#     dns's Corefile and flags (real_cache_conf).
 # --family 4, or dual: a dual-stack cluster (IPv4 primary, as kubeadm's dual-stack guide sets it
 # up): both service CIDRs, kube-dns and kube-dns-upstream RequireDualStack with both ClusterIPs,
 # an EndpointSlice per family, the Node with both pod CIDRs and an address of each family,
@@ -34,7 +34,7 @@ readonly V4_CP_NODE=10.240.0.1 V4_APISERVER=10.240.0.2 REAL_CP_NET=10.240.0.0/30
 is_real() { [[ $KUBE_PROXY == real-* ]]; }
 
 # The parts a node with the real parts runs.
-readonly REAL_PARTS=(etcd kube-apiserver kube-proxy kubectl coredns)
+readonly REAL_PARTS=(etcd kube-apiserver kube-proxy kubectl coredns node-cache)
 
 # The parts' directory: build.sh builds what is missing (0.1 s when cached) and fails naming the
 # part that would not build. NLHA_K8S_BIN names a directory the host built instead (the ci/vm
@@ -567,24 +567,28 @@ EOF
     svc_pid coredns || die "CoreDNS exited (log: $RUN_DIR/coredns.log)"
 }
 
-# real_cache_conf SVC MODE IP...: the node-local cache as node-cache serves it, for cache SVC
-# listening on the IPs; prints the command that runs it. node-cache is CoreDNS with a few
-# plugins and its own setup (interface, iptables), and the module proxy refuses it (k8s.io/dns:
-# 403); this is the CoreDNS it embeds, with node-local-dns's Corefile (cluster/addons/dns/
-# nodelocaldns in kubernetes/kubernetes) filled in as node-cache fills it: the cluster domain,
-# in-addr.arpa and ip6.arpa forwarded over TCP (force_tcp) to the kube-dns-upstream IP; cache
-# sizes, loop, reload, errors, prometheus :9253 and health on the local IP's :8080 as upstream.
-# The test bed's two changes: who.test answered by the template plugin with 1.1.1.1 and
-# fd00::1:1:1:1 (so tests see who answered, as with unbound), and `.` forwarded to the kube-dns-upstream IP too (a real
-# node's /etc/resolv.conf; the simulated node's is the build machine's). node-cache's own setup
-# is not here: the agent runs it as our overlay does (-setupiptables=false); its interface is
-# the simulated node's. cache2 (kubespray's second instance) takes :9255 and :8081, as
-# kubespray's does. servfail: every question answered SERVFAIL.
+# real_cache_conf SVC MODE IP...: the node-local cache, node-cache itself (kubernetes/dns, built
+# by ci/k8s/build.sh from its source), for cache SVC listening on the IPs; prints the command that
+# runs it. Flags as node-local-dns's DaemonSet passes them (-localip: its link-local IP and the
+# ClusterIP, of the first family; -upstreamsvc kube-dns-upstream, whose ClusterIP it reads from
+# KUBE_DNS_UPSTREAM_SERVICE_HOST as the kubelet sets it), with the project's changes to it
+# (-setupiptables=false -skipteardown: the agent owns the rules) and the test bed's:
+# -setupinterface=false where the listen IPs are on lo or on the veth that stands in for its
+# dummy interface (--listen-dev: this machine's kernel has no dummy interfaces). Its base Corefile is node-local-dns's ConfigMap
+# (cluster/addons/dns/nodelocaldns in kubernetes/kubernetes) filled in as the addon's
+# instructions say; node-cache fills __PILLAR__CLUSTER__DNS__ with the upstream ClusterIP. The
+# test bed's changes to it: who.test answered by the template plugin with 1.1.1.1 and
+# fd00::1:1:1:1 (so tests see who answered, as with unbound); `.` forwarded to the upstream
+# ClusterIP too (node-cache would fill __PILLAR__UPSTREAM__SERVERS__ with /etc/resolv.conf: a real
+# node's resolver, here the build machine's); `bind` lists every listen IP (a dual-stack node's
+# both families: node-cache's -localip takes one). cache2 (kubespray's second instance) takes
+# :9255 and :8081 for its metrics and health, as kubespray's does, and :9354 for node-cache's own
+# setup metrics. servfail: every question answered SERVFAIL.
 real_cache_conf() {
-    local svc=$1 mode=$2 file="$RUN_DIR/Corefile-$1" metrics=9253 health=8080 zone
+    local svc=$1 mode=$2 base="$RUN_DIR/Corefile-base-$1" metrics=9253 health=8080 setup=9353 zone
     shift 2
     real_bin
-    if [[ $svc == cache2 ]]; then metrics=9255 health=8081; fi
+    if [[ $svc == cache2 ]]; then metrics=9255 health=8081 setup=9354; fi
     {
         if [[ $mode == servfail ]]; then
             printf '.:53 {\n    bind %s\n    errors\n' "$*"
@@ -604,17 +608,25 @@ real_cache_conf() {
                     printf '        answer "{{ .Name }} 30 IN A %s"\n    }\n' "$CACHE_A"
                     printf '    template IN AAAA %s {\n' "$PROBE_NAME"
                     printf '        answer "{{ .Name }} 30 IN AAAA %s"\n    }\n' "$CACHE_AAAA"
-                    echo "    forward . $V4_UPSTREAM"
+                    echo "    forward . __PILLAR__CLUSTER__DNS__"
                 else
-                    printf '    forward . %s {\n        force_tcp\n    }\n' "$V4_UPSTREAM"
+                    printf '    forward . __PILLAR__CLUSTER__DNS__ {\n        force_tcp\n    }\n'
                 fi
                 echo "    prometheus :$metrics"
                 if [[ $zone == cluster.local ]]; then echo "    health $V4_LOCAL_IP:$health"; fi
                 echo "}"
             done
         fi
-    } >"$file"
-    echo "$REAL_BIN/coredns -conf $file"
+    } >"$base"
+    local localip=$V4_LOCAL_IP,$V4_CLUSTER_DNS upstream=$V4_UPSTREAM interface=-setupinterface=false
+    has_v4 || localip=$V6_LOCAL_IP,$V6_CLUSTER_DNS upstream=$V6_UPSTREAM
+    # On node-cache's own dummy interface (--listen-dev dummy: the ci/vm guest), it sets the
+    # interface up itself, as on a node (the test bed made it already: node-cache keeps it).
+    [[ $LISTEN_DEV_KIND != dummy ]] || interface=-setupinterface=true
+    echo "env KUBE_DNS_UPSTREAM_SERVICE_HOST=$upstream $REAL_BIN/node-cache -localip $localip" \
+        "-basecorefile $base -conf $RUN_DIR/Corefile-$svc -upstreamsvc kube-dns-upstream" \
+        "-health-port $health -metrics-listen-address 127.0.0.1:$setup" \
+        "-setupiptables=false -skipteardown $interface"
 }
 
 # real_down: every real part by its recorded pid, CoreDNS first, etcd last; then $P-cp.

@@ -48,7 +48,7 @@ pub fn real_parts_built() -> PathBuf {
         return real_bin();
     }
     let out = Command::new(repo().join("ci/k8s/build.sh"))
-        .args(["etcd", "kube-apiserver", "kube-proxy", "kubectl", "coredns"])
+        .args(["etcd", "kube-apiserver", "kube-proxy", "kubectl", "coredns", "node-cache"])
         .output()
         .expect("ci/k8s/build.sh");
     assert!(out.status.success(), "ci/k8s/build.sh: a real part did not build: {}", describe(&out));
@@ -124,6 +124,12 @@ impl SimNode {
         node.script(&args);
         node.script(&["coredns-start"]);
         node.script(&["cache-start"]);
+        if options.iter().any(|o| o.starts_with("real-")) {
+            // The cache is the real node-cache: the test's log says which (its first words).
+            let log = std::fs::read_to_string(node.dir.join("cache.log")).unwrap_or_default();
+            let started = log.lines().find(|l| l.contains("Starting node-cache image"));
+            println!("{}: {}", node.prefix, started.expect("node-cache's first words in cache.log"));
+        }
         node
     }
 
