@@ -11,18 +11,20 @@ ci/deps.sh
 # The real-kernel test bed (qemu, Debian's 6.1 kernel, busybox initramfs under target/vm/):
 # installs its packages and fetches the kernel on first use; fails here, loudly, if it cannot.
 ci/vm/run --prepare
-# The real Kubernetes parts (ci/k8s/: kube-apiserver, kube-proxy, kubectl, etcd, CoreDNS, helm from
-# pinned Go modules) into a cache outside the repository: about 13 min on a fresh machine, 0.1 s
-# once built. node-cache is not among them: the module proxy refuses it (docs/testing.md, "Real parts").
-# Then the simulated node with the real parts, brought up and torn down (ci/k8s/smoke.sh).
-ci/k8s/build.sh etcd kube-apiserver kube-proxy kubectl coredns helm
+# The real Kubernetes parts (ci/k8s/: etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubelet, kube-proxy, kubectl, CoreDNS, helm, containerd and the CNI plugins from
+# pinned Go modules, node-cache from its pinned source) into a cache outside the repository:
+# about 25 min on a fresh machine, 0.1 s once built. Then the simulated node with the real parts,
+# brought up and torn down (ci/k8s/smoke.sh).
+ci/k8s/build.sh
 ci/k8s/smoke.sh
 
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-# The kernel column is not among `--all-targets` (test = false in Cargo.toml): linted by name.
-cargo clippy --locked --test e2e_vm -- -D warnings
+# The kernel column and the real node are not among `--all-targets` (test = false in
+# Cargo.toml): linted by name.
+cargo clippy --locked --test e2e_vm --test e2e_kubelet -- -D warnings
 # Licences, duplicate versions, sources (deny.toml); `unsafe` only in the reviewed modules is
 # checked by tests/unsafe_confined.rs and the compiler.
 cargo deny --workspace --locked check bans licenses sources
@@ -47,6 +49,10 @@ cargo test --locked --workspace --lib --bins --tests
 # two crates themselves compiled again: a clean clone's sources are newer than the cache).
 image=$(ci/image/build.sh)
 NLHA_AGENT_IMAGE=$image cargo test --locked --test e2e_image -- --ignored
+# The real node (tests/e2e_kubelet.rs, testdata/realnode.sh): a real kubelet and containerd run
+# node-local-dns (upstream's manifest, the real node-cache), kube-proxy, CoreDNS and client pods;
+# the agent installed from the chart with helm, from that image; every fault under load.
+NLHA_AGENT_IMAGE=$image cargo test --locked --test e2e_kubelet
 # The same agent on Debian 12's 6.1 LTS kernel (tests/e2e_vm.rs): each test boots its own VM
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
 cargo test --locked --test e2e_vm -- --test-threads 2

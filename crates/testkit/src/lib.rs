@@ -24,6 +24,7 @@ mod load;
 mod netns_etc;
 mod pod;
 mod process;
+mod realnode;
 mod simnode;
 
 pub use agent::{fallback_refused, Agent, Switch};
@@ -42,6 +43,7 @@ pub use load::{
 };
 pub use netns_etc::NetnsEtc;
 pub use process::Proc;
+pub use realnode::{counts, Cluster, PodLoad, RealNode};
 pub use simnode::{
     counting_wrappers, describe, real_bin, real_parts_built, require_root, strip_counters, SimNode,
     CACHE_ANSWER, CLUSTER_DNS_IP, COREDNS_ANSWER, LOCAL_IP, UPSTREAM_IP,

@@ -44,30 +44,24 @@ impl SimNode {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let lookups = self.dir.join(format!("lookups-{role}-{n}.txt"));
-        let mut child = self
-            .cmd(role, dnsload_exe())
-            .arg("--lookups-out")
-            .arg(&lookups)
-            .args(["--origin", &format!("{CACHE_ANSWER}=cache")])
-            .args(["--origin", &format!("{COREDNS_ANSWER}=coredns")])
-            .args(["--origin", "fd00::1:1:1:1=cache", "--origin", "fd00::2:2:2:2=coredns"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn dnsload");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                println!("dnsload: {line}");
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Load { child: Proc::adopt(child), lines: rx, seen: Vec::new(), lookups }
+        let mut cmd = self.cmd(role, dnsload_exe());
+        cmd.arg("--lookups-out").arg(&lookups).args(origins()).args(args);
+        Load::spawn(&mut cmd, lookups)
     }
+}
+
+/// dnsload's `--origin` flags: who answered, by the address (v4 and v6) each answers who.test
+/// with.
+pub(crate) fn origins() -> Vec<String> {
+    [
+        (CACHE_ANSWER, "cache"),
+        (COREDNS_ANSWER, "coredns"),
+        ("fd00::1:1:1:1", "cache"),
+        ("fd00::2:2:2:2", "coredns"),
+    ]
+    .iter()
+    .flat_map(|(addr, who)| ["--origin".to_string(), format!("{addr}={who}")])
+    .collect()
 }
 
 /// A running `dnsload`; its timeline lines are collected as they come.
@@ -80,6 +74,27 @@ pub struct Load {
 }
 
 impl Load {
+    /// Starts `cmd`, a dnsload (or a command that runs one and passes its output on: `kubectl
+    /// exec`), whose lookups go to `lookups` (`--lookups-out`, read once it has finished).
+    pub(crate) fn spawn(cmd: &mut std::process::Command, lookups: PathBuf) -> Load {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                println!("dnsload: {line}");
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Load { child: Proc::adopt(child), lines: rx, seen: Vec::new(), lookups }
+    }
+
     /// Waits for a timeline line satisfying `f`.
     pub fn wait_line(&mut self, what: &str, deadline: Duration, f: impl Fn(&str) -> bool) {
         let end = Instant::now() + deadline;

@@ -128,7 +128,11 @@ impl SimNode {
             // The cache is the real node-cache: the test's log says which (its first words).
             let log = std::fs::read_to_string(node.dir.join("cache.log")).unwrap_or_default();
             let started = log.lines().find(|l| l.contains("Starting node-cache image"));
-            println!("{}: {}", node.prefix, started.expect("node-cache's first words in cache.log"));
+            println!(
+                "{}: {}",
+                node.prefix,
+                started.expect("node-cache's first words in cache.log")
+            );
         }
         node
     }

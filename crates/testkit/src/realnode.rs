@@ -1,0 +1,241 @@
+//! The real node: `testdata/realnode.sh`'s kubelet and containerd in network namespaces, with a
+//! control plane of their own, running node-local-dns (the real node-cache), kube-proxy,
+//! CoreDNS and the clients as pods; the agent installed from the chart by the tests. What the
+//! tests do there goes through the cluster's own tools (kubectl, helm), as an operator's would.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::binaries::dnsload_exe;
+use crate::load::{origins, read_lookups, Load, Lookup};
+use crate::simnode::{describe, repo};
+
+/// A real node, up until dropped (`realnode.sh down`: every process of it by its cgroup, the
+/// namespaces, the cgroups, the mount points). What is done on it: [`Cluster`].
+pub struct RealNode(Cluster);
+
+/// What a test does on a real node: the cluster's tools, its pods, the node's namespaces.
+#[derive(Clone)]
+pub struct Cluster {
+    prefix: String,
+    /// The node's state directory (`REALNODE_DIR/PREFIX`): its logs are under `log/`.
+    pub dir: PathBuf,
+}
+
+impl std::ops::Deref for RealNode {
+    type Target = Cluster;
+    fn deref(&self) -> &Cluster {
+        &self.0
+    }
+}
+
+impl RealNode {
+    /// Brings a real node up (`realnode.sh up PREFIX OPTIONS`), its clients' image carrying this
+    /// build's dnsload. Panics with the script's output if it does not come up.
+    pub fn up(options: &[&str]) -> RealNode {
+        crate::require_root();
+        let prefix = format!("r{:05x}", std::process::id() & 0xfffff);
+        let base = std::env::temp_dir().join("nlha-realnode");
+        let node = RealNode(Cluster { dir: base.join(&prefix), prefix });
+        let started = Instant::now();
+        let out = node.script_cmd("up", options).env("REALNODE_DNSLOAD", dnsload_exe()).output();
+        let out = out.expect("run testdata/realnode.sh up");
+        assert!(out.status.success(), "realnode.sh up failed:\n{}", describe(&out));
+        eprintln!(
+            "realnode {} up in {:.1} s:\n{}",
+            node.prefix,
+            started.elapsed().as_secs_f64(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        node
+    }
+
+    /// Brings the node down now (also done on drop).
+    pub fn down(self) {}
+}
+
+impl Drop for RealNode {
+    fn drop(&mut self) {
+        if std::env::var_os("REALNODE_KEEP").is_some() {
+            eprintln!("REALNODE_KEEP: realnode {} left up ({})", self.prefix, self.dir.display());
+            return;
+        }
+        let out = self.run("down", &[]);
+        if !out.status.success() {
+            eprintln!("realnode.sh down {} failed:\n{}", self.prefix, describe(&out));
+        }
+    }
+}
+
+impl Cluster {
+    fn script_cmd(&self, cmd: &str, args: &[&str]) -> Command {
+        let mut c = Command::new(repo().join("testdata/realnode.sh"));
+        c.arg(cmd).arg(&self.prefix).args(args);
+        c.env("REALNODE_DIR", self.dir.parent().expect("the nodes' directory"));
+        c
+    }
+
+    /// `realnode.sh CMD PREFIX ARGS...`, its output whatever it exits with.
+    pub fn run(&self, cmd: &str, args: &[&str]) -> Output {
+        self.script_cmd(cmd, args).output().unwrap_or_else(|e| panic!("realnode.sh {cmd}: {e}"))
+    }
+
+    /// `realnode.sh CMD PREFIX ARGS...`, panicking with its output unless it succeeds; its
+    /// standard output.
+    pub fn script(&self, cmd: &str, args: &[&str]) -> String {
+        let out = self.run(cmd, args);
+        assert!(out.status.success(), "realnode.sh {cmd} {args:?} failed:\n{}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// kubectl as the cluster's admin; its standard output, panicking unless it succeeds.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        self.script("kubectl", args)
+    }
+
+    /// kubectl as the cluster's admin, whatever it exits with.
+    pub fn try_kubectl(&self, args: &[&str]) -> Output {
+        self.run("kubectl", args)
+    }
+
+    /// `kubectl get … -o json`, parsed.
+    pub fn get_json(&self, args: &[&str]) -> Value {
+        let mut all = args.to_vec();
+        all.extend(["-o", "json"]);
+        let text = self.kubectl(&all);
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("kubectl {args:?}: {e}: {text}"))
+    }
+
+    /// helm as the cluster's admin, whatever it exits with.
+    pub fn helm(&self, args: &[&str]) -> Output {
+        self.run("helm", args)
+    }
+
+    /// A command in the node's network and mount namespaces, panicking unless it succeeds.
+    pub fn in_node(&self, args: &[&str]) -> String {
+        self.script("in-node", args)
+    }
+
+    /// The names of the pods of `namespace` with `selector` (`k8s-app=node-local-dns`), sorted.
+    pub fn pods(&self, namespace: &str, selector: &str) -> Vec<String> {
+        let out = self.kubectl(&[
+            "-n",
+            namespace,
+            "get",
+            "pods",
+            "-l",
+            selector,
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ]);
+        let mut names: Vec<String> = out.split_whitespace().map(String::from).collect();
+        names.sort();
+        names
+    }
+
+    /// The one pod of `namespace` with `selector` that is not being deleted, waiting up to
+    /// `deadline` for there to be exactly one.
+    pub fn only_pod(&self, namespace: &str, selector: &str, deadline: Duration) -> String {
+        let mut last = Value::Null;
+        let found = crate::poll(deadline, || {
+            last = self.get_json(&["-n", namespace, "get", "pods", "-l", selector]);
+            let live: Vec<String> = last["items"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["metadata"]["deletionTimestamp"].is_null())
+                .filter_map(|p| p["metadata"]["name"].as_str().map(String::from))
+                .collect();
+            (live.len() == 1).then(|| live[0].clone())
+        });
+        found.unwrap_or_else(|| panic!("not exactly one pod {selector} in {namespace}: {last}"))
+    }
+
+    /// The pid (as the machine sees it) of `container`'s main process in `pod`.
+    pub fn container_pid(&self, namespace: &str, pod: &str, container: &str) -> i32 {
+        let out = self.script("container-pid", &[namespace, pod, container]);
+        out.trim().parse().unwrap_or_else(|e| panic!("container-pid printed {out:?}: {e}"))
+    }
+
+    /// Waits up to `deadline` for `kubectl rollout status KIND/NAME` in `namespace` to succeed.
+    pub fn wait_rollout(&self, namespace: &str, what: &str, deadline: Duration) {
+        let timeout = format!("--timeout={}s", deadline.as_secs());
+        let out = self.try_kubectl(&["-n", namespace, "rollout", "status", what, &timeout]);
+        assert!(out.status.success(), "rollout of {what} in {namespace}:\n{}", describe(&out));
+    }
+
+    /// Starts dnsload in the client pod `pod` (`kubectl exec`): glibc's getaddrinfo() of
+    /// who.test through the resolv.conf the kubelet wrote, `rate` lookups a second, with a
+    /// timeline line every 250 ms, until [`PodLoad::stop`].
+    pub fn load(&self, pod: &str, rate: u32) -> PodLoad {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let in_pod = format!("/tmp/lookups-{n}.txt");
+        let pidfile = format!("/tmp/dnsload-{n}.pid");
+        let rate = rate.to_string();
+        let mut dnsload = vec![
+            "/usr/local/bin/dnsload",
+            "--system-resolver",
+            "--name",
+            "who.test",
+            "--rate",
+            &rate,
+            "--duration",
+            "1h",
+            "--report-interval",
+            "250ms",
+            "--lookups-out",
+            &in_pod,
+        ];
+        let origins = origins();
+        dnsload.extend(origins.iter().map(String::as_str));
+        // The shell records its own pid, then becomes dnsload: `stop` signals that pid.
+        let line = format!("echo $$ >{pidfile} && exec {}", dnsload.join(" "));
+        let mut cmd = self.script_cmd("kubectl", &["exec", pod, "--", "sh", "-c", &line]);
+        let local = self.dir.join(format!("lookups-{pod}-{n}.txt"));
+        let load = Load::spawn(&mut cmd, local.clone());
+        PodLoad { load, node: self.clone(), pod: pod.to_string(), pidfile, in_pod, local }
+    }
+}
+
+/// dnsload running in a client pod ([`Cluster::load`]).
+pub struct PodLoad {
+    /// Its timeline lines, as they come (`wait_line`, `wait_alone`, …).
+    pub load: Load,
+    node: Cluster,
+    pod: String,
+    pidfile: String,
+    in_pod: String,
+    local: PathBuf,
+}
+
+impl PodLoad {
+    /// Stops it (SIGINT in the pod: it starts no more lookups and waits for those in flight)
+    /// and returns its summary and every lookup, in the order they started.
+    pub fn stop(self) -> (Value, Vec<Lookup>) {
+        let kill = format!("kill -INT $(cat {})", self.pidfile);
+        self.node.kubectl(&["exec", &self.pod, "--", "sh", "-c", &kill]);
+        let summary = self.load.finish();
+        let text = self.node.kubectl(&["exec", &self.pod, "--", "cat", &self.in_pod]);
+        std::fs::write(&self.local, text).expect("the lookups' copy");
+        let lookups = read_lookups(&self.local, &summary);
+        (summary, lookups)
+    }
+}
+
+/// The counts of a summary a test asserts, in one line: sent, failed, first attempts lost, who
+/// answered, the longest lookup.
+pub fn counts(summary: &Value) -> String {
+    format!(
+        "sent {} failed {} first_attempt_lost {} by_origin {} max {} ms",
+        summary["sent"],
+        summary["failed"],
+        summary["first_attempt_lost"],
+        summary["by_origin"],
+        summary["latency_ms"]["max"]
+    )
+}

@@ -1,0 +1,329 @@
+//! End to end on a real node (`testdata/realnode.sh`): a real kubelet and containerd run
+//! node-local-dns from upstream's manifest (the real node-cache), kube-proxy and CoreDNS as a
+//! kubeadm cluster has them, and client pods whose resolv.conf the kubelet wrote; the agent is
+//! installed as an operator installs it (`helm install` of `charts/`, node-local-dns patched as
+//! the docs say), from the image the repository's Dockerfile builds (`NLHA_AGENT_IMAGE`, as
+//! ci/test.sh passes it).
+//!
+//! One node for the whole suite (it takes a minute to come up): this file is its own harness
+//! (`harness = false`), and runs its cases in order on that node, each leaving the node as it
+//! found it (the agent installed, every pod Ready). A failed case is reported, and the next still
+//! runs; the run fails if any did. `cargo test --test e2e_kubelet [FILTER...]` runs the cases
+//! whose names contain a filter (the install always runs first). Run as root; `REALNODE_KEEP=1`
+//! leaves the node up for a look (`testdata/realnode.sh down PREFIX` then).
+//!
+//! Every fault runs with a client pod under load (glibc's getaddrinfo() through the kubelet's
+//! resolv.conf, 100 lookups a second) and asserts the lookups that failed: none.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use testkit::{counts, describe, Cluster, RealNode};
+
+/// The release name and namespace of the agent's chart.
+const RELEASE: &str = "nodelocaldns-ha";
+const NS: &str = "kube-system";
+const AGENT: &str = "k8s-app=nodelocaldns-ha";
+const NODE_LOCAL_DNS: &str = "k8s-app=node-local-dns";
+const CLIENTS: &str = "app=dns-client";
+/// The clients' rate under every fault.
+const RATE: u32 = 100;
+
+type Case = (&'static str, fn(&Suite));
+
+/// The cases, in the order they run.
+const CASES: &[Case] = &[
+    ("installed_from_the_chart", installed_from_the_chart),
+    ("cache_container_sigkill_loses_no_lookup", cache_container_sigkill_loses_no_lookup),
+    ("cache_hang_loses_no_lookup", cache_hang_loses_no_lookup),
+    ("node_local_dns_rollout_loses_no_lookup", node_local_dns_rollout_loses_no_lookup),
+    ("agent_upgrade_loses_no_lookup", agent_upgrade_loses_no_lookup),
+    ("agent_pod_deleted_loses_no_lookup", agent_pod_deleted_loses_no_lookup),
+    ("agent_killed_on_upstream_loses_no_lookup", agent_killed_on_upstream_loses_no_lookup),
+];
+
+fn main() {
+    let filters: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    if std::env::args().any(|a| a == "--list") {
+        for (name, _) in CASES {
+            println!("{name}: test");
+        }
+        return;
+    }
+    let image = std::env::var("NLHA_AGENT_IMAGE").unwrap_or_else(|_| {
+        panic!("NLHA_AGENT_IMAGE must name the agent's image (ci/image/build.sh prints it)")
+    });
+    let started = Instant::now();
+    let node = RealNode::up(&["--agent-image", &image]);
+    let suite = Suite { node: &node, image };
+    let mut failed = Vec::new();
+    let mut ran = 0;
+    for &(name, case) in CASES {
+        let first = name == CASES[0].0;
+        if !first && !filters.is_empty() && !filters.iter().any(|f| name.contains(f.as_str())) {
+            continue;
+        }
+        ran += 1;
+        println!("test {name} ...");
+        let t = Instant::now();
+        match catch_unwind(AssertUnwindSafe(|| case(&suite))) {
+            Ok(()) => println!("test {name} ... ok ({:.1} s)", t.elapsed().as_secs_f64()),
+            Err(_) => {
+                println!("test {name} ... FAILED ({:.1} s)", t.elapsed().as_secs_f64());
+                failed.push(name);
+                // The install failed: nothing after it can mean anything.
+                if first {
+                    break;
+                }
+            }
+        }
+    }
+    drop(node);
+    println!(
+        "\ntest result: {}. {} passed; {} failed; finished in {:.1} s",
+        if failed.is_empty() { "ok" } else { "FAILED" },
+        ran - failed.len(),
+        failed.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if !failed.is_empty() {
+        println!("failures: {}", failed.join(", "));
+        std::process::exit(101);
+    }
+}
+
+struct Suite<'a> {
+    node: &'a Cluster,
+    image: String,
+}
+
+impl Suite<'_> {
+    /// The agent's image under another tag (an upgrade with the same bits).
+    fn image_tagged(&self, tag: &str) -> String {
+        let (repo, _) = self.image.rsplit_once(':').expect("the image has a tag");
+        let target = format!("{repo}:{tag}");
+        self.node.script("image-tag", &[&self.image, &target]);
+        target
+    }
+
+    fn image_repo_tag(&self) -> (&str, &str) {
+        self.image.rsplit_once(':').expect("the image has a tag")
+    }
+
+    /// The first client pod.
+    fn client(&self) -> String {
+        self.node.pods("default", CLIENTS).into_iter().next().expect("a client pod")
+    }
+
+    /// The agent's `status --json`, asked in its pod.
+    fn agent_status(&self) -> Value {
+        let pod = self.node.only_pod(NS, AGENT, Duration::from_secs(60));
+        let out = self.node.kubectl(&[
+            "-n",
+            NS,
+            "exec",
+            &pod,
+            "--",
+            "nodelocaldns-ha",
+            "status",
+            "--json",
+        ]);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("status --json: {e}: {out}"))
+    }
+
+    /// Waits for the agent (in its pod) to report `route`.
+    fn wait_route(&self, route: &str, deadline: Duration) {
+        let mut last = Value::Null;
+        let ok = testkit::poll(deadline, || {
+            last = self.agent_status();
+            (last["route"] == route).then_some(())
+        });
+        assert!(ok.is_some(), "the agent did not report route {route} within {deadline:?}: {last}");
+    }
+
+    /// Every pod of the agent, node-local-dns and the clients Ready, the agent on `Local`.
+    fn wait_settled(&self) {
+        self.node.wait_rollout(NS, "daemonset/node-local-dns", Duration::from_secs(120));
+        self.node.wait_rollout(NS, "daemonset/nodelocaldns-ha", Duration::from_secs(120));
+        self.node.wait_rollout("default", "deployment/dns-client", Duration::from_secs(120));
+        self.wait_route("local", Duration::from_secs(60));
+    }
+}
+
+/// Runs `fault` with a client pod under load, waits for the cache to answer again, and asserts
+/// that no lookup failed; returns the summary.
+fn under_load(s: &Suite, what: &str, fault: impl FnOnce()) -> Value {
+    let client = s.client();
+    let mut load = s.node.load(&client, RATE);
+    load.load.wait_cache_answers();
+    fault();
+    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
+        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "coredns") == Some(0)
+    });
+    let (summary, _lookups) = load.stop();
+    println!("{what}: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "{what}: lookups failed: {summary}");
+    assert!(summary["sent"].as_u64().unwrap_or(0) > 0, "{what}: no lookup was sent: {summary}");
+    summary
+}
+
+/// The agent installed as the README says: the chart with `helm install`, then node-local-dns
+/// patched (`-setupiptables=false -skipteardown`, the drain preStop); every pod Ready; the
+/// clients' queries answered by the real node-cache.
+fn installed_from_the_chart(s: &Suite) {
+    let (repo, tag) = s.image_repo_tag();
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelocaldns-ha");
+    let out = s.node.helm(&[
+        "install",
+        RELEASE,
+        chart,
+        "--namespace",
+        NS,
+        "--set",
+        &format!("image.repository={repo}"),
+        "--set",
+        &format!("image.tag={tag}"),
+        "--set",
+        "clusterDNSIP=10.96.0.10",
+        "--wait",
+        "--timeout",
+        "2m",
+    ]);
+    assert!(out.status.success(), "helm install:\n{}", describe(&out));
+    s.node.script("node-local-dns-patch", &[&s.image]);
+    s.wait_settled();
+    let status = s.agent_status();
+    assert_eq!(status["route"], "local", "{status}");
+    // The cache is the real node-cache: its first words.
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let log = s.node.kubectl(&["-n", NS, "logs", &pod, "-c", "node-cache"]);
+    assert!(log.contains("Starting node-cache image: 1.26.8"), "node-cache's log:\n{log}");
+    println!(
+        "node-cache: {}",
+        log.lines().find(|l| l.contains("Starting node-cache")).unwrap_or("")
+    );
+    // A client's lookups go to it.
+    let client = s.client();
+    let mut load = s.node.load(&client, 20);
+    load.load.wait_alone("cache");
+    let (summary, _) = load.stop();
+    println!("the cache answering: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "{summary}");
+}
+
+/// node-cache's container SIGKILLed (its process, as the OOM killer or a crash would end it):
+/// the kubelet restarts it; meanwhile CoreDNS answers.
+fn cache_container_sigkill_loses_no_lookup(s: &Suite) {
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    under_load(s, "node-cache SIGKILLed", || {
+        nix_kill(pid, "KILL");
+    });
+    s.wait_settled();
+}
+
+/// node-cache's process hung (SIGSTOP) for long enough that the agent leaves it, then resumed.
+fn cache_hang_loses_no_lookup(s: &Suite) {
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    under_load(s, "node-cache hung", || {
+        nix_kill(pid, "STOP");
+        s.wait_route("upstream", Duration::from_secs(30));
+        nix_kill(pid, "CONT");
+    });
+    s.wait_settled();
+}
+
+/// `kubectl rollout restart daemonset/node-local-dns`: the old pod's preStop drains to CoreDNS,
+/// the new one takes over.
+fn node_local_dns_rollout_loses_no_lookup(s: &Suite) {
+    let before = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    under_load(s, "node-local-dns rolled", || {
+        s.node.kubectl(&["-n", NS, "rollout", "restart", "daemonset/node-local-dns"]);
+        s.node.wait_rollout(NS, "daemonset/node-local-dns", Duration::from_secs(180));
+    });
+    let after = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    assert_ne!(before, after, "the rollout left the same pod");
+    s.wait_settled();
+}
+
+/// `helm upgrade` to a new image tag: the agent's DaemonSet rolls.
+fn agent_upgrade_loses_no_lookup(s: &Suite) {
+    let before = s.node.only_pod(NS, AGENT, Duration::from_secs(60));
+    let upgraded = s.image_tagged("upgraded");
+    let (repo, tag) = upgraded.rsplit_once(':').expect("a tag");
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelocaldns-ha");
+    under_load(s, "the agent upgraded", || {
+        let out = s.node.helm(&[
+            "upgrade",
+            RELEASE,
+            chart,
+            "--namespace",
+            NS,
+            "--reuse-values",
+            "--set",
+            &format!("image.repository={repo}"),
+            "--set",
+            &format!("image.tag={tag}"),
+            "--wait",
+            "--timeout",
+            "2m",
+        ]);
+        assert!(out.status.success(), "helm upgrade:\n{}", describe(&out));
+        s.node.wait_rollout(NS, "daemonset/nodelocaldns-ha", Duration::from_secs(120));
+    });
+    let after = s.node.only_pod(NS, AGENT, Duration::from_secs(60));
+    assert_ne!(before, after, "the upgrade left the same pod");
+    s.wait_settled();
+}
+
+/// The agent's pod deleted: its DaemonSet makes another.
+fn agent_pod_deleted_loses_no_lookup(s: &Suite) {
+    let before = s.node.only_pod(NS, AGENT, Duration::from_secs(60));
+    under_load(s, "the agent's pod deleted", || {
+        s.node.kubectl(&["-n", NS, "delete", "pod", &before, "--wait=true"]);
+        s.node.wait_rollout(NS, "daemonset/nodelocaldns-ha", Duration::from_secs(120));
+    });
+    s.wait_settled();
+}
+
+/// The agent's container SIGKILLed while flipped to `Upstream` (maintenance): the kubelet
+/// restarts it and it keeps the flip; released, back to the cache.
+fn agent_killed_on_upstream_loses_no_lookup(s: &Suite) {
+    let pod = s.node.only_pod(NS, AGENT, Duration::from_secs(60));
+    let flip = ["-n", NS, "exec", &pod, "--", "nodelocaldns-ha", "flip", "upstream"];
+    s.node.kubectl(&[&flip[..], &["--for", "10m", "--reason", "maintenance"]].concat());
+    s.wait_route("upstream", Duration::from_secs(10));
+    let client = s.client();
+    let mut load = s.node.load(&client, RATE);
+    load.load.wait_alone("coredns");
+    let pid = s.node.container_pid(NS, &pod, "agent");
+    nix_kill(pid, "KILL");
+    // The kubelet restarts the container; the flip, recorded in the state directory, holds.
+    let restarted = testkit::poll(Duration::from_secs(60), || {
+        let p = s.node.get_json(&["-n", NS, "get", "pod", &pod]);
+        (p["status"]["containerStatuses"][0]["restartCount"].as_u64() >= Some(1)
+            && p["status"]["containerStatuses"][0]["ready"] == true)
+            .then_some(())
+    });
+    assert!(restarted.is_some(), "the agent's container was not restarted and Ready");
+    s.wait_route("upstream", Duration::from_secs(30));
+    s.node.kubectl(&["-n", NS, "exec", &pod, "--", "nodelocaldns-ha", "release"]);
+    s.wait_route("local", Duration::from_secs(30));
+    load.load.wait_alone("cache");
+    let (summary, _) = load.stop();
+    println!("the agent killed on Upstream: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "{summary}");
+    s.wait_settled();
+}
+
+/// A signal to a process of the node (a container's main process), by pid.
+fn nix_kill(pid: i32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
