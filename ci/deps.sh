@@ -12,7 +12,7 @@ packages=(
   prometheus                             # promtool and a real server (tests/alerts.rs)
   python3-minimal                        # /usr/bin/python3: simnode's endpoint churn (real parts)
   musl-tools                             # musl-gcc: the musl resolver client (webhook tests, bench)
-  busybox-static                         # the real node's client image (testdata/realnode)
+  busybox-static curl                    # the real node: its client image, the kubelet's health (testdata/realnode)
   buildah podman runc mmdebstrap         # the image, built and run (ci/image/, tests/e2e_image.rs)
 )
 missing=()

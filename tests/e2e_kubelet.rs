@@ -23,6 +23,8 @@ use testkit::{counts, describe, Cluster, RealNode};
 
 /// The release name and namespace of the agent's chart.
 const RELEASE: &str = "nodelocaldns-ha";
+/// The chart, as the repository has it.
+const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelocaldns-ha");
 const NS: &str = "kube-system";
 const AGENT: &str = "k8s-app=nodelocaldns-ha";
 const NODE_LOCAL_DNS: &str = "k8s-app=node-local-dns";
@@ -41,6 +43,11 @@ const CASES: &[Case] = &[
     ("agent_upgrade_loses_no_lookup", agent_upgrade_loses_no_lookup),
     ("agent_pod_deleted_loses_no_lookup", agent_pod_deleted_loses_no_lookup),
     ("agent_killed_on_upstream_loses_no_lookup", agent_killed_on_upstream_loses_no_lookup),
+    (
+        "kubelet_and_containerd_restarted_lose_no_lookup",
+        kubelet_and_containerd_restarted_lose_no_lookup,
+    ),
+    ("helm_uninstall_loses_no_lookup", helm_uninstall_loses_no_lookup),
 ];
 
 fn main() {
@@ -172,29 +179,13 @@ fn under_load(s: &Suite, what: &str, fault: impl FnOnce()) -> Value {
 /// patched (`-setupiptables=false -skipteardown`, the drain preStop); every pod Ready; the
 /// clients' queries answered by the real node-cache.
 fn installed_from_the_chart(s: &Suite) {
-    let (repo, tag) = s.image_repo_tag();
-    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelocaldns-ha");
-    let out = s.node.helm(&[
-        "install",
-        RELEASE,
-        chart,
-        "--namespace",
-        NS,
-        "--set",
-        &format!("image.repository={repo}"),
-        "--set",
-        &format!("image.tag={tag}"),
-        "--set",
-        "clusterDNSIP=10.96.0.10",
-        "--wait",
-        "--timeout",
-        "2m",
-    ]);
-    assert!(out.status.success(), "helm install:\n{}", describe(&out));
+    helm_install(s, &[]);
     s.node.script("node-local-dns-patch", &[&s.image]);
     s.wait_settled();
     let status = s.agent_status();
+    println!("the agent: route {}, dataplane {}", status["route"], status["dataplane"]);
     assert_eq!(status["route"], "local", "{status}");
+    assert!(agent_rules_in(s), "no rules of the agent's on the node");
     // The cache is the real node-cache: its first words.
     let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
     let log = s.node.kubectl(&["-n", NS, "logs", &pod, "-c", "node-cache"]);
@@ -210,6 +201,24 @@ fn installed_from_the_chart(s: &Suite) {
     let (summary, _) = load.stop();
     println!("the cache answering: {}", counts(&summary));
     assert_eq!(summary["failed"], 0, "{summary}");
+}
+
+/// `helm install` of the chart with the suite's image and `values` (`--set` pairs), waiting for
+/// its pods.
+fn helm_install(s: &Suite, values: &[&str]) {
+    let (repo, tag) = s.image_repo_tag();
+    let image = [format!("image.repository={repo}"), format!("image.tag={tag}")];
+    let mut args = vec!["install", RELEASE, CHART, "--namespace", NS, "--wait", "--timeout", "2m"];
+    for v in image
+        .iter()
+        .map(String::as_str)
+        .chain(["clusterDNSIP=10.96.0.10"])
+        .chain(values.iter().copied())
+    {
+        args.extend(["--set", v]);
+    }
+    let out = s.node.helm(&args);
+    assert!(out.status.success(), "helm install:\n{}", describe(&out));
 }
 
 /// node-cache's container SIGKILLed (its process, as the OOM killer or a crash would end it):
@@ -253,12 +262,11 @@ fn agent_upgrade_loses_no_lookup(s: &Suite) {
     let before = s.node.only_pod(NS, AGENT, Duration::from_secs(60));
     let upgraded = s.image_tagged("upgraded");
     let (repo, tag) = upgraded.rsplit_once(':').expect("a tag");
-    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelocaldns-ha");
     under_load(s, "the agent upgraded", || {
         let out = s.node.helm(&[
             "upgrade",
             RELEASE,
-            chart,
+            CHART,
             "--namespace",
             NS,
             "--reuse-values",
@@ -318,6 +326,16 @@ fn agent_killed_on_upstream_loses_no_lookup(s: &Suite) {
     s.wait_settled();
 }
 
+/// Whether the node's netfilter holds the agent's rules: its nftables table, or its chains in
+/// either iptables backend.
+fn agent_rules_in(s: &Suite) -> bool {
+    let nft = s.node.in_node(&["nft", "list", "tables"]);
+    let ipt = |save| s.node.in_node(&[save, "-t", "raw"]);
+    nft.contains("nodelocaldns-ha")
+        || ipt("iptables-nft-save").contains("NODELOCALDNS-HA")
+        || ipt("iptables-legacy-save").contains("NODELOCALDNS-HA")
+}
+
 /// A signal to a process of the node (a container's main process), by pid.
 fn nix_kill(pid: i32, signal: &str) {
     let status = std::process::Command::new("kill")
@@ -326,4 +344,42 @@ fn nix_kill(pid: i32, signal: &str) {
         .status()
         .expect("kill");
     assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// The kubelet restarted, then containerd, under the running pods: neither takes a container
+/// down (their shims outlive both), and the pods' DNS goes on.
+fn kubelet_and_containerd_restarted_lose_no_lookup(s: &Suite) {
+    let pods = |ns, sel| s.node.pods(ns, sel);
+    let before = (pods(NS, AGENT), pods(NS, NODE_LOCAL_DNS), pods("default", CLIENTS));
+    under_load(s, "kubelet and containerd restarted", || {
+        s.node.script("kubelet-restart", &[]);
+        s.wait_settled();
+        s.node.script("containerd-restart", &[]);
+        s.wait_settled();
+    });
+    let after = (pods(NS, AGENT), pods(NS, NODE_LOCAL_DNS), pods("default", CLIENTS));
+    assert_eq!(before, after, "the restarts replaced pods");
+}
+
+/// `helm uninstall` under load: the agent's pods go, pods keep their DNS through it and after
+/// it, and the node is as the README's *Removing* says: the agent's rules stay (node-cache
+/// still answers pods; a kill of it still fails them over in the kernel). The chart is then
+/// installed again for the cases after this one.
+fn helm_uninstall_loses_no_lookup(s: &Suite) {
+    under_load(s, "helm uninstall", || {
+        let out =
+            s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "2m"]);
+        assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
+        let gone = testkit::poll(Duration::from_secs(60), || {
+            s.node.pods(NS, AGENT).is_empty().then_some(())
+        });
+        assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
+    });
+    assert!(agent_rules_in(s), "the agent's rules went with it");
+    // Without the agent, a kill of the cache: the kernel's fast path alone.
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    under_load(s, "node-cache SIGKILLed after the uninstall", || nix_kill(pid, "KILL"));
+    helm_install(s, &[]);
+    s.wait_settled();
 }

@@ -73,7 +73,10 @@ helm_admin() {
         HELM_CONFIG_HOME="$RUN_DIR/helm/config" HELM_DATA_HOME="$RUN_DIR/helm/data" \
         "$BIN/helm" --kubeconfig "$RUN_DIR/admin.kubeconfig" "$@"
 }
-ctr_node() { in_node "$BIN/ctr" --address "$RUN_DIR/containerd.sock" --namespace k8s.io "$@"; }
+# ctr, without the deprecation warning about cgroup v1 it prints on every call.
+ctr_node() {
+    in_node "$BIN/ctr" --address "$RUN_DIR/containerd.sock" --namespace k8s.io "$@" 2> >(grep -v 'DEPRECATION: The support for cgroup v1' >&2)
+}
 
 # svc_pid SVC: the recorded pid while that process still runs the program we started.
 svc_pid() {
@@ -103,6 +106,8 @@ svc_start() {
             echo $$ >"/sys/fs/cgroup/$c/'"$CGROUP"'/cgroup.procs" || exit 125; done; exec "$@"' \
         _ "${enter[@]}" "$@" </dev/null >>"$RUN_DIR/log/$svc.log" 2>&1 &
     echo $! >"$RUN_DIR/$svc.pid"
+    # Ours to stop by its pid, not this shell's job to report on.
+    disown
     local deadline=$(($(now_ms) + 5000))
     until svc_pid "$svc" >/dev/null; do
         if [[ ! -e /proc/$! ]] || (($(now_ms) > deadline)); then

@@ -142,6 +142,8 @@ images_import() {
     local agent
     agent=$(<"$RUN_DIR/agent-image")
     if [[ -n $agent ]]; then
-        ctr_node images ls -q | grep -qxF "$agent" || die "the agent's image $agent is not in containerd after its import: $(ctr_node images ls -q | tr '\n' ' ')"
+        local names
+        names=$(ctr_node images ls -q)
+        grep -qxF "$agent" <<<"$names" || die "the agent's image $agent is not in containerd after its import: ${names//$'\n'/ }"
     fi
 }

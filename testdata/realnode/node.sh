@@ -59,6 +59,7 @@ node_start() {
         $(for d in "${NODE_SHADOWS[@]}"; do echo "mount -n --bind $RUN_DIR/shadow/${d//\//_} $d"; done)
         exec sleep infinity" </dev/null >>"$RUN_DIR/log/holder.log" 2>&1 &
     echo $! >"$RUN_DIR/holder.pid"
+    disown
     wait_for 10 "the node's holder process" holder_ready
     containerd_config
     svc_start containerd node env PATH="$BIN:/usr/sbin:/usr/bin:/sbin:/bin" "$BIN/containerd" \
@@ -178,6 +179,9 @@ kubelet_start() {
         --hostname-override="$(ns_name node)" --node-ip="$V4_CP_NODE" --v=1
 }
 
+# kubelet_healthy: its own health check says ok (its runtime and PLEG included).
+kubelet_healthy() { [[ "$(in_node curl -sf --max-time 2 http://127.0.0.1:10248/healthz)" == ok ]]; }
+
 # node_ready: the Node is Ready, and has the pod CIDR the CNI range is (kube-proxy reads it).
 node_ready() {
     local node
@@ -247,7 +251,10 @@ node_cleanup() {
 daemon_restart() {
     svc_stop "$1" 10
     case $1 in
-    kubelet) kubelet_start ;;
+    kubelet)
+        kubelet_start
+        wait_for 60 "the kubelet's /healthz" kubelet_healthy
+        ;;
     containerd)
         svc_start containerd node env PATH="$BIN:/usr/sbin:/usr/bin:/sbin:/bin" "$BIN/containerd" \
             --config "$RUN_DIR/containerd.toml"

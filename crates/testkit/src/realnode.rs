@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::binaries::dnsload_exe;
-use crate::load::{origins, read_lookups, Load, Lookup};
+use crate::load::{origins, Load, Lookup};
 use crate::simnode::{describe, repo};
 
 /// A real node, up until dropped (`realnode.sh down`: every process of it by its cgroup, the
@@ -168,37 +168,24 @@ impl Cluster {
         assert!(out.status.success(), "rollout of {what} in {namespace}:\n{}", describe(&out));
     }
 
-    /// Starts dnsload in the client pod `pod` (`kubectl exec`): glibc's getaddrinfo() of
-    /// who.test through the resolv.conf the kubelet wrote, `rate` lookups a second, with a
-    /// timeline line every 250 ms, until [`PodLoad::stop`].
+    /// Starts dnsload in the client pod `pod`: glibc's getaddrinfo() of who.test through the
+    /// resolv.conf the kubelet wrote, `rate` lookups a second, with a timeline line every 250 ms,
+    /// until [`PodLoad::stop`]. It runs in the pod's network and mount namespaces, entered from
+    /// the machine (`nsenter` into its container's): a `kubectl exec` stream would go with the
+    /// kubelet when a test restarts it.
     pub fn load(&self, pod: &str, rate: u32) -> PodLoad {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let container = self.container_pid("default", pod, "client");
         let in_pod = format!("/tmp/lookups-{n}.txt");
-        let pidfile = format!("/tmp/dnsload-{n}.pid");
-        let rate = rate.to_string();
-        let mut dnsload = vec![
-            "/usr/local/bin/dnsload",
-            "--system-resolver",
-            "--name",
-            "who.test",
-            "--rate",
-            &rate,
-            "--duration",
-            "1h",
-            "--report-interval",
-            "250ms",
-            "--lookups-out",
-            &in_pod,
-        ];
-        let origins = origins();
-        dnsload.extend(origins.iter().map(String::as_str));
-        // The shell records its own pid, then becomes dnsload: `stop` signals that pid.
-        let line = format!("echo $$ >{pidfile} && exec {}", dnsload.join(" "));
-        let mut cmd = self.script_cmd("kubectl", &["exec", pod, "--", "sh", "-c", &line]);
-        let local = self.dir.join(format!("lookups-{pod}-{n}.txt"));
-        let load = Load::spawn(&mut cmd, local.clone());
-        PodLoad { load, node: self.clone(), pod: pod.to_string(), pidfile, in_pod, local }
+        let mut cmd = Command::new("nsenter");
+        cmd.args(["-t", &container.to_string(), "-n", "-m", "--", "/usr/local/bin/dnsload"]);
+        cmd.args(["--system-resolver", "--name", "who.test", "--rate", &rate.to_string()]);
+        cmd.args(["--duration", "1h", "--report-interval", "250ms", "--lookups-out", &in_pod]);
+        cmd.args(origins());
+        // nsenter execs dnsload: the child is dnsload itself, and its file is the pod's.
+        let seen_from_here = PathBuf::from(format!("/proc/{container}/root{in_pod}"));
+        PodLoad { load: Load::spawn(&mut cmd, seen_from_here) }
     }
 }
 
@@ -206,24 +193,13 @@ impl Cluster {
 pub struct PodLoad {
     /// Its timeline lines, as they come (`wait_line`, `wait_alone`, …).
     pub load: Load,
-    node: Cluster,
-    pod: String,
-    pidfile: String,
-    in_pod: String,
-    local: PathBuf,
 }
 
 impl PodLoad {
-    /// Stops it (SIGINT in the pod: it starts no more lookups and waits for those in flight)
-    /// and returns its summary and every lookup, in the order they started.
+    /// Stops it (SIGINT: it starts no more lookups and waits for those in flight) and returns
+    /// its summary and every lookup, in the order they started.
     pub fn stop(self) -> (Value, Vec<Lookup>) {
-        let kill = format!("kill -INT $(cat {})", self.pidfile);
-        self.node.kubectl(&["exec", &self.pod, "--", "sh", "-c", &kill]);
-        let summary = self.load.finish();
-        let text = self.node.kubectl(&["exec", &self.pod, "--", "cat", &self.in_pod]);
-        std::fs::write(&self.local, text).expect("the lookups' copy");
-        let lookups = read_lookups(&self.local, &summary);
-        (summary, lookups)
+        self.load.interrupt_recorded()
     }
 }
 
