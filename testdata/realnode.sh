@@ -46,11 +46,15 @@
 #   node-local-dns-patch PREFIX AGENT-IMAGE
 #     the project's changes to node-local-dns (manifests/overlays/node-local-dns) patched into
 #     the cluster's DaemonSet, the drain client from AGENT-IMAGE; returns once it has rolled
+#   webhook-install PREFIX AGENT-IMAGE
+#     the admission webhook as manifests/README.md installs it without cert-manager (a serving
+#     certificate made with openssl, its CA patched in); returns once its Deployment is Ready
 #   kubelet-restart PREFIX | containerd-restart PREFIX
 #     the daemon stopped (SIGTERM) and started again; the pods keep running
-#   node-stop PREFIX | node-start PREFIX
-#     a reboot: every container, containerd and kubelet stopped, the pods' network gone; then
-#     containerd and kubelet started again, which restart the pods
+#   node-stop PREFIX | node-start PREFIX [--register-with-taints KEY:EFFECT[,...]]
+#     a reboot: every container, containerd and the kubelet killed, the pods' network, /run and
+#     the node's netfilter gone; then containerd and the kubelet started again, which restart
+#     the pods (a Node registered anew gets the taints, as kubelet's --register-with-taints)
 # State (configs, pidfiles, logs) lives in ${REALNODE_DIR:-/tmp/realnode}/PREFIX. Nothing here
 # touches the root network namespace or its netfilter. REALNODE_TRACE=1 traces.
 # shellcheck source-path=SCRIPTDIR
@@ -161,10 +165,11 @@ main() {
     container-pid) (($# == 3)) || usage; parts_bin_quick; container_pid "$@" ;;
     image-tag) (($# == 2)) || usage; parts_bin_quick; ctr_node images tag --force "$1" "$2" >/dev/null ;;
     node-local-dns-patch) (($# == 1)) || usage; parts_bin_quick; node_local_dns_patch "$1" ;;
+    webhook-install) (($# == 1)) || usage; parts_bin_quick; webhook_install "$1" ;;
     kubelet-restart) (($# == 0)) || usage; parts_bin_quick; load_state; daemon_restart kubelet ;;
     containerd-restart) (($# == 0)) || usage; parts_bin_quick; load_state; daemon_restart containerd ;;
     node-stop) (($# == 0)) || usage; parts_bin_quick; load_state; node_reboot_stop ;;
-    node-start) (($# == 0)) || usage; parts_bin_quick; load_state; node_reboot_start ;;
+    node-start) parts_bin_quick; load_state; node_reboot_start "$@" ;;
     *) usage ;;
     esac
 }

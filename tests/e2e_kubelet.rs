@@ -39,6 +39,7 @@ const CASES: &[Case] = &[
     ("installed_from_the_chart", installed_from_the_chart),
     ("cache_container_sigkill_loses_no_lookup", cache_container_sigkill_loses_no_lookup),
     ("cache_hang_loses_no_lookup", cache_hang_loses_no_lookup),
+    ("cache_oom_killed_loses_no_lookup", cache_oom_killed_loses_no_lookup),
     ("node_local_dns_rollout_loses_no_lookup", node_local_dns_rollout_loses_no_lookup),
     ("agent_upgrade_loses_no_lookup", agent_upgrade_loses_no_lookup),
     ("agent_pod_deleted_loses_no_lookup", agent_pod_deleted_loses_no_lookup),
@@ -48,6 +49,14 @@ const CASES: &[Case] = &[
         kubelet_and_containerd_restarted_lose_no_lookup,
     ),
     ("helm_uninstall_loses_no_lookup", helm_uninstall_loses_no_lookup),
+    (
+        "a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns",
+        a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns,
+    ),
+    (
+        "webhook_gives_a_labelled_namespace_two_nameservers",
+        webhook_gives_a_labelled_namespace_two_nameservers,
+    ),
 ];
 
 fn main() {
@@ -244,6 +253,57 @@ fn cache_hang_loses_no_lookup(s: &Suite) {
     s.wait_settled();
 }
 
+/// node-cache OOM-killed by its container's memory limit (the kernel's OOM killer in the
+/// container's memory cgroup, which the kubelet reports as `OOMKilled`): node-local-dns given
+/// a limit of 128 MiB (upstream's manifest has none), then a process of the test's joins the
+/// container's cgroup and takes 300 MiB, node-cache made the OOM killer's first choice
+/// (`oom_score_adj` 1000).
+fn cache_oom_killed_loses_no_lookup(s: &Suite) {
+    let limit = r#"{"spec":{"template":{"spec":{"containers":[{"name":"node-cache","resources":{"limits":{"memory":"128Mi"}}}]}}}}"#;
+    s.node.kubectl(&[
+        "-n",
+        NS,
+        "patch",
+        "daemonset",
+        "node-local-dns",
+        "--type=strategic",
+        "-p",
+        limit,
+    ]);
+    s.wait_settled();
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    let cgroup =
+        std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("node-cache's cgroups");
+    let memory = cgroup
+        .lines()
+        .find_map(|l| l.split_once(":memory:").map(|(_, path)| path.to_string()))
+        .expect("node-cache's memory cgroup");
+    std::fs::write(format!("/proc/{pid}/oom_score_adj"), "1000").expect("oom_score_adj");
+    under_load(s, "node-cache OOM-killed", || {
+        let mut hog = std::process::Command::new("/usr/bin/python3")
+            .args([
+                "-c",
+                "import sys, time\nsys.stdin.read(1)\nx = b'x' * (300 << 20)\ntime.sleep(60)",
+            ])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("the hog");
+        let procs = format!("/sys/fs/cgroup/memory{memory}/cgroup.procs");
+        std::fs::write(&procs, hog.id().to_string()).expect("the hog into node-cache's cgroup");
+        use std::io::Write;
+        hog.stdin.take().expect("stdin").write_all(b"go").expect("the hog started");
+        let _ = hog.wait();
+        let oom = testkit::poll(Duration::from_secs(60), || {
+            let p = s.node.get_json(&["-n", NS, "get", "pod", &pod]);
+            let last = &p["status"]["containerStatuses"][0]["lastState"]["terminated"];
+            (last["reason"] == "OOMKilled").then_some(())
+        });
+        assert!(oom.is_some(), "node-cache was not OOMKilled");
+    });
+    s.wait_settled();
+}
+
 /// `kubectl rollout restart daemonset/node-local-dns`: the old pod's preStop drains to CoreDNS,
 /// the new one takes over.
 fn node_local_dns_rollout_loses_no_lookup(s: &Suite) {
@@ -323,6 +383,127 @@ fn agent_killed_on_upstream_loses_no_lookup(s: &Suite) {
     let (summary, _) = load.stop();
     println!("the agent killed on Upstream: {}", counts(&summary));
     assert_eq!(summary["failed"], 0, "{summary}");
+    s.wait_settled();
+}
+
+/// The startup taint: the chart's `clusterReports.startupTaint` on, then the node stopped
+/// (every process of it killed, its netfilter, /run and the pods' network gone, as a reboot
+/// leaves it) and replaced: its Node object and its pods deleted, as when a new node takes its
+/// name; started again, the kubelet registers it with the taint (`--register-with-taints`).
+/// Polled from the kubelet's registration on: no client pod is bound to the node while the
+/// taint is on it; once it is gone, the clients' first lookups are answered.
+fn a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns(s: &Suite) {
+    const TAINT: &str = "nodelocaldns-ha.io/dns-not-ready";
+    let out = s.node.helm(&[
+        "upgrade",
+        RELEASE,
+        CHART,
+        "--namespace",
+        NS,
+        "--reuse-values",
+        "--set",
+        "clusterReports.enabled=true",
+        "--set",
+        "clusterReports.startupTaint=true",
+        "--wait",
+        "--timeout",
+        "2m",
+    ]);
+    assert!(out.status.success(), "helm upgrade:\n{}", describe(&out));
+    s.wait_settled();
+    let node = s.node.kubectl(&["get", "nodes", "-o", "jsonpath={.items[0].metadata.name}"]);
+    s.node.script("node-stop", &[]);
+    s.node.kubectl(&["delete", "node", &node, "--wait=true"]);
+    s.node.kubectl(&["delete", "pods", "--all", "--all-namespaces", "--force", "--grace-period=0"]);
+    s.node.script("node-start", &["--register-with-taints", &format!("{TAINT}:NoSchedule")]);
+
+    let (mut tainted_samples, mut bound_while_tainted) = (0, Vec::new());
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        assert!(Instant::now() < deadline, "the clients never ran untainted");
+        let n = s.node.try_kubectl(&["get", "node", &node, "-o", "json"]);
+        if !n.status.success() {
+            continue; // not registered yet
+        }
+        let n: Value = serde_json::from_slice(&n.stdout).expect("the Node's JSON");
+        let tainted =
+            n["spec"]["taints"].as_array().is_some_and(|t| t.iter().any(|t| t["key"] == TAINT));
+        let pods = s.node.get_json(&["-n", "default", "get", "pods", "-l", CLIENTS]);
+        let pods = pods["items"].as_array().cloned().unwrap_or_default();
+        if tainted {
+            tainted_samples += 1;
+            bound_while_tainted.extend(
+                pods.iter()
+                    .filter(|p| p["spec"]["nodeName"].is_string())
+                    .map(|p| format!("{} ({})", p["metadata"]["name"], p["status"]["phase"])),
+            );
+        } else if !pods.is_empty() && pods.iter().all(|p| p["status"]["phase"] == "Running") {
+            break;
+        }
+    }
+    println!("the node registered with the startup taint: {tainted_samples} samples tainted");
+    assert!(tainted_samples > 0, "the node was never seen with the startup taint");
+    assert!(
+        bound_while_tainted.is_empty(),
+        "client pods bound while tainted: {bound_while_tainted:?}"
+    );
+    // Their DNS works from their first lookup.
+    s.node.wait_rollout("default", "deployment/dns-client", Duration::from_secs(120));
+    let mut load = s.node.load(&s.client(), RATE);
+    load.load.wait_cache_answers();
+    let (summary, _) = load.stop();
+    println!("the first lookups after the taint: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "{summary}");
+    s.wait_settled();
+}
+
+/// The admission webhook as a Deployment (installed as manifests/README.md says, without
+/// cert-manager), and a client Deployment in a namespace labelled for it, started by the
+/// kubelet: the pod's resolv.conf as the kubelet wrote it from the mutated pod (the node-local
+/// IP, then kube-dns; ACK's options), and its lookups through a node-cache kill.
+fn webhook_gives_a_labelled_namespace_two_nameservers(s: &Suite) {
+    const NSW: &str = "webhooked";
+    s.node.script("webhook-install", &[&s.image]);
+    s.node.kubectl(&["create", "namespace", NSW]);
+    s.node.kubectl(&["label", "namespace", NSW, "nodelocaldns-ha.io/dns-injection=enabled"]);
+    s.node.kubectl(&[
+        "-n",
+        NSW,
+        "create",
+        "deployment",
+        "dns-client",
+        "--image=localhost/realnode/dns-client:1",
+    ]);
+    s.node.wait_rollout(NSW, "deployment/dns-client", Duration::from_secs(120));
+    let pod = s.node.only_pod(NSW, CLIENTS, Duration::from_secs(60));
+    let stored = s.node.get_json(&["-n", NSW, "get", "pod", &pod]);
+    assert_eq!(stored["spec"]["dnsPolicy"], "None", "not mutated: {stored}");
+    let resolv = s.node.kubectl(&["-n", NSW, "exec", &pod, "--", "cat", "/etc/resolv.conf"]);
+    println!("the mutated pod's resolv.conf, as the kubelet wrote it:\n{resolv}");
+    let nameservers: Vec<&str> =
+        resolv.lines().filter_map(|l| l.strip_prefix("nameserver ")).collect();
+    assert_eq!(nameservers, ["169.254.20.10", "10.96.0.10"], "{resolv}");
+    assert!(
+        resolv.contains(&format!("search {NSW}.svc.cluster.local svc.cluster.local cluster.local")),
+        "{resolv}"
+    );
+    let options = resolv.lines().find(|l| l.starts_with("options ")).unwrap_or_default();
+    for want in ["ndots:3", "attempts:2", "timeout:1"] {
+        assert!(options.contains(want), "{want} not in {options:?}");
+    }
+    let cache = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &cache, "node-cache");
+    // `kubectl create deployment` names the container after the image.
+    let mut load = s.node.load_in(NSW, &pod, "dns-client", RATE);
+    load.load.wait_cache_answers();
+    nix_kill(pid, "KILL");
+    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
+        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "coredns") == Some(0)
+    });
+    let (summary, _) = load.stop();
+    println!("the webhook's pod through a kill: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "{summary}");
+    s.node.kubectl(&["delete", "namespace", NSW, "--wait=false"]);
     s.wait_settled();
 }
 

@@ -149,7 +149,11 @@ spec:
     spec:
       priorityClassName: system-cluster-critical
       serviceAccountName: coredns
-      tolerations: [{key: CriticalAddonsOnly, operator: Exists}, {key: node-role.kubernetes.io/control-plane, effect: NoSchedule}]
+      # test bed: and the agent's startup taint, which kubeadm's CoreDNS does not tolerate: a
+      # cluster runs CoreDNS on its other nodes while a new one waits for its DNS; this one
+      # has no other.
+      tolerations: [{key: CriticalAddonsOnly, operator: Exists}, {key: node-role.kubernetes.io/control-plane, effect: NoSchedule},
+        {key: nodelocaldns-ha.io/dns-not-ready, operator: Exists, effect: NoSchedule}]
       nodeSelector: {kubernetes.io/os: linux}
       containers:
       - name: coredns
@@ -329,4 +333,37 @@ node_local_dns_patch() {
     out=$(kc -n kube-system patch daemonset node-local-dns --type=json \
         --patch-file "$overlay/node-cache-args.yaml" 2>&1) || die "patching node-cache's args failed: $out"
     wait_for 180 "node-local-dns's rollout" rollout_done daemonset/node-local-dns kube-system
+}
+
+# webhook_install IMAGE: the admission webhook as manifests/README.md installs it on a cluster
+# without cert-manager: the component's Namespace, Deployment, Service and
+# MutatingWebhookConfiguration (kustomize, its placeholders filled, IMAGE for `nodelocaldns-ha`),
+# a serving certificate made with openssl for the Service's name, put in the Secret the
+# Deployment mounts, its CA in the configuration's caBundle; waits for the Deployment.
+webhook_install() {
+    local dir=$RUN_DIR/webhook out f i patch=""
+    mkdir -p "$dir"
+    for f in namespace.yaml deployment.yaml mutatingwebhookconfiguration.yaml; do
+        cp "$REPO/manifests/webhook/$f" "$dir/"
+    done
+    cat >"$dir/kustomization.yaml" <<EOF
+resources: [namespace.yaml, deployment.yaml, mutatingwebhookconfiguration.yaml]
+images:
+- {name: nodelocaldns-ha, newName: ${1%:*}, newTag: "${1##*:}"}
+EOF
+    kc kustomize "$dir" | sed -e "s/__PILLAR__LOCAL__DNS__/$LOCAL_IP/g" -e "s/__PILLAR__DNS__SERVER__/$CLUSTER_DNS/g" \
+        -e "s/__PILLAR__DNS__DOMAIN__/cluster.local/g" >"$dir/webhook.yaml" || die "kubectl kustomize of the webhook failed"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 \
+        -subj /CN=nodelocaldns-ha-webhook \
+        -addext subjectAltName=DNS:nodelocaldns-ha-webhook.nodelocaldns-ha.svc \
+        -keyout "$dir/tls.key" -out "$dir/tls.crt" 2>>"$dir/openssl.log" || die "openssl failed (log: $dir/openssl.log)"
+    out=$(kc apply -f "$dir/webhook.yaml" 2>&1) || die "kubectl apply of the webhook failed: $out"
+    out=$(kc -n nodelocaldns-ha create secret tls nodelocaldns-ha-webhook-tls --cert "$dir/tls.crt" \
+        --key "$dir/tls.key" 2>&1) || die "creating the webhook's Secret failed: $out"
+    for i in 0 1 2; do
+        patch+="${patch:+,}{\"op\":\"add\",\"path\":\"/webhooks/$i/clientConfig/caBundle\",\"value\":\"$(base64 -w0 "$dir/tls.crt")\"}"
+    done
+    out=$(kc patch mutatingwebhookconfiguration nodelocaldns-ha-webhook --type json -p "[$patch]" 2>&1) ||
+        die "patching the webhook's caBundle failed: $out"
+    wait_for 120 "the webhook's Deployment" rollout_done deployment/nodelocaldns-ha-webhook nodelocaldns-ha
 }

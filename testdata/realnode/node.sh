@@ -167,11 +167,18 @@ nodeStatusUpdateFrequency: 5s
 syncFrequency: 10s
 fileCheckFrequency: 5s
 volumePluginDir: $RUN_DIR/kubelet/volume-plugins
-registerWithTaints: []
+registerWithTaints: [$REGISTER_WITH_TAINTS]
 EOF
 }
 
+# kubelet_start: the kubelet, with the taints it registers a new Node with in
+# $RUN_DIR/register-with-taints (KEY:EFFECT, comma-separated; node-start writes it).
 kubelet_start() {
+    local taint
+    REGISTER_WITH_TAINTS=""
+    for taint in $(tr ',' ' ' <"$RUN_DIR/register-with-taints" 2>/dev/null); do
+        REGISTER_WITH_TAINTS+="${REGISTER_WITH_TAINTS:+, }{key: \"${taint%%:*}\", effect: ${taint#*:}}"
+    done
     kubelet_config
     svc_start kubelet node env PATH="$BIN:/usr/sbin:/usr/bin:/sbin:/bin" "$BIN/kubelet" \
         --config="$RUN_DIR/kubelet.yaml" --kubeconfig="$RUN_DIR/kubelet.kubeconfig" \
@@ -265,7 +272,9 @@ daemon_restart() {
 
 # node_reboot_stop: what a reboot takes away: every process of the node (the kubelet, containerd,
 # the shims, the containers) killed, the pods' network namespaces and the bridge gone, /run
-# emptied (a tmpfs). The Node object, the kubelet's and containerd's disk state stay.
+# emptied (a tmpfs), the node's netfilter and conntrack empty. The Node object, the kubelet's
+# and containerd's disk state, and the listen IPs on lo (the test bed's stand-in for
+# node-cache's interface, which it would make again) stay.
 node_reboot_stop() {
     svc_stop kubelet 10
     svc_stop containerd 10
@@ -278,15 +287,35 @@ node_reboot_stop() {
         [[ $keep == *" $pid "* ]] || kill -KILL "$pid" 2>/dev/null || true
     done
     in_node ip link del cni0 2>/dev/null || true
-    in_node sh -c 'for ns in '"$RUN_DIR"'/containerd/state/io.containerd.grpc.v1.cri/netns/*; do
-        [ -e "$ns" ] && umount "$ns" 2>/dev/null; rm -f "$ns"; done; true'
-    # What a reboot empties: the node's /run (a tmpfs), the pods' IP allocations.
+    # Every mount the runtime and the kubelet made (the containers' root file systems, the pods'
+    # volumes, shm and network namespaces), deepest first: a reboot leaves none.
+    local mounts m
+    mounts=$(in_node awk -v dir="$RUN_DIR/" 'index($2, dir) == 1 { print $2 }' /proc/self/mounts | sort -r)
+    for m in $mounts; do in_node umount -l "$m" 2>/dev/null || true; done
+    # What a reboot empties: the node's /run (a tmpfs), the pods' IP allocations, its netfilter.
     in_node sh -c 'rm -rf /run/* '"$RUN_DIR"'/cni/ipam/* '"$RUN_DIR"'/containerd/state'
+    in_node nft flush ruleset
+    local ipt table
+    for ipt in iptables-legacy ip6tables-legacy; do
+        for table in raw mangle nat filter; do
+            in_node "$ipt" -t "$table" -F 2>/dev/null || true
+            in_node "$ipt" -t "$table" -X 2>/dev/null || true
+        done
+    done
+    in_node conntrack -F >/dev/null 2>&1 || true
 }
 
+# node_reboot_start [--register-with-taints KEY:EFFECT[,...]]: containerd and the kubelet started
+# again; the kubelet registers the Node with those taints if it has to register it anew.
 node_reboot_start() {
+    case ${1:-} in
+    --register-with-taints) echo "${2:?--register-with-taints KEY:EFFECT}" >"$RUN_DIR/register-with-taints" ;;
+    "") rm -f "$RUN_DIR/register-with-taints" ;;
+    *) usage ;;
+    esac
     daemon_restart containerd
     kubelet_start
+    wait_for 60 "the kubelet's /healthz" kubelet_healthy
 }
 
 # container_pid NAMESPACE POD CONTAINER: the pid of CONTAINER's main process in POD (its task in

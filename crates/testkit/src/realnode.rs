@@ -174,9 +174,14 @@ impl Cluster {
     /// the machine (`nsenter` into its container's): a `kubectl exec` stream would go with the
     /// kubelet when a test restarts it.
     pub fn load(&self, pod: &str, rate: u32) -> PodLoad {
+        self.load_in("default", pod, "client", rate)
+    }
+
+    /// [`Cluster::load`] in `container` (of the client image) of `pod` in `namespace`.
+    pub fn load_in(&self, namespace: &str, pod: &str, container: &str, rate: u32) -> PodLoad {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let container = self.container_pid("default", pod, "client");
+        let container = self.container_pid(namespace, pod, container);
         let in_pod = format!("/tmp/lookups-{n}.txt");
         let mut cmd = Command::new("nsenter");
         cmd.args(["-t", &container.to_string(), "-n", "-m", "--", "/usr/local/bin/dnsload"]);
