@@ -57,6 +57,7 @@ const CASES: &[Case] = &[
         "webhook_gives_a_labelled_namespace_two_nameservers",
         webhook_gives_a_labelled_namespace_two_nameservers,
     ),
+    ("node_local_dns_unpatched", node_local_dns_unpatched),
 ];
 
 fn main() {
@@ -504,6 +505,105 @@ fn webhook_gives_a_labelled_namespace_two_nameservers(s: &Suite) {
     println!("the webhook's pod through a kill: {}", counts(&summary));
     assert_eq!(summary["failed"], 0, "{summary}");
     s.node.kubectl(&["delete", "namespace", NSW, "--wait=false"]);
+    s.wait_settled();
+}
+
+/// node-cache's arguments (its container's `args`).
+fn node_cache_args(s: &Suite) -> Vec<String> {
+    let ds = s.node.get_json(&["-n", NS, "get", "daemonset", "node-local-dns"]);
+    let args = ds["spec"]["template"]["spec"]["containers"][0]["args"].as_array().cloned();
+    args.unwrap_or_default().iter().filter_map(|a| a.as_str().map(String::from)).collect()
+}
+
+/// node-cache's arguments replaced (a JSON patch), and the rollout waited for.
+fn set_node_cache_args(s: &Suite, args: &[String]) {
+    let patch = serde_json::json!([
+        {"op": "test", "path": "/spec/template/spec/containers/0/name", "value": "node-cache"},
+        {"op": "replace", "path": "/spec/template/spec/containers/0/args", "value": args},
+    ]);
+    let patch = patch.to_string();
+    s.node.kubectl(&[
+        "-n",
+        NS,
+        "patch",
+        "daemonset",
+        "node-local-dns",
+        "--type=json",
+        "-p",
+        &patch,
+    ]);
+    s.node.wait_rollout(NS, "daemonset/node-local-dns", Duration::from_secs(180));
+}
+
+/// The NOTRACK rules node-cache installed itself (its comment), in the node's raw table.
+fn node_cache_rules(s: &Suite) -> usize {
+    let raw = s.node.in_node(&["iptables-nft-save", "-t", "raw"]);
+    raw.lines().filter(|l| l.contains("NodeLocal DNS Cache")).count()
+}
+
+/// node-local-dns as an operator who did not patch it runs it: node-cache without
+/// `-setupiptables=false` and `-skipteardown`, so it puts its own NOTRACK rules in (at its
+/// first sync, a minute after it starts) and keeps them. What pods get across a kill and a
+/// hang then, and what the agent says. Then patched again: the old node-cache's SIGTERM
+/// takes its rules out.
+fn node_local_dns_unpatched(s: &Suite) {
+    let patched = node_cache_args(s);
+    let stock: Vec<String> = patched
+        .iter()
+        .filter(|a| !matches!(a.as_str(), "-setupiptables=false" | "-skipteardown"))
+        .cloned()
+        .collect();
+    assert_ne!(patched, stock, "node-cache is not patched: {patched:?}");
+    set_node_cache_args(s, &stock);
+    let rules = testkit::poll(Duration::from_secs(120), || (node_cache_rules(s) > 0).then_some(()));
+    assert!(rules.is_some(), "node-cache put no rules in");
+    let warned = testkit::poll(Duration::from_secs(60), || {
+        let st = s.agent_status();
+        let says = st["warnings"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|w| w.as_str().unwrap_or("").contains("node-cache"));
+        says.then_some(st)
+    });
+    let status = warned.expect("the agent never named node-cache's rules");
+    println!(
+        "node-cache's own rules in ({} NOTRACK); the agent says: {}",
+        node_cache_rules(s),
+        status["warnings"]
+    );
+
+    let client = s.client();
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    let mut load = s.node.load(&client, RATE);
+    load.load.wait_cache_answers();
+    nix_kill(pid, "KILL");
+    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
+        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "failed") == Some(0)
+    });
+    let (kill, _) = load.stop();
+    println!("unpatched, node-cache SIGKILLed: {}", counts(&kill));
+
+    s.wait_route("local", Duration::from_secs(60));
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    let mut load = s.node.load(&client, RATE);
+    load.load.wait_cache_answers();
+    nix_kill(pid, "STOP");
+    s.wait_route("upstream", Duration::from_secs(30));
+    // The fault's length, not a wait for anything: the cache stays hung for 5 s.
+    std::thread::sleep(Duration::from_secs(5));
+    nix_kill(pid, "CONT");
+    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
+        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "failed") == Some(0)
+    });
+    let (hang, _) = load.stop();
+    println!("unpatched, node-cache hung 5 s: {}", counts(&hang));
+
+    set_node_cache_args(s, &patched);
+    let gone = testkit::poll(Duration::from_secs(60), || (node_cache_rules(s) == 0).then_some(()));
+    assert!(gone.is_some(), "node-cache's rules outlived it: {}", node_cache_rules(s));
     s.wait_settled();
 }
 
