@@ -58,6 +58,10 @@ const CASES: &[Case] = &[
         webhook_gives_a_labelled_namespace_two_nameservers,
     ),
     ("node_local_dns_unpatched", node_local_dns_unpatched),
+    (
+        "kube_proxy_moved_to_nftables_mode_loses_no_lookup",
+        kube_proxy_moved_to_nftables_mode_loses_no_lookup,
+    ),
 ];
 
 fn main() {
@@ -422,6 +426,10 @@ fn a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns(s: &Suite) {
     let deadline = Instant::now() + Duration::from_secs(240);
     loop {
         assert!(Instant::now() < deadline, "the clients never ran untainted");
+        // The pods first, then the node: the taint is only ever taken off, so a node still
+        // tainted after the pods were read was tainted when they were bound.
+        let pods = s.node.get_json(&["-n", "default", "get", "pods", "-l", CLIENTS]);
+        let pods = pods["items"].as_array().cloned().unwrap_or_default();
         let n = s.node.try_kubectl(&["get", "node", &node, "-o", "json"]);
         if !n.status.success() {
             continue; // not registered yet
@@ -429,8 +437,6 @@ fn a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns(s: &Suite) {
         let n: Value = serde_json::from_slice(&n.stdout).expect("the Node's JSON");
         let tainted =
             n["spec"]["taints"].as_array().is_some_and(|t| t.iter().any(|t| t["key"] == TAINT));
-        let pods = s.node.get_json(&["-n", "default", "get", "pods", "-l", CLIENTS]);
-        let pods = pods["items"].as_array().cloned().unwrap_or_default();
         if tainted {
             tainted_samples += 1;
             bound_while_tainted.extend(
@@ -604,6 +610,60 @@ fn node_local_dns_unpatched(s: &Suite) {
     set_node_cache_args(s, &patched);
     let gone = testkit::poll(Duration::from_secs(60), || (node_cache_rules(s) == 0).then_some(()));
     assert!(gone.is_some(), "node-cache's rules outlived it: {}", node_cache_rules(s));
+    s.wait_settled();
+}
+
+/// kube-proxy moved from iptables to nftables mode as an operator does it (its ConfigMap's
+/// `mode`, then its DaemonSet rolled: kube-proxy cleans up its iptables rules itself), the
+/// agent's DaemonSet rolled after it (`auto` follows kube-proxy into nftables and removes its
+/// iptables rules): no lookup lost throughout; then node-cache killed and hung on the nftables
+/// node, none lost either.
+fn kube_proxy_moved_to_nftables_mode_loses_no_lookup(s: &Suite) {
+    let cm = s.node.get_json(&["-n", NS, "get", "configmap", "kube-proxy"]);
+    let config = cm["data"]["config.conf"]
+        .as_str()
+        .expect("config.conf")
+        .replace("mode: iptables", "mode: nftables");
+    assert!(config.contains("mode: nftables"), "{config}");
+    let patch = serde_json::json!({"data": {"config.conf": config}}).to_string();
+    under_load(s, "kube-proxy moved to nftables mode, the agent after it", || {
+        s.node.kubectl(&[
+            "-n",
+            NS,
+            "patch",
+            "configmap",
+            "kube-proxy",
+            "--type=merge",
+            "-p",
+            &patch,
+        ]);
+        s.node.kubectl(&["-n", NS, "rollout", "restart", "daemonset/kube-proxy"]);
+        s.node.wait_rollout(NS, "daemonset/kube-proxy", Duration::from_secs(120));
+        let moved = testkit::poll(Duration::from_secs(60), || {
+            let nat = s.node.in_node(&["iptables-nft-save", "-t", "nat"]);
+            let tables = s.node.in_node(&["nft", "list", "tables"]);
+            (!nat.contains("KUBE-SERVICES") && tables.contains("table ip kube-proxy")).then_some(())
+        });
+        assert!(moved.is_some(), "kube-proxy did not move to nftables mode");
+        s.node.kubectl(&["-n", NS, "rollout", "restart", "daemonset/nodelocaldns-ha"]);
+        s.node.wait_rollout(NS, "daemonset/nodelocaldns-ha", Duration::from_secs(120));
+    });
+    s.wait_settled();
+    let status = s.agent_status();
+    assert_eq!(status["dataplane"], "nftables", "{status}");
+    let raw = s.node.in_node(&["iptables-nft-save", "-t", "raw"]);
+    assert!(!raw.contains("NODELOCALDNS-HA"), "the agent's iptables-nft rules are left:\n{raw}");
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    under_load(s, "node-cache SIGKILLed, nftables mode", || nix_kill(pid, "KILL"));
+    s.wait_settled();
+    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
+    let pid = s.node.container_pid(NS, &pod, "node-cache");
+    under_load(s, "node-cache hung, nftables mode", || {
+        nix_kill(pid, "STOP");
+        s.wait_route("upstream", Duration::from_secs(30));
+        nix_kill(pid, "CONT");
+    });
     s.wait_settled();
 }
 
