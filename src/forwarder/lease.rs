@@ -11,9 +11,10 @@
 //! nodelocaldns-ha --rdest`, an entry for the link-local IP in an xt_recent table. The
 //! forwarders' own runtime renews it every [`RENEW`] with a heartbeat: a datagram from the
 //! loopback address to the link-local IP's port [`HEARTBEAT_PORT`], which the fallback chain's
-//! first rule records (`-m recent --set --rdest`) and drops. A packet needs no privilege, where
-//! the table's file under `/proc/net/xt_recent/` is root's alone (an agent run as another user
-//! with its capabilities could not write it). The kernel forgets the entry by itself
+//! first rule records (`-m recent --set --rdest`) and drops, taking it only from `lo`: a pod
+//! can forge the datagram, and IPv4 drops its loopback source only at the routing step, after
+//! that hook. A packet needs no privilege, where the table's file under `/proc/net/xt_recent/`
+//! is root's alone (an agent run as another user with its capabilities could not write it). The kernel forgets the entry by itself
 //! [`LEASE_SECONDS`] after the last heartbeat, so a second after the forwarder stopped (the
 //! process killed, or its runtime starved that long) the TPROXY rule stops matching and the
 //! fallback chain is what nftables' is: the cache gets the queries. A clean exit ends the lease
