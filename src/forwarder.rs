@@ -430,6 +430,7 @@ pub struct Forwarder {
     pool: upstream::Pool,
     tcp: TcpListener,
     counters: Arc<Counters>,
+    lease: Option<lease::Holder>,
 }
 
 impl Forwarder {
@@ -461,7 +462,14 @@ impl Forwarder {
             Transport::Tcp,
             "registering with the tokio runtime",
         ))?;
-        Ok(Forwarder { listen, upstream, options, udp, pool, tcp, counters: Arc::default() })
+        let counters = Arc::default();
+        Ok(Forwarder { listen, upstream, options, udp, pool, tcp, counters, lease: None })
+    }
+
+    /// This forwarder, renewing `holder`'s lease (iptables: [`lease`]) from the task that
+    /// serves its UDP queries, for as long as [`Forwarder::run`] serves.
+    pub fn holding(self, holder: lease::Holder) -> Forwarder {
+        Forwarder { lease: Some(holder), ..self }
     }
 
     /// The address the forwarder listens on.
@@ -484,6 +492,7 @@ impl Forwarder {
             self.pool,
             self.options,
             self.counters.clone(),
+            self.lease,
         );
         let tcp = tcp::serve(self.tcp, self.upstream, self.options, self.counters);
         tokio::select! {
