@@ -9,7 +9,8 @@
 //! no storm). The API down, slow or refusing changes nothing but the reports: each failure is
 //! logged once per outage, retried with backoff (1 s doubling to 30 s; a report the API server
 //! does not answer within 5 s has failed), and the condition caught up when the API answers
-//! again; memory stays bounded (one state, no queue).
+//! again; memory stays bounded (one state, no queue). Events fail on their own (a policy may
+//! refuse them alone): a refused Event holds back neither the condition nor the startup taint.
 //!
 //! The same client follows the upstream Service when no flag fixes its address ([`follow`],
 //! [`crate::upstream`]).
@@ -111,11 +112,21 @@ pub fn reports(
 #[derive(Default)]
 struct Reported {
     condition: Option<Condition>,
-    /// The route changes counted by the last report (the first state's: the agent's start is
-    /// no change).
+    /// The route changes counted by the last Event recorded (the first state's: the agent's
+    /// start is no change).
     transitions: Option<u64>,
     /// Whether the startup taint is off the node.
     taint_removed: bool,
+}
+
+/// The Events' own outage: a refused Event (RBAC without `create events`, an EventRateLimit)
+/// is said once and tried again with backoff, on a later state, while the condition and the
+/// taint go on being reported; the route changes it would have told are counted into the next.
+#[derive(Default)]
+struct Events {
+    outage: Outage,
+    /// No Event before this, after a failed one.
+    not_before: Option<tokio::time::Instant>,
 }
 
 async fn report_forever(
@@ -128,18 +139,22 @@ async fn report_forever(
     let events = Api::namespaced_with(client, "default", &core_v1("Event", "events"));
     let mut reported = Reported::default();
     let mut outage = Outage::default();
+    let mut event_outage = Events::default();
     loop {
         if rx.changed().await.is_err() {
             return std::future::pending().await;
         }
         loop {
             let Some(state) = rx.borrow_and_update().clone() else { break };
-            let reporting = report(&nodes, &events, &node, &state, &mut reported);
+            // Counted from the first state, whatever the API server does meanwhile.
+            reported.transitions.get_or_insert(state.transitions);
+            let reporting = report(&nodes, &node, &state, &mut reported);
             match within(REPORT_TIMEOUT, reporting).await {
                 Ok(()) => {
                     if outage.ended() {
                         info!(node = %node, "reporting to the API server again");
                     }
+                    record_event(&events, &node, &state, &mut reported, &mut event_outage).await;
                     tokio::time::sleep(MIN_SPACING).await;
                     if !rx.has_changed().unwrap_or(false) {
                         break;
@@ -171,6 +186,13 @@ impl Default for Outage {
 }
 
 impl Outage {
+    /// How long to wait before the next retry: each time twice as long, up to the longest.
+    fn next_delay(&mut self) -> Duration {
+        let delay = self.backoff;
+        self.backoff = (self.backoff * 2).min(BACKOFF.1);
+        delay
+    }
+
     /// A request failed: whether that begins an outage (to be said).
     fn began(&mut self) -> bool {
         !std::mem::replace(&mut self.failing, true)
@@ -184,8 +206,7 @@ impl Outage {
 
     /// Waits before the retry, each time twice as long, up to the longest.
     async fn back_off(&mut self) {
-        tokio::time::sleep(self.backoff).await;
-        self.backoff = (self.backoff * 2).min(BACKOFF.1);
+        tokio::time::sleep(self.next_delay()).await;
     }
 }
 
@@ -200,38 +221,74 @@ async fn within<T>(
     }
 }
 
-/// Reports `state`: the Event for the route changes since the last report, then the condition
-/// if it changed.
-async fn report(
-    nodes: &Api<DynamicObject>,
+/// Records the Event for the route changes since the last one, if there were any and no
+/// earlier failure holds it off. Its failure is its own: said once per outage, retried with
+/// backoff on a later state, never in the way of the condition and the taint.
+async fn record_event(
     events: &Api<DynamicObject>,
     node: &str,
     state: &State,
     reported: &mut Reported,
-) -> Result<(), kube::Error> {
-    let since = *reported.transitions.get_or_insert(state.transitions);
-    if let Some(event) = report::event(since, state) {
-        let now = k8s_openapi::jiff::Timestamp::now().to_string();
-        let body = json!({
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": format!("{node}.nodelocaldns-ha."), "namespace": "default"},
-            // kubelet's own reference to the node: its name as the uid.
-            "involvedObject": {"kind": "Node", "name": node, "uid": node, "apiVersion": "v1"},
-            "reason": event.reason,
-            "message": event.message,
-            "type": event.kind,
-            "count": event.count,
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "source": {"component": MANAGER, "host": node},
-            "reportingComponent": MANAGER,
-            "reportingInstance": node,
-        });
-        let event: DynamicObject = serde_json::from_value(body).map_err(kube::Error::SerdeError)?;
-        events.create(&PostParams::default(), &event).await?;
-        reported.transitions = Some(state.transitions);
+    outage: &mut Events,
+) {
+    let since = reported.transitions.unwrap_or(state.transitions);
+    let Some(event) = report::event(since, state) else { return };
+    if outage.not_before.is_some_and(|at| tokio::time::Instant::now() < at) {
+        return;
     }
+    match within(REPORT_TIMEOUT, create_event(events, node, &event)).await {
+        Ok(()) => {
+            reported.transitions = Some(state.transitions);
+            outage.not_before = None;
+            if outage.outage.ended() {
+                info!(node = %node, "recording Events on the node again");
+            }
+        }
+        Err(said) => {
+            outage.not_before = Some(tokio::time::Instant::now() + outage.outage.next_delay());
+            if outage.outage.began() {
+                warn!(node = %node, error = %said, "recording an Event on the node failed; retrying with backoff, the route changes counted into the next one (the condition and the startup taint do not wait for it)");
+            }
+        }
+    }
+}
+
+/// Creates `event` on the Node, in `default`.
+async fn create_event(
+    events: &Api<DynamicObject>,
+    node: &str,
+    event: &report::Event,
+) -> Result<(), kube::Error> {
+    let now = k8s_openapi::jiff::Timestamp::now().to_string();
+    let body = json!({
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": format!("{node}.nodelocaldns-ha."), "namespace": "default"},
+        // kubelet's own reference to the node: its name as the uid.
+        "involvedObject": {"kind": "Node", "name": node, "uid": node, "apiVersion": "v1"},
+        "reason": event.reason,
+        "message": event.message,
+        "type": event.kind,
+        "count": event.count,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "source": {"component": MANAGER, "host": node},
+        "reportingComponent": MANAGER,
+        "reportingInstance": node,
+    });
+    let event: DynamicObject = serde_json::from_value(body).map_err(kube::Error::SerdeError)?;
+    events.create(&PostParams::default(), &event).await?;
+    Ok(())
+}
+
+/// Reports `state`: the condition if it changed, then the startup taint's removal once it may
+/// go. The Event is [`record_event`]'s: a refused one holds back neither.
+async fn report(
+    nodes: &Api<DynamicObject>,
+    node: &str,
+    state: &State,
+    reported: &mut Reported,
+) -> Result<(), kube::Error> {
     let condition = report::condition(state);
     if reported.condition.as_ref() != Some(&condition) {
         let since = k8s_openapi::jiff::Timestamp::from_millisecond(condition.since_unix_ms as i64)

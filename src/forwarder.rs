@@ -29,6 +29,9 @@
 //!   and it cannot be sent back: pktinfo is needed for the answer anyway. Note that IPv4 reads
 //!   an outgoing pktinfo's source from `ipi_spec_dst`, not from `ipi_addr`, where the incoming
 //!   destination is (`udp::answer_source_v4`).
+//! * `IP_TTL` / `IPV6_UNICAST_HOPS` 255 on both sockets (a TCP connection inherits it): the
+//!   agent's rules count the cache's replies for a drain, and tell the forwarder's answers,
+//!   which leave from the same address and port, by it (`ruleset::FORWARDER_HOP_LIMIT`).
 //! * `SO_REUSEADDR` on the TCP listener only, the usual for a server that restarts while its
 //!   old connections linger. Not on UDP: there it would let a second forwarder (an old agent
 //!   still running) bind the same address beside this one and take half the queries. A failed
@@ -427,6 +430,7 @@ pub struct Forwarder {
     pool: upstream::Pool,
     tcp: TcpListener,
     counters: Arc<Counters>,
+    lease: Option<lease::Holder>,
 }
 
 impl Forwarder {
@@ -458,7 +462,14 @@ impl Forwarder {
             Transport::Tcp,
             "registering with the tokio runtime",
         ))?;
-        Ok(Forwarder { listen, upstream, options, udp, pool, tcp, counters: Arc::default() })
+        let counters = Arc::default();
+        Ok(Forwarder { listen, upstream, options, udp, pool, tcp, counters, lease: None })
+    }
+
+    /// This forwarder, renewing `holder`'s lease (iptables: [`lease`]) from the task that
+    /// serves its UDP queries, for as long as [`Forwarder::run`] serves.
+    pub fn holding(self, holder: lease::Holder) -> Forwarder {
+        Forwarder { lease: Some(holder), ..self }
     }
 
     /// The address the forwarder listens on.
@@ -481,6 +492,7 @@ impl Forwarder {
             self.pool,
             self.options,
             self.counters.clone(),
+            self.lease,
         );
         let tcp = tcp::serve(self.tcp, self.upstream, self.options, self.counters);
         tokio::select! {
@@ -516,15 +528,19 @@ fn transparent_socket(listen: SocketAddr, transport: Transport) -> Result<Socket
     let transparent = |option, result: io::Result<()>| {
         result.map_err(|source| Error::Transparent { listen, transport, option, source })
     };
+    let hops = u32::from(crate::ruleset::FORWARDER_HOP_LIMIT);
     let option = match listen {
         SocketAddr::V4(_) => {
             transparent("IP_TRANSPARENT", socket.set_ip_transparent_v4(true))?;
+            socket.set_ttl_v4(hops).map_err(setup(listen, transport, "setting IP_TTL"))?;
             "IP_TRANSPARENT"
         }
         SocketAddr::V6(_) => {
             // The IPv6 forwarder takes IPv6 only; IPv4 has a forwarder of its own.
             socket.set_only_v6(true).map_err(setup(listen, transport, "setting IPV6_V6ONLY"))?;
             transparent("IPV6_TRANSPARENT", socket.set_ip_transparent_v6(true))?;
+            let set_hops = socket.set_unicast_hops_v6(hops);
+            set_hops.map_err(setup(listen, transport, "setting IPV6_UNICAST_HOPS"))?;
             "IPV6_TRANSPARENT"
         }
     };

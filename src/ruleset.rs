@@ -49,14 +49,25 @@ pub const REPLY_COMMENT: &str = "cache replies";
 pub const LINK_LOCAL_REPLY_COMMENT: &str = "cache replies (link-local)";
 /// The answers to the agent's probes alone, from the link-local IP.
 pub const PROBE_REPLY_COMMENT: &str = "cache replies to the agent's probes";
+/// The agent's forwarder's answers alone, from the link-local IP (the address its clients
+/// asked).
+pub const FORWARDER_REPLY_COMMENT: &str = "the forwarder's answers (link-local)";
+
+/// The hop limit (IPv4 TTL) of every packet the forwarder sends its clients, so that a rule can
+/// tell its answers from the cache's: they leave from the same address and port, and the
+/// iptables backends have no match for the sending socket in output (xt_socket works in
+/// prerouting and input only). The node's own default is 64 (`net.ipv4.ip_default_ttl`,
+/// `net.ipv6.conf.*.hop_limit`), and an answer to a pod or a host client never crosses a router.
+pub const FORWARDER_HOP_LIMIT: u8 = 255;
 
 /// How a rule's packets count in the cache's replies a drain waits to go quiet: replies to
 /// pods and host clients, from either IP (1); less the answers to the agent's probes (-1),
-/// which go on as long as the agent runs; other rules (0).
+/// which go on as long as the agent runs, and the forwarder's answers from the link-local IP
+/// (-1), which go on as long as pods query on `Upstream`; other rules (0).
 pub fn reply_weight(comment: &str) -> i64 {
     match comment {
         REPLY_COMMENT | LINK_LOCAL_REPLY_COMMENT => 1,
-        PROBE_REPLY_COMMENT => -1,
+        PROBE_REPLY_COMMENT | FORWARDER_REPLY_COMMENT => -1,
         _ => 0,
     }
 }
@@ -177,6 +188,9 @@ pub enum Guard {
     /// itself. A packet from a pod or from the network arrives on another interface, whatever
     /// source address it claims.
     OnLoopback,
+    /// `ip ttl 255` (`ip6 hoplimit 255`): sent by the agent's forwarder, whose packets carry
+    /// [`FORWARDER_HOP_LIMIT`].
+    FromForwarder,
 }
 
 /// What a rule does with the packets it matches.
@@ -303,6 +317,16 @@ impl RuleSet {
                 let probes =
                     Rule::dns(ip, Side::Source, proto, Guard::ToLoopback, PROBE_REPLY_COMMENT);
                 output.push(probes);
+                // And the forwarder's answers, which leave from the same address and port as the
+                // cache's and are not the cache's.
+                let forwarded = Rule::dns(
+                    ip,
+                    Side::Source,
+                    proto,
+                    Guard::FromForwarder,
+                    FORWARDER_REPLY_COMMENT,
+                );
+                output.push(forwarded);
             }
         }
         for &ip in &addrs.cluster_dns {
@@ -483,6 +507,10 @@ impl fmt::Display for Rule {
                 IpAddr::V6(_) => f.write_str(" ip6 daddr ::1")?,
             },
             Guard::OnLoopback => f.write_str(" iif \"lo\"")?,
+            Guard::FromForwarder => match self.addr {
+                IpAddr::V4(_) => write!(f, " ip ttl {FORWARDER_HOP_LIMIT}")?,
+                IpAddr::V6(_) => write!(f, " ip6 hoplimit {FORWARDER_HOP_LIMIT}")?,
+            },
         }
         f.write_str(" counter ")?;
         match self.action {

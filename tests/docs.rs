@@ -68,8 +68,9 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
     files
 }
 
-/// The tests of one file that run: `fn`s under a `#[test]` attribute and no `#[ignore]`, in
-/// whatever order the attributes come. An ignored test proves nothing, so a row citing it fails.
+/// The tests of one file that run: `fn`s under a `#[test]` attribute (or `#[tokio::test]`, a
+/// loop test's) and no `#[ignore]`, in whatever order the attributes come. An ignored test
+/// proves nothing, so a row citing it fails.
 fn tests_in(text: &str) -> Vec<String> {
     let mut names = Vec::new();
     // The attributes above the next item.
@@ -85,11 +86,12 @@ fn tests_in(text: &str) -> Vec<String> {
             in_macro = false;
         }
         if trimmed.starts_with("#[") {
-            test |= trimmed == "#[test]";
+            test |= trimmed == "#[test]" || trimmed.starts_with("#[tokio::test");
             ignored |= trimmed.starts_with("#[ignore");
             continue;
         }
-        if let Some(name) = trimmed.strip_prefix("fn ").and_then(|f| f.split('(').next()) {
+        let item = trimmed.strip_prefix("async ").unwrap_or(trimmed);
+        if let Some(name) = item.strip_prefix("fn ").and_then(|f| f.split('(').next()) {
             if (test || in_macro) && !ignored {
                 names.push(name.to_owned());
             }

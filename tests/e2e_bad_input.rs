@@ -574,11 +574,11 @@ impl Lane {
 }
 
 /// A pod flooding the agent's HTTP server: [`FLOOD_CONNECTIONS`] connections kept open, every
-/// other one reading never, the rest sending slowly; each one the agent closes is opened again.
-/// Runs until killed.
-fn metrics_flood(addr: SocketAddr) -> ! {
+/// other one reading never (or, with `all_never_read`, every one), the rest sending slowly;
+/// each one the agent closes is opened again. Runs until killed.
+fn metrics_flood(addr: SocketAddr, all_never_read: bool) -> ! {
     let mut lanes: Vec<Lane> =
-        (0..FLOOD_CONNECTIONS).map(|i| Lane::open(addr, i % 2 == 0)).collect();
+        (0..FLOOD_CONNECTIONS).map(|i| Lane::open(addr, all_never_read || i % 2 == 0)).collect();
     println!("FLOOD READY");
     loop {
         for lane in &mut lanes {
@@ -634,14 +634,25 @@ fn metrics_poll(addr: SocketAddr, path: &str, every: Duration) -> ! {
     std::process::exit(0)
 }
 
-/// This test binary again, in `role`'s namespace, playing `part` ([`METRICS_ROLE_ENV`]).
-fn metrics_part(node: &SimNode, role: &str, part: &str) -> Child {
+/// Plays the part [`METRICS_ROLE_ENV`] names, if it names one: `flood`, `flood never-reads` or
+/// `poll PATH EVERY_MS`, against the agent's HTTP server at `addr`; never returns then.
+fn play_metrics_part(addr: SocketAddr) {
+    let Ok(part) = std::env::var(METRICS_ROLE_ENV) else { return };
+    match part.split(' ').collect::<Vec<_>>()[..] {
+        ["flood"] => metrics_flood(addr, false),
+        ["flood", "never-reads"] => metrics_flood(addr, true),
+        ["poll", path, every_ms] => {
+            metrics_poll(addr, path, Duration::from_millis(every_ms.parse().unwrap()))
+        }
+        _ => panic!("{METRICS_ROLE_ENV}={part:?}"),
+    }
+}
+
+/// This test binary again, running `test` alone in `role`'s namespace, playing `part`
+/// ([`METRICS_ROLE_ENV`]).
+fn metrics_part(node: &SimNode, test: &str, role: &str, part: &str) -> Child {
     node.cmd(role, std::env::current_exe().unwrap().to_str().unwrap())
-        .args([
-            "a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check",
-            "--exact",
-            "--nocapture",
-        ])
+        .args([test, "--exact", "--nocapture"])
         .env(METRICS_ROLE_ENV, part)
         .stdout(Stdio::piped())
         .spawn()
@@ -686,16 +697,9 @@ fn poll_report(child: Child, who: &str) -> (u64, Vec<String>) {
 /// another pod's scrape of `/metrics` every second neither.
 #[test]
 fn a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check() {
+    const TEST: &str = "a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check";
     let addr: SocketAddr = NODE_METRICS_ADDR.parse().unwrap();
-    if let Ok(part) = std::env::var(METRICS_ROLE_ENV) {
-        match part.split(' ').collect::<Vec<_>>()[..] {
-            ["flood"] => metrics_flood(addr),
-            ["poll", path, every_ms] => {
-                metrics_poll(addr, path, Duration::from_millis(every_ms.parse().unwrap()))
-            }
-            _ => panic!("{METRICS_ROLE_ENV}={part:?}"),
-        }
-    }
+    play_metrics_part(addr);
     let node = SimNode::up();
     // The node's TCP send buffers capped at 8 KiB: the kernel otherwise gives a new connection
     // room for ten full segments, more than the agent's answer to /metrics (13 KiB here), and its
@@ -705,24 +709,14 @@ fn a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check() {
     assert!(out.status.success(), "{}", describe(&out));
     let agent = node.agent(&["--metrics-addr", NODE_METRICS_ADDR]);
 
-    let mut flood = metrics_part(&node, "pod1", "flood");
-    let stdout = BufReader::new(flood.stdout.take().unwrap());
-    let flood = Killed(flood);
-    let (ready_tx, ready) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in stdout.lines().map_while(Result::ok) {
-            if line.contains("FLOOD READY") {
-                let _ = ready_tx.send(());
-            }
-        }
-    });
-    ready.recv_timeout(Duration::from_secs(30)).expect("the flood's connections are open");
+    let flood = metrics_part(&node, TEST, "pod1", "flood");
+    let flood = flood_ready(flood);
     wait_for("the agent's writes to the pod to block", Duration::from_secs(10), || {
         (unsent(&node, POD1).0 >= 16).then_some(())
     });
 
-    let mut kubelet = metrics_part(&node, "node", "poll /healthz 100");
-    let mut prometheus = metrics_part(&node, "pod2", "poll /metrics 1000");
+    let mut kubelet = metrics_part(&node, TEST, "node", "poll /healthz 100");
+    let mut prometheus = metrics_part(&node, TEST, "pod2", "poll /metrics 1000");
     // What the agent could not send to the flooding pod, while the pollers run.
     let mut samples = Vec::new();
     while kubelet.try_wait().unwrap().is_none() || prometheus.try_wait().unwrap().is_none() {
@@ -747,6 +741,66 @@ fn a_pods_flood_of_metrics_connections_never_fails_the_kubelets_health_check() {
     assert!(probes >= 250, "the kubelet probed only {probes} times in {FLOOD_FOR:?}");
     assert!(scrapes_failed.is_empty(), "pod2's scrapes failed: {scrapes_failed:#?}");
     assert!(fewest >= 16, "the agent's writes to pod1 blocked on only {fewest} connections");
+    assert!(agent.state().is_some_and(|s| s["route"] == "local"));
+    assert_no_panic(&agent);
+}
+
+/// The flood `child` once it says its connections are open; killed when dropped.
+fn flood_ready(mut child: Child) -> Killed {
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let flood = Killed(child);
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stdout.lines().map_while(Result::ok) {
+            if line.contains("FLOOD READY") {
+                let _ = ready_tx.send(());
+            }
+        }
+    });
+    ready.recv_timeout(Duration::from_secs(30)).expect("the flood's connections are open");
+    flood
+}
+
+/// A host-network tenant shares the node's address with the kubelet: its connections and the
+/// kubelet's probes are one client to the agent, and no share per address can set them apart.
+/// It holds every place of the agent's HTTP server with [`FLOOD_CONNECTIONS`] connections that
+/// each send `GET /metrics` and never read the answer (the agent's writes to them block:
+/// checked), each opened again as soon as the agent closes it. The kubelet's liveness and
+/// readiness probes, from the node to the same address every 100 ms for 30 s, fail not once:
+/// a few places are kept for `/healthz` and `/readyz` alone.
+#[test]
+fn a_host_network_flood_of_metrics_connections_never_fails_the_kubelets_probes() {
+    const TEST: &str =
+        "a_host_network_flood_of_metrics_connections_never_fails_the_kubelets_probes";
+    let addr: SocketAddr = NODE_METRICS_ADDR.parse().unwrap();
+    play_metrics_part(addr);
+    let node = SimNode::up();
+    // Small send buffers, so that the agent's writes of /metrics block (see the pod's flood).
+    let out = node.run("node", "sysctl", &["-qw", "net.ipv4.tcp_wmem=4096 4096 8192"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let agent = node.agent(&["--metrics-addr", NODE_METRICS_ADDR]);
+    let node_ip = NODE_METRICS_ADDR.split(':').next().unwrap();
+
+    let flood = flood_ready(metrics_part(&node, TEST, "node", "flood never-reads"));
+    wait_for("the agent's writes to the tenant to block", Duration::from_secs(10), || {
+        (unsent(&node, node_ip).0 >= 16).then_some(())
+    });
+    let liveness = metrics_part(&node, TEST, "node", "poll /healthz 100");
+    let readiness = metrics_part(&node, TEST, "node", "poll /readyz 100");
+    let (live_probes, live_failed) = poll_report(liveness, "the liveness probe");
+    let (ready_probes, ready_failed) = poll_report(readiness, "the readiness probe");
+    let blocked = unsent(&node, node_ip).0;
+    drop(flood);
+    eprintln!(
+        "liveness: {} of {live_probes} failed; readiness: {} of {ready_probes} failed; the \
+         agent's connections to the tenant with unsent data at the end: {blocked}",
+        live_failed.len(),
+        ready_failed.len()
+    );
+    assert!(live_failed.is_empty(), "the kubelet's liveness probe failed: {live_failed:#?}");
+    assert!(ready_failed.is_empty(), "the kubelet's readiness probe failed: {ready_failed:#?}");
+    assert!(live_probes >= 250 && ready_probes >= 250, "{live_probes}, {ready_probes} probes");
+    assert!(blocked >= 16, "the agent's writes to the tenant blocked on only {blocked}");
     assert!(agent.state().is_some_and(|s| s["route"] == "local"));
     assert_no_panic(&agent);
 }

@@ -57,9 +57,18 @@ const AGENT_USER: &str = "nodelocaldns-ha-agent";
 /// Grants the agent's user what `component`'s RBAC (`manifests/<component>/rbac.yaml`) grants
 /// the DaemonSet's service account, and waits until it is in force (`can`, as can-i asks it).
 fn grant(node: &SimNode, component: &str, can: &[&str]) {
+    grant_rbac(node, &rbac_of(component), can);
+}
+
+/// `manifests/<component>/rbac.yaml`.
+fn rbac_of(component: &str) -> String {
     let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let rbac = std::fs::read_to_string(repo.join("manifests").join(component).join("rbac.yaml"))
-        .expect("the component's RBAC");
+    std::fs::read_to_string(repo.join("manifests").join(component).join("rbac.yaml"))
+        .expect("the component's RBAC")
+}
+
+/// Grants the agent's user what `rbac` grants the DaemonSet's service account; see [`grant`].
+fn grant_rbac(node: &SimNode, rbac: &str, can: &[&str]) {
     let account = "{kind: ServiceAccount, name: nodelocaldns-ha, namespace: kube-system}";
     assert!(rbac.contains(account), "{rbac}");
     let user = format!("{{kind: User, name: {AGENT_USER}, apiGroup: rbac.authorization.k8s.io}}");
@@ -322,6 +331,51 @@ fn the_startup_taint_goes_only_once_the_cache_answers() {
         (!tainted(&node, &name, KEY)).then_some(())
     });
     assert!(agent.log_text().contains("removed the startup taint"), "{}", agent.log_text());
+    node.tear_down(agent);
+}
+
+/// Events refused (the reports' RBAC without `create events`, as a tighter policy or an
+/// EventRateLimit would have it): the node condition and the startup taint do not wait for
+/// them. The agent starts with the cache dead, on a tainted node: the condition says so and the
+/// taint stays; the cache comes back: the condition goes to CacheServing and the taint goes,
+/// though every Event (one per route change) is refused, which the log says once.
+#[test]
+fn refused_events_hold_back_neither_the_condition_nor_the_startup_taint() {
+    const KEY: &str = "nodelocaldns-ha.io/dns-not-ready";
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let reports = rbac_of("cluster-reports");
+    let without_events: Vec<&str> =
+        reports.split("\n---\n").filter(|doc| !doc.contains("nodelocaldns-ha-events")).collect();
+    let rbac = [without_events.join("\n---\n"), rbac_of("cluster-reports/startup-taint")];
+    grant_rbac(&node, &rbac.join("\n---\n"), &["patch", "nodes", "--subresource=status"]);
+    let who = format!("--as={AGENT_USER}");
+    let can_i = ["auth", "can-i", "create", "events", "-n", "default", &who];
+    let out = node.kubectl().args(can_i).output().expect("kubectl auth can-i");
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "no", "{}", describe(&out));
+    let taint = ["taint", "node", &name, &format!("{KEY}:NoSchedule")];
+    let out = node.kubectl().args(taint).output().expect("kubectl taint");
+    assert!(out.status.success(), "{}", describe(&out));
+
+    node.kill("cache-kill");
+    let kubeconfig = agent_kubeconfig(&node);
+    let flags = ["--node-name", &name, "--kubeconfig", &kubeconfig, "--startup-taint", KEY];
+    let agent = node.agent_starting(&flags);
+    wait_condition(&node, &name, "False", "FailedOverToCoreDNS");
+    assert!(tainted(&node, &name, KEY), "the taint went with the cache dead");
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    let serving = wait_condition(&node, &name, "True", "CacheServing");
+    println!("with Events refused: {serving}");
+    wait_for("the taint gone", Duration::from_secs(15), || {
+        (!tainted(&node, &name, KEY)).then_some(())
+    });
+    assert!(events(&node, &name).is_empty(), "an Event was recorded: {:?}", events(&node, &name));
+    let refused = "recording an Event on the node failed";
+    wait_for("the refused Event in the log", Duration::from_secs(10), || {
+        agent.log_text().contains(refused).then_some(())
+    });
+    assert_eq!(agent.log_text().matches(refused).count(), 1, "said once: {}", agent.log_text());
     node.tear_down(agent);
 }
 

@@ -17,7 +17,8 @@
 //! then released) and settles on the cache: 0 failed lookups over it all, and no answer from
 //! anyone but the cache or CoreDNS. On the iptables backends in the link-local shape the
 //! fallback's TPROXY outlives the agent by its lease (a second, `forwarder::lease`): queries
-//! sent then lose their first attempt and their retry reaches the cache.
+//! sent then lose their first attempt and their retry reaches the cache. That lease is the
+//! agent's alone: a pod forging its heartbeat holds nothing (`forged_heartbeats_hold_no_lease`).
 
 use std::cell::Cell;
 use std::time::Duration;
@@ -163,4 +164,54 @@ cells! {
     iptables_legacy_link_local: "iptables-legacy", LinkLocal;
     iptables_nft_cluster_ip: "iptables-nft", ClusterIp;
     iptables_nft_link_local: "iptables-nft", LinkLocal;
+}
+
+/// The iptables fallback's lease is the agent's own: a pod with `CAP_NET_RAW` that forges its
+/// heartbeat (127.0.0.1 to the link-local IP's port 9, ten a second, from a raw socket) holds
+/// nothing. While the agent runs the forgery changes nothing: the cache answers on `Local`, the
+/// forwarder on `Upstream`. Once the agent is SIGKILLed on `Upstream` (`flip`), its real lease
+/// lapses a second after its last heartbeat and the healthy cache answers every pod lookup
+/// again, however long the forger goes on (without `-i lo` on the heartbeat rule, xt_TPROXY
+/// kept dropping every link-local query of the node for as long as the forger ran).
+fn forged_heartbeats_hold_no_lease(backend: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", backend]);
+    let mut agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &agent_args(backend));
+    agent.wait_settled(5, Duration::from_secs(10));
+    let dir = agent.state_dir.display().to_string();
+    let local_ip = LOCAL_IP.parse().expect("an IPv4 address");
+    let forger = node.forge_heartbeats("pod1", local_ip, Duration::from_millis(100));
+    assert_eq!(node.dig("pod1", LOCAL_IP), CACHE_ANSWER, "{backend}: Local, forged heartbeats");
+    let flip = ["flip", "upstream", "--for", "120s", "--reason", "test", "--state-dir", &dir];
+    let out = node.cli(&flip);
+    assert!(out.status.success(), "{}", describe(&out));
+    agent.wait_route("upstream", Duration::from_secs(5));
+    assert_eq!(
+        node.dig("pod1", LOCAL_IP),
+        COREDNS_ANSWER,
+        "{backend}: Upstream, forged heartbeats"
+    );
+
+    agent.stop(Signal::SIGKILL);
+    // Once the real lease has lapsed, the cache takes the link-local queries again.
+    wait_for("the cache to answer a pod with the agent gone", Duration::from_secs(10), || {
+        (node.dig("pod1", LOCAL_IP) == CACHE_ANSWER).then_some(())
+    });
+    let load = node.load("pod1", LOCAL_IP, &["--rate", "200", "--duration", "3s"]);
+    let summary = load.finish();
+    let forged = forger.stop();
+    println!("{backend}: {forged} forged heartbeats; pod lookups with the agent gone: {summary}");
+    assert!(forged >= 20, "{backend}: the forger sent only {forged} heartbeats");
+    assert_eq!(summary["failed"], 0, "{backend}: pod lookups failed: {summary}");
+    assert_eq!(summary["ok"], summary["by_origin"]["cache"], "{backend}: {summary}");
+    node.tear_down(agent);
+}
+
+#[test]
+fn forged_heartbeats_hold_no_lease_iptables_legacy() {
+    forged_heartbeats_hold_no_lease("iptables-legacy");
+}
+
+#[test]
+fn forged_heartbeats_hold_no_lease_iptables_nft() {
+    forged_heartbeats_hold_no_lease("iptables-nft");
 }

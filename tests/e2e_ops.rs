@@ -206,6 +206,51 @@ fn a_link_local_drain_waits_for_the_caches_last_reply() {
     node.tear_down(agent);
 }
 
+/// In the link-local shape the forwarder answers pods from the link-local IP once the route is
+/// `Upstream`, as the cache did; its answers are not the cache's. A drain under pod load ends
+/// once the cache's own replies stop, by its own word ("gone quiet"), not at its timeout: the
+/// forwarder keeps answering meanwhile, and no pod lookup fails. `backend` is the agent's
+/// dataplane (each counts the replies with rules of its own), beside a kube-proxy of its kind.
+fn a_link_local_drain_under_pod_load_ends_when_the_cache_is_quiet(backend: &str) {
+    let node = SimNode::up_with(&["--kube-proxy", backend]);
+    let args = ["--dataplane", backend, "--interval", "100ms", "--timeout", "80ms"];
+    let agent = node.agent_for(LOCAL_IP, "", UPSTREAM_IP, &args);
+    let dir = state_dir(&agent);
+    let load_args = ["--rate", "300", "--duration", "60s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", LOCAL_IP, &load_args);
+    let mut host = node.load("node", LOCAL_IP, &load_args);
+    for load in [&mut pod, &mut host] {
+        load.wait_cache_answers();
+    }
+    let out = node.cli(&["drain", "--timeout", "10s", "--state-dir", &dir]);
+    assert!(out.status.success(), "{backend}: {}", describe(&out));
+    let said = String::from_utf8_lossy(&out.stdout);
+    println!("{backend}: {}", said.trim());
+    assert!(
+        said.contains("the cache has gone quiet") && !said.contains("timed out"),
+        "{backend}: the drain did not see the cache go quiet under the forwarder's answers: {said}"
+    );
+    assert_eq!(agent.state().unwrap()["route"], "upstream");
+    for load in [&mut pod, &mut host] {
+        load.wait_alone("coredns");
+    }
+    for (client, load) in [("pod", pod), ("host", host)] {
+        let summary = load.interrupt();
+        assert_eq!(summary["failed"], 0, "{backend}: {client} lookups failed: {summary}");
+    }
+    node.tear_down(agent);
+}
+
+#[test]
+fn a_link_local_drain_under_pod_load_ends_when_the_cache_is_quiet_nftables() {
+    a_link_local_drain_under_pod_load_ends_when_the_cache_is_quiet("nftables");
+}
+
+#[test]
+fn a_link_local_drain_under_pod_load_ends_when_the_cache_is_quiet_iptables_legacy() {
+    a_link_local_drain_under_pod_load_ends_when_the_cache_is_quiet("iptables-legacy");
+}
+
 /// Issue 4, acceptance 3: every metric family is served and parses; /healthz stays 200 while
 /// the cache is dead (liveness is never tied to DNS); /readyz is 200 once the ruleset is in.
 #[test]

@@ -32,19 +32,18 @@ pub(super) struct Forwarding {
     runtime: Option<tokio::runtime::Runtime>,
     /// The forwarders' counters, live.
     pub counters: Vec<Arc<Counters>>,
-    /// The link-local IPs whose lease the agent renews (iptables), ended when the forwarders
-    /// stop.
+    /// The link-local IPs whose lease the forwarders renew (iptables), ended when they stop.
     leased: Vec<IpAddr>,
-    /// That lease, renewed every [`lease::RENEW`] by a task on the agent's runtime (its ticks'
-    /// wake-ups), which goes when the forwarders do.
-    lease: Option<(Arc<Lease>, tokio::task::AbortHandle)>,
+    /// Each forwarder's lease, renewed every [`lease::RENEW`] by the task that serves its UDP
+    /// queries, on the forwarders' runtime: a runtime wedged for most of a lease lets it lapse.
+    leases: Vec<Arc<Lease>>,
 }
 
 impl Forwarding {
     /// Renews the lease now (when there is one), from the calling thread: for the moment the
     /// agent's rules are first in, which the heartbeats sent before them could not renew.
     pub fn renew_lease(&self) {
-        if let Some((lease, _)) = &self.lease {
+        for lease in &self.leases {
             // A failure is the heartbeats' to say, at their next renewal.
             let _ = lease.renew();
         }
@@ -62,9 +61,6 @@ impl Drop for Forwarding {
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }
-        if let Some((_, heartbeats)) = &self.lease {
-            heartbeats.abort();
-        }
         // The forwarders are gone: the cache gets the link-local queries now, not a second on.
         if !self.leased.is_empty() {
             lease::release(&self.leased);
@@ -78,8 +74,8 @@ impl Drop for Forwarding {
 /// that cannot bind is an error: the agent would TPROXY queries to nobody. One whose socket
 /// fails for good ends its task in `tasks`, and so the agent, to be restarted with a fresh one.
 /// Copies that cannot be added now are said and retried by the keeper. With `leased` (the
-/// iptables backends), the agent's runtime also renews the forwarders' lease on the link-local
-/// IPs, without which their TPROXY rules do not match.
+/// iptables backends), each forwarder renews its lease on its link-local IP, on the agent's
+/// grid (`beat`), without which their TPROXY rules do not match.
 pub(super) fn start(
     local: &[IpAddr],
     upstream: &Following,
@@ -98,7 +94,7 @@ pub(super) fn start(
         runtime: Some(runtime),
         counters: Vec::new(),
         leased: Vec::new(),
-        lease: None,
+        leases: Vec::new(),
     };
     let runtime = forwarding.runtime.as_ref().expect("just put there");
     let mut forwarders = Vec::new();
@@ -107,19 +103,19 @@ pub(super) fn start(
         let _in_its_runtime = runtime.enter();
         for &ip in local {
             let to = upstream.addr(ip.is_ipv4());
-            let forwarder =
+            let mut forwarder =
                 Forwarder::bind(forwarder_for(ip), to.clone(), forwarder::Options::default())?;
             info!(listen = %forwarder.listen(), upstream = %to.now(), "link-local forwarder bound");
+            if leased {
+                let lease = Arc::new(Lease::new(&[ip]).map_err(AgentError::ForwarderRuntime)?);
+                forwarder = forwarder.holding(lease::Holder::new(lease.clone(), beat));
+                forwarding.leases.push(lease);
+                forwarding.leased.push(ip);
+            }
             forwarders.push(forwarder);
         }
     }
     forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
-    if leased {
-        let lease = Arc::new(Lease::new(local).map_err(AgentError::ForwarderRuntime)?);
-        let heartbeats = tokio::spawn(lease::hold(lease.clone(), beat)).abort_handle();
-        forwarding.leased = local.to_vec();
-        forwarding.lease = Some((lease, heartbeats));
-    }
     for forwarder in forwarders {
         let listen = forwarder.listen();
         let serving = runtime.spawn(forwarder.run());
@@ -179,5 +175,86 @@ async fn keep_copies(local: Vec<IpAddr>, beat: Beat) {
             Ok(_) => {}
             Err(e) => warn!(error = %e, "cannot check the copies of the link-local IPs on lo"),
         }
+    }
+}
+
+#[cfg(test)]
+impl Forwarding {
+    /// Blocks every worker of the forwarders' runtime until the returned sender is dropped: a
+    /// wedged runtime, whose tasks are no longer polled.
+    fn wedge(&self) -> std::sync::mpsc::Sender<()> {
+        let runtime = self.runtime.as_ref().expect("running");
+        let workers = runtime.metrics().num_workers();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = Arc::new(std::sync::Mutex::new(released));
+        let (blocked_tx, blocked) = std::sync::mpsc::channel();
+        let barrier = Arc::new(std::sync::Barrier::new(workers));
+        for _ in 0..workers {
+            let (released, blocked_tx, barrier) =
+                (released.clone(), blocked_tx.clone(), barrier.clone());
+            runtime.spawn(async move {
+                // Every worker holds one of these before any of them blocks for good.
+                barrier.wait();
+                let _ = blocked_tx.send(());
+                let _ = released.lock().map(|r| r.recv());
+            });
+        }
+        for _ in 0..workers {
+            blocked.recv_timeout(Duration::from_secs(10)).expect("every worker blocked");
+        }
+        release
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{IpAddr, UdpSocket};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::testutil::{in_netns, run, test_path};
+    use crate::upstream::Upstream;
+
+    /// Receives on `heard` until a heartbeat comes (`true`) or `deadline` passes (`false`).
+    fn heartbeat_within(heard: &UdpSocket, deadline: Duration) -> bool {
+        heard.set_read_timeout(Some(deadline)).unwrap();
+        heard.recv(&mut [0; 16]).is_ok()
+    }
+
+    /// The iptables fallback's lease says that the forwarders serve, not only that the agent
+    /// runs: with every worker of the forwarders' runtime blocked (TPROXY would hand queries to
+    /// sockets nobody reads), no heartbeat goes out and the lease lapses (a whole lease without
+    /// one), the agent's own runtime running all along; once the runtime runs again, so do the
+    /// heartbeats.
+    #[test]
+    fn the_lease_lapses_while_the_forwarders_runtime_is_wedged() {
+        in_netns("nlha-lease", test_path!(), |ns| {
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+            let local: IpAddr = "169.254.20.10".parse().unwrap();
+            let upstream = Following::new(Upstream {
+                ips: vec!["127.0.0.1".parse().unwrap()],
+                from: "test".into(),
+            });
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+            let _agent = runtime.enter();
+            let mut tasks = Tasks::default();
+            let forwarding = start(&[local], &upstream, true, Beat::start(), &mut tasks).unwrap();
+            // The copy of the link-local IP on lo is in: the heartbeats' destination is here.
+            let heard = UdpSocket::bind((local, lease::HEARTBEAT_PORT)).unwrap();
+            assert!(heartbeat_within(&heard, Duration::from_secs(5)), "no heartbeat at all");
+
+            let wedged = forwarding.wedge();
+            let lease = Duration::from_secs(u64::from(lease::LEASE_SECONDS));
+            let since = Instant::now();
+            while heartbeat_within(&heard, lease) {
+                assert!(
+                    since.elapsed() < Duration::from_secs(10),
+                    "the heartbeats went on with the forwarders' runtime wedged"
+                );
+            }
+            drop(wedged);
+            assert!(heartbeat_within(&heard, Duration::from_secs(5)), "no heartbeat once unwedged");
+            drop(forwarding);
+        });
     }
 }

@@ -8,16 +8,19 @@
 //! whenever the cache's socket blinks.
 //!
 //! The TPROXY rule therefore matches only under a lease: `-m recent --rcheck --seconds 1 --name
-//! nodelocaldns-ha --rdest`, an entry for the link-local IP in an xt_recent table. The
-//! forwarders' own runtime renews it every [`RENEW`] with a heartbeat: a datagram from the
-//! loopback address to the link-local IP's port [`HEARTBEAT_PORT`], which the fallback chain's
-//! first rule records (`-m recent --set --rdest`) and drops. A packet needs no privilege, where
-//! the table's file under `/proc/net/xt_recent/` is root's alone (an agent run as another user
-//! with its capabilities could not write it). The kernel forgets the entry by itself
-//! [`LEASE_SECONDS`] after the last heartbeat, so a second after the forwarder stopped (the
-//! process killed, or its runtime starved that long) the TPROXY rule stops matching and the
-//! fallback chain is what nftables' is: the cache gets the queries. A clean exit ends the lease
-//! at once where it may (as root, through the table's file).
+//! nodelocaldns-ha --rdest`, an entry for the link-local IP in an xt_recent table. Each
+//! forwarder renews its IP's every [`RENEW`], from the very task that reads its UDP queries
+//! ([`Holder`]): the lease says that someone reads what TPROXY hands over, not only that the
+//! agent runs. The renewal is a heartbeat: a datagram from the loopback address to the
+//! link-local IP's port [`HEARTBEAT_PORT`], which the fallback chain's first rule records (`-m
+//! recent --set --rdest`) and drops, taking it only from `lo`: a pod can forge the datagram, and
+//! IPv4 drops its loopback source only at the routing step, after that hook. A packet needs no
+//! privilege, where the table's file under `/proc/net/xt_recent/` is root's alone (an agent run
+//! as another user with its capabilities could not write it). The kernel forgets the entry by
+//! itself [`LEASE_SECONDS`] after the last heartbeat, so a second after the forwarder stopped
+//! (the process killed, or its runtime wedged or starved that long) the TPROXY rule stops
+//! matching and the fallback chain is what nftables' is: the cache gets the queries. A clean
+//! exit ends the lease at once where it may (as root, through the table's file).
 //!
 //! Until the agent has installed its rules a heartbeat changes nothing: the agent sends one more
 //! itself the moment they are first in (`daemon::link_local::Forwarding::renew_lease`), so the
@@ -27,7 +30,10 @@
 use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::sync::Arc;
 use std::time::Duration;
+
+use crate::beat::{Beat, Ticks};
 
 /// The xt_recent table's name, in the TPROXY rules and under `/proc/net/xt_recent/`.
 pub const NAME: &str = "nodelocaldns-ha";
@@ -35,10 +41,12 @@ pub const NAME: &str = "nodelocaldns-ha";
 pub const LEASE_SECONDS: u32 = 1;
 /// The port the heartbeats go to (discard): only the fallback chain's first rule sees them.
 pub const HEARTBEAT_PORT: u16 = 9;
-/// How often the agent renews it: five heartbeats a lease, on the agent's grid, so that each
-/// rides a wake-up the probes make anyway (at 250 ms, off the grid and on the forwarders' own
-/// runtime, they were four wake-ups a second of two more threads, a tenth of an idle iptables
-/// node's CPU; at 50 ms, a third). A starved agent has 800 ms before the lease lapses.
+/// How often a forwarder renews it: five heartbeats a lease, from the task that serves its UDP
+/// queries, on the agent's grid: a timerfd of the forwarders' runtime, armed at the instants
+/// the agent's own ticks wake the process anyway, so that an idle forwarder's one thread wakes
+/// with them (tokio's timer wheel, off the grid, had woken its two threads four times a second
+/// more at 250 ms: a tenth of an idle iptables node's CPU; at 50 ms, a third). A starved
+/// forwarder has 800 ms before the lease lapses.
 pub const RENEW: Duration = Duration::from_millis(200);
 
 /// The lease on the link-local IPs, held while [`Lease::renew`] is called.
@@ -90,18 +98,48 @@ pub fn release(local: &[IpAddr]) {
     }
 }
 
-/// Renews `lease` every [`RENEW`] on the agent's grid (`beat`) for as long as the future runs
-/// (on the agent's runtime, aborted when the forwarders stop). A failure is said once, not
-/// every renewal.
-pub async fn hold(lease: std::sync::Arc<Lease>, beat: crate::beat::Beat) {
-    let mut tick = beat.every(RENEW);
-    let mut failing = false;
-    loop {
-        tick.tick().await;
-        match lease.renew() {
-            Ok(()) => failing = false,
-            Err(e) if !failing => {
-                failing = true;
+/// A forwarder's hold on its lease: renewed every [`RENEW`] by the task that serves the
+/// forwarder's UDP queries ([`Holder::start`] there), so that the lease says the forwarder
+/// reads what TPROXY hands it. A runtime wedged or starved for 800 ms lets the lease lapse, and
+/// the fallback chain sends the queries on to the cache's socket.
+#[derive(Debug)]
+pub struct Holder {
+    lease: Arc<Lease>,
+    beat: Beat,
+}
+
+impl Holder {
+    /// A hold on `lease`, renewed on the agent's grid (`beat`).
+    pub fn new(lease: Arc<Lease>, beat: Beat) -> Holder {
+        Holder { lease, beat }
+    }
+
+    /// Starts the renewals; call it within the runtime of the task that will renew (its
+    /// timer is that runtime's).
+    pub(super) fn start(self) -> Renewals {
+        Renewals { lease: self.lease, ticks: self.beat.every(RENEW), failing: false }
+    }
+}
+
+/// The renewals of a [`Holder`]'s lease, due every [`RENEW`] on the grid.
+pub(super) struct Renewals {
+    lease: Arc<Lease>,
+    ticks: Ticks,
+    failing: bool,
+}
+
+impl Renewals {
+    /// Completes when a renewal is due (the first at once). Cancel-safe.
+    pub(super) async fn due(&mut self) {
+        self.ticks.tick().await
+    }
+
+    /// Renews the lease. A failure is said once, not every renewal.
+    pub(super) fn renew(&mut self) {
+        match self.lease.renew() {
+            Ok(()) => self.failing = false,
+            Err(e) if !self.failing => {
+                self.failing = true;
                 tracing::warn!(
                     error = %e,
                     "cannot send the forwarder's lease heartbeat: the iptables fallback lapses a \
@@ -110,5 +148,13 @@ pub async fn hold(lease: std::sync::Arc<Lease>, beat: crate::beat::Beat) {
             }
             Err(_) => {}
         }
+    }
+}
+
+/// Until `renewals` (if any) are due; never without.
+pub(super) async fn due(renewals: &mut Option<Renewals>) {
+    match renewals {
+        Some(renewals) => renewals.due().await,
+        None => std::future::pending().await,
     }
 }

@@ -26,6 +26,7 @@ use tokio::net::UdpSocket;
 use tokio::task::JoinSet;
 
 use super::ids::HEADER_LEN;
+use super::lease;
 use super::upstream::{Origin, Outgoing, Pool};
 use super::{count, report_task_end, Counters, Error, Options};
 
@@ -63,14 +64,17 @@ impl Buffers {
 /// Receives queries on `socket` (bound to `listen`) until receiving fails for good, each sent on
 /// to the upstream on a socket of `pool`, at most `options.max_in_flight` at once and
 /// `options.max_in_flight_per_client` of one client address (the pool's shares); the pool's
-/// tasks send the answers back.
+/// tasks send the answers back. Renews `lease` (if any) between batches, as it falls due: only
+/// while this task is polled.
 pub(super) async fn serve(
     socket: Arc<UdpSocket>,
     listen: SocketAddr,
     mut pool: Pool,
     options: Options,
     counters: Arc<Counters>,
+    lease: Option<lease::Holder>,
 ) -> Result<Infallible, Error> {
+    let mut renewals = lease.map(lease::Holder::start);
     pool.connect().await;
     // Dropped with this future: the sockets' tasks end, every query in flight with them.
     let mut answering = JoinSet::new();
@@ -95,6 +99,12 @@ pub(super) async fn serve(
                     let task =
                         answering.spawn(upstream.clone().answer(socket.clone(), counters.clone(), options));
                     answers_of.insert(task.id(), upstream);
+                }
+                continue;
+            }
+            () = lease::due(&mut renewals) => {
+                if let Some(renewals) = &mut renewals {
+                    renewals.renew();
                 }
                 continue;
             }

@@ -9,10 +9,12 @@
 //! address holding the most, whatever its connections are doing (`places`): a pod whose
 //! connections never read their answers (each holding its place up to the 5 s write timeout
 //! and the 1 s linger) or never finish their requests cannot refuse the kubelet's `/healthz`
-//! (which would restart a healthy agent) nor another pod's scrape. A connection cut before its
-//! answer was all handed to the kernel is reset, so no unsent answer stays behind in the
-//! kernel. `GET` and `HEAD` are served; the body of a request (there should be none) is never
-//! read.
+//! (which would restart a healthy agent) nor another pod's scrape. A host-network tenant shares
+//! the node's address with the kubelet, so nothing tells its connections from the kubelet's
+//! probes: a few more places are kept for `/healthz` and `/readyz` alone, where a newcomer no
+//! place can be made for is let in. A connection cut before its answer was all handed to the
+//! kernel is reset, so no unsent answer stays behind in the kernel. `GET` and `HEAD` are served;
+//! the body of a request (there should be none) is never read.
 //!
 //! One job a file: `accept` takes connections and keeps the limits, `places` decides who gives
 //! way, `conn` serves one connection (reads the head, writes the answer, lingers), `request`
@@ -59,6 +61,9 @@ struct Limits {
     linger_bytes: usize,
     /// Connections served at once.
     max_connections: usize,
+    /// More, kept for health checks: a newcomer no place can be made for takes one, and is
+    /// answered only on `/healthz` and `/readyz` (`places`).
+    probe_connections: usize,
 }
 
 const LIMITS: Limits = Limits {
@@ -68,6 +73,7 @@ const LIMITS: Limits = Limits {
     linger: Duration::from_secs(1),
     linger_bytes: 64 * 1024,
     max_connections: 64,
+    probe_connections: 4,
 };
 
 /// What the endpoints read.

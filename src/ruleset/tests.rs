@@ -44,6 +44,9 @@ fn local_guards_every_cluster_dns_query_rule() {
             (false, Hook::Output, Side::Source) if rule.comment == PROBE_REPLY_COMMENT => {
                 Guard::ToLoopback
             }
+            (false, Hook::Output, Side::Source) if rule.comment == FORWARDER_REPLY_COMMENT => {
+                Guard::FromForwarder
+            }
             (false, _, _) | (true, _, Side::Source) => Guard::None,
             (true, Hook::Prerouting, Side::Destination) => Guard::LocalSocket,
             (true, Hook::Output, Side::Destination) => Guard::LocalAddress,

@@ -8,9 +8,9 @@
 //! The rooms: [`SimNode`] (the namespaces and the servers), [`Agent`] (the agent process and
 //! what it logs and writes), [`Load`] (a dnsload run and its output), [`Proc`] (any other child),
 //! the agent from its image ([`ContainerAgent`]), the binaries' paths ([`agent_exe`],
-//! [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf ([`NetnsEtc`]), waiting ([`wait_for`],
-//! [`poll`]), and what only the benchmarks use ([`Machine`], [`setting`], [`median`],
-//! [`cpu_ticks`]).
+//! [`dnsload_exe`], [`musl_client`]), a pod's resolv.conf ([`NetnsEtc`]), a pod forging the
+//! agent's lease heartbeat ([`Forger`]), waiting ([`wait_for`], [`poll`]), and what only the
+//! benchmarks use ([`Machine`], [`setting`], [`median`], [`cpu_ticks`]).
 
 #![forbid(unsafe_code)]
 
@@ -19,6 +19,7 @@ mod bench;
 mod binaries;
 mod cases;
 mod clock;
+mod forger;
 mod image;
 mod load;
 mod netns_etc;
@@ -35,6 +36,7 @@ pub use cases::{
     node_cache_rules_are_named, tcp_lookups_follow_the_route,
 };
 pub use clock::{now_ms, poll, sleep_until_ms, wait_for};
+pub use forger::Forger;
 pub use image::{podman, ContainerAgent};
 pub use load::{
     assert_lost_to_the_kill, assert_tcp_lost_to_the_kill_or_return, assert_within,

@@ -44,8 +44,9 @@ fn the_fallback_goes_to_mangle_and_the_notrack_chains_to_raw() {
     assert_eq!(
         mangle[..4],
         [
-            // The forwarder's heartbeat renews its lease (`forwarder::lease`), and stops here.
-            "-A NODELOCALDNS-HA-FALLBACK -s 127.0.0.1/32 -d 169.254.20.10/32 -p udp -m udp \
+            // The forwarder's heartbeat renews its lease (`forwarder::lease`), and stops here;
+            // only from the node itself (lo), whatever source address a pod's packet claims.
+            "-A NODELOCALDNS-HA-FALLBACK -s 127.0.0.1/32 -d 169.254.20.10/32 -i lo -p udp -m udp \
              --dport 9 -m recent --set --name nodelocaldns-ha --mask 255.255.255.255 --rdest -m \
              comment --comment \"the forwarder\\'s lease\" -j DROP",
             "-A NODELOCALDNS-HA-FALLBACK -s 127.0.0.1/32 -d 169.254.20.10/32 -p udp -m udp \
@@ -61,7 +62,9 @@ fn the_fallback_goes_to_mangle_and_the_notrack_chains_to_raw() {
     );
     assert_eq!(mangle.len(), 7, "a heartbeat, then udp and tcp");
     let v6 = fallback_rules(&local, Family::V6);
-    assert!(v6[0].starts_with("-A NODELOCALDNS-HA-FALLBACK -s ::1/128 -d fd00:169:254::10/128 "));
+    assert!(v6[0].starts_with(
+        "-A NODELOCALDNS-HA-FALLBACK -s ::1/128 -d fd00:169:254::10/128 -i lo -p udp "
+    ));
     assert!(
         v6[3].ends_with("-j TPROXY --on-port 53 --on-ip fd00:169:254::53 --tproxy-mark 0x0/0x0")
     );

@@ -16,7 +16,10 @@ pub(super) fn recent(family: Family, what: &str) -> String {
 
 /// The fallback chain's first rule for link-local IP `addr`: the forwarder's heartbeat, from the
 /// loopback address to the IP's [`lease::HEARTBEAT_PORT`], renews its lease and goes no further.
-/// `saved_comment` is its comment as `iptables-save` prints it.
+/// Only on `lo`: IPv4 drops a loopback source that arrives on another interface at the routing
+/// step, after this hook, so without `-i lo` a pod that forges the heartbeat (a raw socket is
+/// enough) would hold the lease for an agent that is gone, and xt_TPROXY would then drop every
+/// link-local query on the node. `saved_comment` is its comment as `iptables-save` prints it.
 pub(super) fn heartbeat(own: &str, addr: std::net::IpAddr, saved_comment: &str) -> String {
     let family = Family::of(addr);
     let loopback = match family {
@@ -24,8 +27,8 @@ pub(super) fn heartbeat(own: &str, addr: std::net::IpAddr, saved_comment: &str) 
         Family::V6 => "::1/128",
     };
     format!(
-        "-A {own} -s {loopback} -d {addr}/{} -p udp -m udp --dport {}{} -m comment --comment {} \
-         -j DROP",
+        "-A {own} -s {loopback} -d {addr}/{} -i lo -p udp -m udp --dport {}{} -m comment \
+         --comment {} -j DROP",
         family.host_bits(),
         lease::HEARTBEAT_PORT,
         recent(family, "--set"),

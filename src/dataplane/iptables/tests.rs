@@ -365,9 +365,11 @@ fn apply_script_on_an_empty_table_inserts_the_jumps() {
 -A NODELOCALDNS-HA-OUTPUT -d 169.254.20.10/32 -p udp -m udp --dport 53 -m comment --comment \"host to cache (link-local)\" -j NOTRACK
 -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies (link-local)\" -j NOTRACK
 -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -d 127.0.0.1/32 -p udp -m udp --sport 53 -m comment --comment \"cache replies to the agent\\'s probes\" -j NOTRACK
+-A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -p udp -m udp --sport 53 -m ttl --ttl-eq 255 -m comment --comment \"the forwarder\\'s answers (link-local)\" -j NOTRACK
 -A NODELOCALDNS-HA-OUTPUT -d 169.254.20.10/32 -p tcp -m tcp --dport 53 -m comment --comment \"host to cache (link-local)\" -j NOTRACK
 -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -p tcp -m tcp --sport 53 -m comment --comment \"cache replies (link-local)\" -j NOTRACK
 -A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -d 127.0.0.1/32 -p tcp -m tcp --sport 53 -m comment --comment \"cache replies to the agent\\'s probes\" -j NOTRACK
+-A NODELOCALDNS-HA-OUTPUT -s 169.254.20.10/32 -p tcp -m tcp --sport 53 -m ttl --ttl-eq 255 -m comment --comment \"the forwarder\\'s answers (link-local)\" -j NOTRACK
 -I PREROUTING 1 -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-PREROUTING
 -I OUTPUT 1 -m comment --comment nodelocaldns-ha -j NODELOCALDNS-HA-OUTPUT
 COMMIT
@@ -390,7 +392,7 @@ fn apply_script_keeps_a_jump_that_is_first_and_alone() {
     // Chains re-declared (flushed) and refilled, the jumps left alone.
     assert!(script.starts_with("*raw\n:NODELOCALDNS-HA-PREROUTING - [0:0]\n"), "{script}");
     assert!(jump_lines(&script).is_empty(), "{script}");
-    assert_eq!(script.lines().filter(|l| l.starts_with("-A ")).count(), 10);
+    assert_eq!(script.lines().filter(|l| l.starts_with("-A ")).count(), 12);
 }
 
 #[test]

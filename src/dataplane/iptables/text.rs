@@ -175,11 +175,17 @@ fn rule_spec(rule: &Rule) -> String {
     // meets a TIME_WAIT socket of the dead cache's is ACCEPTed too (the lookup finds it): the
     // TIME_WAIT answers with an ACK, the client resets it and (Linux, at once) sends its SYN
     // again, which TPROXY takes (measured: 10 ms).
-    spec.push_str(match rule.guard {
-        Guard::None | Guard::FromLoopback | Guard::ToLoopback | Guard::OnLoopback => "",
-        Guard::LocalAddress => " -m addrtype --dst-type LOCAL",
-        Guard::LocalSocket => " -m addrtype --dst-type LOCAL -m socket",
-    });
+    match (rule.guard, family) {
+        (Guard::None | Guard::FromLoopback | Guard::ToLoopback | Guard::OnLoopback, _) => {}
+        (Guard::LocalAddress, _) => spec.push_str(" -m addrtype --dst-type LOCAL"),
+        (Guard::LocalSocket, _) => spec.push_str(" -m addrtype --dst-type LOCAL -m socket"),
+        (Guard::FromForwarder, Family::V4) => {
+            spec.push_str(&format!(" -m ttl --ttl-eq {}", crate::ruleset::FORWARDER_HOP_LIMIT))
+        }
+        (Guard::FromForwarder, Family::V6) => {
+            spec.push_str(&format!(" -m hl --hl-eq {}", crate::ruleset::FORWARDER_HOP_LIMIT))
+        }
+    }
     // xt_TPROXY drops a packet no socket takes (nftables' `tproxy` lets it go on): TPROXY only
     // while the forwarder holds its lease (`forwarder::lease`), so that a fallback chain left
     // by an agent that is gone hands the queries to the cache a second later.

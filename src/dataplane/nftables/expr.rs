@@ -258,6 +258,14 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
         Guard::OnLoopback => {
             exprs.extend([Expr::Meta { key: NFT_META_IIF }, Expr::cmp_eq(1u32.to_ne_bytes())])
         }
+        // The IPv4 header's TTL, the IPv6 header's hop limit.
+        Guard::FromForwarder => {
+            let offset = if rule.addr.is_ipv4() { 8 } else { 7 };
+            exprs.extend([
+                Expr::Payload { base: NFT_PAYLOAD_NETWORK_HEADER, offset, len: 1 },
+                Expr::cmp_eq([crate::ruleset::FORWARDER_HOP_LIMIT]),
+            ])
+        }
     }
     exprs.push(Expr::Counter);
     match rule.action {

@@ -1,6 +1,7 @@
 //! The accept loop and its limits: a task per connection, at most [`Limits::max_connections`]
 //! of them, and when they are all taken [`Places`] decides which connection gives way (one of
-//! the address holding the most). Accept errors are sorted into those of one connection, passing
+//! the address holding the most), or lets the newcomer in a place kept for health checks
+//! ([`Limits::probe_connections`]). Accept errors are sorted into those of one connection, passing
 //! shortages, and a broken listener, which alone ends the server.
 
 use std::io;
@@ -27,7 +28,8 @@ type Shared = Arc<Mutex<Places<Arc<Notify>>>>;
 /// Returns the error that broke the listener.
 pub(super) async fn run(listener: TcpListener, state: State, limits: Limits) -> io::Error {
     let state = Arc::new(state);
-    let places: Shared = Arc::new(Mutex::new(Places::new(limits.max_connections)));
+    let places = Places::new(limits.max_connections, limits.probe_connections);
+    let places: Shared = Arc::new(Mutex::new(places));
     let mut connections = JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -54,15 +56,18 @@ pub(super) async fn run(listener: TcpListener, state: State, limits: Limits) -> 
         }
         let evict = Arc::new(Notify::new());
         let admitted = lock(&places).admit(peer.ip(), evict.clone());
-        let Some(Admitted { id, evicted }) = admitted else {
+        let Some(Admitted { id, evicted, probes_only }) = admitted else {
             debug!(%peer, limit = limits.max_connections, "too many HTTP connections; closing");
             continue;
         };
+        if probes_only {
+            debug!(%peer, limit = limits.max_connections, "too many HTTP connections; one kept for health checks");
+        }
         if let Some(evicted) = evicted {
             debug!(%peer, limit = limits.max_connections, "too many HTTP connections; one gives way");
             evicted.notify_one();
         }
-        let place = Place { places: places.clone(), client: peer.ip(), id };
+        let place = Place { places: places.clone(), client: peer.ip(), id, probes_only };
         let state = state.clone();
         connections.spawn(async move {
             tokio::select! {
@@ -74,6 +79,10 @@ pub(super) async fn run(listener: TcpListener, state: State, limits: Limits) -> 
                 () = evict.notified() => {}
             }
         });
+        // Its task reads the request before the next connection is let in: a burst accepted
+        // one after the other would otherwise find every newcomer still unread, where nothing
+        // tells a request about to be read from a silent client (`places`).
+        tokio::task::yield_now().await;
     }
 }
 
@@ -82,9 +91,17 @@ pub(super) struct Place {
     places: Shared,
     client: IpAddr,
     id: u64,
+    /// One of the places kept for health checks: only `/healthz` and `/readyz` are answered.
+    pub(super) probes_only: bool,
 }
 
 impl Place {
+    /// The task begins to read the request: from now on a newcomer of the same address may
+    /// take this place.
+    pub(super) fn reading(&self) {
+        lock(&self.places).reading(self.client, self.id);
+    }
+
     /// The request is read: from now on only another address's newcomer takes this place.
     pub(super) fn answering(&self) {
         lock(&self.places).answering(self.client, self.id);

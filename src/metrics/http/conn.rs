@@ -24,6 +24,7 @@ pub(super) async fn handle(
     place: &Place,
 ) -> io::Result<()> {
     let mut buf = vec![0; limits.max_head];
+    place.reading();
     let head = timeout(limits.head_timeout, read_head(&mut stream, &mut buf)).await;
     place.answering();
     let response = match head {
@@ -31,7 +32,9 @@ pub(super) async fn handle(
         Err(_elapsed) => return Ok(()),
         Ok(head) => match head? {
             Head::Closed => return Ok(()),
-            Head::Complete(len) => answer(parse(&buf[..len]), state, (state.clock)()),
+            Head::Complete(len) => {
+                answer(parse(&buf[..len]), state, (state.clock)(), place.probes_only)
+            }
             Head::Truncated => Response::bad_request("the connection closed mid-request"),
             Head::TooLarge => Response::bad_request("the request head is larger than 8 KiB"),
         },

@@ -21,11 +21,13 @@ enum Endpoint {
     Readyz,
 }
 
-/// The answer to `request`, received at `now`.
+/// The answer to `request`, received at `now`; with `probes_only` (a place kept for health
+/// checks), `/metrics` is not served.
 pub(super) fn answer(
     request: Result<Request<'_>, &'static str>,
     state: &State,
     now: Instant,
+    probes_only: bool,
 ) -> Response {
     let request = match request {
         Ok(request) => request,
@@ -40,6 +42,11 @@ pub(super) fn answer(
             return Response::new(Status::NotFound, PLAIN, body.into());
         }
     };
+    if probes_only && endpoint == Endpoint::Metrics {
+        let body = "busy: every place is taken; the few kept for /healthz and /readyz serve \
+                    nothing else\n";
+        return Response::new(Status::ServiceUnavailable, PLAIN, body.into());
+    }
     let head_only = match request.method {
         "GET" => false,
         "HEAD" => true,

@@ -252,8 +252,9 @@ async fn silent_clients_cannot_starve_healthz() {
 #[tokio::test]
 async fn connections_beyond_the_limit_are_closed_when_none_is_idle() {
     // Two clients whose requests were answered and who keep their end open: their
-    // connections linger (busy, not idle), so a third is closed at once, not queued.
-    let limits = Limits { max_connections: 2, linger: PATIENCE, ..LIMITS };
+    // connections linger (busy, not idle), so a third is closed at once, not queued (with no
+    // place kept for health checks: the test below has them).
+    let limits = Limits { max_connections: 2, linger: PATIENCE, probe_connections: 0, ..LIMITS };
     let server = start(limits).await;
     let mut busy = Vec::new();
     for _ in 0..2 {
@@ -295,4 +296,32 @@ async fn an_address_holding_every_place_gives_one_to_another() {
     let reply = timeout(Duration::from_secs(2), get(server.addr, "/healthz")).await;
     assert_eq!(reply.expect("kept out").status, 200);
     drop(greedy);
+}
+
+#[tokio::test]
+async fn health_checks_keep_places_of_their_own() {
+    // Every place held by connections of the kubelet's own address whose answers are out and
+    // which linger, as a host-network tenant's: a newcomer of that address is let in a place
+    // kept for health checks, where /healthz and /readyz are answered and /metrics is not.
+    let limits = Limits { max_connections: 2, linger: PATIENCE, probe_connections: 1, ..LIMITS };
+    let server = start(limits).await;
+    server.health.set_ready();
+    let mut tenant = Vec::new();
+    for _ in 0..2 {
+        let mut stream = TcpStream::connect(server.addr).await.unwrap();
+        stream.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").await.unwrap();
+        let mut first = [0; 12];
+        stream.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"HTTP/1.1 200");
+        tenant.push(stream);
+    }
+    for path in ["/healthz", "/readyz", "/healthz"] {
+        let reply = timeout(Duration::from_secs(2), get(server.addr, path)).await;
+        assert_eq!(reply.expect("kept out").status, 200, "{path}");
+    }
+    let busy = timeout(Duration::from_secs(2), get(server.addr, "/metrics")).await;
+    let busy = busy.expect("kept out");
+    assert_eq!(busy.status, 503, "{busy:?}");
+    assert!(busy.body.contains("kept for /healthz and /readyz"), "{busy:?}");
+    drop(tenant);
 }

@@ -183,7 +183,7 @@ fn tampering_is_seen_and_repaired() {
         differs(
             &mut nftables,
             &["add", "rule", "inet", TABLE, "output", "accept"],
-            "chain output: 21 rules, want 20",
+            "chain output: 25 rules, want 24",
         );
         differs(&mut nftables, &["add", "chain", "inet", TABLE, "foo"], "extra chain foo");
         differs(
