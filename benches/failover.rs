@@ -44,6 +44,8 @@ mod fallback;
 mod footprint;
 #[path = "failover/prefer.rs"]
 mod prefer;
+#[path = "failover/realnode.rs"]
+mod realnode;
 #[path = "failover/stall.rs"]
 mod stall;
 #[path = "failover/thesis.rs"]
@@ -1314,7 +1316,8 @@ fn main() {
     // failover (the ClusterIP shape), link-local (its failover arrangements), drift, footprint,
     // dnsperf, fallback-dnsperf (the link-local fallback against CoreDNS), hang-detection (the
     // stall watch against the probes alone), switch, busy, thesis (the webhook's table),
-    // prefer-same-node (the real parts' node: the agent, and kube-dns with PreferSameNode).
+    // prefer-same-node (the real parts' node: the agent, and kube-dns with PreferSameNode),
+    // real-node (the kubelet's node: node-local-dns rolled, the agent upgraded; idle CPU).
     let parts = std::env::var("NLHA_BENCH_PARTS").unwrap_or_else(|_| "all".into());
     let part = |name: &str| parts == "all" || parts.split(',').any(|p| p == name);
 
@@ -1353,6 +1356,11 @@ fn main() {
         switch.extend(switch_latency(&node, &DATAPLANES, 20, 50_000));
     }
     drop(node);
+    let (real_node, real_node_idle) = if part("real-node") {
+        realnode::real_node(&format!("{prefix}k"), rate.min(200), footprint_secs, footprint_rounds)
+    } else {
+        (Vec::new(), json!({}))
+    };
     let busy = if part("busy") {
         // The busy rows' agent logs, for reading after a surprising row: beside the build,
         // not among the figures.
@@ -1483,6 +1491,7 @@ fn main() {
     if !busy.is_empty() {
         md += &busy::table(&busy);
     }
+    md += &realnode::table(&real_node, &real_node_idle);
 
     let failover_json: Vec<Value> = results
         .iter()
@@ -1507,6 +1516,7 @@ fn main() {
         "switch_latency": switch,
         "footprint": footprint,
         "busy_node": busy,
+        "real_node": { "operations": real_node, "idle": real_node_idle },
         "dnsperf": perf,
         "dnsperf_link_local_fallback": fallback_perf,
         "hang_detection": hang,

@@ -46,6 +46,8 @@ cleanup() {
         SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-bench" testdata/simnode.sh down "${prefix}$node" >/dev/null 2>&1 || true
     done
     rm -rf "/etc/netns/$prefix-pod1" "/etc/netns/$prefix-pod2"
+    # The real node (k: the kubelet's node, the real-node part).
+    REALNODE_DIR="${TMPDIR:-/tmp}/nlha-realnode" testdata/realnode.sh down "${prefix}k" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -59,8 +61,11 @@ cargo build --release --locked -p nodelocaldns-ha --bin nodelocaldns-ha
 mkdir -p target/release/shipped
 cp target/release/nodelocaldns-ha target/release/shipped/nodelocaldns-ha
 musl-gcc -static -O2 -pthread -Wall -o target/release/resolver-load testdata/resolver-load.c
+# The real node's parts and the agent's image (the real-node part: the kubelet runs it).
+ci/k8s/build.sh
+image=$(ci/image/build.sh)
 NLHA_BENCH_PREFIX=$prefix NLHA_BENCH_MUSL_CLIENT="$PWD/target/release/resolver-load" \
-    NLHA_AGENT_EXE="$PWD/target/release/shipped/nodelocaldns-ha" \
+    NLHA_AGENT_EXE="$PWD/target/release/shipped/nodelocaldns-ha" NLHA_AGENT_IMAGE=$image \
     cargo bench --locked --bench failover
 # What the admission webhook costs a pod creation, on the real API server (docs/webhook-bench.md).
 NLHA_BENCH_PREFIX=$prefix cargo bench --locked -p nodelocaldns-ha-webhook --bench admission

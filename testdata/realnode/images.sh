@@ -112,6 +112,10 @@ fill_client() {
 # $RUN_DIR/images after `up` has made it.
 images_build() {
     DNSLOAD=${REALNODE_DNSLOAD:-$REPO/target/debug/dnsload}
+    if [[ ! -x $DNSLOAD && -z ${REALNODE_DNSLOAD:-} ]]; then
+        (cd "$REPO" && cargo build --quiet --locked -p dnsload --bin dnsload) ||
+            die "building the load client (cargo build -p dnsload) failed"
+    fi
     [[ -x $DNSLOAD ]] || die "no load client at $DNSLOAD: build it (cargo build -p dnsload) or set REALNODE_DNSLOAD"
     IMAGE_ARCHIVES=(
         "$(image_make "$IMAGE_PAUSE" '["/pause"]' fill_pause)"

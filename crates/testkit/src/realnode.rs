@@ -37,8 +37,14 @@ impl RealNode {
     /// Brings a real node up (`realnode.sh up PREFIX OPTIONS`), its clients' image carrying this
     /// build's dnsload. Panics with the script's output if it does not come up.
     pub fn up(options: &[&str]) -> RealNode {
+        RealNode::up_prefixed(&format!("r{:05x}", std::process::id() & 0xfffff), options)
+    }
+
+    /// [`RealNode::up`] with namespaces `PREFIX-*` (1-8 characters of [a-z0-9]), for a caller
+    /// that cleans up after a kill by that name.
+    pub fn up_prefixed(prefix: &str, options: &[&str]) -> RealNode {
         crate::require_root();
-        let prefix = format!("r{:05x}", std::process::id() & 0xfffff);
+        let prefix = prefix.to_string();
         let base = std::env::temp_dir().join("nlha-realnode");
         let node = RealNode(Cluster { dir: base.join(&prefix), prefix });
         let started = Instant::now();
@@ -179,13 +185,29 @@ impl Cluster {
 
     /// [`Cluster::load`] in `container` (of the client image) of `pod` in `namespace`.
     pub fn load_in(&self, namespace: &str, pod: &str, container: &str, rate: u32) -> PodLoad {
+        let rate = rate.to_string();
+        let args = ["--system-resolver", "--name", "who.test", "--rate", &rate];
+        self.dnsload_in(namespace, pod, container, &args)
+    }
+
+    /// dnsload with `args` (what to ask and how fast) in `container` of `pod` in `namespace`,
+    /// its lookups labelled by who answered, a timeline line every 250 ms, until
+    /// [`PodLoad::stop`]: as [`Cluster::load`], whose client is glibc's; with `--server` it is
+    /// dnsload's own glibc-like client, whose every attempt is seen.
+    pub fn dnsload_in(
+        &self,
+        namespace: &str,
+        pod: &str,
+        container: &str,
+        args: &[&str],
+    ) -> PodLoad {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let container = self.container_pid(namespace, pod, container);
         let in_pod = format!("/tmp/lookups-{n}.txt");
         let mut cmd = Command::new("nsenter");
         cmd.args(["-t", &container.to_string(), "-n", "-m", "--", "/usr/local/bin/dnsload"]);
-        cmd.args(["--system-resolver", "--name", "who.test", "--rate", &rate.to_string()]);
+        cmd.args(args);
         cmd.args(["--duration", "1h", "--report-interval", "250ms", "--lookups-out", &in_pod]);
         cmd.args(origins());
         // nsenter execs dnsload: the child is dnsload itself, and its file is the pod's.
