@@ -7,29 +7,50 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 [ "$(id -u)" = 0 ] || { echo "ci/test.sh: run as root (the tests create network namespaces)"; exit 2; }
-ci/deps.sh
+
+# Each stage's seconds, printed at the end whatever the outcome, so that a slow stage is seen.
+stages=() started=$SECONDS
+stage() { # stage NAME CMD...
+  local name=$1 t0=$SECONDS rc=0
+  shift
+  "$@" || rc=$?
+  stages+=("$(printf '%-14s %5d s%s' "$name" $((SECONDS - t0)) "$( ((rc == 0)) || echo "  (failed: exit $rc)")")")
+  return "$rc"
+}
+timings() {
+  local rc=$? line
+  echo "ci/test.sh: stage timings (exit $rc):"
+  for line in "${stages[@]}"; do echo "  $line"; done
+  echo "  total          $((SECONDS - started)) s"
+}
+trap timings EXIT
+
+stage deps ci/deps.sh
 # The real-kernel test bed (qemu, Debian's 6.1 kernel, busybox initramfs under target/vm/):
 # installs its packages and fetches the kernel on first use; fails here, loudly, if it cannot.
-ci/vm/run --prepare
+stage vm-prepare ci/vm/run --prepare
 # The real Kubernetes parts (ci/k8s/: etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler, kubelet, kube-proxy, kubectl, CoreDNS, helm, containerd and the CNI plugins from
 # pinned Go modules, node-cache from its pinned source) into a cache outside the repository:
 # about 25 min on a fresh machine, 0.1 s once built. Then the simulated node with the real parts,
 # brought up and torn down (ci/k8s/smoke.sh).
-ci/k8s/build.sh
-ci/k8s/smoke.sh
+stage k8s-build ci/k8s/build.sh
+stage k8s-smoke ci/k8s/smoke.sh
+# The tests take the parts from there, never building them themselves.
+NLHA_K8S_BIN=$(ci/k8s/build.sh --bin-dir)
+export NLHA_K8S_BIN
 
-cargo fmt --all -- --check
-cargo fmt --manifest-path fuzz/Cargo.toml -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+stage fmt cargo fmt --all -- --check
+stage fmt-fuzz cargo fmt --manifest-path fuzz/Cargo.toml -- --check
+stage clippy cargo clippy --workspace --all-targets --locked -- -D warnings
 # The kernel column and the real node are not among `--all-targets` (test = false in
 # Cargo.toml): linted by name.
-cargo clippy --locked --test e2e_vm --test e2e_kubelet -- -D warnings
+stage clippy-named cargo clippy --locked --test e2e_vm --test e2e_kubelet -- -D warnings
 # Licences, duplicate versions, sources (deny.toml); `unsafe` only in the reviewed modules is
 # checked by tests/unsafe_confined.rs and the compiler.
-cargo deny --workspace --locked check bans licenses sources
+stage deny cargo deny --workspace --locked check bans licenses sources
 # The agent and the load client (crates/dnsload) the end-to-end tests run.
-cargo build --locked --workspace --bins
+stage build cargo build --locked --workspace --bins
 # Unit and end-to-end tests of every crate of the workspace (no doc tests; benches run only in
 # ci/bench.sh).
 # How end-to-end tests share the machine: two at a time (cargo's default on 2 cores), each on a
@@ -41,20 +62,22 @@ cargo build --locked --workspace --bins
 # makes a test slower, not red. (Not any load: on a machine several times oversubscribed, the
 # clients' own 1 s attempt timeout expires. Run the suite on an otherwise idle machine, as CI
 # does.) Timings are the benchmark's (ci/bench.sh), measured side by side.
-cargo test --locked --workspace --lib --bins --tests
+stage host-tests cargo test --locked --workspace --lib --bins --tests
 # The image, built from the Dockerfile here (rootful buildah, vfs, runc; the builder made from
 # Debian's packages: ci/image/build.sh), and the agent run from it as the DaemonSet runs it: a
 # cache SIGKILL in both shapes, and what the image holds. About 9 min on a fresh machine (the
 # agent and the webhook compiled in the builder), about 1.5 min once its caches are warm (the
 # two crates themselves compiled again: a clean clone's sources are newer than the cache).
-image=$(ci/image/build.sh)
-NLHA_AGENT_IMAGE=$image cargo test --locked --test e2e_image -- --ignored
+stage image ci/image/build.sh >target/ci-image
+image=$(<target/ci-image)
+export NLHA_AGENT_IMAGE=$image
+stage image-tests cargo test --locked --test e2e_image -- --ignored
 # The real node (tests/e2e_kubelet.rs, testdata/realnode.sh): a real kubelet and containerd run
 # node-local-dns (upstream's manifest, the real node-cache), kube-proxy, CoreDNS and client pods;
 # the agent installed from the chart with helm, from that image; every fault under load.
-NLHA_AGENT_IMAGE=$image cargo test --locked --test e2e_kubelet
+stage real-node cargo test --locked --test e2e_kubelet
 # The same agent on Debian 12's 6.1 LTS kernel (tests/e2e_vm.rs): each test boots its own VM
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
-cargo test --locked --test e2e_vm -- --test-threads 2
+stage vm-column cargo test --locked --test e2e_vm -- --test-threads 2
 # Every parser of outside input, fuzzed briefly (ci/fuzz.sh 600 by hand for longer).
-FUZZ_PROFILE=dev ci/fuzz.sh 5
+stage fuzz env FUZZ_PROFILE=dev ci/fuzz.sh 5

@@ -44,15 +44,24 @@ load_state() {
     KUBE_PROXY=$(<"$RUN_DIR/kube-proxy")
 }
 
-# The parts every real node runs (ci/k8s/build.sh): built when missing, 0.1 s when cached.
+# The parts every real node runs (ci/k8s/build.sh): built when missing, 0.1 s when cached; or
+# taken from NLHA_K8S_BIN, a directory ci/k8s/build.sh filled (ci/test.sh sets it).
 readonly PARTS=(etcd kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy kubectl
     coredns helm containerd cni-plugins node-cache)
 parts_bin() {
-    local build="$REPO/ci/k8s/build.sh" out
-    out=$("$build" "${PARTS[@]}" 2>&1) || die "ci/k8s/build.sh failed: $(tail -n 8 <<<"$out")"
+    local build="$REPO/ci/k8s/build.sh" out part
+    if [[ -n ${NLHA_K8S_BIN:-} ]]; then
+        for part in "${PARTS[@]/cni-plugins/cni\/portmap}"; do
+            [[ -x $NLHA_K8S_BIN/$part ]] || die "NLHA_K8S_BIN=$NLHA_K8S_BIN has no $part (build it with ci/k8s/build.sh)"
+        done
+    else
+        out=$("$build" "${PARTS[@]}" 2>&1) || die "ci/k8s/build.sh failed: $(tail -n 8 <<<"$out")"
+    fi
     parts_bin_quick
 }
-parts_bin_quick() { BIN=$("$REPO/ci/k8s/build.sh" --bin-dir) || die "ci/k8s/build.sh --bin-dir failed"; }
+parts_bin_quick() {
+    BIN=${NLHA_K8S_BIN:-$("$REPO/ci/k8s/build.sh" --bin-dir)} || die "ci/k8s/build.sh --bin-dir failed"
+}
 
 # The node's holder: its pid owns the node's mount namespace (and joins its network namespace).
 holder_pid() {
