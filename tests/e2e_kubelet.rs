@@ -179,9 +179,7 @@ fn under_load(s: &Suite, what: &str, fault: impl FnOnce()) -> Value {
     let mut load = s.node.load(&client, RATE);
     load.load.wait_cache_answers();
     fault();
-    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
-        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "coredns") == Some(0)
-    });
+    load.wait_back_on_cache(Duration::from_secs(120));
     let (summary, _lookups) = load.stop();
     println!("{what}: {}", counts(&summary));
     assert_eq!(summary["failed"], 0, "{what}: lookups failed: {summary}");
@@ -504,9 +502,7 @@ fn webhook_gives_a_labelled_namespace_two_nameservers(s: &Suite) {
     let mut load = s.node.load_in(NSW, &pod, "dns-client", RATE);
     load.load.wait_cache_answers();
     nix_kill(pid, "KILL");
-    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
-        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "coredns") == Some(0)
-    });
+    load.wait_back_on_cache(Duration::from_secs(120));
     let (summary, _) = load.stop();
     println!("the webhook's pod through a kill: {}", counts(&summary));
     assert_eq!(summary["failed"], 0, "{summary}");
@@ -585,9 +581,7 @@ fn node_local_dns_unpatched(s: &Suite) {
     let mut load = s.node.load(&client, RATE);
     load.load.wait_cache_answers();
     nix_kill(pid, "KILL");
-    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
-        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "failed") == Some(0)
-    });
+    load.wait_back_on_cache(Duration::from_secs(120));
     let (kill, _) = load.stop();
     println!("unpatched, node-cache SIGKILLed: {}", counts(&kill));
 
@@ -601,9 +595,7 @@ fn node_local_dns_unpatched(s: &Suite) {
     // The fault's length, not a wait for anything: the cache stays hung for 5 s.
     std::thread::sleep(Duration::from_secs(5));
     nix_kill(pid, "CONT");
-    load.load.wait_line("the cache answering again", Duration::from_secs(120), |l| {
-        testkit::field(l, "cache").is_some_and(|n| n > 0) && testkit::field(l, "failed") == Some(0)
-    });
+    load.wait_back_on_cache(Duration::from_secs(120));
     let (hang, _) = load.stop();
     println!("unpatched, node-cache hung 5 s: {}", counts(&hang));
 

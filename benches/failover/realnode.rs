@@ -19,7 +19,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use testkit::{clock_ticks_per_s, field, Cluster, RealNode};
+use testkit::{clock_ticks_per_s, Cluster, RealNode};
 
 const NS: &str = "kube-system";
 const CHART: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/charts/nodelocaldns-ha");
@@ -128,11 +128,7 @@ fn measure(node: &Cluster, rate: u32, back: Duration, operation: impl FnOnce()) 
     load.load.wait_cache_answers();
     std::thread::sleep(AROUND);
     operation();
-    load.load.wait_line("the cache answering alone again", back, |l| {
-        field(l, "cache").is_some_and(|n| n > 0)
-            && field(l, "coredns") == Some(0)
-            && field(l, "failed") == Some(0)
-    });
+    load.wait_back_on_cache(back);
     std::thread::sleep(AROUND);
     load.stop().0
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::binaries::dnsload_exe;
-use crate::load::{origins, Load, Lookup};
+use crate::load::{field, origins, Load, Lookup};
 use crate::simnode::{describe, repo};
 
 /// A real node, up until dropped (`realnode.sh down`: every process of it by its cgroup, the
@@ -212,7 +212,8 @@ impl Cluster {
         cmd.args(origins());
         // nsenter execs dnsload: the child is dnsload itself, and its file is the pod's.
         let seen_from_here = PathBuf::from(format!("/proc/{container}/root{in_pod}"));
-        PodLoad { load: Load::spawn(&mut cmd, seen_from_here) }
+        let started = Instant::now();
+        PodLoad { load: Load::spawn(&mut cmd, seen_from_here), started }
     }
 }
 
@@ -220,14 +221,34 @@ impl Cluster {
 pub struct PodLoad {
     /// Its timeline lines, as they come (`wait_line`, `wait_alone`, …).
     pub load: Load,
+    /// Just before it was started: its timeline's `t=` counts from a little after.
+    started: Instant,
 }
 
 impl PodLoad {
+    /// Waits up to `deadline` for a timeline line of a quarter second that begins after now
+    /// in which the cache answered every lookup and none failed: the lines already out (those
+    /// of before a fault, say) are not looked at.
+    pub fn wait_back_on_cache(&mut self, deadline: Duration) {
+        let now = self.started.elapsed().as_secs_f64();
+        self.load.wait_line("the cache answering alone again", deadline, |l| {
+            timeline_t(l).is_some_and(|t| t > now + 0.25)
+                && field(l, "cache").is_some_and(|n| n > 0)
+                && field(l, "coredns") == Some(0)
+                && field(l, "failed") == Some(0)
+        });
+    }
+
     /// Stops it (SIGINT: it starts no more lookups and waits for those in flight) and returns
     /// its summary and every lookup, in the order they started.
     pub fn stop(self) -> (Value, Vec<Lookup>) {
         self.load.interrupt_recorded()
     }
+}
+
+/// A timeline line's end (`t=  7.75s ...`: seconds since the client started).
+fn timeline_t(line: &str) -> Option<f64> {
+    line.strip_prefix("t=")?.trim_start().split('s').next()?.parse().ok()
 }
 
 /// The counts of a summary a test asserts, in one line: sent, failed, first attempts lost, who
