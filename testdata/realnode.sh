@@ -44,7 +44,7 @@
 #   image-tag PREFIX SOURCE TARGET
 #     a second name for an image containerd has (an upgrade with the same bits)
 #   node-local-dns-patch PREFIX AGENT-IMAGE
-#     the project's changes to node-local-dns (manifests/overlays/node-local-dns) patched into
+#     the project's changes to node-local-dns (manifests/node-local-dns) patched into
 #     the cluster's DaemonSet, the drain client from AGENT-IMAGE; returns once it has rolled
 #   webhook-install PREFIX AGENT-IMAGE
 #     the admission webhook as manifests/README.md installs it without cert-manager (a serving

@@ -1,5 +1,5 @@
-//! The deployment files: `manifests/` (a kustomize base and an overlay for the ClusterIP shape,
-//! an overlay of each for the link-local shape), the `Dockerfile` and
+//! The deployment files: `manifests/` (a kustomize base, its overlay for the link-local shape,
+//! and the patches of node-local-dns's own DaemonSet), the `Dockerfile` and
 //! `packaging/nodelocaldns-ha.service`, checked without a cluster, an image build or systemd.
 //!
 //! * Every YAML document parses into the k8s-openapi type of its `kind`, and nothing in it is
@@ -8,12 +8,14 @@
 //!   parses, every patch targets an object of the build, the `images` transformer applies. With
 //!   `kubectl` on the machine, its built-in kustomize builds all of them for real, too.
 //! * The agent's DaemonSet keeps its promises (capabilities, probes on the metrics address,
-//!   settings that `nodelocaldns-ha run` accepts), and the overlay gives node-cache the flags and
-//!   the `drain` preStop hook the agent relies on.
-//! * The link-local overlays change exactly one thing each: the agent loses the kube-dns
-//!   ClusterIP, node-cache's `-localip` keeps only the link-local IP. Their patches refuse a
-//!   manifest they were not written for, and their placeholder fill leaves node-cache bound to
-//!   the link-local IP alone and the agent validated in the link-local shape.
+//!   settings that `nodelocaldns-ha run` accepts), and creates none of node-local-dns's objects.
+//! * The patches of node-local-dns (manifests/node-local-dns) give node-cache the flags and the
+//!   `drain` preStop hook the agent relies on, on every flavour's DaemonSet (upstream's,
+//!   deliveryhero's, kubespray's), name no object (so they fit each one's name), and their
+//!   removal takes the drain out again.
+//! * The link-local overlay changes exactly one thing: the agent loses the kube-dns ClusterIP.
+//!   Its patch refuses a base it was not written for, and its placeholder fill leaves the agent
+//!   validated in the link-local shape.
 //! * The systemd unit and the Dockerfile say what the issue asked, consistently with the
 //!   manifests.
 
@@ -44,12 +46,14 @@ const NAMESPACE: &str = "kube-system";
 const AGENT: &str = "nodelocaldns-ha";
 /// The image name the manifests use, mapped to a real image by each kustomization's `images`.
 const IMAGE: &str = "nodelocaldns-ha";
-/// node-local-dns's DaemonSet, which the overlay patches.
+/// node-local-dns's DaemonSet in upstream's manifest, which the patches' examples name.
 const NODE_LOCAL_DNS: &str = "node-local-dns";
+/// The patches of node-local-dns's DaemonSet, under manifests/.
+const NODE_LOCAL_DNS_PATCHES: &str = "node-local-dns";
 const NODE_CACHE: &str = "node-cache";
 const STATE_DIR: &str = "/run/nodelocaldns-ha";
 const XTABLES_LOCK: &str = "/run/xtables.lock";
-/// Where the Dockerfile puts the self-contained client that the overlay copies out.
+/// Where the Dockerfile puts the self-contained client that the drain patch copies out.
 const CLIENT_BUNDLE: &str = "/opt/nodelocaldns-ha";
 /// The capabilities the agent may ask for. NET_ADMIN: nftables, sock_diag, iptables changes.
 /// NET_RAW: iptables-legacy (libiptc) works through a raw socket; without it the agent cannot
@@ -85,21 +89,15 @@ const COMPONENTS: [&str; 5] = [
 /// Prometheus's own files under manifests/, checked by promtool (tests/alerts.rs): the rules
 /// and their unit tests.
 const PROMETHEUS_FILES: [&str; 2] = ["monitoring/alerts.yaml", "monitoring/alerts_test.yaml"];
-/// Every kustomization under manifests/: the ClusterIP shape (the base and the overlay on
-/// node-local-dns) and the link-local shape (an overlay of each).
-const KUSTOMIZATIONS: [&str; 4] = [
-    "base",
-    "overlays/agent-link-local",
-    "overlays/node-local-dns",
-    "overlays/node-local-dns-link-local",
-];
+/// Every kustomization under manifests/: the agent in the ClusterIP shape (the base) and in the
+/// link-local shape (its overlay).
+const KUSTOMIZATIONS: [&str; 2] = ["base", "overlays/agent-link-local"];
 /// The keys a kustomization here may use: anything else is a typo kustomize would reject.
 const KUSTOMIZATION_KEYS: [&str; 8] =
     ["apiVersion", "kind", "resources", "patches", "images", "namespace", "labels", "components"];
 
-/// node-local-dns's ConfigMap and DaemonSet as its stock manifest has them (abridged to what the
-/// overlays touch and the placeholders fill): the overlays' target when their remote resource
-/// cannot be fetched. node-cache fills `__PILLAR__CLUSTER__DNS__` and
+/// node-local-dns's ConfigMap and DaemonSet as upstream's manifest has them (abridged to what
+/// the patches touch and the placeholders fill). node-cache fills `__PILLAR__CLUSTER__DNS__` and
 /// `__PILLAR__UPSTREAM__SERVERS__` itself when it writes its Corefile.
 const STOCK_NODE_LOCAL_DNS: &str = r#"
 apiVersion: v1
@@ -467,14 +465,6 @@ impl Kustomization {
         }
         objects
     }
-
-    /// The strategic-merge patches, as the objects they are.
-    fn merge_patches(&self) -> impl Iterator<Item = (&Patch, &Value)> {
-        self.patches.iter().filter_map(|patch| match &patch.body {
-            PatchBody::StrategicMerge(body) => Some((patch, body)),
-            PatchBody::Json(_) => None,
-        })
-    }
 }
 
 impl Patch {
@@ -628,19 +618,11 @@ fn base() -> Kustomization {
     Kustomization::load(&repo().join("manifests/base"))
 }
 
-fn overlay() -> Kustomization {
-    Kustomization::load(&repo().join("manifests/overlays/node-local-dns"))
-}
-
 fn agent_link_local() -> Kustomization {
     Kustomization::load(&repo().join("manifests/overlays/agent-link-local"))
 }
 
-fn node_local_dns_link_local() -> Kustomization {
-    Kustomization::load(&repo().join("manifests/overlays/node-local-dns-link-local"))
-}
-
-/// The stock node-local-dns objects, standing in for the overlays' remote resource.
+/// upstream's node-local-dns objects, abridged.
 fn stock() -> Vec<Value> {
     let docs = yaml_docs(STOCK_NODE_LOCAL_DNS, "the stock fixture");
     for doc in &docs {
@@ -755,6 +737,15 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
         }
         for (i, doc) in file_docs(file).iter().enumerate() {
             let origin = format!("{} (document {})", shown(file), i + 1);
+            // The patches of node-local-dns's DaemonSet name no object (the tests below).
+            if file.parent() == Some(&repo().join("manifests").join(NODE_LOCAL_DNS_PATCHES))
+                && doc.is_object()
+                && doc.get("kind").is_none()
+            {
+                node_local_dns_patch_spec(doc, &origin);
+                kinds.insert("DaemonSet patch".to_owned());
+                continue;
+            }
             if let Value::Array(ops) = doc {
                 for op in ops {
                     check_json_patch_op(op, &origin);
@@ -848,6 +839,7 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
         "Component",
         "ConfigMap",
         "DaemonSet",
+        "DaemonSet patch",
         "Deployment",
         "Issuer",
         "JSON patch",
@@ -893,44 +885,32 @@ fn every_kustomization_is_one_these_tests_check() {
     assert_eq!(found, known, "a kustomization these tests do not know of, or one gone");
 }
 
+/// The agent and its ServiceAccount, nothing of node-local-dns's: its upstream Service above
+/// all, whose ClusterIP every running node-cache read once, at its start (a base that carried it
+/// would delete it with `kubectl delete -k` or a GitOps prune).
 #[test]
-fn the_base_builds_into_the_agent_its_service_account_and_kube_dns_upstream() {
+fn the_base_builds_into_the_agent_and_its_service_account_alone() {
     let base = base();
     assert!(base.remote.is_empty(), "the base is self-contained");
     let ids: BTreeSet<ObjectId> =
         base.build(&[]).iter().map(|o| ObjectId::of(o).unwrap()).collect();
-    let expected = BTreeSet::from([
-        ObjectId::new("DaemonSet", AGENT),
-        ObjectId::new("ServiceAccount", AGENT),
-        ObjectId::new("Service", "kube-dns-upstream"),
-    ]);
+    let expected =
+        BTreeSet::from([ObjectId::new("DaemonSet", AGENT), ObjectId::new("ServiceAccount", AGENT)]);
     assert_eq!(ids, expected);
 }
 
 #[test]
-fn the_overlay_patches_node_local_dns_and_nothing_else() {
-    let overlay = overlay();
-    assert!(overlay.objects.is_empty(), "node-local-dns's manifest is not part of this repo");
-    assert_eq!(overlay.remote.len(), 1, "the node-local-dns manifest to patch");
-    assert!(overlay.remote[0].ends_with("/nodelocaldns.yaml"), "{}", overlay.remote[0]);
-    assert!(!overlay.patches.is_empty());
-    for patch in &overlay.patches {
-        assert_eq!(patch.target, ObjectId::new("DaemonSet", NODE_LOCAL_DNS), "{:?}", patch.file);
-    }
-    // Builds against the stock DaemonSet (the JSON patch's `test` passes, the target exists).
-    overlay.build(&stock());
-}
-
-#[test]
-fn both_kustomizations_deploy_the_same_image() {
-    let (base, overlay) = (base(), overlay());
+fn the_base_sets_the_image_the_drain_patch_names() {
+    let base = base();
     assert_eq!(base.images.keys().collect::<Vec<_>>(), [IMAGE]);
-    assert_eq!(base.images, overlay.images, "the drain client must be the agent's build");
-    // The link-local overlays take the image from what they build on: setting it in the base
-    // and in ../node-local-dns (manifests/README.md, step 1) sets it for them too.
-    for link_local in [agent_link_local(), node_local_dns_link_local()] {
-        assert!(link_local.images.is_empty(), "{}: images of its own", shown(&link_local.dir));
-    }
+    // The link-local overlay takes the image from the base: setting it there sets it for both.
+    assert!(agent_link_local().images.is_empty(), "the link-local overlay: images of its own");
+    // The drain patch's client is the agent's build: the same name, on a line of its own for
+    // the `sed` that fills it (the install's NOTES, manifests/README.md).
+    let text = read(&node_local_dns_patch_file("drain.yaml"));
+    let lines: Vec<&str> =
+        text.lines().filter(|l| l.ends_with(&format!("image: {IMAGE}"))).collect();
+    assert_eq!(lines.len(), 1, "one `image: {IMAGE}` line: {lines:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1018,37 +998,20 @@ fn the_agent_settings_are_flags_it_accepts() {
     assert_eq!(env(agent, "NODELOCALDNS_HA_LOCAL_IP"), Some("__PILLAR__LOCAL__DNS__"));
     assert_eq!(env(agent, "NODELOCALDNS_HA_CLUSTER_DNS_IP"), Some("__PILLAR__DNS__SERVER__"));
 
-    // The upstream comes from the kube-dns-upstream Service's variables.
+    // The upstream comes from node-local-dns's upstream Service's variables (upstream's
+    // manifest's kube-dns-upstream), named explicitly; the reports' Role, which lets the agent
+    // follow it, names the same one.
     assert_eq!(spec.enable_service_links, Some(true));
-    let upstream_svc = setting(agent, "--upstream-svc", "NODELOCALDNS_HA_UPSTREAM_SVC")
-        .map(str::to_owned)
-        .or_else(|| flags["NODELOCALDNS_HA_UPSTREAM_SVC"].1.clone())
-        .unwrap();
+    let upstream_svc = setting(agent, "--upstream-svc", "NODELOCALDNS_HA_UPSTREAM_SVC");
+    assert_eq!(upstream_svc, flags["NODELOCALDNS_HA_UPSTREAM_SVC"].1.as_deref());
+    assert_eq!(upstream_svc, Some("kube-dns-upstream"));
     assert!(setting(agent, "--upstream-ip", "NODELOCALDNS_HA_UPSTREAM_IP").is_none());
-    let objects = base().build(&[]);
-    find(&objects, &ObjectId::new("Service", &upstream_svc));
-}
-
-#[test]
-fn kube_dns_upstream_selects_coredns_on_port_53() {
-    let objects = base().build(&[]);
-    let service: Service =
-        typed(find(&objects, &ObjectId::new("Service", "kube-dns-upstream")), "kube-dns-upstream");
-    let spec = service.spec.unwrap();
-    assert_eq!(
-        spec.selector,
-        Some(BTreeMap::from([("k8s-app".to_owned(), "kube-dns".to_owned())])),
-        "kube-dns's selector"
-    );
-    let mut ports: Vec<(i32, String)> = spec
-        .ports
-        .unwrap_or_default()
-        .into_iter()
-        .map(|p| (p.port, p.protocol.unwrap_or_else(|| "TCP".into())))
-        .collect();
-    ports.sort();
-    assert_eq!(ports, [(53, "TCP".to_owned()), (53, "UDP".to_owned())]);
-    assert_eq!(spec.cluster_ip, None, "a ClusterIP of its own, not headless");
+    let rbac = file_docs(&repo().join("manifests/cluster-reports/rbac.yaml"));
+    let role =
+        rbac.iter().find(|o| str_at(o, "/metadata/name") == Some("nodelocaldns-ha-upstream"));
+    let role: Role = typed(role.expect("the upstream Service's Role"), "cluster-reports/rbac.yaml");
+    let names = role.rules.unwrap_or_default().remove(0).resource_names;
+    assert_eq!(names, Some(vec![upstream_svc.unwrap().to_owned()]));
 }
 
 #[test]
@@ -1151,35 +1114,117 @@ fn the_state_dir_and_the_xtables_lock_are_the_hosts() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The overlay on node-local-dns
+// The patches of node-local-dns's DaemonSet
 
-/// The overlay's strategic-merge patch of node-local-dns, typed.
-fn node_local_dns_patch() -> DaemonSet {
-    let overlay = overlay();
-    let mut patches = overlay.merge_patches();
-    let (patch, body) = patches.next().expect("a strategic-merge patch");
-    assert!(patches.next().is_none(), "one strategic-merge patch");
-    typed(body, &shown(&patch.file))
+/// A file of manifests/node-local-dns.
+fn node_local_dns_patch_file(name: &str) -> PathBuf {
+    repo().join("manifests").join(NODE_LOCAL_DNS_PATCHES).join(name)
+}
+
+/// `value` without strategic-merge directives: list items that carry `$patch`, and nulls (a
+/// field deleted).
+fn without_directives(value: &Value) -> Value {
+    match value {
+        Value::Array(items) => Value::Array(
+            items.iter().filter(|i| i.get("$patch").is_none()).map(without_directives).collect(),
+        ),
+        Value::Object(fields) => Value::Object(
+            fields
+                .iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k.clone(), without_directives(v)))
+                .collect(),
+        ),
+        other => other.clone(),
+    }
+}
+
+/// A strategic-merge patch of node-local-dns's DaemonSet, its pod spec typed (directives left
+/// out). It says nothing but the spec: no kind, no name, so that `kubectl patch` takes it for a
+/// DaemonSet of any name (kubespray's nodelocaldns; a name in the patch would be refused there).
+fn node_local_dns_patch_spec(doc: &Value, origin: &str) -> PodSpec {
+    let keys: Vec<&str> = doc.as_object().expect("an object").keys().map(String::as_str).collect();
+    assert_eq!(keys, ["spec"], "{origin}: the spec alone: no kind, no name");
+    let spec = doc.pointer("/spec/template/spec").unwrap_or_else(|| panic!("{origin}: a pod spec"));
+    typed(&without_directives(spec), origin)
+}
+
+/// The drain patch's pod spec (drain.yaml).
+fn drain_patch() -> PodSpec {
+    let file = node_local_dns_patch_file("drain.yaml");
+    node_local_dns_patch_spec(&file_docs(&file)[0], &shown(&file))
+}
+
+/// The args patch (args.yaml): its operations.
+fn args_patch() -> Vec<Value> {
+    let file = node_local_dns_patch_file("args.yaml");
+    match file_docs(&file).remove(0) {
+        Value::Array(ops) => ops,
+        other => panic!("{}: a JSON patch, not {other}", shown(&file)),
+    }
+}
+
+/// node-local-dns's DaemonSet as each flavour deploys it: upstream's (abridged), deliveryhero's
+/// and kubespray's (tests/e2e_deploy.rs's, testdata/node-local-dns).
+fn flavour_daemonsets() -> Vec<(&'static str, Value)> {
+    let mut found = vec![("upstream", stock_daemonset())];
+    for flavour in ["deliveryhero", "kubespray"] {
+        let file = repo().join(format!("testdata/node-local-dns/{flavour}.yaml"));
+        let docs = file_docs(&file);
+        let ds = docs.into_iter().find(|d| str_at(d, "/kind") == Some("DaemonSet"));
+        found.push((flavour, ds.expect("a DaemonSet")));
+    }
+    found
+}
+
+/// node-cache's args in a DaemonSet.
+fn node_cache_args(daemonset: &Value) -> Vec<String> {
+    let ds: DaemonSet = typed(daemonset, "node-local-dns");
+    container(pod_spec(&ds), NODE_CACHE).args.clone().unwrap_or_default()
+}
+
+/// The value node-cache takes for boolean flag `name`: Go's flag package keeps the last one
+/// given (`-name` alone is true).
+fn go_bool_flag(args: &[String], name: &str) -> Option<bool> {
+    args.iter().rev().find_map(|arg| {
+        let arg = arg.trim_start_matches('-');
+        match arg.strip_prefix(name)? {
+            "" => Some(true),
+            rest => rest.strip_prefix('=').map(|v| v == "true"),
+        }
+    })
 }
 
 #[test]
-fn node_cache_leaves_the_rules_to_the_agent() {
-    let objects = overlay().build(&stock());
-    let built: DaemonSet =
-        typed(find(&objects, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS)), "built");
-    let before: DaemonSet = typed(&stock_daemonset(), "stock");
-    let args =
-        |ds: &DaemonSet| container(pod_spec(ds), NODE_CACHE).args.clone().unwrap_or_default();
-    let (before, after) = (args(&before), args(&built));
-    assert_eq!(after[..before.len()], before[..], "node-cache's own args are kept");
-    let added: BTreeSet<&str> = after[before.len()..].iter().map(String::as_str).collect();
-    assert_eq!(added, BTreeSet::from(["-setupiptables=false", "-skipteardown"]));
+fn node_cache_leaves_the_rules_to_the_agent_on_every_flavour() {
+    for (flavour, mut ds) in flavour_daemonsets() {
+        let before = node_cache_args(&ds);
+        json_patch(&mut ds, &args_patch()).unwrap_or_else(|e| panic!("{flavour}: {e}"));
+        let after = node_cache_args(&ds);
+        assert_eq!(after[..before.len()], before[..], "{flavour}: node-cache's own args are kept");
+        let added: Vec<&str> = after[before.len()..].iter().map(String::as_str).collect();
+        assert_eq!(added, ["-setupiptables=false", "-skipteardown"], "{flavour}");
+        // Whatever the flavour passed before (deliveryhero: -setupiptables=true,
+        // -skipteardown=false), node-cache takes these.
+        assert_eq!(go_bool_flag(&after, "setupiptables"), Some(false), "{flavour}: {after:?}");
+        assert_eq!(go_bool_flag(&after, "skipteardown"), Some(true), "{flavour}: {after:?}");
+    }
+}
+
+#[test]
+fn the_args_patch_refuses_a_daemonset_it_was_not_written_for() {
+    let mut sidecar_first = stock_daemonset();
+    let containers = sidecar_first.pointer_mut("/spec/template/spec/containers").unwrap();
+    containers.as_array_mut().unwrap().insert(0, json!({"name": "sidecar", "args": ["-x"]}));
+    let before = sidecar_first.clone();
+    assert!(json_patch(&mut sidecar_first, &args_patch()).is_err(), "another container first");
+    assert_eq!(sidecar_first, before, "changed anyway");
 }
 
 #[test]
 fn node_cache_drains_through_the_agent_before_it_stops() {
-    let patch = node_local_dns_patch();
-    let spec = pod_spec(&patch);
+    let spec = drain_patch();
+    let spec = &spec;
     let node_cache = container(spec, NODE_CACHE);
     let command = node_cache
         .lifecycle
@@ -1202,7 +1247,8 @@ fn node_cache_drains_through_the_agent_before_it_stops() {
     let timeout = drain.get_one::<String>("timeout").expect("a drain timeout");
     let timeout = parse_duration(timeout).expect("a duration");
 
-    // The grace period holds the longest drain and node-cache's own shutdown.
+    // The grace period holds the longest drain and node-cache's own shutdown (kubespray's 0
+    // would leave no time for the hook at all).
     let grace = Duration::from_secs(spec.termination_grace_period_seconds.expect("set") as u64);
     assert!(
         grace >= timeout + DRAIN_CALL_SLACK + NODE_CACHE_SHUTDOWN,
@@ -1226,7 +1272,7 @@ fn node_cache_drains_through_the_agent_before_it_stops() {
                 .any(|m| m.name == client.name && m.read_only != Some(true))
         })
         .expect("an init container fills the client volume");
-    assert_eq!(copier.image.as_deref(), Some(IMAGE), "the agent's image (see `images`)");
+    assert_eq!(copier.image.as_deref(), Some(IMAGE), "the agent's image (the NOTES' sed)");
     let mut copies = copier.command.iter().chain(copier.args.iter()).flatten();
     assert!(copies.any(|w| w.starts_with(CLIENT_BUNDLE)), "copies {CLIENT_BUNDLE}");
     let sc = copier.security_context.as_ref().expect("a securityContext");
@@ -1251,8 +1297,8 @@ fn the_drain_client_comes_from_the_dockerfile_bundle() {
     let assembled =
         dockerfile.stages[0].iter().any(|(k, rest)| k == "RUN" && rest.contains("rootfs.sh"));
     assert!(assembled, "the build stage runs ci/image/rootfs.sh");
-    let patch = node_local_dns_patch();
-    let node_cache = container(pod_spec(&patch), NODE_CACHE);
+    let spec = drain_patch();
+    let node_cache = container(&spec, NODE_CACHE);
     let command = node_cache.lifecycle.as_ref().unwrap().pre_stop.as_ref().unwrap();
     let command = command.exec.as_ref().unwrap().command.clone().unwrap();
     // The bundle's loader runs the binary, with the bundle's libraries.
@@ -1260,6 +1306,33 @@ fn the_drain_client_comes_from_the_dockerfile_bundle() {
     assert_eq!(loader.file_name().unwrap(), "ld.so");
     let dir = loader.parent().unwrap().to_str().unwrap();
     assert_eq!(command[1..3], ["--library-path", dir]);
+}
+
+/// remove-drain.yaml deletes exactly what drain.yaml adds: its init container, node-cache's
+/// preStop hook and mounts, its volumes (tests/e2e_deploy.rs applies both to a real API server).
+#[test]
+fn the_drains_removal_deletes_what_the_drain_adds() {
+    let file = node_local_dns_patch_file("remove-drain.yaml");
+    let removal = file_docs(&file).remove(0);
+    node_local_dns_patch_spec(&removal, &shown(&file));
+    let spec = &removal["spec"]["template"]["spec"];
+    let deleted = |list: &Value, key: &str| -> BTreeSet<String> {
+        let items = list.as_array().map(Vec::as_slice).unwrap_or_default();
+        assert!(items.iter().all(|i| i["$patch"] == "delete"), "{items:?}");
+        items.iter().map(|i| i[key].as_str().expect(key).to_owned()).collect()
+    };
+    let added = drain_patch();
+    let names = |names: &mut dyn Iterator<Item = &String>| names.cloned().collect::<BTreeSet<_>>();
+    let init = added.init_containers.as_deref().unwrap_or_default();
+    assert_eq!(deleted(&spec["initContainers"], "name"), names(&mut init.iter().map(|c| &c.name)));
+    let volumes = added.volumes.as_deref().unwrap_or_default();
+    assert_eq!(deleted(&spec["volumes"], "name"), names(&mut volumes.iter().map(|v| &v.name)));
+    let node_cache = &spec["containers"][0];
+    assert_eq!(node_cache["name"], NODE_CACHE);
+    let mounts = container(&added, NODE_CACHE).volume_mounts.as_deref().unwrap_or_default();
+    let paths = names(&mut mounts.iter().map(|m| &m.mount_path));
+    assert_eq!(deleted(&node_cache["volumeMounts"], "mountPath"), paths);
+    assert_eq!(node_cache["lifecycle"], json!({"preStop": null}), "the hook, and no more");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1294,15 +1367,13 @@ fn leading_comment(path: &Path) -> String {
     lines.map(|l| l.trim_start_matches('#')).collect::<Vec<_>>().join("\n")
 }
 
-/// Every documented fill for the link-local shape, by where it is written: each link-local
-/// kustomization's comment, and the `sh` blocks of manifests/README.md's section on the shape
-/// (its steps, run with `$LOCAL_DNS` the link-local IP, and kubespray's example).
+/// Every documented fill for the link-local shape, by where it is written: the link-local
+/// overlay's comment, and the `sh` blocks of manifests/README.md's section on the shape that
+/// fill placeholders (run with `$LOCAL_DNS` the link-local IP).
 fn link_local_fills() -> Vec<(String, Vec<(String, String)>)> {
     let mut fills = Vec::new();
-    for k in [agent_link_local(), node_local_dns_link_local()] {
-        let file = k.dir.join("kustomization.yaml");
-        fills.push((shown(&file), sed_fills(&leading_comment(&file), &[])));
-    }
+    let file = agent_link_local().dir.join("kustomization.yaml");
+    fills.push((shown(&file), sed_fills(&leading_comment(&file), &[])));
     let readme = read(&repo().join("manifests/README.md"));
     let section = readme
         .split("\n## ")
@@ -1311,10 +1382,13 @@ fn link_local_fills() -> Vec<(String, Vec<(String, String)>)> {
     let vars = [("LOCAL_DNS", LINK_LOCAL_IP), ("DOMAIN", "cluster.local")];
     for (i, block) in section.split("```sh").skip(1).enumerate() {
         let block = &block[..block.find("```").expect("the block ends")];
+        if !block.contains("__PILLAR__") {
+            continue;
+        }
         let origin = format!("manifests/README.md, the link-local shape's block {}", i + 1);
         fills.push((origin, sed_fills(block, &vars)));
     }
-    assert!(fills.len() >= 4, "the steps and kubespray's example: {fills:?}");
+    assert!(fills.len() >= 2, "the overlay's and the README's: {fills:?}");
     fills
 }
 
@@ -1351,14 +1425,6 @@ fn unfilled(objects: &[Value]) -> BTreeSet<String> {
         }
     }
     left
-}
-
-/// node-cache's `-localip` value in a node-local-dns DaemonSet.
-fn node_cache_localip(daemonset: &Value) -> String {
-    let ds: DaemonSet = typed(daemonset, "node-local-dns");
-    let args = container(pod_spec(&ds), NODE_CACHE).args.clone().unwrap_or_default();
-    let at = args.iter().position(|a| a == "-localip").expect("a -localip");
-    args[at + 1].clone()
 }
 
 /// The agent's settings, validated as `nodelocaldns-ha run` validates them, with the
@@ -1448,72 +1514,11 @@ fn the_link_local_agent_runs_in_the_link_local_shape() {
 }
 
 #[test]
-fn node_cache_listens_on_the_link_local_ip_alone_and_keeps_the_rest() {
-    let overlay = node_local_dns_link_local();
-    assert!(overlay.objects.is_empty(), "node-local-dns's manifest is not part of this repo");
-    let bases: Vec<PathBuf> =
-        overlay.nested.iter().map(|k| k.dir.canonicalize().unwrap()).collect();
-    assert_eq!(bases, [self::overlay().dir.canonicalize().unwrap()], "builds on ../node-local-dns");
-    assert_eq!(overlay.remote_all(), self::overlay().remote_all(), "the manifest it patches");
-    assert!(overlay.merge_patches().next().is_none(), "the drain comes from ../node-local-dns");
-    for patch in &overlay.patches {
-        assert_eq!(patch.target, ObjectId::new("DaemonSet", NODE_LOCAL_DNS), "{:?}", patch.file);
-    }
-
-    let id = ObjectId::new("DaemonSet", NODE_LOCAL_DNS);
-    let (ours, theirs) = (overlay.build(&stock()), self::overlay().build(&stock()));
-    assert_eq!(node_cache_localip(find(&ours, &id)), "__PILLAR__LOCAL__DNS__");
-    assert_eq!(
-        node_cache_localip(find(&theirs, &id)),
-        "__PILLAR__LOCAL__DNS__,__PILLAR__DNS__SERVER__"
-    );
-    // Object by object ../node-local-dns's, but for that value: -setupiptables=false and
-    // -skipteardown included.
-    assert_eq!(ours.len(), theirs.len());
-    for object in &theirs {
-        let id = ObjectId::of(object).unwrap();
-        let mut expected = object.clone();
-        if id.kind == "DaemonSet" {
-            expected["spec"]["template"]["spec"]["containers"][0]["args"][1] =
-                json!("__PILLAR__LOCAL__DNS__");
-        }
-        assert_eq!(find(&ours, &id), &expected, "{id:?}");
-    }
-}
-
-#[test]
-fn the_link_local_patches_refuse_a_manifest_they_were_not_written_for() {
-    let patch = |k: &Kustomization| match &k.patches[..] {
+fn the_link_local_patch_refuses_a_base_it_was_not_written_for() {
+    let agent_env = match &agent_link_local().patches[..] {
         [Patch { body: PatchBody::Json(ops), .. }] => ops.clone(),
-        other => panic!("{}: one JSON patch, not {other:?}", shown(&k.dir)),
+        other => panic!("the link-local overlay: one JSON patch, not {other:?}"),
     };
-    // What the link-local patch sees: ../node-local-dns's build.
-    let node_cache = patch(&node_local_dns_link_local());
-    let id = ObjectId::new("DaemonSet", NODE_LOCAL_DNS);
-    let stock = find(&self::overlay().build(&stock()), &id).clone();
-    assert!(json_patch(&mut stock.clone(), &node_cache).is_ok(), "the stock manifest patches");
-    let with_args = |change: fn(&mut Vec<Value>)| {
-        let mut ds = stock.clone();
-        let args = ds.pointer_mut("/spec/template/spec/containers/0/args").unwrap();
-        change(args.as_array_mut().unwrap());
-        ds
-    };
-    let mut sidecar_first = stock.clone();
-    let containers = sidecar_first.pointer_mut("/spec/template/spec/containers").unwrap();
-    let sidecar = json!({"name": "sidecar", "args": ["-localip", "x"]});
-    containers.as_array_mut().unwrap().insert(0, sidecar);
-    for (what, mut ds) in [
-        ("already filled", with_args(|a| a[1] = json!("169.254.20.10,10.96.0.10"))),
-        ("already link-local", with_args(|a| a[1] = json!("__PILLAR__LOCAL__DNS__"))),
-        ("-localip elsewhere", with_args(|a| a.rotate_left(2))),
-        ("another container first", sidecar_first),
-    ] {
-        let before = ds.clone();
-        assert!(json_patch(&mut ds, &node_cache).is_err(), "node-cache, {what}: patched");
-        assert_eq!(ds, before, "node-cache, {what}: changed anyway");
-    }
-
-    let agent_env = patch(&agent_link_local());
     let base = find(&base().build(&[]), &ObjectId::new("DaemonSet", AGENT)).clone();
     assert!(json_patch(&mut base.clone(), &agent_env).is_ok(), "the base patches");
     let mut reordered = base.clone();
@@ -1524,77 +1529,54 @@ fn the_link_local_patches_refuse_a_manifest_they_were_not_written_for() {
     let mut renamed = base.clone();
     renamed["spec"]["template"]["spec"]["containers"][0]["name"] = json!("nodelocaldns-ha");
     for (what, mut ds) in [("variables reordered", reordered), ("container renamed", renamed)] {
+        let before = ds.clone();
         assert!(json_patch(&mut ds, &agent_env).is_err(), "the agent, {what}: patched");
-    }
-}
-
-#[test]
-fn the_link_local_fill_binds_node_cache_to_the_link_local_ip_alone() {
-    let objects = node_local_dns_link_local().build(&stock());
-    for (origin, fills) in link_local_fills() {
-        let built = filled_with(&objects, &fills);
-        assert_eq!(unfilled(&built), BTreeSet::new(), "{origin}: every placeholder filled");
-        let ds = find(&built, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS));
-        assert_eq!(node_cache_localip(ds), LINK_LOCAL_IP, "{origin}");
-        let config = find(&built, &ObjectId::new("ConfigMap", NODE_LOCAL_DNS));
-        let corefile = config["data"]["Corefile"].as_str().unwrap();
-        let lines = || corefile.lines().map(str::trim);
-        let binds: Vec<&str> = lines().filter(|l| l.starts_with("bind ")).collect();
-        assert!(!binds.is_empty(), "{origin}: {corefile}");
-        for bind in binds {
-            let words: Vec<&str> = bind.split_whitespace().collect();
-            assert_eq!(words, ["bind", LINK_LOCAL_IP], "{origin}: {bind}");
-        }
-        let health = lines().find(|l| l.starts_with("health ")).unwrap();
-        assert_eq!(health, format!("health {LINK_LOCAL_IP}:8080"), "{origin}");
+        assert_eq!(ds, before, "the agent, {what}: changed anyway");
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // A real kustomize, where there is one
 
-/// `kubectl kustomize DIR`, or `None` without kubectl.
-fn kubectl_kustomize(dir: &Path) -> Option<Vec<Value>> {
-    let out = Command::new("kubectl").arg("kustomize").arg(dir).output().ok()?;
+/// Whether kubectl is on PATH (its built-in kustomize, its offline `patch --local`).
+fn has_kubectl() -> bool {
+    Command::new("kubectl").args(["version", "--client"]).output().is_ok()
+}
+
+/// `kubectl kustomize DIR`.
+fn kubectl_kustomize(dir: &Path) -> Vec<Value> {
+    let out = Command::new("kubectl").arg("kustomize").arg(dir).output().expect("kubectl");
     assert!(
         out.status.success(),
         "kubectl kustomize {}: {}",
         dir.display(),
         String::from_utf8_lossy(&out.stderr)
     );
-    Some(yaml_docs(&String::from_utf8(out.stdout).unwrap(), "kubectl kustomize"))
+    yaml_docs(&String::from_utf8(out.stdout).unwrap(), "kubectl kustomize")
 }
 
-/// Copies `from` into `to`, directories and all.
-fn copy_tree(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let path = entry.unwrap().path();
-        let target = to.join(path.file_name().unwrap());
-        if path.is_dir() {
-            copy_tree(&path, &target);
-        } else {
-            std::fs::copy(&path, &target).unwrap();
-        }
-    }
-}
-
-/// `kubectl kustomize` of every kustomization, by its path under manifests/, with the stock
-/// fixture in place of the manifest ../node-local-dns fetches; `None` without kubectl.
-fn kubectl_builds() -> Option<BTreeMap<&'static str, Vec<Value>>> {
-    Command::new("kubectl").arg("version").arg("--client").output().ok()?;
-    let dir =
-        std::env::temp_dir().join(format!("nodelocaldns-ha-manifests-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    copy_tree(&repo().join("manifests"), &dir);
-    let node_local_dns = dir.join("overlays/node-local-dns");
-    let mut kustomization = file_docs(&node_local_dns.join("kustomization.yaml")).remove(0);
-    kustomization["resources"] = json!(["stock.yaml"]);
-    std::fs::write(node_local_dns.join("kustomization.yaml"), kustomization.to_string()).unwrap();
-    std::fs::write(node_local_dns.join("stock.yaml"), STOCK_NODE_LOCAL_DNS).unwrap();
-    let builds = KUSTOMIZATIONS.map(|k| (k, kubectl_kustomize(&dir.join(k)).unwrap())).into();
+/// `kubectl patch --local` of `object` with `patch` (a file's text) of `kind` (strategic, json),
+/// as `kubectl patch` on a cluster would change it.
+fn kubectl_patch_local(object: &Value, kind: &str, patch: &str) -> Value {
+    let dir = std::env::temp_dir().join(format!("nodelocaldns-ha-patch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (file, patch_file) = (dir.join("object.json"), dir.join("patch.yaml"));
+    std::fs::write(&file, object.to_string()).unwrap();
+    std::fs::write(&patch_file, patch).unwrap();
+    let out = Command::new("kubectl")
+        .args(["patch", "--local", "-o", "json", "--type", kind, "-f"])
+        .arg(&file)
+        .arg("--patch-file")
+        .arg(&patch_file)
+        .output()
+        .expect("kubectl");
     std::fs::remove_dir_all(&dir).unwrap();
-    Some(builds)
+    assert!(
+        out.status.success(),
+        "kubectl patch --local: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("kubectl's JSON")
 }
 
 fn ids(objects: &[Value]) -> BTreeSet<ObjectId> {
@@ -1603,17 +1585,18 @@ fn ids(objects: &[Value]) -> BTreeSet<ObjectId> {
 
 #[test]
 fn kubectl_kustomize_builds_every_kustomization_when_installed() {
-    let Some(built) = kubectl_builds() else {
+    if !has_kubectl() {
         eprintln!("kubectl is not installed: the kustomize build is checked by this file alone");
         return;
-    };
-    // The same objects as this file's model of each build; where no strategic merge is
-    // involved, exactly the same.
+    }
+    let built: BTreeMap<&str, Vec<Value>> = KUSTOMIZATIONS
+        .iter()
+        .map(|k| (*k, kubectl_kustomize(&repo().join("manifests").join(k))))
+        .collect();
+    // The same objects as this file's model of each build: no strategic merge is involved.
     assert_eq!(built["base"], base().build(&[]), "base");
     assert_eq!(built["overlays/agent-link-local"], agent_link_local().build(&[]));
-    assert_eq!(ids(&built["overlays/node-local-dns"]), ids(&overlay().build(&stock())));
-    let ours = node_local_dns_link_local().build(&stock());
-    assert_eq!(ids(&built["overlays/node-local-dns-link-local"]), ids(&ours));
+    assert_eq!(ids(&built["base"]), ids(&base().build(&[])));
 
     let agent = |k: &str| -> DaemonSet {
         typed(find(&built[k], &ObjectId::new("DaemonSet", AGENT)), "built")
@@ -1625,39 +1608,59 @@ fn kubectl_kustomize_builds_every_kustomization_when_installed() {
     assert_eq!(link_local.image.as_ref(), Some(&image));
     assert_eq!(env(link_local, "NODELOCALDNS_HA_CLUSTER_DNS_IP"), None);
     assert_eq!(env(link_local, "NODELOCALDNS_HA_LOCAL_IP"), Some("__PILLAR__LOCAL__DNS__"));
+}
 
-    // Both node-local-dns overlays: node-cache's flags after its own, the drain, the agent's
-    // image for the client; the link-local one with the link-local IP alone.
-    for (k, localip) in [
-        ("overlays/node-local-dns", "__PILLAR__LOCAL__DNS__,__PILLAR__DNS__SERVER__"),
-        ("overlays/node-local-dns-link-local", "__PILLAR__LOCAL__DNS__"),
-    ] {
-        let ds = find(&built[k], &ObjectId::new("DaemonSet", NODE_LOCAL_DNS));
-        assert_eq!(node_cache_localip(ds), localip, "{k}");
-        let ds: DaemonSet = typed(ds, "built");
-        let spec = pod_spec(&ds);
+/// The patches of node-local-dns as `kubectl patch` applies them (offline: `--local`), to every
+/// flavour's DaemonSet, the image filled in as the install's NOTES fill it; then the removal.
+#[test]
+fn kubectl_patches_every_flavours_node_local_dns_when_installed() {
+    if !has_kubectl() {
+        eprintln!("kubectl is not installed: the patches are checked by this file alone");
+        return;
+    }
+    let image = "registry.example/nodelocaldns-ha:0.1.0";
+    let drain = read(&node_local_dns_patch_file("drain.yaml"))
+        .replace(&format!("image: {IMAGE}\n"), &format!("image: {image}\n"));
+    let args = read(&node_local_dns_patch_file("args.yaml"));
+    let removal = read(&node_local_dns_patch_file("remove-drain.yaml"));
+    for (flavour, ds) in flavour_daemonsets() {
+        let before = node_cache_args(&ds);
+        let with_args = kubectl_patch_local(&ds, "json", &args);
+        let patched = kubectl_patch_local(&with_args, "strategic", &drain);
+        let typed_ds: DaemonSet = typed(&patched, "patched");
+        let spec = pod_spec(&typed_ds);
         let node_cache = container(spec, NODE_CACHE);
-        let args = node_cache.args.clone().unwrap();
-        let flags = ["-setupiptables=false".to_owned(), "-skipteardown".to_owned()];
-        assert!(args.ends_with(&flags), "{k}: {args:?}");
-        assert_eq!(args[0], "-localip", "{k}: node-cache's own args first");
+        let after = node_cache.args.clone().unwrap();
+        assert_eq!(after[..before.len()], before[..], "{flavour}: node-cache's own args first");
+        assert!(after.ends_with(&["-setupiptables=false".into(), "-skipteardown".into()]));
         let pre_stop = node_cache.lifecycle.as_ref().unwrap().pre_stop.as_ref().unwrap();
         let command = pre_stop.exec.as_ref().unwrap().command.as_ref().unwrap();
-        assert!(command.contains(&"drain".into()), "{k}: {command:?}");
+        assert!(command.contains(&"drain".into()), "{flavour}: {command:?}");
         let mounts: BTreeSet<&str> =
             node_cache.volume_mounts.iter().flatten().map(|m| m.mount_path.as_str()).collect();
         let expected = BTreeSet::from([XTABLES_LOCK, STATE_DIR, "/ha"]);
-        assert!(mounts.is_superset(&expected), "{k}: {mounts:?}");
+        assert!(mounts.is_superset(&expected), "{flavour}: {mounts:?}");
         let init = &spec.init_containers.as_ref().unwrap()[0];
-        assert_eq!(init.image.as_ref(), Some(&image), "{k}: the same image as the agent's");
+        assert_eq!(init.image.as_deref(), Some(image), "{flavour}: the same image as the agent's");
+
+        // The removal gives back the DaemonSet as it was before the drain, but for the grace
+        // period the drain needed and an empty `lifecycle` where there was none.
+        let removed = kubectl_patch_local(&patched, "strategic", &removal);
+        let pod = |ds: &Value| ds["spec"]["template"]["spec"].clone();
+        let (mut left, mut want) = (pod(&removed), pod(&with_args));
+        for spec in [&mut left, &mut want] {
+            let fields = spec.as_object_mut().unwrap();
+            fields.remove("terminationGracePeriodSeconds");
+            if fields.get("initContainers") == Some(&json!([])) {
+                fields.remove("initContainers");
+            }
+            let cache = spec["containers"][0].as_object_mut().unwrap();
+            if cache.get("lifecycle") == Some(&json!({})) {
+                cache.remove("lifecycle");
+            }
+        }
+        assert_eq!(left, want, "{flavour}: the removal left the drain's changes");
     }
-    // The model's JSON patches agree with kustomize's.
-    let args = |objects: &[Value]| {
-        find(objects, &ObjectId::new("DaemonSet", NODE_LOCAL_DNS))
-            .pointer("/spec/template/spec/containers/0/args")
-            .cloned()
-    };
-    assert_eq!(args(&built["overlays/node-local-dns-link-local"]), args(&ours));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -320,18 +320,18 @@ upstream_ip_pinned() {
 }
 
 # node_local_dns_patch IMAGE: the changes the project asks of node-local-dns
-# (manifests/overlays/node-local-dns), made to the cluster's own DaemonSet as an operator makes
-# them: its strategic-merge patch (the drain client copied from the agent's image IMAGE, the
-# preStop hook, the agent's state directory) and its JSON patch (node-cache's
-# -setupiptables=false and -skipteardown); waits for the rollout.
+# (manifests/node-local-dns), made to the cluster's own DaemonSet as an operator makes them: its
+# strategic-merge patch (the drain client copied from the agent's image IMAGE, the preStop hook,
+# the agent's state directory) and its JSON patch (node-cache's -setupiptables=false and
+# -skipteardown); waits for the rollout.
 node_local_dns_patch() {
-    local overlay=$REPO/manifests/overlays/node-local-dns out
-    sed "s|image: nodelocaldns-ha$|image: $1|" "$overlay/node-cache-patch.yaml" >"$RUN_DIR/node-cache-patch.yaml"
-    grep -qF "image: $1" "$RUN_DIR/node-cache-patch.yaml" || die "node-cache-patch.yaml names no image nodelocaldns-ha"
+    local patches=$REPO/manifests/node-local-dns out
+    sed "s|image: nodelocaldns-ha$|image: $1|" "$patches/drain.yaml" >"$RUN_DIR/drain.yaml"
+    grep -qF "image: $1" "$RUN_DIR/drain.yaml" || die "drain.yaml names no image nodelocaldns-ha"
     out=$(kc -n kube-system patch daemonset node-local-dns --type=strategic \
-        --patch-file "$RUN_DIR/node-cache-patch.yaml" 2>&1) || die "patching node-local-dns failed: $out"
+        --patch-file "$RUN_DIR/drain.yaml" 2>&1) || die "patching node-local-dns failed: $out"
     out=$(kc -n kube-system patch daemonset node-local-dns --type=json \
-        --patch-file "$overlay/node-cache-args.yaml" 2>&1) || die "patching node-cache's args failed: $out"
+        --patch-file "$patches/args.yaml" 2>&1) || die "patching node-cache's args failed: $out"
     wait_for 180 "node-local-dns's rollout" rollout_done daemonset/node-local-dns kube-system
 }
 
