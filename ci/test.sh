@@ -90,9 +90,6 @@ stage image-tests cargo test --locked --test e2e_image -- --ignored
 # the agent installed from the chart with helm, from that image; every fault under load.
 stage node-parts node_parts_built
 stage real-node cargo test --locked --test e2e_kubelet
-# The chart's `helm test` on a real node of its own (tests/e2e_helm_test.rs): installed from
-# that image, node-local-dns patched as the install's NOTES say.
-stage helm-test cargo test --locked --test e2e_helm_test -- --ignored
 # The same agent on Debian 12's 6.1 LTS kernel (tests/e2e_vm.rs): each test boots its own VM
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
 stage vm-column cargo test --locked --test e2e_vm -- --test-threads 2

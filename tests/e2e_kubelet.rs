@@ -139,8 +139,14 @@ impl Suite<'_> {
 
     /// The agent's `status --json`, asked in its pod.
     fn agent_status(&self) -> Value {
+        self.try_agent_status().unwrap_or_else(|e| panic!("the agent's status: {e}"))
+    }
+
+    /// [`Suite::agent_status`], or why it could not be had (a kubelet that has just restarted
+    /// refuses an exec into a pod it has not synced yet).
+    fn try_agent_status(&self) -> Result<Value, String> {
         let pod = self.node.only_pod(NS, AGENT, Duration::from_secs(60));
-        let out = self.node.kubectl(&[
+        let out = self.node.try_kubectl(&[
             "-n",
             NS,
             "exec",
@@ -150,17 +156,24 @@ impl Suite<'_> {
             "status",
             "--json",
         ]);
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("status --json: {e}: {out}"))
+        if !out.status.success() {
+            return Err(describe(&out));
+        }
+        serde_json::from_slice(&out.stdout)
+            .map_err(|e| format!("status --json: {e}: {}", describe(&out)))
     }
 
     /// Waits for the agent (in its pod) to report `route`.
     fn wait_route(&self, route: &str, deadline: Duration) {
-        let mut last = Value::Null;
+        let mut last = Err(String::new());
         let ok = testkit::poll(deadline, || {
-            last = self.agent_status();
-            (last["route"] == route).then_some(())
+            last = self.try_agent_status();
+            last.as_ref().is_ok_and(|st| st["route"] == route).then_some(())
         });
-        assert!(ok.is_some(), "the agent did not report route {route} within {deadline:?}: {last}");
+        assert!(
+            ok.is_some(),
+            "the agent did not report route {route} within {deadline:?}: {last:?}"
+        );
     }
 
     /// Every pod of the agent, node-local-dns and the clients Ready, the agent on `Local`.
@@ -188,16 +201,50 @@ fn under_load(s: &Suite, what: &str, fault: impl FnOnce()) -> Value {
 }
 
 /// The agent installed as the README says: the chart with `helm install`, then node-local-dns
-/// patched (`-setupiptables=false -skipteardown`, the drain preStop); every pod Ready; the
-/// clients' queries answered by the real node-cache.
+/// patched with the two commands the install's NOTES print (`-setupiptables=false
+/// -skipteardown`, the drain preStop); every pod Ready; `helm test` passes; the clients'
+/// queries answered by the real node-cache.
 fn installed_from_the_chart(s: &Suite) {
-    helm_install(s, &[]);
-    s.node.script("node-local-dns-patch", &[&s.image]);
+    let notes = helm_install(s, &[]);
+    println!("{notes}");
+    // node-local-dns patched with the commands the install's NOTES print, run as printed (by
+    // bash from the repository's root; kubectl the node's, run in its mount namespace, so the
+    // patch files by their full path there).
+    let patches: Vec<&str> = notes
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("kubectl -n kube-system patch"))
+        .take_while(|l| !l.trim().is_empty())
+        .collect();
+    assert_eq!(patches.iter().filter(|l| l.contains("kubectl")).count(), 2, "{notes}");
+    let root = env!("CARGO_MANIFEST_DIR");
+    let patches = patches.join("\n").replace(" manifests/", &format!(" {root}/manifests/"));
+    let prefix = s.node.dir.file_name().and_then(|p| p.to_str()).expect("the node's prefix");
+    let script =
+        format!("kubectl() {{ testdata/realnode.sh kubectl {prefix} \"$@\"; }}\n{patches}\n");
+    let out = std::process::Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .current_dir(root)
+        .env("REALNODE_DIR", s.node.dir.parent().expect("the nodes' directory"))
+        .output()
+        .expect("bash");
+    assert!(out.status.success(), "the NOTES' patches:\n{script}\n{}", describe(&out));
     s.wait_settled();
+    let args = node_cache_args(s);
+    assert!(args.ends_with(&["-setupiptables=false".into(), "-skipteardown".into()]), "{args:?}");
     let status = s.agent_status();
     println!("the agent: route {}, dataplane {}", status["route"], status["dataplane"]);
     assert_eq!(status["route"], "local", "{status}");
     assert!(agent_rules_in(s), "no rules of the agent's on the node");
+
+    // The chart's own test: its pod asks the node-local IP and the kube-dns ClusterIP, and
+    // prints the node's status.
+    let out = s.node.helm(&["test", RELEASE, "--namespace", NS, "--logs", "--timeout", "2m"]);
+    let text = describe(&out);
+    assert!(out.status.success(), "helm test:\n{text}");
+    for seen in ["169.254.20.10:53", "10.96.0.10:53", "answered", "agent:       running"] {
+        assert!(text.contains(seen), "helm test's logs lack {seen:?}:\n{text}");
+    }
+
     // The cache is the real node-cache: its first words.
     let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
     let log = s.node.kubectl(&["-n", NS, "logs", &pod, "-c", "node-cache"]);
@@ -216,8 +263,8 @@ fn installed_from_the_chart(s: &Suite) {
 }
 
 /// `helm install` of the chart with the suite's image and `values` (`--set` pairs), waiting for
-/// its pods.
-fn helm_install(s: &Suite, values: &[&str]) {
+/// its pods; its output (the NOTES).
+fn helm_install(s: &Suite, values: &[&str]) -> String {
     let (repo, tag) = s.image_repo_tag();
     let image = [format!("image.repository={repo}"), format!("image.tag={tag}")];
     let mut args = vec!["install", RELEASE, CHART, "--namespace", NS, "--wait", "--timeout", "2m"];
@@ -231,6 +278,7 @@ fn helm_install(s: &Suite, values: &[&str]) {
     }
     let out = s.node.helm(&args);
     assert!(out.status.success(), "helm install:\n{}", describe(&out));
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// node-cache's container SIGKILLed (its process, as the OOM killer or a crash would end it):
@@ -713,6 +761,6 @@ fn helm_uninstall_loses_no_lookup(s: &Suite) {
     let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
     let pid = s.node.container_pid(NS, &pod, "node-cache");
     under_load(s, "node-cache SIGKILLed after the uninstall", || nix_kill(pid, "KILL"));
-    helm_install(s, &[]);
+    let _ = helm_install(s, &[]);
     s.wait_settled();
 }
