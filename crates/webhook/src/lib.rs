@@ -13,6 +13,7 @@
 pub mod metrics;
 pub mod mutate;
 mod patch;
+pub mod pod;
 pub mod review;
 pub mod server;
 pub mod tls;

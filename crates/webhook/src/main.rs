@@ -118,7 +118,7 @@ fn run(args: Args) -> Result<(), String> {
         };
         let https = bind(args.listen, "--listen").await?;
         let http = bind(args.metrics_listen, "--metrics-listen").await?;
-        let hook = Arc::new(Webhook { settings, metrics: Metrics::default() });
+        let hook = Arc::new(Webhook::new(settings, Metrics::default()));
         let tls = tokio_rustls::TlsAcceptor::from(Arc::new(certs.server_config()));
         tracing::info!(
             listen = %https.local_addr().map_err(|e| e.to_string())?,

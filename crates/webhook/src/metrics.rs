@@ -2,9 +2,10 @@
 //!
 //! | metric | type | labels |
 //! |---|---|---|
-//! | `nodelocaldns_ha_webhook_reviews_total` | counter | `result` (`mutated`, `skipped`, `unexpected`, `malformed`, `too_large`), `reason` (a skip's) |
+//! | `nodelocaldns_ha_webhook_reviews_total` | counter | `result` (`mutated`, `skipped`, `unexpected`, `malformed`, `too_large`, `timeout`), `reason` (a skip's) |
 //! | `nodelocaldns_ha_webhook_review_duration_seconds` | histogram | |
 //! | `nodelocaldns_ha_webhook_certificate_reloads_total` | counter | `result` (`loaded`, `failed`) |
+//! | `nodelocaldns_ha_webhook_connections_cut_total` | counter | `reason` (`evicted`, `refused`, `idle`) |
 
 use std::time::Duration;
 
@@ -31,6 +32,11 @@ struct ReloadLabels {
     result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CutLabels {
+    reason: &'static str,
+}
+
 /// Every metric family of the webhook.
 #[derive(Debug)]
 pub struct Metrics {
@@ -38,6 +44,7 @@ pub struct Metrics {
     reviews: Family<ReviewLabels, Counter>,
     duration: Histogram,
     reloads: Family<ReloadLabels, Counter>,
+    cuts: Family<CutLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -61,14 +68,24 @@ impl Default for Metrics {
             "Changes of the certificate's files, loaded or not",
             reloads.clone(),
         );
+        let cuts = Family::<CutLabels, Counter>::default();
+        registry.register(
+            "connections_cut",
+            "Connections closed by the webhook: given way to another's (evicted), no place made \
+             for them (refused), or idle",
+            cuts.clone(),
+        );
         // Created at zero, so that the first of each counts in `increase()`.
-        for result in ["mutated", "malformed", "too_large"] {
+        for result in ["mutated", "malformed", "too_large", "timeout"] {
             let _ = reviews.get_or_create(&ReviewLabels { result, reason: "" });
         }
         for result in ["loaded", "failed"] {
             let _ = reloads.get_or_create(&ReloadLabels { result });
         }
-        Metrics { registry, reviews, duration, reloads }
+        for reason in ["evicted", "refused", "idle"] {
+            let _ = cuts.get_or_create(&CutLabels { reason });
+        }
+        Metrics { registry, reviews, duration, reloads, cuts }
     }
 }
 
@@ -86,6 +103,17 @@ impl Metrics {
     /// Counts a body refused for its size.
     pub fn too_large(&self) {
         self.reviews.get_or_create(&ReviewLabels { result: "too_large", reason: "" }).inc();
+    }
+
+    /// Counts a review whose body did not arrive, or could not be given room or a turn to be
+    /// decided, in time.
+    pub fn timed_out(&self) {
+        self.reviews.get_or_create(&ReviewLabels { result: "timeout", reason: "" }).inc();
+    }
+
+    /// Counts a connection closed by the webhook, for `reason` (`evicted`, `refused`, `idle`).
+    pub fn cut(&self, reason: &'static str) {
+        self.cuts.get_or_create(&CutLabels { reason }).inc();
     }
 
     /// Counts a reload of the certificate's files.

@@ -7,15 +7,15 @@
 //! duplicates dropped, options merged by name (the pod's value wins). To put the node-local IP
 //! first and the kube-dns IP second, the webhook writes the whole list under `dnsPolicy: None`
 //! and merges the pod's own entries by the same rules, so that nothing the pod asked for is
-//! lost. A pod whose own entries do not fit (more than 3 nameservers in all, or a search list
-//! past kubelet's limits) is left alone, not trimmed. The node's own search list is not known
-//! here and is not added (as ACK's webhook does).
-
-use std::collections::BTreeMap;
+//! lost. A pod whose own entries do not fit (more than 3 nameservers in all, a search list past
+//! kubelet's limits, or more options or longer entries than a resolver takes: [`crate::pod`]) is
+//! left alone, not trimmed. The node's own search list is not known here and is not added (as
+//! ACK's webhook does).
 
 use k8s_openapi::api::core::v1::{Pod, PodDNSConfig, PodDNSConfigOption};
 
 use crate::patch::{self, Op};
+use crate::pod::PodDns;
 
 /// The annotation that marks a pod as mutated: a second pass (reinvocation) changes nothing.
 pub const MARK: &str = "nodelocaldns-ha.io/dns";
@@ -83,6 +83,9 @@ pub enum Skip {
     SearchListTooLong,
     /// No namespace to build the search list from.
     NoNamespace,
+    /// Its own `dnsConfig` has more options, or longer entries, than a resolver takes
+    /// ([`MAX_OWN_OPTIONS`](crate::pod::MAX_OWN_OPTIONS), [`MAX_OWN_ENTRY`](crate::pod::MAX_OWN_ENTRY)).
+    OwnConfigTooLarge,
 }
 
 impl Skip {
@@ -96,6 +99,7 @@ impl Skip {
             Skip::TooManyNameservers => "its own nameservers leave no room",
             Skip::SearchListTooLong => "the search list would pass kubelet's limits",
             Skip::NoNamespace => "no namespace",
+            Skip::OwnConfigTooLarge => "its own dnsConfig is larger than a resolver takes",
         }
     }
 
@@ -109,6 +113,7 @@ impl Skip {
             Skip::TooManyNameservers => "too_many_nameservers",
             Skip::SearchListTooLong => "search_list_too_long",
             Skip::NoNamespace => "no_namespace",
+            Skip::OwnConfigTooLarge => "own_config_too_large",
         }
     }
 }
@@ -125,25 +130,21 @@ pub struct Mutation {
 /// What the webhook does to `pod`, created in `namespace` (the review's, which a pod created
 /// from `generateName` may not yet carry itself).
 pub fn mutate(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Mutation, Skip> {
-    let meta = &pod.metadata;
-    let has = |map: &Option<BTreeMap<String, String>>, key: &str, value: &str| {
-        map.as_ref().and_then(|m| m.get(key)).is_some_and(|v| v == value)
-    };
-    if has(&meta.annotations, MARK, MARKED) {
+    mutate_dns(&PodDns::from(pod), namespace, settings)
+}
+
+/// [`mutate`] of what the webhook read of a pod.
+pub fn mutate_dns(pod: &PodDns, namespace: &str, settings: &Settings) -> Result<Mutation, Skip> {
+    if pod.marked {
         return Err(Skip::AlreadyMutated);
     }
-    if OPT_OUT
-        .iter()
-        .any(|k| has(&meta.labels, k, "disabled") || has(&meta.annotations, k, "disabled"))
-    {
+    if pod.opted_out {
         return Err(Skip::OptedOut);
     }
-    let spec = pod.spec.as_ref();
-    let host_network = spec.and_then(|s| s.host_network).unwrap_or(false);
-    match spec.and_then(|s| s.dns_policy.as_deref()).unwrap_or("ClusterFirst") {
-        "ClusterFirst" if host_network => return Err(Skip::HostNetwork),
+    match pod.dns_policy.as_deref().unwrap_or("ClusterFirst") {
+        "ClusterFirst" if pod.host_network => return Err(Skip::HostNetwork),
         "ClusterFirst" => {}
-        "ClusterFirstWithHostNet" if host_network && !settings.host_network => {
+        "ClusterFirstWithHostNet" if pod.host_network && !settings.host_network => {
             return Err(Skip::HostNetwork)
         }
         "ClusterFirstWithHostNet" => {}
@@ -152,34 +153,37 @@ pub fn mutate(pod: &Pod, namespace: &str, settings: &Settings) -> Result<Mutatio
     if namespace.is_empty() {
         return Err(Skip::NoNamespace);
     }
-    let own = spec.and_then(|s| s.dns_config.clone()).unwrap_or_default();
+    let own = &pod.own;
 
     let mut nameservers = Vec::new();
-    for server in settings.nameservers.iter().chain(own.nameservers.iter().flatten()) {
+    for server in settings.nameservers.iter().chain(&own.nameservers.items) {
         push_new(&mut nameservers, server);
     }
-    if nameservers.len() > MAX_NAMESERVERS {
+    if own.nameservers.overflow || nameservers.len() > MAX_NAMESERVERS {
         return Err(Skip::TooManyNameservers);
     }
     let domain = &settings.cluster_domain;
     let cluster = [format!("{namespace}.svc.{domain}"), format!("svc.{domain}"), domain.clone()];
     let mut searches = Vec::new();
-    for search in cluster.iter().chain(own.searches.iter().flatten()) {
+    for search in cluster.iter().chain(&own.searches.items) {
         push_new(&mut searches, search);
     }
     let chars = searches.iter().map(String::len).sum::<usize>() + searches.len().saturating_sub(1);
-    if searches.len() > MAX_SEARCHES || chars > MAX_SEARCH_CHARS {
+    if own.searches.overflow || searches.len() > MAX_SEARCHES || chars > MAX_SEARCH_CHARS {
         return Err(Skip::SearchListTooLong);
+    }
+    if own.too_many_options || own.too_long {
+        return Err(Skip::OwnConfigTooLarge);
     }
     let mut options: Vec<PodDNSConfigOption> = settings
         .options
         .iter()
         .map(|(name, value)| PodDNSConfigOption { name: Some(name.clone()), value: value.clone() })
         .collect();
-    for option in own.options.iter().flatten() {
-        match options.iter_mut().find(|o| o.name == option.name) {
-            Some(ours) => ours.value = option.value.clone(),
-            None => options.push(option.clone()),
+    for (name, value) in &own.options {
+        match options.iter_mut().find(|o| o.name == *name) {
+            Some(ours) => ours.value = value.clone(),
+            None => options.push(PodDNSConfigOption { name: name.clone(), value: value.clone() }),
         }
     }
     let dns_config = PodDNSConfig {

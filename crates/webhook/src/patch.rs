@@ -1,8 +1,10 @@
 //! The JSON patch (RFC 6902) of a [`Mutation`](crate::mutate::Mutation): `dnsPolicy`,
 //! `dnsConfig` and the mark, each an `add` (which replaces a member that exists).
 
-use k8s_openapi::api::core::v1::{Pod, PodDNSConfig};
+use k8s_openapi::api::core::v1::PodDNSConfig;
 use serde_json::{json, Value};
+
+use crate::pod::PodDns;
 
 /// One operation of a JSON patch.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,16 +23,16 @@ impl Op {
 }
 
 /// The patch that gives `pod` `dnsPolicy: None`, `dns_config` and the annotation `mark`.
-pub fn for_pod(pod: &Pod, dns_config: &PodDNSConfig, mark: (&str, &str)) -> Vec<Op> {
+pub fn for_pod(pod: &PodDns, dns_config: &PodDNSConfig, mark: (&str, &str)) -> Vec<Op> {
     let mut ops = Vec::new();
-    if pod.spec.is_none() {
+    if !pod.has_spec {
         ops.push(Op { path: "/spec".into(), value: json!({}) });
     }
     ops.push(Op { path: "/spec/dnsPolicy".into(), value: json!("None") });
     let config = serde_json::to_value(dns_config).expect("a PodDNSConfig serializes");
     ops.push(Op { path: "/spec/dnsConfig".into(), value: config });
     let (key, value) = mark;
-    if pod.metadata.annotations.is_none() {
+    if !pod.has_annotations {
         ops.push(Op { path: "/metadata/annotations".into(), value: json!({ key: value }) });
     } else {
         let path = format!("/metadata/annotations/{}", escape(key));

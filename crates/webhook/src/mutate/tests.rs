@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::{Pod, PodDNSConfig, PodDNSConfigOption, PodSpec}
 use serde_json::Value;
 
 use super::*;
+use crate::pod::PodDns;
 
 const NODE_LOCAL: &str = "169.254.20.10";
 const KUBE_DNS: &str = "10.96.0.10";
@@ -188,6 +189,33 @@ fn every_pod_mutated_is_valid_keeps_its_own_entries_and_is_mutated_once() {
     for reason in [Skip::OptedOut, Skip::OwnPolicy, Skip::HostNetwork, Skip::TooManyNameservers] {
         assert!(skipped.contains_key(reason.as_str()), "never skipped for {}", reason.as_str());
     }
+}
+
+#[test]
+fn a_pods_json_is_read_as_the_typed_pod_is() {
+    for pod in pods() {
+        let json = serde_json::to_string(&pod).unwrap();
+        let read = PodDns::from_json(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+        assert_eq!(read, PodDns::from(&pod), "{json}");
+    }
+}
+
+#[test]
+fn own_entries_no_resolver_takes_are_left_alone_not_trimmed() {
+    let with = |config: PodDNSConfig| Pod {
+        spec: Some(PodSpec { dns_config: Some(config), ..PodSpec::default() }),
+        ..Pod::default()
+    };
+    let options = (0..=crate::pod::MAX_OWN_OPTIONS).map(|i| option(&format!("o{i}"), None));
+    let many = with(PodDNSConfig { options: Some(options.collect()), ..PodDNSConfig::default() });
+    assert_eq!(mutate(&many, "ns", &settings()), Err(Skip::OwnConfigTooLarge));
+    let long = option("ndots", Some(&"1".repeat(crate::pod::MAX_OWN_ENTRY + 1)));
+    let long = with(PodDNSConfig { options: Some(vec![long]), ..PodDNSConfig::default() });
+    assert_eq!(mutate(&long, "ns", &settings()), Err(Skip::OwnConfigTooLarge));
+    // As many as may be, each as long as may be: taken.
+    let options = (0..crate::pod::MAX_OWN_OPTIONS).map(|i| option(&format!("o{i}"), Some("1")));
+    let most = with(PodDNSConfig { options: Some(options.collect()), ..PodDNSConfig::default() });
+    assert!(mutate(&most, "ns", &settings()).is_ok());
 }
 
 #[test]

@@ -162,3 +162,100 @@ fn an_object_that_is_no_pod_is_allowed_unpatched() {
     );
     assert_allowed_unpatched(&body);
 }
+
+/// kube-core's answer, from the whole review as it reads it, with `patch` if there is one: what
+/// the webhook answered before it read reviews itself.
+fn kube_cores(review: &Value, patch: Option<&Value>) -> Value {
+    use kube_core::admission::{AdmissionRequest, AdmissionReview};
+    let review: AdmissionReview<kube_core::DynamicObject> =
+        serde_json::from_value(review.clone()).unwrap();
+    let request: AdmissionRequest<_> = review.try_into().unwrap();
+    let mut response = AdmissionResponse::from(&request);
+    if let Some(patch) = patch {
+        let bytes: Vec<u8> = serde_json::from_value(patch.clone()).unwrap();
+        response = response.with_patch(serde_json::from_slice(&bytes).unwrap()).unwrap();
+    }
+    serde_json::to_value(response.into_review()).unwrap()
+}
+
+#[test]
+fn answers_are_those_kube_core_makes_of_the_whole_review() {
+    let mut other = pod();
+    other["spec"]["dnsPolicy"] = json!("Default");
+    let service = json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"}});
+    let mut status = review(pod_kind(), "UPDATE", Some(pod()));
+    status["request"]["subResource"] = json!("status");
+    let mut beta = review(pod_kind(), "CREATE", Some(pod()));
+    beta["apiVersion"] = json!("admission.k8s.io/v1beta1");
+    for review in [
+        review(pod_kind(), "CREATE", Some(pod())),
+        review(pod_kind(), "CREATE", Some(other)),
+        review(json!({"group": "", "version": "v1", "kind": "Service"}), "CREATE", Some(service)),
+        review(pod_kind(), "UPDATE", Some(pod())),
+        review(pod_kind(), "CREATE", None),
+        status,
+        beta,
+    ] {
+        let (_, ours) = send(&review);
+        assert_eq!(ours, kube_cores(&review, ours["response"].get("patch")), "{review}");
+    }
+}
+
+#[test]
+fn a_review_whose_answer_would_repeat_a_long_member_is_refused() {
+    let long = "u".repeat(MAX_ECHOED + 1);
+    for member in ["/apiVersion", "/kind", "/request/uid"] {
+        let mut review = review(pod_kind(), "CREATE", Some(pod()));
+        *review.pointer_mut(member).unwrap() = json!(long);
+        let (answer, body) = send(&review);
+        assert_eq!(answer.status, 400, "{member}");
+        assert!(
+            matches!(&answer.outcome, Outcome::Malformed(why) if why.contains("over 256 bytes"))
+        );
+        assert!(answer.body.len() < 1024, "{member}: {body}");
+    }
+}
+
+#[test]
+fn what_a_client_sent_is_never_repeated_at_length() {
+    let huge = "k".repeat(1 << 20);
+    let mut bad_kind = review(pod_kind(), "CREATE", Some(pod()));
+    bad_kind["request"]["kind"]["kind"] = json!(huge);
+    let mut bad_operation = review(pod_kind(), "CREATE", Some(pod()));
+    bad_operation["request"]["operation"] = json!(huge);
+    let mut bad_object = review(pod_kind(), "CREATE", Some(pod()));
+    bad_object["request"]["object"]["kind"] = json!(huge);
+    let mut subresource = review(pod_kind(), "CREATE", Some(pod()));
+    subresource["request"]["subResource"] = json!(huge);
+    for review in [bad_kind, bad_operation, bad_object, subresource] {
+        let (answer, _) = send(&review);
+        let (Outcome::Unexpected(text) | Outcome::Malformed(text)) = &answer.outcome else {
+            panic!("{:?}", answer.outcome)
+        };
+        assert!(text.len() < MAX_NOTE + 64 && text.contains("(cut: "), "{text}");
+        assert!(answer.body.len() < 2048, "{} bytes", answer.body.len());
+    }
+    let answer = answer(format!("{{\"apiVersion\": {huge}").as_bytes(), &settings());
+    assert!(matches!(&answer.outcome, Outcome::Malformed(why) if why.len() < MAX_NOTE + 64));
+}
+
+#[test]
+fn clipped_text_is_cut_at_a_character_and_says_so() {
+    assert_eq!(clipped("short"), "short");
+    let text = "é".repeat(MAX_NOTE);
+    let cut = clipped(&text);
+    assert!(cut.starts_with(&"é".repeat(MAX_NOTE / 2)), "{cut}");
+    assert!(cut.ends_with(&format!("… (cut: {} bytes in all)", 2 * MAX_NOTE)), "{cut}");
+}
+
+#[test]
+fn a_pod_of_millions_of_tiny_elements_is_mutated_in_one_pass() {
+    let mut big = pod();
+    big["spec"]["containers"][0]["args"] = json!(vec![0; 1_000_000]);
+    let depth = 100_000;
+    let nested = format!("{}{}", "[".repeat(depth), "]".repeat(depth));
+    let mut text = serde_json::to_string(&review(pod_kind(), "CREATE", Some(big))).unwrap();
+    text = text.replacen("\"nginx\"", &nested, 1);
+    let answer = answer(text.as_bytes(), &settings());
+    assert_eq!((answer.status, answer.outcome), (200, Outcome::Mutated));
+}

@@ -91,12 +91,32 @@ pub struct Webhook {
 
 impl Webhook {
     pub fn start(node: &SimNode, tls: &Path, nameservers: &str) -> Self {
+        Webhook::start_with(node, tls, nameservers, "127.0.0.1:19254", None)
+    }
+
+    /// Like [`Webhook::start`], its metrics port on `metrics`, and with `address_space` bytes
+    /// of address space at most (`prlimit --as`), if given: a webhook whose memory runs away
+    /// then fails its allocations and aborts, instead of taking the machine's memory.
+    pub fn start_with(
+        node: &SimNode,
+        tls: &Path,
+        nameservers: &str,
+        metrics: &str,
+        address_space: Option<u64>,
+    ) -> Self {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let log = node.dir.join(format!("webhook.{n}.log"));
-        let child = node
-            .cmd("node", webhook_exe())
-            .args(["--listen", WEBHOOK_ADDR, "--metrics-listen", "127.0.0.1:19254"])
+        let mut cmd = match address_space {
+            Some(bytes) => {
+                let mut cmd = node.cmd("node", "prlimit");
+                cmd.arg(format!("--as={bytes}")).arg("--").arg(webhook_exe());
+                cmd
+            }
+            None => node.cmd("node", webhook_exe()),
+        };
+        let child = cmd
+            .args(["--listen", WEBHOOK_ADDR, "--metrics-listen", metrics])
             .args(["--nameserver", nameservers])
             .arg("--tls-cert-file")
             .arg(tls.join("tls.crt"))
