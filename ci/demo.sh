@@ -22,7 +22,7 @@ case "${1:-}" in
 esac
 ci/deps.sh >/dev/null
 echo "== building"
-cargo build --quiet --workspace --bins
+cargo build --quiet --locked --workspace --bins
 
 prefix="d$(printf '%04x' $((RANDOM % 65536)))"
 export SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-demo"
