@@ -20,7 +20,7 @@ case "${1:-}" in
   ;;
 *) echo "usage: ci/demo.sh [--real]" >&2; exit 2 ;;
 esac
-ci/deps.sh >/dev/null
+ci/deps.sh --demo >/dev/null
 echo "== building"
 cargo build --quiet --locked --workspace --bins
 
