@@ -13,7 +13,7 @@
 //! adopts the installed route instead of flipping. `teardown` removes everything.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use tracing::{debug, info, warn};
 
@@ -52,8 +52,9 @@ pub struct Notes {
     pub accepts_in: Vec<String>,
     /// Why the link-local IP is not failed over although it should be.
     pub link_local_off: Option<String>,
-    /// The startup taint's key (`--startup-taint`).
-    pub startup_taint: Option<String>,
+    /// The startup taint's key (`--startup-taint`) and the longest it stays
+    /// (`--startup-taint-timeout`).
+    pub startup_taint: Option<(String, Duration)>,
 }
 
 /// The synchronous core of the agent.
@@ -82,6 +83,8 @@ pub struct Agent {
     leftover_notes: Vec<String>,
     /// What the node's own nftables firewall would stop, for `status` (as warnings).
     firewall: Vec<String>,
+    /// When it started: the startup taint's bound counts from here.
+    started: Instant,
 }
 
 /// Why pods on `Local` could not reach the cache: a chain of the node's firewall that would
@@ -206,6 +209,7 @@ impl Agent {
             leftovers: Vec::new(),
             leftover_notes: Vec::new(),
             firewall: Vec::new(),
+            started: now,
         };
         agent.set_upstream(&cfg.upstream);
         agent.note_firewall(&firewall);
@@ -546,10 +550,11 @@ impl Agent {
             upstream_from: self.upstream_from.clone(),
             forwarded: self.forwarded.clone(),
         };
-        state.startup_taint = self.notes.startup_taint.clone().map(|key| {
-            let kept = crate::cluster::report::taint_kept(&state);
-            crate::state::StartupTaint { key, kept }
-        });
+        let up_for = now.saturating_duration_since(self.started);
+        state.startup_taint =
+            self.notes.startup_taint.clone().map(|(key, bound)| {
+                crate::cluster::report::startup_taint(key, &state, up_for, bound)
+            });
         state
     }
 }

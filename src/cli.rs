@@ -263,10 +263,16 @@ pub struct RunArgs {
     /// The kubeconfig of the reports' API client; unset: the pod's service account.
     #[arg(long, env = "NODELOCALDNS_HA_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// A taint on the node (its key) that the reports remove once the cache has answered and
-    /// the ruleset is in, so that workloads are scheduled where DNS works; needs --node-name.
+    /// A taint on the node (its key) that the reports remove once pods on the node have DNS
+    /// (the cache answers, or the fallback is in and CoreDNS answers), so that workloads are
+    /// scheduled where DNS works; needs --node-name.
     #[arg(long, env = "NODELOCALDNS_HA_STARTUP_TAINT")]
     pub startup_taint: Option<String>,
+    /// The longest the startup taint stays: after it, the taint goes whatever DNS does, and the
+    /// node condition and the log say why (an agent that cannot get there must not keep its
+    /// node unschedulable).
+    #[arg(long, env = "NODELOCALDNS_HA_STARTUP_TAINT_TIMEOUT", default_value = "5m")]
+    pub startup_taint_timeout: String,
 }
 
 impl RunArgs {
@@ -298,6 +304,7 @@ impl RunArgs {
             node_name: self.node_name.clone(),
             kubeconfig: self.kubeconfig.clone(),
             startup_taint: self.startup_taint.clone(),
+            startup_taint_timeout: self.startup_taint_timeout.clone(),
         }
     }
 }

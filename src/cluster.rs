@@ -53,6 +53,8 @@ pub struct Settings {
     pub kubeconfig: Option<PathBuf>,
     /// The startup taint's key, removed from the node once the state says it may go.
     pub startup_taint: Option<String>,
+    /// The longest the startup taint stays, whatever DNS does (`--startup-taint-timeout`).
+    pub startup_taint_bound: Duration,
     /// The upstream Service followed ([`follow`]), in the client's namespace (the pod's); `None`
     /// when `--upstream-ip` fixes the upstream.
     pub upstream_svc: Option<String>,
@@ -316,7 +318,12 @@ async fn report(
         if !reported.taint_removed {
             remove_taint(nodes, node, &taint.key).await?;
             reported.taint_removed = true;
-            info!(node, key = %taint.key, "removed the startup taint: the cache answered and the ruleset is in");
+            let why = taint.goes.as_deref().unwrap_or("it may go");
+            if taint.overdue {
+                warn!(node, key = %taint.key, "removed the startup taint: {why}");
+            } else {
+                info!(node, key = %taint.key, "removed the startup taint: {why}");
+            }
         }
     }
     Ok(())

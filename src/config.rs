@@ -28,10 +28,11 @@ pub enum ConfigError {
          (one address of each, or an IPv4 and an IPv6 address in both)"
     )]
     FamiliesDiffer { local: String, cluster: String },
-    /// No upstream address anywhere.
+    /// No upstream address anywhere, and no API client to wait for its Service with.
     #[error(
         "no upstream IP: pass --upstream-ip, or set {env_var} (the ClusterIP of --upstream-svc \
-         {svc:?}, as Kubernetes sets it for a Service in the pod's namespace)"
+         {svc:?}, as Kubernetes sets it for a Service in the pod's namespace), or give \
+         --node-name so that the agent waits for the Service through the API server"
     )]
     NoUpstream { env_var: String, svc: String },
     /// Neither shape is left to fail over.
@@ -308,6 +309,7 @@ pub struct RawRun {
     pub node_name: Option<String>,
     pub kubeconfig: Option<PathBuf>,
     pub startup_taint: Option<String>,
+    pub startup_taint_timeout: String,
 }
 
 fn cadence(
@@ -367,16 +369,24 @@ impl AgentConfig {
                 return Err(ConfigError::EmptyUpstreamSvc);
             }
             let env_var = service_host_var(&raw.upstream_svc);
-            let value = env(&env_var).filter(|v| !v.trim().is_empty()).ok_or_else(|| {
-                ConfigError::NoUpstream { env_var: env_var.clone(), svc: raw.upstream_svc.clone() }
-            })?;
-            let ip: IpAddr = value
-                .trim()
-                .parse()
-                .map_err(|_| ConfigError::BadUpstreamEnv { env_var: env_var.clone(), value })?;
-            let ips = address_slot(&env_var, &[ip])?;
-            crate::upstream::check(&env_var, &ips, &addrs)?;
-            crate::upstream::Upstream { ips, from: env_var }
+            let follows = raw.node_name.as_deref().is_some_and(|n| !n.trim().is_empty());
+            match env(&env_var).filter(|v| !v.trim().is_empty()) {
+                Some(value) => {
+                    let ip: IpAddr = value.trim().parse().map_err(|_| {
+                        ConfigError::BadUpstreamEnv { env_var: env_var.clone(), value }
+                    })?;
+                    let ips = address_slot(&env_var, &[ip])?;
+                    crate::upstream::check(&env_var, &ips, &addrs)?;
+                    crate::upstream::Upstream { ips, from: env_var }
+                }
+                // The Service did not exist when the pod started: with the API client, it is
+                // waited for ([`crate::upstream`]).
+                None if follows => crate::upstream::Upstream::awaited(raw.upstream_svc.trim()),
+                None => {
+                    let svc = raw.upstream_svc.clone();
+                    return Err(ConfigError::NoUpstream { env_var, svc });
+                }
+            }
         } else {
             let ips = address_slot("--upstream-ip", &raw.upstream_ip)?;
             crate::upstream::check("--upstream-ip", &ips, &addrs)?;
@@ -523,6 +533,7 @@ pub(crate) fn test_raw() -> RawRun {
         node_name: None,
         kubeconfig: None,
         startup_taint: None,
+        startup_taint_timeout: "5m".into(),
     }
 }
 
@@ -543,11 +554,23 @@ fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, Co
     if let Some(key) = taint.filter(|k| !crate::cluster::report::is_taint_key(k)) {
         return Err(ConfigError::BadTaintKey(key.to_owned()));
     }
+    let flag = "--startup-taint-timeout";
+    let startup_taint_bound = duration_flag(flag, &raw.startup_taint_timeout)?;
+    if startup_taint_bound.is_zero() {
+        let value = raw.startup_taint_timeout.clone();
+        return Err(ConfigError::ZeroDuration { flag, value });
+    }
     let (node_name, kubeconfig) = (node_name.to_owned(), raw.kubeconfig.clone());
     let startup_taint = taint.map(str::to_owned);
     // A flag wins: only an upstream from the environment is followed.
     let upstream_svc = raw.upstream_ip.is_empty().then(|| raw.upstream_svc.trim().to_owned());
-    Ok(Some(crate::cluster::Settings { node_name, kubeconfig, startup_taint, upstream_svc }))
+    Ok(Some(crate::cluster::Settings {
+        node_name,
+        kubeconfig,
+        startup_taint,
+        startup_taint_bound,
+        upstream_svc,
+    }))
 }
 
 #[cfg(test)]

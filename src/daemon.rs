@@ -78,6 +78,9 @@ pub enum AgentError {
          nothing can fail over in the link-local shape, and nothing was changed)"
     )]
     Fallback(#[source] crate::dataplane::Error),
+    /// The upstream's Service is to be waited for, but there is no API client to follow it.
+    #[error("no upstream IP: {0} (pass --upstream-ip, or give the agent an API client: its pod's service account or --kubeconfig)")]
+    NoUpstream(String),
     /// A probe or watch task ended: the agent is blind and exits.
     #[error("the {task} task {how}; exiting with the current ruleset left in place")]
     TaskDied {
@@ -246,9 +249,14 @@ async fn run_with(
     let World { probes, watch_node, requests, mut tasks } = world;
     // Everything that can be refused is refused before the host is touched.
     let probers = make_probers(&cfg, &probes)?;
+    awaitable(&cfg).await?;
     let (_lock, http) = claim(&cfg).await?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
+    if cfg.upstream.is_awaited() {
+        warn!(upstream = %cfg.upstream.from, "waiting for the upstream's Service: until it is there the agent is not ready, the cache serves as it would without the agent, a dead cache's cluster-DNS IP fails over to CoreDNS through kube-proxy, and the link-local IP has no fallback (create the Service node-local-dns reads, or give --upstream-ip)");
+        health.set_waiting(Some(format!("the upstream's {}", cfg.upstream.from)));
+    }
     let forced = recorded_override(&cfg.state_dir);
     // The last agent's route, for a start that finds neither route's ruleset whole.
     let recorded = state::read(&cfg.state_dir).ok().map(|s| s.route);
@@ -282,7 +290,10 @@ async fn run_with(
             forwarding.renew_lease();
         }
     }
-    let startup_taint = cfg.cluster.as_ref().and_then(|c| c.startup_taint.clone());
+    let startup_taint = cfg
+        .cluster
+        .as_ref()
+        .and_then(|c| c.startup_taint.clone().map(|key| (key, c.startup_taint_bound)));
     agent.set_notes(Notes { link_local_off, startup_taint, ..notes });
     agent.set_leftovers(leftovers);
     blocking(|| agent.remove_leftovers());
@@ -329,6 +340,19 @@ async fn run_with(
         tasks,
     };
     control.run(shutdown).await
+}
+
+/// An upstream that is waited for needs the API client that follows its Service: without one
+/// it would never come, and that is refused before the host is touched.
+async fn awaitable(cfg: &AgentConfig) -> Result<(), AgentError> {
+    match &cfg.cluster {
+        _ if !cfg.upstream.is_awaited() => Ok(()),
+        Some(settings) => crate::cluster::client(settings)
+            .await
+            .map(drop)
+            .map_err(|e| AgentError::NoUpstream(format!("{}, and {e}", cfg.upstream.from))),
+        None => Err(AgentError::NoUpstream(cfg.upstream.from.clone())),
+    }
 }
 
 /// Every probe stream's prober; a bad setting (the query name) is refused here.

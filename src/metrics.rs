@@ -484,6 +484,8 @@ pub struct Health {
     /// The last beat, in nanoseconds from `epoch` (negative: before it).
     last_beat: AtomicI64,
     ready: AtomicBool,
+    /// What the agent waits for before it can do its whole job (`None`: nothing).
+    waiting: std::sync::Mutex<Option<String>>,
 }
 
 impl Default for Health {
@@ -498,6 +500,22 @@ impl Health {
             epoch: Instant::now(),
             last_beat: AtomicI64::new(0),
             ready: AtomicBool::new(false),
+            waiting: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// What the agent waits for, not ready meanwhile (`None`: nothing any more).
+    pub fn set_waiting(&self, what: Option<String>) {
+        *self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = what;
+    }
+
+    /// Why the agent is not ready (`None`: it is).
+    pub fn not_ready(&self) -> Option<String> {
+        let waiting = self.waiting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match (&*waiting, self.ready.load(Ordering::Relaxed)) {
+            (Some(what), _) => Some(format!("waiting for {what}")),
+            (None, false) => Some("no ruleset applied yet".into()),
+            (None, true) => None,
         }
     }
 
@@ -517,9 +535,14 @@ impl Health {
         self.silence(now) <= max_silence
     }
 
-    /// A ruleset has been applied.
-    pub fn ready(&self) -> bool {
+    /// A ruleset has been applied (whatever is waited for).
+    pub fn applied(&self) -> bool {
         self.ready.load(Ordering::Relaxed)
+    }
+
+    /// A ruleset has been applied, and nothing is waited for.
+    pub fn ready(&self) -> bool {
+        self.not_ready().is_none()
     }
 
     /// How long before `now` the loop last turned (zero if it turned later).

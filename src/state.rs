@@ -72,6 +72,12 @@ pub struct StartupTaint {
     pub key: String,
     /// Why it stays on the node; `None`: it may go (the reports remove it).
     pub kept: Option<String>,
+    /// Why it may go, when it may.
+    #[serde(default)]
+    pub goes: Option<String>,
+    /// It goes for its bound alone (`--startup-taint-timeout`): the node has no DNS yet.
+    #[serde(default)]
+    pub overdue: bool,
 }
 
 /// What `status` shows.

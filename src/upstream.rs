@@ -12,6 +12,16 @@
 //! dials: each probe, each forwarder socket's re-dial (every 5 s), each relayed TCP connection.
 //! A Service that goes away leaves the last address in place (nothing better is known), and
 //! `status` says so.
+//!
+//! A Service that does not exist when the pod starts (no variable in its environment) is waited
+//! for the same way, when the API client is on: the agent starts without an upstream
+//! ([`Upstream::awaited`]) and is not ready until the Service is there. Nothing the cache needs
+//! waits for it: the ruleset of route `Local` names only the cache's addresses, so a healthy
+//! cache serves the pods as it would without the agent. What needs the upstream waits: its
+//! probes do not start (a cache failure is then never held for a failing upstream: on the
+//! cluster-DNS IP, the fallback is kube-proxy's own path to CoreDNS, which needs no address
+//! here), and the link-local forwarder has nowhere to send (the link-local IP's clients fail
+//! with a dead cache, as they would with node-local-dns alone).
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -33,6 +43,18 @@ pub struct Upstream {
 #[derive(Debug)]
 pub struct Following {
     latest: watch::Sender<Upstream>,
+}
+
+impl Upstream {
+    /// No address yet: the Service `name` is waited for through the API server.
+    pub fn awaited(name: &str) -> Upstream {
+        Upstream { ips: Vec::new(), from: format!("Service {name} (waited for: not there yet)") }
+    }
+
+    /// Whether it has no address yet ([`Upstream::awaited`]).
+    pub fn is_awaited(&self) -> bool {
+        self.ips.is_empty()
+    }
 }
 
 impl Following {
@@ -78,6 +100,13 @@ impl Addr {
     /// The upstream's address of the wanted family, else its first; on port 53.
     pub fn now(&self) -> SocketAddr {
         pick(&self.latest.borrow().ips, self.v4, self.port)
+    }
+
+    /// Completes once the upstream has an address (at once when it has one).
+    pub async fn known(&mut self) {
+        if self.latest.wait_for(|u| !u.is_awaited()).await.is_err() {
+            std::future::pending().await
+        }
     }
 
     /// Completes when the upstream changes (marking it seen); never for a fixed address.

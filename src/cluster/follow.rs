@@ -118,7 +118,9 @@ fn observe(service: Option<&DynamicObject>, from: &str, follower: &Follower) {
     let kept = |why: String| Upstream { ips: last.clone(), from: format!("{from} ({why})") };
     let upstream = match service.map(|s| usable(s, from, &follower.addrs)) {
         Some(Ok(ips)) => Upstream { ips, from: from.to_owned() },
+        Some(Err(why)) if last.is_empty() => kept(format!("{why}; waited for")),
         Some(Err(why)) => kept(format!("{why}; its last usable ClusterIP kept")),
+        None if last.is_empty() => kept("not found yet; waited for".into()),
         None => kept("not found; its last ClusterIP kept".into()),
     };
     let ips = upstream.ips.clone();

@@ -1,8 +1,10 @@
 //! What the agent tells the cluster, decided from its state alone (pure): the node condition
 //! [`CONDITION`] and an Event for the route changes since the last report.
 
+use std::time::Duration;
+
 use crate::ruleset::Route;
-use crate::state::State;
+use crate::state::{StartupTaint, State};
 
 /// The node condition's type.
 pub const CONDITION: &str = "NodeLocalDNSReady";
@@ -41,6 +43,13 @@ pub fn condition(state: &State) -> Condition {
         (None, _, Route::Upstream) => {
             ("FailedOverToCoreDNS", format!("queries go to CoreDNS: {}", state.reason))
         }
+    };
+    let message = match state.startup_taint.as_ref().filter(|t| t.overdue) {
+        Some(taint) => {
+            let why = taint.goes.as_deref().unwrap_or("");
+            format!("{message}; the startup taint {} was removed: {why}", taint.key)
+        }
+        None => message,
     };
     Condition { status, reason, message, since_unix_ms: state.since_unix_ms }
 }
@@ -89,20 +98,50 @@ pub fn is_taint_key(key: &str) -> bool {
         && key.matches('/').count() <= 1
 }
 
-/// Why the startup taint stays on the node, as `state` says; `None`: it may go. It goes once the
-/// cache has answered a probe, the ruleset of route Local is in, and nothing is held: a node
-/// whose pods' DNS works through its cache.
-pub fn taint_kept(state: &State) -> Option<String> {
-    if state.probes.cache_udp.good == 0 {
-        return Some("the cache has not answered a probe yet".into());
-    }
+/// Whether pods on the node have DNS, as `state` says: why (`Ok`), or why not (`Err`). They
+/// have once the ruleset of the route is in, nothing is held, and the route's resolver answers:
+/// the cache on `Local` (it has answered a probe), CoreDNS on `Upstream` (its last probe was
+/// answered: the fallback reaches it).
+pub fn dns_on_node(state: &State) -> Result<&'static str, String> {
     if let Some(error) = &state.last_error {
-        return Some(format!("the ruleset is not in: {error}"));
+        return Err(format!("the ruleset is not in: {error}"));
     }
-    if state.route != Route::Local || state.held.is_some() {
-        return Some(format!("the cache does not serve: {}", state.reason));
+    if let Some(held) = &state.held {
+        return Err(format!("neither the cache nor CoreDNS answers: {held}"));
     }
-    None
+    match state.route {
+        Route::Local if state.probes.cache_udp.good > 0 => Ok("the cache answers"),
+        Route::Local => Err("the cache has not answered a probe yet".into()),
+        Route::Upstream if state.probes.upstream.streak_good > 0 => {
+            Ok("the fallback to CoreDNS is in and CoreDNS answers")
+        }
+        Route::Upstream => Err(format!(
+            "the cache does not serve ({}) and CoreDNS has not answered a probe yet",
+            state.reason
+        )),
+    }
+}
+
+/// The startup taint `key` as `state` and the time decide, `up_for` after the agent started:
+/// it goes once pods on the node have DNS ([`dns_on_node`]), or once `bound` has passed
+/// whatever DNS does (an agent that cannot get there must not keep its node unschedulable),
+/// then `overdue`, with the reason it never got there.
+pub fn startup_taint(
+    key: String,
+    state: &State,
+    up_for: Duration,
+    bound: Duration,
+) -> StartupTaint {
+    let (kept, goes, overdue) = match dns_on_node(state) {
+        Ok(why) => (None, Some(why.to_owned()), false),
+        Err(why) if up_for >= bound => {
+            let goes =
+                format!("no DNS on the node within --startup-taint-timeout {bound:?}: {why}");
+            (None, Some(goes), true)
+        }
+        Err(why) => (Some(why), None, false),
+    };
+    StartupTaint { key, kept, goes, overdue }
 }
 
 #[cfg(test)]
@@ -160,17 +199,40 @@ mod tests {
     }
 
     #[test]
-    fn the_startup_taint_goes_once_the_cache_answered_and_the_ruleset_is_in() {
+    fn the_startup_taint_goes_once_pods_have_dns_or_at_its_bound() {
+        let (bound, early, late) =
+            (Duration::from_secs(300), Duration::from_secs(10), Duration::from_secs(300));
+        let taint = |s: &State, up_for| startup_taint("k".into(), s, up_for, bound);
+        let kept = |s: &State| taint(s, early).kept.unwrap_or_default();
         let mut s = state(Route::Local, "start", "started with route local", None, 0);
-        assert_eq!(taint_kept(&s).as_deref(), Some("the cache has not answered a probe yet"));
+        assert_eq!(kept(&s), "the cache has not answered a probe yet");
         s.probes.cache_udp.good = 1;
-        assert_eq!(taint_kept(&s), None);
+        let goes = taint(&s, early);
+        assert_eq!((goes.kept, goes.goes.as_deref()), (None, Some("the cache answers")));
         s.last_error = Some("iptables-restore: lock".into());
-        assert!(taint_kept(&s).unwrap().contains("the ruleset is not in"));
+        assert!(kept(&s).contains("the ruleset is not in"), "{}", kept(&s));
         s.last_error = None;
+        // The cache dead: DNS once CoreDNS answers through the fallback.
         s.route = Route::Upstream;
         s.reason = "cache udp probe refused".into();
-        assert!(taint_kept(&s).unwrap().contains("cache udp probe refused"));
+        assert!(kept(&s).contains("cache udp probe refused"), "{}", kept(&s));
+        assert!(kept(&s).contains("CoreDNS has not answered"), "{}", kept(&s));
+        s.probes.upstream.streak_good = 1;
+        let goes = taint(&s, early).goes.unwrap();
+        assert_eq!(goes, "the fallback to CoreDNS is in and CoreDNS answers");
+        // Both fail: held, and kept until the bound, then gone and said.
+        s.held = Some("cache not back".into());
+        assert!(kept(&s).contains("neither the cache nor CoreDNS answers"), "{}", kept(&s));
+        let overdue = taint(&s, late);
+        assert!(overdue.overdue && overdue.kept.is_none());
+        let goes = overdue.goes.unwrap();
+        assert!(goes.contains("no DNS on the node within --startup-taint-timeout 300s"), "{goes}");
+        assert!(goes.contains("cache not back"), "{goes}");
+        s.startup_taint = Some(taint(&s, late));
+        let c = condition(&s);
+        assert!(c.message.contains("the startup taint k was removed: no DNS"), "{}", c.message);
+        s.startup_taint = Some(taint(&s, early));
+        assert!(!condition(&s).message.contains("startup taint"));
     }
 
     #[test]

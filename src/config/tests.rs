@@ -58,6 +58,22 @@ fn upstream_falls_back_to_the_service_env_var() {
     assert!(err.to_string().contains("not-an-ip"), "{err}");
 }
 
+#[test]
+fn without_the_variable_the_service_is_waited_for_when_the_api_client_follows_it() {
+    let mut r = test_raw();
+    r.upstream_ip.clear();
+    r.node_name = Some("node-1".into());
+    let cfg = AgentConfig::from_args(&r, no_env).unwrap();
+    assert!(cfg.upstream.is_awaited());
+    assert_eq!(cfg.upstream.from, "Service kube-dns-upstream (waited for: not there yet)");
+    let cluster = cfg.cluster.unwrap();
+    assert_eq!(cluster.upstream_svc.as_deref(), Some("kube-dns-upstream"));
+    // A variable that is there but wrong is still refused.
+    let garbage = |_: &str| Some("not-an-ip".into());
+    let err = AgentConfig::from_args(&r, garbage).unwrap_err();
+    assert!(err.to_string().contains("not-an-ip"), "{err}");
+}
+
 /// A file that is not executable (mode 0644), made once per test process.
 fn plain_file() -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -245,5 +261,14 @@ fn a_startup_taint_needs_a_node_name_and_a_valid_key() {
         r.startup_taint = Some(bad.to_owned());
         let err = AgentConfig::from_args(&r, no_env).unwrap_err();
         assert!(matches!(err, ConfigError::BadTaintKey(_)), "{bad:?}: {err}");
+    }
+    r.startup_taint = Some("nodelocaldns-ha.io/dns-not-ready".into());
+    r.startup_taint_timeout = "90s".into();
+    let cluster = AgentConfig::from_args(&r, no_env).unwrap().cluster.unwrap();
+    assert_eq!(cluster.startup_taint_bound, Duration::from_secs(90));
+    for (bad, says) in [("0s", "must be greater than zero"), ("soon", "is not a duration")] {
+        r.startup_taint_timeout = bad.into();
+        let err = AgentConfig::from_args(&r, no_env).unwrap_err().to_string();
+        assert!(err.contains("--startup-taint-timeout") && err.contains(says), "{bad}: {err}");
     }
 }

@@ -84,6 +84,8 @@ impl ControlLoop<'_> {
         // once a second, not on every turn (a stat per probe report).
         let mut maybe_recorded = true;
         let mut record_stuck = false;
+        // Since when the upstream's Service is waited for, if it is.
+        let mut awaited_since = cfg.upstream.is_awaited().then(now);
         // Read-backs run on blocking threads, one at a time; their results come back here.
         let (checks_tx, mut checks) = mpsc::channel(1);
         let write_state = |agent: &Agent| {
@@ -148,7 +150,15 @@ impl ControlLoop<'_> {
                 }
                 // Its probe goes to the new address now, not at its next tick.
                 Ok(()) = upstream.changed() => {
-                    agent.set_upstream(&upstream.borrow_and_update());
+                    let now_known = upstream.borrow_and_update().clone();
+                    agent.set_upstream(&now_known);
+                    if !now_known.is_awaited() {
+                        if let Some(since) = awaited_since.take() {
+                            let waited = now().saturating_duration_since(since);
+                            health.set_waiting(None);
+                            info!(upstream = %now_known.from, ?waited, "the upstream's Service is there after waiting for it: ready");
+                        }
+                    }
                     probing.upstream_wake.notify_one();
                     write_state(&agent)
                 }
@@ -176,7 +186,7 @@ impl ControlLoop<'_> {
                     Err(_) => {}
                 }
             }
-            if !health.ready() && !agent.is_dirty() {
+            if !health.applied() && !agent.is_dirty() {
                 health.set_ready();
                 if let Some(forwarding) = &forwarding {
                     forwarding.renew_lease();

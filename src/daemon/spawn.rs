@@ -89,13 +89,18 @@ pub(super) fn spawn_probes(
         tasks.spawn("stall watch", stalls);
     }
     let target = following.addr(cfg.addrs.local[0].is_ipv4());
+    let mut known = target.clone();
     let every = beat.every(cfg.upstream_probe.interval);
     let upstream_wake = Arc::new(Notify::new());
     let wake = upstream_wake.clone();
     let stream = Stream::Upstream;
     let target = move || target.now();
     let upstream = probe::probe_stream(upstream, target, Transport::Udp, stream, every, wake, tx);
-    tasks.spawn("upstream probe", upstream);
+    // An upstream waited for is not probed before it has an address ([`crate::upstream`]).
+    tasks.spawn("upstream probe", async move {
+        known.known().await;
+        upstream.await
+    });
     Probing { reports, cache_answered, upstream_wake }
 }
 

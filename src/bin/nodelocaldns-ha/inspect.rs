@@ -101,9 +101,11 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
     if let Some(taint) = &st.startup_taint {
         match &taint.kept {
             Some(why) => println!("taint:       {} kept: {why}", taint.key),
-            None => {
-                println!("taint:       {} removed (or being removed) by the reports", taint.key)
-            }
+            None => println!(
+                "taint:       {} removed (or being removed) by the reports: {}",
+                taint.key,
+                taint.goes.as_deref().unwrap_or("it may go")
+            ),
         }
     }
     if !st.shape.is_empty() {

@@ -72,11 +72,12 @@ pub(super) fn answer(
             );
             Response::new(Status::ServiceUnavailable, PLAIN, body)
         }
-        Endpoint::Readyz if state.health.ready() => Response::new(Status::Ok, PLAIN, "ok\n".into()),
-        Endpoint::Readyz => {
-            let body = "not ready: no ruleset applied yet\n".into();
-            Response::new(Status::ServiceUnavailable, PLAIN, body)
-        }
+        Endpoint::Readyz => match state.health.not_ready() {
+            None => Response::new(Status::Ok, PLAIN, "ok\n".into()),
+            Some(why) => {
+                Response::new(Status::ServiceUnavailable, PLAIN, format!("not ready: {why}\n"))
+            }
+        },
     };
     if head_only {
         response.without_body()

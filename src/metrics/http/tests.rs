@@ -153,6 +153,19 @@ async fn readyz_waits_for_the_first_apply() {
 }
 
 #[tokio::test]
+async fn readyz_fails_while_something_is_waited_for() {
+    let server = start(LIMITS).await;
+    server.health.set_ready();
+    server.health.set_waiting(Some("the upstream's Service kube-dns-upstream".into()));
+    let reply = get(server.addr, "/readyz").await;
+    assert_eq!(reply.status, 503);
+    assert_eq!(reply.body, "not ready: waiting for the upstream's Service kube-dns-upstream\n");
+    assert!(server.health.applied(), "the ruleset is in all the same");
+    server.health.set_waiting(None);
+    assert_eq!(get(server.addr, "/readyz").await.status, 200);
+}
+
+#[tokio::test]
 async fn unknown_paths_and_methods_are_refused() {
     let server = start(LIMITS).await;
     assert_eq!(get(server.addr, "/").await.status, 404);
