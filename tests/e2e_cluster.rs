@@ -297,40 +297,332 @@ fn tainted(node: &SimNode, name: &str, key: &str) -> bool {
     taints.as_array().into_iter().flatten().any(|t| t["key"] == key)
 }
 
-/// Acceptance 2: `--startup-taint`: with the cache dead at start the taint stays (the agent
-/// reports all the same, and `status` says why it stays); once the cache answers and the
-/// ruleset is in, the taint goes.
-#[test]
-fn the_startup_taint_goes_only_once_the_cache_answers() {
-    const KEY: &str = "nodelocaldns-ha.io/dns-not-ready";
-    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
-    let name = node.ns("node");
-    let out = node.kubectl().args(["taint", "node", &name, &format!("{KEY}:NoSchedule")]).output();
+/// The startup taint's key, as manifests/cluster-reports/startup-taint gives it.
+const KEY: &str = "nodelocaldns-ha.io/dns-not-ready";
+
+/// Taints `name` with [`KEY`] (NoSchedule), as the cluster's admin.
+fn taint(node: &SimNode, name: &str) {
+    let out = node.kubectl().args(["taint", "node", name, &format!("{KEY}:NoSchedule")]).output();
     let out = out.expect("kubectl taint");
     assert!(out.status.success(), "{}", describe(&out));
-    assert!(tainted(&node, &name, KEY));
+    assert!(tainted(node, name, KEY));
+}
+
+/// The agent's `status`, as text.
+fn status(node: &SimNode, agent: &Agent) -> String {
+    let dir = agent.state_dir.display().to_string();
+    String::from_utf8_lossy(&node.cli(&["status", "--state-dir", &dir]).stdout).into_owned()
+}
+
+/// `--startup-taint` is a promise of DNS, not of the cache: with the cache dead at start and
+/// CoreDNS answering, the taint goes once the fallback is in and CoreDNS answers (route
+/// Upstream), `status` and the log saying so; the cache back, it stays gone.
+#[test]
+fn the_startup_taint_goes_once_pods_have_dns_through_the_cache_or_coredns() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    taint(&node, &name);
     node.kill("cache-kill");
     let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
     // Started with the cache dead: its first route is not Local to wait for.
     let flags = ["--node-name", &name, "--kubeconfig", &kubeconfig, "--startup-taint", KEY];
     let agent = node.agent_starting(&flags);
-    // Reported (the reports work), and the taint stays.
     wait_condition(&node, &name, "False", "FailedOverToCoreDNS");
-    assert!(tainted(&node, &name, KEY), "the taint went with the cache dead");
-    let dir = agent.state_dir.display().to_string();
-    let status = node.cli(&["status", "--state-dir", &dir]);
-    let text = String::from_utf8_lossy(&status.stdout);
-    assert!(
-        text.contains(&format!("taint:       {KEY} kept: the cache has not answered")),
-        "{text}"
-    );
-
-    node.script(&["cache-start"]);
-    agent.wait_route("local", Duration::from_secs(10));
     wait_for("the taint gone", Duration::from_secs(15), || {
         (!tainted(&node, &name, KEY)).then_some(())
     });
-    assert!(agent.log_text().contains("removed the startup taint"), "{}", agent.log_text());
+    let said = "removed the startup taint: the fallback to CoreDNS is in and CoreDNS answers";
+    assert!(agent.log_text().contains(said), "{}", agent.log_text());
+    let text = status(&node, &agent);
+    assert!(text.contains(&format!("taint:       {KEY} removed")), "{text}");
+    assert!(text.contains("CoreDNS answers"), "{text}");
+    let failed = condition(&node, &name).expect("the condition");
+    assert!(!failed["message"].as_str().unwrap().contains("startup taint"), "{failed}");
+
+    node.script(&["cache-start"]);
+    agent.wait_route("local", Duration::from_secs(10));
+    wait_condition(&node, &name, "True", "CacheServing");
+    assert!(!tainted(&node, &name, KEY), "the taint came back");
+    node.tear_down(agent);
+}
+
+/// Neither the cache nor CoreDNS answers: the startup taint stays (`status` says why), until
+/// its bound (`--startup-taint-timeout`, 15 s here); then it goes all the same, and the node
+/// condition's message and a warning in the log say why.
+#[test]
+fn without_dns_the_startup_taint_stays_until_its_bound_then_goes_said() {
+    const BOUND: Duration = Duration::from_secs(15);
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    taint(&node, &name);
+    node.kill("cache-kill");
+    node.kill("coredns-kill");
+    let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
+    let flags = [
+        "--node-name",
+        &name,
+        "--kubeconfig",
+        &kubeconfig,
+        "--startup-taint",
+        KEY,
+        "--startup-taint-timeout",
+        "15s",
+    ];
+    let started = std::time::Instant::now();
+    let agent = node.agent_starting(&flags);
+    // Reported (the reports work), and the taint stays, said.
+    let reported = wait_for("a condition", Duration::from_secs(10), || condition(&node, &name));
+    println!("without DNS: {reported}");
+    let kept = wait_for("status saying why the taint stays", Duration::from_secs(10), || {
+        Some(status(&node, &agent)).filter(|t| t.contains(&format!("taint:       {KEY} kept:")))
+    });
+    assert!(tainted(&node, &name, KEY), "the taint went without DNS");
+    assert!(started.elapsed() < BOUND, "too slow to see it kept before the bound");
+    println!("{kept}");
+
+    wait_for("the taint gone", BOUND + Duration::from_secs(15), || {
+        (!tainted(&node, &name, KEY)).then_some(())
+    });
+    let after = started.elapsed();
+    println!("the taint went {after:.1?} after the start");
+    assert!(after >= BOUND, "the taint went after {after:?}, before its bound {BOUND:?}");
+    let why = "no DNS on the node within --startup-taint-timeout 15s";
+    let said = wait_for("the condition saying why", Duration::from_secs(10), || {
+        condition(&node, &name).filter(|c| c["message"].as_str().unwrap_or("").contains(why))
+    });
+    println!("condition: {said}");
+    assert_eq!(said["status"], "False", "{said}");
+    let log = agent.log_text();
+    assert!(log.contains(&format!("removed the startup taint: {why}")), "{log}");
+    assert!(log.contains("WARN"), "said as a warning: {log}");
+    node.tear_down(agent);
+}
+
+/// The agent held to its own Node by manifests/cluster-reports' admission policy, on the real
+/// API server. The agent runs as its pod does, with a token bound to its pod on this node (as
+/// the kubelet's is), the reports' and the startup taint's RBAC, and the policy: its own writes
+/// pass (the condition, the taint's removal). Then writes forged with its token: to another
+/// Node, another condition, another taint, a label, a cordon, and with a token that names no
+/// node, are each refused with the policy's reason; the condition and its own taint key pass;
+/// the admin's writes are not the policy's business.
+#[test]
+fn the_agent_changes_only_its_own_node() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    let other = node.ns("other");
+    for component in ["cluster-reports", "cluster-reports/startup-taint"] {
+        kubectl_with(&node, &["apply", "-f", "-"], rbac_of(component).as_bytes());
+    }
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let policy = repo.join("manifests/cluster-reports/own-node.yaml").display().to_string();
+    kubectl_with(&node, &["apply", "-f", &policy], b"");
+    let new_node =
+        serde_json::json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": other}});
+    kubectl_with(&node, &["create", "-f", "-"], new_node.to_string().as_bytes());
+    taint(&node, &name);
+    let token = node.agent_pod_token();
+    let condition_patch = serde_json::json!({"status": {"conditions": [{
+        "type": "NodeLocalDNSReady", "status": "True", "reason": "Forged", "message": "forged",
+    }]}});
+    let to_other = Forged::status(&other, &condition_patch);
+    // The policy takes effect through the API server's informer: until its first refusal.
+    wait_for("the policy in force", Duration::from_secs(20), || {
+        let (code, text) = to_other.send(&node, &token);
+        (code == 422).then_some(text)
+    });
+
+    let agent = node.agent_in_pod(&["--node-name", &name, "--startup-taint", KEY]);
+    wait_condition(&node, &name, "True", "CacheServing");
+    wait_for("the taint gone", Duration::from_secs(15), || {
+        (!tainted(&node, &name, KEY)).then_some(())
+    });
+    let log = agent.log_text();
+    assert!(!log.contains("denied") && !log.contains("failed"), "{log}");
+
+    let own = |patch: serde_json::Value| Forged::node(&name, &patch);
+    let label = serde_json::json!({"metadata": {"labels": {"example.com/forged": "yes"}}});
+    // The node's other taints kept (the API server's own node.kubernetes.io/not-ready among
+    // them): only the key's changes.
+    let taints = get(&node, &["get", "node", &name])["spec"]["taints"].clone();
+    let taints: Vec<Value> = taints.as_array().cloned().unwrap_or_default();
+    let with = |key: &str| {
+        let mut taints = taints.clone();
+        taints.push(serde_json::json!({"key": key, "effect": "NoSchedule"}));
+        serde_json::json!({"spec": {"taints": taints}})
+    };
+    let (own_taint, other_taint) = (with(KEY), with("example.com/forged"));
+    let cordon = serde_json::json!({"spec": {"unschedulable": true}});
+    let other_condition = serde_json::json!({"status": {"conditions": [{
+        "type": "Forged", "status": "True", "reason": "Forged", "message": "forged",
+    }]}});
+    let refused = [
+        (
+            "another Node's condition",
+            to_other,
+            format!("the agent of node {name} may change only its own Node, not {other}"),
+        ),
+        (
+            "another condition",
+            Forged::status(&name, &other_condition),
+            "may change only the NodeLocalDNSReady condition".to_owned(),
+        ),
+        ("another taint", own(other_taint), format!("may change only the taint {KEY}")),
+        ("a label", own(label.clone()), "may not change a Node's labels or annotations".to_owned()),
+        ("a cordon", own(cordon), "may not cordon a Node".to_owned()),
+    ];
+    for (what, write, says) in &refused {
+        let (code, text) = write.send(&node, &token);
+        println!("{what}: {code} {text}");
+        assert_eq!(code, 422, "{what}: {text}");
+        assert!(
+            text.contains("ValidatingAdmissionPolicy 'nodelocaldns-ha-own-node'"),
+            "{what}: {text}"
+        );
+        assert!(text.contains(says.as_str()), "{what}: {text}");
+    }
+    for (what, write) in
+        [("its condition", Forged::status(&name, &condition_patch)), ("its taint", own(own_taint))]
+    {
+        let (code, text) = write.send(&node, &token);
+        assert_eq!(code, 200, "{what}: {text}");
+    }
+    assert!(tainted(&node, &name, KEY), "the taint put back with the agent's token");
+    // A token of the same account that names no node (not a pod's): nothing.
+    let unbound = node.agent_token(&[]);
+    let (code, text) = Forged::status(&name, &condition_patch).send(&node, &unbound);
+    assert_eq!(code, 422, "{text}");
+    assert!(text.contains("the agent's token names no node"), "{text}");
+    // Others' writes are not the policy's.
+    kubectl_with(&node, &["label", "node", &name, "example.com/by-the-admin=yes"], b"");
+    node.tear_down(agent);
+}
+
+/// A write to a Node as the agent's token makes it, sent by curl from the node.
+struct Forged {
+    path: String,
+    body: String,
+}
+
+impl Forged {
+    /// A strategic merge patch of `name`'s status.
+    fn status(name: &str, patch: &Value) -> Forged {
+        Forged { path: format!("/api/v1/nodes/{name}/status"), body: patch.to_string() }
+    }
+
+    /// A strategic merge patch of `name`.
+    fn node(name: &str, patch: &Value) -> Forged {
+        Forged { path: format!("/api/v1/nodes/{name}"), body: patch.to_string() }
+    }
+
+    /// Sends it with `token`: the HTTP status and the answer's message (or body).
+    fn send(&self, node: &SimNode, token: &str) -> (u16, String) {
+        let server = api_server(node);
+        let ca = node.dir.join("pki/ca.crt").display().to_string();
+        let auth = format!("Authorization: Bearer {token}");
+        let url = format!("{server}{}", self.path);
+        let args = [
+            "-sS",
+            "--max-time",
+            "10",
+            "--cacert",
+            &ca,
+            "-H",
+            &auth,
+            "-X",
+            "PATCH",
+            "-H",
+            "Content-Type: application/strategic-merge-patch+json",
+            "-d",
+            &self.body,
+            "-w",
+            "\n%{http_code}",
+            &url,
+        ];
+        let out = node.run("node", "curl", &args);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+        let code = code.trim().parse().unwrap_or_else(|_| panic!("curl: {}", describe(&out)));
+        let message = serde_json::from_str::<Value>(body)
+            .ok()
+            .and_then(|v| v["message"].as_str().map(str::to_owned));
+        (code, message.unwrap_or_else(|| body.to_owned()))
+    }
+}
+
+/// The API server's URL, as the admin's kubeconfig has it.
+fn api_server(node: &SimNode) -> String {
+    let kubeconfig = std::fs::read_to_string(node.dir.join("admin.kubeconfig")).unwrap();
+    let at = kubeconfig.find("https://").expect("the kubeconfig's server");
+    let url = &kubeconfig[at..];
+    url[..url.find(['"', '\n', ' ']).unwrap_or(url.len())].to_owned()
+}
+
+/// A pod started before node-local-dns's upstream Service existed (no
+/// `KUBE_DNS_UPSTREAM_SERVICE_HOST` in its environment) waits for it through the API server
+/// rather than exits: it starts, says it waits, installs the ruleset of route Local (the cache
+/// serves as without the agent), and is not ready; the Service created, it is picked up within
+/// seconds, probed, and the agent is ready, the log saying how long it waited.
+#[test]
+fn a_missing_upstream_service_is_waited_for() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    kubectl_with(&node, &["apply", "-f", "-"], rbac_of("cluster-reports").as_bytes());
+    let old = get(&node, &["get", "service", "-n", "kube-system", "kube-dns-upstream"]);
+    kubectl_with(&node, &["delete", "service", "-n", "kube-system", "kube-dns-upstream"], b"");
+    // Waits for route Local: the cache serves meanwhile.
+    let agent =
+        node.agent_in_pod_env(&["--node-name", &name], &[("KUBE_DNS_UPSTREAM_SERVICE_HOST", "")]);
+    let readyz = || {
+        let args =
+            ["-sS", "--max-time", "5", "-w", "\n%{http_code}", "http://127.0.0.1:9254/readyz"];
+        let out = node.run("node", "curl", &args);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let waiting = wait_for("the state saying it waits", Duration::from_secs(10), || {
+        agent.state().filter(|s| s["upstream_from"].as_str().unwrap_or("").contains("waited for"))
+    });
+    println!("waiting: {}", waiting["upstream_from"]);
+    assert_eq!(waiting["route"], "local");
+    assert_eq!(waiting["probes"]["upstream"]["sent"], 0, "an upstream without an address probed");
+    let not_ready = readyz();
+    assert!(not_ready.ends_with("503"), "{not_ready}");
+    assert!(
+        not_ready.contains("waiting for the upstream's Service kube-dns-upstream"),
+        "{not_ready}"
+    );
+    wait_condition(&node, &name, "True", "CacheServing");
+    assert!(
+        agent.log_text().contains("waiting for the upstream's Service"),
+        "{}",
+        agent.log_text()
+    );
+
+    let mut service = old.clone();
+    service["metadata"] = serde_json::json!({
+        "name": "kube-dns-upstream",
+        "namespace": "kube-system",
+        "labels": old["metadata"]["labels"],
+    });
+    service.as_object_mut().unwrap().remove("status");
+    let created = std::time::Instant::now();
+    kubectl_with(&node, &["create", "-f", "-"], &serde_json::to_vec(&service).unwrap());
+    let followed = "Service kube-system/kube-dns-upstream";
+    let found = wait_for("the Service picked up and answering", Duration::from_secs(10), || {
+        agent.state().filter(|s| {
+            s["upstream_from"] == followed
+                && s["probes"]["upstream"]["target"] == format!("{UPSTREAM_IP}:53")
+                && s["probes"]["upstream"]["streak_good"].as_u64() >= Some(1)
+        })
+    });
+    println!(
+        "picked up {:.1?} after its creation: {}",
+        created.elapsed(),
+        found["probes"]["upstream"]
+    );
+    assert_eq!(found["route"], "local");
+    wait_for("ready", Duration::from_secs(5), || Some(readyz()).filter(|r| r.ends_with("200")));
+    let log = agent.log_text();
+    assert!(log.contains("the upstream's Service is there after waiting for it"), "{log}");
     node.tear_down(agent);
 }
 
@@ -341,7 +633,6 @@ fn the_startup_taint_goes_only_once_the_cache_answers() {
 /// though every Event (one per route change) is refused, which the log says once.
 #[test]
 fn refused_events_hold_back_neither_the_condition_nor_the_startup_taint() {
-    const KEY: &str = "nodelocaldns-ha.io/dns-not-ready";
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
     let name = node.ns("node");
     let reports = rbac_of("cluster-reports");

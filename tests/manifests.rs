@@ -26,7 +26,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser};
-use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::admissionregistration::v1::{
+    MutatingWebhookConfiguration, ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{
     ConfigMap, Container, Namespace, PodSpec, Probe, Service, ServiceAccount, Volume,
@@ -803,6 +805,14 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
                 "RoleBinding" => {
                     let _: RoleBinding = typed(doc, &origin);
                 }
+                // manifests/cluster-reports: the agent held to its own Node (applied to a real
+                // API server and tried with the agent's token by tests/e2e_cluster.rs).
+                "ValidatingAdmissionPolicy" => {
+                    let _: ValidatingAdmissionPolicy = typed(doc, &origin);
+                }
+                "ValidatingAdmissionPolicyBinding" => {
+                    let _: ValidatingAdmissionPolicyBinding = typed(doc, &origin);
+                }
                 // cert-manager's kinds: no API types here.
                 "Issuer" | "Certificate" => {
                     assert_eq!(str_at(doc, "/apiVersion"), Some("cert-manager.io/v1"), "{origin}");
@@ -854,6 +864,8 @@ fn every_document_parses_into_the_type_of_its_kind_and_loses_nothing() {
         "RoleBinding",
         "Service",
         "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     ];
     assert_eq!(kinds, expected.iter().map(|k| k.to_string()).collect());
 }

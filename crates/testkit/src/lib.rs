@@ -44,6 +44,7 @@ pub use load::{
     Lookup, Outcome, Restart, ATTEMPT_TIMEOUT_MS,
 };
 pub use netns_etc::NetnsEtc;
+pub use pod::POD;
 pub use process::Proc;
 pub use realnode::{counts, Cluster, PodLoad, RealNode};
 pub use simnode::{
