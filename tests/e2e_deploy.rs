@@ -550,7 +550,8 @@ fn every_rendering_passes_a_server_side_dry_run() {
 const KINDS: &str = "serviceaccounts,services,daemonsets,deployments,poddisruptionbudgets,\
                      configmaps,secrets,roles,rolebindings,clusterroles,clusterrolebindings,\
                      namespaces,podmonitors,prometheusrules,issuers,certificates,\
-                     mutatingwebhookconfigurations";
+                     mutatingwebhookconfigurations,validatingadmissionpolicies,\
+                     validatingadmissionpolicybindings";
 
 /// What the API server holds of release `release`: every object of the chart's kinds that
 /// Helm marked as the release's (its `meta.helm.sh/release-name` annotation), by id.
