@@ -1,9 +1,10 @@
 """Pods flooding the link-local forwarder to its bounds (tests/e2e_memory.rs), from the source
 addresses ADDRS (comma-separated, each an address of this namespace) to SERVER:53:
 
-* UDP: each of the first UDP_ADDRS addresses sends UDP_RATE queries a second on a socket of its
-  own, every BIG_EVERY-th of them a message of BIG bytes (an EDNS padding option makes it up;
-  the slow upstream answers it with as many), and reads the answers;
+* UDP: each of the first UDP_ADDRS addresses sends UDP_RATE queries a second for flood.test on
+  a socket of its own (the slow upstream answers none of them), every BIG_EVERY-th of them a
+  message of BIG bytes (an EDNS padding option makes it up; the slow upstream answers it with as
+  many), and reads the answers;
 * TCP: each address holds TCP_CONNS connections. Each sends a BIG-byte query, then a small one
   every second, and never reads: the answers pile up in the forwarder's buffers (the client's
   receive window closes). After HOLD seconds it is closed and another opened in its place (the

@@ -1,11 +1,13 @@
-"""A slow upstream for the link-local forwarder at its bounds (tests/e2e_memory.rs): answers every
+"""A slow upstream for the link-local forwarder at its bounds (tests/e2e_memory.rs): answers a
 query, over UDP and TCP, DELAY seconds after it came in: a plain query as the simulated node's
-CoreDNS does (2.2.2.2), a large one (with padding) with itself marked as an answer (same id and
-question, so the forwarder takes it, and as large as the query). Binds ADDR:53, UDP and TCP (any number
+CoreDNS does, a large one (with padding) with itself marked as an answer (same id and
+question, so the forwarder takes it, and as large as the query); a small query for flood.test
+never (too slow for it: the forwarder holds it until its own timeout). Binds ADDR:53, UDP and TCP (any number
 of connections, each kept open until its client closes it); writes READY (its pid) once both
 listen. Exits on SIGTERM."""
 import asyncio
 import collections
+import ipaddress
 import os
 import resource
 import signal
@@ -18,11 +20,18 @@ _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+# What the simulated node's CoreDNS answers (testdata/simnode/common.sh).
+COREDNS_A = ipaddress.ip_address("2.2.2.2").packed
+COREDNS_AAAA = ipaddress.ip_address("fd00::2:2:2:2").packed
+
+
 def answer(query):
-    """A query of at most 512 bytes answered as the simulated node's CoreDNS answers (type A,
-    2.2.2.2); a larger one (padded) as its own answer. None for a datagram too short to be a
+    """A query of at most 512 bytes answered as the simulated node's CoreDNS answers (2.2.2.2,
+    or fd00::2:2:2:2 for AAAA); a larger one (padded) as its own answer. None for a datagram too short to be a
     DNS message."""
     if len(query) < 12:
+        return None
+    if len(query) <= 512 and query[12:18] == b"\x05flood":
         return None
     flags = bytes([query[2] | 0x80, query[3] | 0x80])
     if len(query) > 512:
@@ -30,7 +39,10 @@ def answer(query):
     # The question ends 4 bytes after the name's last (empty) label; what follows (an EDNS
     # record) is dropped.
     end = query.index(b"\x00", 12) + 5
-    record = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x05\x00\x04\x02\x02\x02\x02"
+    if query[end - 4 : end - 2] == b"\x00\x1c":  # AAAA
+        record = b"\xc0\x0c\x00\x1c\x00\x01\x00\x00\x00\x05\x00\x10" + COREDNS_AAAA
+    else:
+        record = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x05\x00\x04" + COREDNS_A
     return query[:2] + flags + query[4:6] + b"\x00\x01\x00\x00\x00\x00" + query[12:end] + record
 
 
