@@ -85,6 +85,8 @@ pub struct Agent {
     firewall: Vec<String>,
     /// When it started: the startup taint's bound counts from here.
     started: Instant,
+    /// Others' rules for the cluster-DNS IP at the last look, counted.
+    foreign: state::Foreign,
 }
 
 /// Why pods on `Local` could not reach the cache: a chain of the node's firewall that would
@@ -210,6 +212,7 @@ impl Agent {
             leftover_notes: Vec::new(),
             firewall: Vec::new(),
             started: now,
+            foreign: state::Foreign::default(),
         };
         agent.set_upstream(&cfg.upstream);
         agent.note_firewall(&firewall);
@@ -365,6 +368,11 @@ impl Agent {
         self.reconciler.dataplane().announced_tables()
     }
 
+    /// The switching backend, as detection names it; `None` for a dataplane of none of them.
+    pub fn backend(&self) -> Option<crate::detect::Backend> {
+        crate::detect::Backend::named(self.reconciler.dataplane().name())
+    }
+
     /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
     pub fn reply_packets(&mut self) -> Result<Option<u64>, dataplane::Error> {
         self.reconciler.reply_packets()
@@ -496,8 +504,10 @@ impl Agent {
     /// Replaces the warnings about the node (logged when they change), and counts its foreign
     /// NOTRACK rules in the metrics.
     pub fn set_problems(&mut self, problems: NodeProblems) {
-        let NodeProblems { foreign_notrack, warnings } = problems;
-        self.metrics.set_foreign_notrack(foreign_notrack);
+        let NodeProblems { foreign_notrack, in_effect, warnings } = problems;
+        self.metrics.set_foreign_notrack(foreign_notrack, in_effect);
+        self.foreign =
+            state::Foreign { rules: foreign_notrack as u64, in_effect: in_effect as u64 };
         if warnings != self.warnings {
             for w in warnings.iter().filter(|w| !self.warnings.contains(w)) {
                 warn!(warning = %w, "node problem");
@@ -549,6 +559,7 @@ impl Agent {
             probes: self.probes.clone(),
             upstream_from: self.upstream_from.clone(),
             forwarded: self.forwarded.clone(),
+            foreign: self.foreign,
         };
         let up_for = now.saturating_duration_since(self.started);
         state.startup_taint =
