@@ -321,7 +321,8 @@ async fn report(
             reported.taint_removed = true;
             let why = taint.goes.as_deref().unwrap_or("it may go");
             if taint.overdue {
-                warn!(node, key = %taint.key, "removed the startup taint: {why}");
+                let now = report::condition(state).message;
+                warn!(node, key = %taint.key, "removed the startup taint: {why} (the node's condition: {now})");
             } else {
                 info!(node, key = %taint.key, "removed the startup taint: {why}");
             }
