@@ -232,6 +232,7 @@ pub async fn run(
     leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), AgentError> {
+    awaitable(&cfg).await?;
     run_with(cfg, dataplane, notes, leftovers, shutdown, World::node()).await
 }
 
@@ -249,7 +250,6 @@ async fn run_with(
     let World { probes, watch_node, requests, mut tasks } = world;
     // Everything that can be refused is refused before the host is touched.
     let probers = make_probers(&cfg, &probes)?;
-    awaitable(&cfg).await?;
     let (_lock, http) = claim(&cfg).await?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new());
@@ -344,7 +344,8 @@ async fn run_with(
 }
 
 /// An upstream that is waited for needs the API client that follows its Service: without one
-/// it would never come, and that is refused before the host is touched.
+/// it would never come, and that is refused before the host is touched. (The loop's tests wait
+/// for it with no client: nothing of theirs follows a Service.)
 async fn awaitable(cfg: &AgentConfig) -> Result<(), AgentError> {
     match &cfg.cluster {
         _ if !cfg.upstream.is_awaited() => Ok(()),

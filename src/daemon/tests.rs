@@ -359,6 +359,29 @@ async fn a_servfailing_cache_is_held_while_the_upstream_fails_too() {
     .await;
 }
 
+/// An upstream whose Service is waited for ([`crate::upstream::Upstream::awaited`]) is not
+/// probed: a dead cache then fails over (on the cluster-DNS IP the fallback is kube-proxy's,
+/// which needs no address of the agent's), never held for an upstream nobody could probe, though
+/// the script's upstream is dead and would have failed every probe.
+#[tokio::test(start_paused = true)]
+async fn an_awaited_upstream_is_not_probed_and_holds_no_failover() {
+    let (mut node, world) = Node::new("awaited");
+    node.cfg.upstream = crate::upstream::Upstream::awaited("kube-dns-upstream");
+    node.upstream(Server::Dead);
+    node.run(world, async {
+        node.at(4050).await;
+        assert_eq!(node.route().await, Route::Local, "the cache serves meanwhile");
+        let st = node.state().await;
+        assert_eq!(st.probes.upstream.sent, 0, "{st:?}");
+        assert!(st.upstream_from.contains("waited for"), "{}", st.upstream_from);
+        node.cache(Server::Dead);
+        node.at(4155).await;
+        assert_eq!(node.route().await, Route::Upstream);
+        assert_eq!(node.state().await.held, None);
+    })
+    .await;
+}
+
 /// A cache that keeps dying and coming back: the route returns to `Local` at most
 /// ⌈duration / min-hold⌉ + 1 times, and whenever one looks, the kernel holds the ruleset of
 /// the agent's route; nothing is ever repaired or applied twice.
