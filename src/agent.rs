@@ -497,7 +497,10 @@ impl Agent {
     pub fn set_upstream(&mut self, upstream: &crate::upstream::Upstream) {
         let v4 = self.addrs.local[0].is_ipv4();
         let target = crate::upstream::pick(&upstream.ips, v4, crate::ruleset::DNS_PORT);
-        self.probes.upstream.target = target.to_string();
+        self.probes.upstream.target = match upstream.is_awaited() {
+            true => "none yet".into(),
+            false => target.to_string(),
+        };
         self.upstream_from.clone_from(&upstream.from);
     }
 

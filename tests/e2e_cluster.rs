@@ -584,6 +584,7 @@ fn a_missing_upstream_service_is_waited_for() {
     println!("waiting: {}", waiting["upstream_from"]);
     assert_eq!(waiting["route"], "local");
     assert_eq!(waiting["probes"]["upstream"]["sent"], 0, "an upstream without an address probed");
+    assert_eq!(waiting["probes"]["upstream"]["target"], "none yet");
     let not_ready = readyz();
     assert!(not_ready.ends_with("503"), "{not_ready}");
     assert!(

@@ -373,6 +373,7 @@ async fn an_awaited_upstream_is_not_probed_and_holds_no_failover() {
         assert_eq!(node.route().await, Route::Local, "the cache serves meanwhile");
         let st = node.state().await;
         assert_eq!(st.probes.upstream.sent, 0, "{st:?}");
+        assert_eq!(st.probes.upstream.target, "none yet");
         assert!(st.upstream_from.contains("waited for"), "{}", st.upstream_from);
         node.cache(Server::Dead);
         node.at(4155).await;
