@@ -422,6 +422,11 @@ fn helm_lint_passes_and_bad_values_are_refused() {
         (&["metricsPort=0"][..], "at '/metricsPort': minimum"),
         (&["image.pullPolicy=Sometimes"][..], "at '/image/pullPolicy': value must be one of"),
         (&["nodeLocalDNS.upstreamService=Kube_DNS"][..], "at '/nodeLocalDNS/upstreamService'"),
+        (
+            &["clusterReports.startupTaintTimeout=soon"][..],
+            "at '/clusterReports/startupTaintTimeout'",
+        ),
+        (&["clusterReports.ownNodeOnly=yes"][..], "at '/clusterReports/ownNodeOnly'"),
         (&[][..], "clusterDNSIP: the ClusterIP shape needs the kube-dns ClusterIP"),
         (&["nodeLocalDNS.flavor=deliveryhero"][..], "the ClusterIP shape needs the kube-dns"),
         (
