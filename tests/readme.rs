@@ -88,7 +88,10 @@ fn the_kubectl_exec_form_is_read_as_the_agents_command() {
         .filter_map(|w| agent_command(w))
         .filter(|w| w.first().is_some_and(|w| w == "nodelocaldns-ha"))
         .count();
-    assert!(exec_forms >= 3, "the docs show {exec_forms} agent commands in their kubectl exec form");
+    assert!(
+        exec_forms >= 3,
+        "the docs show {exec_forms} agent commands in their kubectl exec form"
+    );
 }
 
 #[test]
