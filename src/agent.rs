@@ -497,10 +497,8 @@ impl Agent {
     pub fn set_upstream(&mut self, upstream: &crate::upstream::Upstream) {
         let v4 = self.addrs.local[0].is_ipv4();
         let target = crate::upstream::pick(&upstream.ips, v4, crate::ruleset::DNS_PORT);
-        self.probes.upstream.target = match upstream.is_awaited() {
-            true => "none yet".into(),
-            false => target.to_string(),
-        };
+        let awaited = upstream.is_awaited();
+        self.probes.upstream.target = if awaited { "none yet".into() } else { target.to_string() };
         self.upstream_from.clone_from(&upstream.from);
     }
 
@@ -565,10 +563,9 @@ impl Agent {
             foreign: self.foreign,
         };
         let up_for = now.saturating_duration_since(self.started);
-        state.startup_taint =
-            self.notes.startup_taint.clone().map(|(key, bound)| {
-                crate::cluster::report::startup_taint(key, &state, up_for, bound)
-            });
+        let taint =
+            |(key, bound)| crate::cluster::report::startup_taint(key, &state, up_for, bound);
+        state.startup_taint = self.notes.startup_taint.clone().map(taint);
         state
     }
 }
