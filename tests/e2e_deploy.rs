@@ -450,6 +450,18 @@ fn helm_lint_passes_and_bad_values_are_refused() {
             describe(&out)
         );
     }
+    // The admission policy's API is GA from 1.30: older clusters are told to turn it off.
+    let reports = ["clusterDNSIP=10.96.0.10", "clusterReports.enabled=true"];
+    let on_1_29 = |values: &[&str]| {
+        let mut cmd = helm();
+        cmd.args(["template", "x", "--kube-version", "1.29.0"]).arg(chart()).args(set(values));
+        cmd.output().unwrap()
+    };
+    let out = on_1_29(&reports);
+    let says = "clusterReports.ownNodeOnly needs Kubernetes 1.30 or later";
+    assert!(!out.status.success() && describe(&out).contains(says), "{}", describe(&out));
+    let out = on_1_29(&[&reports[..], &["clusterReports.ownNodeOnly=false"]].concat());
+    assert!(out.status.success(), "{}", describe(&out));
 }
 
 /// Each flavour's preset: node-local-dns's names and addresses, and the agent's settings and

@@ -51,6 +51,9 @@ fromJson. Fails on a combination that would give an agent that cannot run.
 {{- if and $v.clusterReports.startupTaint (not $v.clusterReports.enabled) }}
 {{- fail "clusterReports.startupTaint needs clusterReports.enabled" }}
 {{- end -}}
+{{- if and $v.clusterReports.enabled $v.clusterReports.ownNodeOnly (semverCompare "<1.30.0-0" .Capabilities.KubeVersion.Version) }}
+{{- fail (printf "clusterReports.ownNodeOnly needs Kubernetes 1.30 or later (its admission policy is a ValidatingAdmissionPolicy, admissionregistration.k8s.io/v1); this cluster is %s: set clusterReports.ownNodeOnly=false (the RBAC alone then lets each agent patch every node)" .Capabilities.KubeVersion.Version) }}
+{{- end -}}
 {{- toJson $s -}}
 {{- end -}}
 
