@@ -198,8 +198,12 @@ impl Plane {
                 // (The filter ACCEPTs name the address in both routes: raw is what steers.)
                 for ip in cluster_dns_ip.split(',') {
                     let daddr = format!("-d {ip}/{}", if ip.contains(':') { 128 } else { 32 });
+                    // A NOTRACK steers; the conntrack pin (`-j CT`) of the queries the agent
+                    // leaves to kube-proxy names the address in both routes.
                     let steers = |rules: &str| {
-                        rules.lines().any(|l| l.contains(" raw ") && l.contains(&daddr))
+                        rules.lines().any(|l| {
+                            l.contains(" raw ") && l.contains(&daddr) && l.ends_with("-j NOTRACK")
+                        })
                     };
                     assert!(steers(local), "Local does not steer {ip}:\n{local}");
                     assert!(!steers(upstream), "Upstream intercepts {ip}:\n{upstream}");
