@@ -542,6 +542,7 @@ impl Agent {
             transitions: self.transitions,
             repairs: self.reconciler.repairs(),
             last_error: self.reconciler.last_error().map(str::to_owned),
+            ruleset_in: !self.is_dirty(),
             probes: self.probes.clone(),
             upstream_from: self.upstream_from.clone(),
             forwarded: self.forwarded.clone(),

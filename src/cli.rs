@@ -307,6 +307,10 @@ pub struct StatusArgs {
     /// Print the state as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Exit 1 unless an agent runs with this state directory and has its ruleset in (its
+    /// readiness), saying which is not so: for a check such as `helm test`.
+    #[arg(long)]
+    pub check: bool,
     /// The running agent's --state-dir.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,
