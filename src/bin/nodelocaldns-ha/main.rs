@@ -28,8 +28,8 @@ use nodelocaldns_ha::dataplane::iptables::kernel_has_ipv6;
 use nodelocaldns_ha::dataplane::Dataplane;
 use nodelocaldns_ha::malloc;
 use nodelocaldns_ha::overrides;
-use nodelocaldns_ha::ruleset::RuleSet;
-use nodelocaldns_ha::state;
+use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
+use nodelocaldns_ha::{detect, sockdiag, state};
 
 use crate::backends::{
     every_dataplane, leftovers, listen_addrs, open_dataplane, require_net_admin,
@@ -137,6 +137,7 @@ fn run(command: Command) -> Result<(), Failure> {
             if args.dataplane == DataplaneKind::IptablesLegacy {
                 require_net_raw_for_legacy()?;
             }
+            refuse_a_wildcard_cache(&cfg.addrs)?;
             let (dataplane, notes) = open_dataplane(args.dataplane, &cfg.addrs, xtables_wait)?;
             cfg.shape.accepts = dataplane.has_accepts();
             let leftovers = leftovers(&dataplane, &cfg.addrs, xtables_wait);
@@ -229,6 +230,23 @@ fn run(command: Command) -> Result<(), Failure> {
                 ))
             })?;
             println!("removed everything nodelocaldns-ha installed (nftables and iptables)");
+            Ok(())
+        }
+    }
+}
+
+/// Refuses a node where a socket listens on port 53 of the wildcard address (node-cache bound
+/// to 0.0.0.0: [`detect::wildcard_refusal`]), before anything is changed. The sockets cannot
+/// be listed (no sock_diag): said, and the agent starts.
+fn refuse_a_wildcard_cache(addrs: &ListenAddrs) -> Result<(), Failure> {
+    let listen: Vec<_> = addrs.local.iter().chain(&addrs.cluster_dns).copied().collect();
+    match sockdiag::listeners(&listen, DNS_PORT) {
+        Ok(listening) => match detect::wildcard_refusal(&listening) {
+            Some(refusal) => Err(Failure::usage(refusal)),
+            None => Ok(()),
+        },
+        Err(e) => {
+            tracing::warn!(error = %with_causes(&e), "cannot list the sockets on port 53; a cache bound to the wildcard address would go unnoticed");
             Ok(())
         }
     }
