@@ -267,6 +267,12 @@ pub struct RunArgs {
     /// the ruleset is in, so that workloads are scheduled where DNS works; needs --node-name.
     #[arg(long, env = "NODELOCALDNS_HA_STARTUP_TAINT")]
     pub startup_taint: Option<String>,
+    /// The agent's own DaemonSet, in its pod's namespace (with --node-name): asked at SIGTERM.
+    /// Gone or being deleted, the agent is being removed: it removes its rules, its copies of
+    /// the link-local IPs, its node condition and the startup taint. There, or not known in 3 s:
+    /// a restart, and the rules stay for the next agent. Unset: every SIGTERM leaves the rules.
+    #[arg(long, env = "NODELOCALDNS_HA_DAEMONSET")]
+    pub daemonset: Option<String>,
 }
 
 impl RunArgs {
@@ -298,6 +304,7 @@ impl RunArgs {
             node_name: self.node_name.clone(),
             kubeconfig: self.kubeconfig.clone(),
             startup_taint: self.startup_taint.clone(),
+            daemonset: self.daemonset.clone(),
         }
     }
 }

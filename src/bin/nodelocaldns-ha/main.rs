@@ -153,10 +153,17 @@ fn run(command: Command) -> Result<(), Failure> {
                     }
                 });
                 let shutdown = shutdown_signal();
+                let state_dir = cfg.state_dir.clone();
                 let agent = daemon::run(cfg, dataplane, notes, leftovers, shutdown);
-                match tokio::spawn(agent).await {
-                    Ok(outcome) => outcome.map_err(|e| Failure::runtime(with_causes(&e))),
-                    Err(e) => Err(Failure::runtime(format!("the agent's loop panicked: {e}"))),
+                let removal = match tokio::spawn(agent).await {
+                    Ok(outcome) => outcome.map_err(|e| Failure::runtime(with_causes(&e)))?,
+                    Err(e) => {
+                        return Err(Failure::runtime(format!("the agent's loop panicked: {e}")))
+                    }
+                };
+                match removal {
+                    Some(removal) => leave_the_node(&removal, &state_dir, xtables_wait).await,
+                    None => Ok(()),
                 }
             })
         }
@@ -206,33 +213,65 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
-            if agent_running(&args.state_dir)? {
-                return Err(Failure::runtime(format!(
-                    "an agent is running with --state-dir {} and would put its rules back: stop \
-                     it first (e.g. delete its DaemonSet), then tear down",
-                    args.state_dir.display()
-                )));
+            for line in teardown(&args.state_dir, xtables_wait)? {
+                println!("{line}");
             }
-            // Whatever backend an agent used, with whatever flags: everything goes.
-            let mut dataplane = every_dataplane(xtables_wait)?;
-            dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
-            // The agent's copies of the link-local IPs on lo (known by their address protocol;
-            // on a kernel before 5.18, by their label, IPv4 only: see `addresses`).
-            let removed =
-                addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
-            for ip in removed {
-                println!("removed the agent's copy of {ip} on lo");
-            }
-            state::remove(&args.state_dir).map_err(|e| {
-                Failure::runtime(format!(
-                    "removing the state file in {}: {e}",
-                    args.state_dir.display()
-                ))
-            })?;
-            println!("removed everything nodelocaldns-ha installed (nftables and iptables)");
             Ok(())
         }
     }
+}
+
+/// Removes everything an agent installed on the node, as `teardown` does: the rules of every
+/// backend, the copies of the link-local IPs on lo, the state file; what it did, line by line.
+/// Refused while an agent runs with `state_dir` (it would put its rules back).
+fn teardown(state_dir: &std::path::Path, xtables_wait: Duration) -> Result<Vec<String>, Failure> {
+    if agent_running(state_dir)? {
+        return Err(Failure::runtime(format!(
+            "an agent is running with --state-dir {} and would put its rules back: stop it first \
+             (e.g. delete its DaemonSet), then tear down",
+            state_dir.display()
+        )));
+    }
+    // Whatever backend an agent used, with whatever flags: everything goes.
+    let mut dataplane = every_dataplane(xtables_wait)?;
+    dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
+    // The agent's copies of the link-local IPs on lo (known by their address protocol; on a
+    // kernel before 5.18, by their label, IPv4 only: see `addresses`).
+    let removed = addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
+    let mut said: Vec<_> =
+        removed.iter().map(|ip| format!("removed the agent's copy of {ip} on lo")).collect();
+    state::remove(state_dir).map_err(|e| {
+        Failure::runtime(format!("removing the state file in {}: {e}", state_dir.display()))
+    })?;
+    said.push("removed everything nodelocaldns-ha installed (nftables and iptables)".into());
+    Ok(said)
+}
+
+/// The agent's last act when it is being removed (its DaemonSet gone or being deleted): the
+/// same teardown as the `teardown` command, then its condition and startup taint off its Node.
+/// Each step says what it did; a Node the API server does not let it clean is said, and the
+/// agent still exits 0 (its rules, what matters to pods, are gone).
+async fn leave_the_node(
+    removal: &nodelocaldns_ha::cluster::Removal,
+    state_dir: &std::path::Path,
+    xtables_wait: Duration,
+) -> Result<(), Failure> {
+    // Blocking, and nothing else runs any more.
+    for line in teardown(state_dir, xtables_wait)? {
+        tracing::warn!("{line}");
+    }
+    match removal.clean_node().await {
+        Ok(said) => {
+            for line in said {
+                tracing::warn!("{line}");
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "cannot take the agent's condition and startup taint off its Node; remove them by hand (kubectl edit node --subresource status; kubectl taint node)")
+        }
+    }
+    tracing::warn!("the agent is removed from this node: nothing of it is left in its netfilter");
+    Ok(())
 }
 
 /// Refuses a node where a socket listens on port 53 of the wildcard address (node-cache bound
