@@ -49,6 +49,11 @@ pub enum Command {
     /// Before restarting node-local-dns: route to CoreDNS, wait until the cache has gone quiet.
     /// The agent returns to the cache once the new one passes its probes.
     Drain(DrainArgs),
+    /// Remove the agents from every node (the chart's pre-delete hook runs it): delete their
+    /// DaemonSet with foreground propagation and wait until its pods are gone. Each agent, at its
+    /// SIGTERM, finds its DaemonSet being deleted and puts its node back while its RBAC is still
+    /// there.
+    Uninstall(UninstallArgs),
 }
 
 /// Where the running agent is.
@@ -307,6 +312,20 @@ impl RunArgs {
             daemonset: self.daemonset.clone(),
         }
     }
+}
+
+#[derive(Debug, Args)]
+pub struct UninstallArgs {
+    /// The agents' DaemonSet, in the client's namespace (the pod's).
+    #[arg(long, env = "NODELOCALDNS_HA_DAEMONSET", default_value = "nodelocaldns-ha")]
+    pub daemonset: String,
+    /// How long to wait for its pods to go; then it says which are left and exits 0, so that
+    /// the uninstall goes on (an agent on a node that is down never gets its SIGTERM).
+    #[arg(long, default_value = "100s", allow_hyphen_values = true)]
+    pub timeout: String,
+    /// A kubeconfig; unset: the pod's service account.
+    #[arg(long, env = "NODELOCALDNS_HA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -24,7 +24,7 @@ pub mod removal;
 pub mod report;
 
 pub use follow::{follow, Follower};
-pub use removal::{Removal, Verdict};
+pub use removal::{uninstall, Removal, Uninstalled, Verdict};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -89,7 +89,12 @@ impl Reporter {
 
 /// The API client `settings` name: the kubeconfig's, or the pod's service account.
 pub async fn client(settings: &Settings) -> Result<kube::Client, Error> {
-    let config = match &settings.kubeconfig {
+    client_of(settings.kubeconfig.as_ref()).await
+}
+
+/// The API client of `kubeconfig`, or of the pod's service account.
+pub async fn client_of(kubeconfig: Option<&PathBuf>) -> Result<kube::Client, Error> {
+    let config = match kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)
                 .map_err(|source| Error::Kubeconfig { path: path.clone(), source })?;

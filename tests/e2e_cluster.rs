@@ -574,9 +574,9 @@ fn taint(node: &SimNode, name: &str) {
     assert!(out.status.success(), "{}", describe(&out));
 }
 
-/// The uninstall: the agent's DaemonSet deleted (foreground, as the chart's pre-delete hook
-/// deletes it: there, being deleted, while its pods get their SIGTERM), then the agent's
-/// SIGTERM. It tears down as `teardown` does and cleans its Node: the node's netfilter and lo
+/// The uninstall: the agent's DaemonSet deleted by `uninstall`, as the chart's pre-delete hook
+/// runs it (foreground: there, being deleted, while its pods get their SIGTERM), then the
+/// agent's SIGTERM. It tears down as `teardown` does and cleans its Node: the node's netfilter and lo
 /// are as before the agent started, byte for byte but for counters; the condition is gone, and
 /// so is the startup taint (put back on the node for this: the agent had taken it off at start).
 #[test]
@@ -592,9 +592,28 @@ fn sigterm_with_the_daemonset_deleted_puts_the_node_back() {
     });
     assert_ne!(netfilter(&node), before, "the agent installed nothing");
     taint(&node, &name);
-    let deleting = ["delete", "daemonset", "-n", "kube-system", "nodelocaldns-ha"];
-    let out = node.kubectl().args(deleting).args(["--cascade=foreground", "--wait=false"]).output();
-    assert!(out.expect("kubectl").status.success());
+    // The chart's pre-delete hook: `uninstall`, with its Role's rights (get and delete of the
+    // DaemonSet); no garbage collector here, so the DaemonSet stays being deleted, said.
+    let hook_role = r#"{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+     "metadata": {"name": "nodelocaldns-ha-uninstall", "namespace": "kube-system"},
+     "rules": [{"apiGroups": ["apps"], "resources": ["daemonsets"],
+       "resourceNames": ["nodelocaldns-ha"], "verbs": ["get", "delete"]}]}"#;
+    kubectl_with(&node, &["apply", "-f", "-"], hook_role.as_bytes());
+    let binding = ["create", "rolebinding", "nodelocaldns-ha-uninstall", "-n", "kube-system"];
+    let binding = [&binding[..], &["--role=nodelocaldns-ha-uninstall", "--user", AGENT_USER]];
+    kubectl_with(&node, &binding.concat(), b"");
+    let kubeconfig = agent_kubeconfig(&node);
+    wait_for("the hook's grant in force", Duration::from_secs(10), || {
+        let args = ["auth", "can-i", "delete", "daemonsets.apps/nodelocaldns-ha", "-n"];
+        let who = format!("--as={AGENT_USER}");
+        let out = node.kubectl().args(args).args(["kube-system", &who]).output().ok()?;
+        (String::from_utf8_lossy(&out.stdout).trim() == "yes").then_some(())
+    });
+    let hook = node.cli(&["uninstall", "--kubeconfig", &kubeconfig, "--timeout", "2s"]);
+    let said = describe(&hook);
+    println!("uninstall: {said}");
+    assert!(hook.status.success(), "{said}");
+    assert!(said.contains("is still being deleted after 2s"), "{said}");
 
     let exit = agent.stop(nix::sys::signal::Signal::SIGTERM);
     let log = agent.log_text();

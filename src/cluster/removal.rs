@@ -12,6 +12,12 @@
 //!
 //! On a removal, once the agent's rules are gone, [`Removal::clean_node`] takes off what the
 //! agent put on its Node: the condition [`super::report::CONDITION`] and the startup taint.
+//!
+//! An uninstall deletes the agent's RBAC and ServiceAccount with its DaemonSet, at once: by the
+//! time a pod gets its SIGTERM, its token may no longer be taken, and the agent could not tell
+//! (a restart, then) nor clean its Node. So the chart's pre-delete hook runs [`uninstall`]
+//! first: the DaemonSet deleted with foreground propagation (it stays, being deleted, until its
+//! pods are gone) and waited for, before anything else of the release is deleted.
 
 use std::time::Duration;
 
@@ -133,5 +139,45 @@ fn daemonset_resource() -> ApiResource {
         api_version: "apps/v1".into(),
         kind: "DaemonSet".into(),
         plural: "daemonsets".into(),
+    }
+}
+
+/// How [`uninstall`] ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Uninstalled {
+    /// The DaemonSet was not there.
+    NotThere,
+    /// It is gone, its pods with it.
+    Gone,
+    /// It is still there (being deleted) after the timeout: pods on nodes that are down, or
+    /// agents that did not stop.
+    StillThere,
+}
+
+/// Deletes the agents' DaemonSet `name` (in the client's namespace) with foreground
+/// propagation, and waits up to `timeout` until it is gone, which is when its pods are.
+pub async fn uninstall(
+    client: kube::Client,
+    name: &str,
+    timeout: Duration,
+) -> Result<Uninstalled, kube::Error> {
+    let daemonsets: Api<DynamicObject> =
+        Api::default_namespaced_with(client, &daemonset_resource());
+    match daemonsets.delete(name, &kube::api::DeleteParams::foreground()).await {
+        Err(kube::Error::Api(status)) if status.is_not_found() => return Ok(Uninstalled::NotThere),
+        Err(e) => return Err(e),
+        Ok(_) => {}
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut every = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        every.tick().await;
+        match daemonsets.get_opt(name).await? {
+            None => return Ok(Uninstalled::Gone),
+            Some(_) if tokio::time::Instant::now() >= deadline => {
+                return Ok(Uninstalled::StillThere)
+            }
+            Some(_) => {}
+        }
     }
 }

@@ -199,6 +199,7 @@ fn run(command: Command) -> Result<(), Failure> {
                 other => answered(other),
             }
         }
+        Command::Uninstall(args) => uninstall(&args),
         Command::Rules(args) => {
             let addrs = listen_addrs(&args.listen)?;
             let mut rules = RuleSet::desired(&addrs, args.route.into());
@@ -245,6 +246,33 @@ fn teardown(state_dir: &std::path::Path, xtables_wait: Duration) -> Result<Vec<S
     })?;
     said.push("removed everything nodelocaldns-ha installed (nftables and iptables)".into());
     Ok(said)
+}
+
+/// `uninstall`: the agents' DaemonSet deleted (foreground) and waited for, so that each agent
+/// puts its node back at its SIGTERM ([`nodelocaldns_ha::cluster::removal`]).
+fn uninstall(args: &cli::UninstallArgs) -> Result<(), Failure> {
+    use nodelocaldns_ha::cluster::{self, Uninstalled};
+    let timeout = config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
+    runtime()?.block_on(async {
+        let client = cluster::client_of(args.kubeconfig.as_ref())
+            .await
+            .map_err(|e| Failure::runtime(with_causes(&e)))?;
+        let ds = format!("DaemonSet {}/{}", client.default_namespace(), args.daemonset);
+        println!("deleting {ds} (foreground): each agent puts its node back at its SIGTERM");
+        let ended = cluster::uninstall(client, &args.daemonset, timeout)
+            .await
+            .map_err(|e| Failure::runtime(format!("deleting {ds}: {}", with_causes(&e))))?;
+        match ended {
+            Uninstalled::NotThere => println!("{ds} is not there: nothing to remove"),
+            Uninstalled::Gone => println!("{ds} and its pods are gone"),
+            Uninstalled::StillThere => println!(
+                "{ds} is still being deleted after {timeout:?}: an agent on a node that is down \
+                 (or that did not stop) keeps its rules there; `nodelocaldns-ha teardown` on \
+                 that node removes them"
+            ),
+        }
+        Ok(())
+    })
 }
 
 /// The agent's last act when it is being removed (its DaemonSet gone or being deleted): the
