@@ -69,7 +69,8 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 /// The tests of one file that run: `fn`s under a `#[test]` attribute (or `#[tokio::test]`, a
-/// loop test's) and no `#[ignore]`, in whatever order the attributes come. An ignored test
+/// loop test's) and no `#[ignore]`, in whatever order the attributes come, and the cases of a
+/// file that is its own harness. An ignored test
 /// proves nothing, so a row citing it fails.
 fn tests_in(text: &str) -> Vec<String> {
     let mut names = Vec::new();
@@ -105,6 +106,14 @@ fn tests_in(text: &str) -> Vec<String> {
             }
         }
         (test, ignored) = (false, false);
+        // A harness of its own (`harness = false`, the real node): its table of cases, each
+        // `("name", name),` on one line.
+        if let Some((quoted, rest)) = trimmed.strip_prefix("(\"").and_then(|t| t.split_once("\", "))
+        {
+            if rest.trim_end_matches("),") == quoted {
+                names.push(quoted.to_owned());
+            }
+        }
     }
     names
 }
