@@ -20,9 +20,9 @@ case "${1:-}" in
   ;;
 *) echo "usage: ci/demo.sh [--real]" >&2; exit 2 ;;
 esac
-ci/deps.sh >/dev/null
+ci/deps.sh --demo >/dev/null
 echo "== building"
-cargo build --quiet --workspace --bins
+cargo build --quiet --locked --workspace --bins
 
 prefix="d$(printf '%04x' $((RANDOM % 65536)))"
 export SIMNODE_DIR="${TMPDIR:-/tmp}/nlha-demo"

@@ -1,20 +1,30 @@
 #!/usr/bin/env bash
 # Installs what the build, the tests and the demo need on a fresh Debian machine (as root).
 # Idempotent: a machine that has everything is left alone.
+#   ci/deps.sh          everything ci/test.sh needs
+#   ci/deps.sh --demo   only what ci/demo.sh needs (its packages; no test tools)
 set -euo pipefail
 
-packages=(
+demo=(
   nftables iptables iproute2 conntrack   # netfilter and namespaces
   unbound dnsmasq-base dnsutils          # the cache, "CoreDNS", dig
   libnftnl-dev libmnl-dev pkg-config     # build nftnl
-  libcap2-bin util-linux                 # capsh, setpriv (privilege tests); flock (ci/k8s)
+  util-linux                             # flock (ci/k8s, for ci/demo.sh --real)
   openssl                                # the real control plane's throwaway CA (ci/k8s)
+)
+tests=(
+  libcap2-bin                            # capsh, setpriv (privilege tests)
   prometheus                             # promtool and a real server (tests/alerts.rs)
   python3-minimal                        # /usr/bin/python3: simnode's endpoint churn (real parts)
   musl-tools                             # musl-gcc: the musl resolver client (webhook tests, bench)
   busybox-static curl                    # the real node: its client image, the kubelet's health (testdata/realnode)
   buildah podman runc mmdebstrap         # the image, built and run (ci/image/, tests/e2e_image.rs)
 )
+case "${1:-}" in
+--demo) packages=("${demo[@]}") ;;
+"") packages=("${demo[@]}" "${tests[@]}") ;;
+*) echo "usage: ci/deps.sh [--demo]" >&2; exit 2 ;;
+esac
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -31,6 +41,7 @@ if ((${#missing[@]})); then
 fi
 
 command -v cargo >/dev/null || { echo "ci/deps.sh: cargo not found (the Rust toolchain is needed)"; exit 1; }
+[ "${1:-}" != --demo ] || exit 0
 # The real Kubernetes parts (ci/k8s/build.sh) need Go 1.26 or newer and the Go module proxy.
 go_version=$(go env GOVERSION 2>/dev/null || true)
 case "$go_version" in

@@ -16,6 +16,13 @@ targets=${FUZZ_TARGETS:-$(cargo fuzz list)}
 corpus=${FUZZ_CORPUS:-${TMPDIR:-/tmp}/nodelocaldns-ha-fuzz}
 
 profile=--${FUZZ_PROFILE:-release}
+# cargo fuzz has no --locked: the fuzz workspace's lockfile is checked current first, so that its
+# build resolves nothing anew (a stale one fails here, naming the fix).
+cargo metadata --locked --offline --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null 2>&1 ||
+  cargo metadata --locked --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null || {
+  echo "ci/fuzz.sh: fuzz/Cargo.lock is not current: run \`cargo metadata --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null\` and commit it" >&2
+  exit 1
+}
 cargo fuzz build -s none "$profile"
 # fuzz TARGET: runs one target (libFuzzer uses one core); its report goes to $corpus/TARGET.report,
 # printed once every target is done, so that reports of targets run together do not interleave.

@@ -100,3 +100,10 @@ stage real-node cargo test --locked --test e2e_kubelet
 stage vm-column cargo test --locked --test e2e_vm -- --test-threads 2
 # Every parser of outside input, fuzzed briefly (ci/fuzz.sh 600 by hand for longer).
 stage fuzz env FUZZ_PROFILE=dev ci/fuzz.sh 5
+# A run changes nothing of the repository: every lockfile current, nothing generated left.
+clean_tree() {
+  local left
+  left=$(git status --porcelain)
+  [ -z "$left" ] || { echo "ci/test.sh: the run left the repository changed:" >&2; echo "$left" >&2; return 1; }
+}
+stage clean-tree clean_tree

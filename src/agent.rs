@@ -82,6 +82,8 @@ pub struct Agent {
     leftover_notes: Vec<String>,
     /// What the node's own nftables firewall would stop, for `status` (as warnings).
     firewall: Vec<String>,
+    /// Others' rules for the cluster-DNS IP at the last look, counted.
+    foreign: state::Foreign,
 }
 
 /// Why pods on `Local` could not reach the cache: a chain of the node's firewall that would
@@ -206,6 +208,7 @@ impl Agent {
             leftovers: Vec::new(),
             leftover_notes: Vec::new(),
             firewall: Vec::new(),
+            foreign: state::Foreign::default(),
         };
         agent.set_upstream(&cfg.upstream);
         agent.note_firewall(&firewall);
@@ -361,6 +364,11 @@ impl Agent {
         self.reconciler.dataplane().announced_tables()
     }
 
+    /// The switching backend, as detection names it; `None` for a dataplane of none of them.
+    pub fn backend(&self) -> Option<crate::detect::Backend> {
+        crate::detect::Backend::named(self.reconciler.dataplane().name())
+    }
+
     /// Counted replies of the cache (see [`Dataplane::reply_packets`]).
     pub fn reply_packets(&mut self) -> Result<Option<u64>, dataplane::Error> {
         self.reconciler.reply_packets()
@@ -492,8 +500,10 @@ impl Agent {
     /// Replaces the warnings about the node (logged when they change), and counts its foreign
     /// NOTRACK rules in the metrics.
     pub fn set_problems(&mut self, problems: NodeProblems) {
-        let NodeProblems { foreign_notrack, warnings } = problems;
-        self.metrics.set_foreign_notrack(foreign_notrack);
+        let NodeProblems { foreign_notrack, in_effect, warnings } = problems;
+        self.metrics.set_foreign_notrack(foreign_notrack, in_effect);
+        self.foreign =
+            state::Foreign { rules: foreign_notrack as u64, in_effect: in_effect as u64 };
         if warnings != self.warnings {
             for w in warnings.iter().filter(|w| !self.warnings.contains(w)) {
                 warn!(warning = %w, "node problem");
@@ -546,6 +556,7 @@ impl Agent {
             probes: self.probes.clone(),
             upstream_from: self.upstream_from.clone(),
             forwarded: self.forwarded.clone(),
+            foreign: self.foreign,
         };
         state.startup_taint = self.notes.startup_taint.clone().map(|key| {
             let kept = crate::cluster::report::taint_kept(&state);

@@ -300,6 +300,7 @@ async fn run_with(
         listen: &listen,
         services: &services,
         tables: agent.announced_tables(),
+        backend: agent.backend(),
     });
     let node = spawn::spawn_node_watch(&cfg, node, cache_wakes, &mut tasks);
     let requests = match requests {

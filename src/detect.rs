@@ -66,6 +66,9 @@ pub struct SaveFacts {
     /// Rules node-cache installed (its comment), or any other NOTRACK for the listen addresses
     /// outside the agent's chains.
     pub foreign_notrack: Vec<String>,
+    /// Those of them that NOTRACK queries to a listen address (raw, `-d <IP>`): the ones that
+    /// keep pods on the cache unless the agent's rules run before them ([`overrides`]).
+    pub notrack_queries: Vec<String>,
 }
 
 /// Everything detection looks at.
@@ -99,6 +102,29 @@ pub struct Detection {
     /// What could not be looked at, e.g. `iptables-legacy-save: Permission denied` (the agent
     /// lacks CAP_NET_RAW): the choice above may be wrong.
     pub unreadable: Vec<String>,
+}
+
+/// Whether the agent's rules, switched by `backend`, run before a NOTRACK in `flavour`'s raw
+/// table, so that the packets they pin to conntrack ([`crate::ruleset::Action::Track`]) stay
+/// tracked whatever it says: nftables' chains at `raw - 10` run before every iptables raw chain;
+/// an iptables backend's jump is kept first in its own flavour's built-in chains only (the two
+/// flavours' raw chains share a priority, and which runs first is not ours to choose).
+pub fn overrides(backend: Backend, flavour: Flavour) -> bool {
+    match backend {
+        Backend::Nftables => true,
+        Backend::Iptables(own) => own == flavour,
+    }
+}
+
+impl Backend {
+    /// The switching backend a dataplane's [`name`](crate::dataplane::Dataplane::name) stands
+    /// for; `None` for a name of none of them (a test's fake).
+    pub fn named(name: &str) -> Option<Backend> {
+        if name == "nftables" {
+            return Some(Backend::Nftables);
+        }
+        Flavour::ALL.into_iter().find(|f| f.name() == name).map(Backend::Iptables)
+    }
 }
 
 /// Chains the agent's iptables backend owns: their rules are not foreign.
@@ -137,7 +163,14 @@ pub fn parse_save(text: &str, addrs: &[IpAddr]) -> SaveFacts {
                         || rule.contains(&format!("-s {ip}{host}"))
                 });
             if (node_cache || notracks_ours) && !chain.starts_with(OWN_CHAIN_PREFIX) {
-                facts.foreign_notrack.push(format!("-t {table} {line}"));
+                let found = format!("-t {table} {line}");
+                let to = |ip: &IpAddr| format!("-d {ip}/{}", if ip.is_ipv4() { 32 } else { 128 });
+                let queries =
+                    addrs.iter().any(|ip| rule.contains(&to(ip))) && rule.contains("--dport 53 ");
+                if table == "raw" && rule.contains("-j NOTRACK") && queries {
+                    facts.notrack_queries.push(found.clone());
+                }
+                facts.foreign_notrack.push(found);
             }
         }
     }
@@ -455,6 +488,58 @@ COMMIT
             "{:?}",
             d.foreign_notrack
         );
+    }
+
+    /// node-cache's rules for the cluster-DNS IP as `iptables-save` prints them, less the
+    /// filter table: its NOTRACK of pods' and host clients' queries, of its replies and of its
+    /// health port.
+    const NODE_CACHE_OWN: &str = "\
+*raw
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+-A PREROUTING -d 10.96.0.10/32 -p udp -m udp --dport 53 -m comment --comment \"NodeLocal DNS Cache: skip conntrack\" -j NOTRACK
+-A OUTPUT -s 10.96.0.10/32 -p udp -m udp --sport 53 -m comment --comment \"NodeLocal DNS Cache: skip conntrack\" -j NOTRACK
+-A OUTPUT -d 10.96.0.10/32 -p tcp -m tcp --dport 53 -m comment --comment \"NodeLocal DNS Cache: skip conntrack\" -j NOTRACK
+-A OUTPUT -d 10.96.0.10/32 -p tcp -m tcp --dport 8080 -m comment --comment \"NodeLocal DNS Cache: skip conntrack\" -j NOTRACK
+COMMIT
+";
+
+    #[test]
+    fn the_agents_rules_override_what_they_run_before() {
+        let cluster_dns: Vec<IpAddr> = vec!["10.96.0.10".parse().unwrap()];
+        let own = parse_save(NODE_CACHE_OWN, &cluster_dns);
+        assert_eq!(own.foreign_notrack.len(), 4);
+        // Queries to the cluster-DNS IP's port 53: what would keep pods on the cache.
+        assert_eq!(own.notrack_queries.len(), 2, "{:?}", own.notrack_queries);
+        assert!(own.notrack_queries.iter().all(|r| r.contains("--dport 53 ")));
+        let none = SaveFacts::default();
+        let nft = Backend::Iptables(Flavour::Nft);
+        let legacy = Backend::Iptables(Flavour::Legacy);
+        for (rules_in, backend, in_effect) in [
+            (Flavour::Nft, Some(Backend::Nftables), 0),
+            (Flavour::Legacy, Some(Backend::Nftables), 0),
+            (Flavour::Nft, Some(nft), 0),
+            (Flavour::Legacy, Some(legacy), 0),
+            (Flavour::Nft, Some(legacy), 2),
+            (Flavour::Legacy, Some(nft), 2),
+            (Flavour::Nft, None, 2),
+        ] {
+            let other = if rules_in == Flavour::Nft { Flavour::Legacy } else { Flavour::Nft };
+            let found = foreign::problems(&[(rules_in, &own), (other, &none)], backend);
+            assert_eq!((found.foreign_notrack, found.in_effect), (4, in_effect), "{backend:?}");
+            let cannot = found.warnings.iter().filter(|w| w.contains("cannot get ahead of"));
+            assert_eq!(cannot.count(), in_effect, "{:?}", found.warnings);
+            let flavour = format!("{rules_in}: -t raw");
+            assert!(found.warnings.iter().all(|w| w.contains(&flavour)), "{:?}", found.warnings);
+        }
+    }
+
+    #[test]
+    fn backends_are_known_by_their_dataplanes_names() {
+        assert_eq!(Backend::named("nftables"), Some(Backend::Nftables));
+        assert_eq!(Backend::named("iptables-nft"), Some(Backend::Iptables(Flavour::Nft)));
+        assert_eq!(Backend::named("iptables-legacy"), Some(Backend::Iptables(Flavour::Legacy)));
+        assert_eq!(Backend::named("fake"), None);
     }
 
     const KUBE_PROXY_IPVS: &str = "\

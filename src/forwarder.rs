@@ -99,20 +99,26 @@ pub struct Options {
 
 impl Default for Options {
     /// 2 s for the upstream (a stub resolver waits 5 s before it retries), 4096 queries in
-    /// flight, 1024 connections, 10 s idle; a sixteenth of each per client address: 256
-    /// queries and 64 connections.
+    /// flight, 256 connections, 10 s idle; a sixteenth of each per client address: 256
+    /// queries and 16 connections.
     ///
     /// A client needs about its rate times the upstream's latency in flight: 256 carry 50,000
-    /// queries/s at CoreDNS's 5 ms, and 128/s of queries that time out. It takes sixteen
-    /// addresses flooding at once to fill the whole bound.
+    /// queries/s at CoreDNS's 5 ms, and 128/s of queries that time out; 16 connections carry
+    /// 3,200 TCP lookups/s at 5 ms (DNS over TCP is what a truncated answer calls for). It
+    /// takes sixteen addresses flooding at once to fill a whole bound.
+    ///
+    /// The bounds are what the agent's memory limit holds at its worst (tests/e2e_memory.rs):
+    /// a relayed connection costs about 28 KiB (its two 8 KiB buffers, its task, two sockets
+    /// in the kernel), so 1,024 would take 29 MiB a family, and a dual-stack node (a forwarder
+    /// each) at those bounds goes past the DaemonSet's 64 MiB and is OOM-killed.
     fn default() -> Options {
         Options {
             upstream_timeout: Duration::from_secs(2),
             max_in_flight: 4096,
-            max_connections: 1024,
+            max_connections: 256,
             tcp_idle_timeout: Duration::from_secs(10),
             max_in_flight_per_client: 256,
-            max_connections_per_client: 64,
+            max_connections_per_client: 16,
             upstream_redial: Duration::from_secs(5),
         }
     }
@@ -511,8 +517,11 @@ fn setup(
     move |source| Error::Setup { listen, transport, step, source }
 }
 
-/// The UDP socket's receive buffer (the kernel doubles it for its bookkeeping).
-const UDP_RECV_BUFFER: usize = 4 << 20;
+/// The UDP socket's receive buffer (the kernel doubles it for its bookkeeping). Full, it holds
+/// about 7,000 queries (2 MiB at a query's 300-odd bytes of kernel memory), and a memory
+/// cgroup v2 charges all of it to the agent: 2 MiB a family, where 4 MiB would be 8 MiB, an
+/// eighth of the DaemonSet's 64 MiB for each forwarder on top of the forwarder at its bounds.
+const UDP_RECV_BUFFER: usize = 1 << 20;
 
 /// A non-blocking transparent socket bound to `listen` (listening, for TCP).
 fn transparent_socket(listen: SocketAddr, transport: Transport) -> Result<Socket, Error> {
@@ -560,7 +569,8 @@ fn transparent_socket(listen: SocketAddr, transport: Transport) -> Result<Socket
     }
     if transport == Transport::Udp {
         // Room for a burst from every client while the task is between two reads: the default
-        // (net.core.rmem_default, 208 KiB) holds about 1,500 queries. SO_RCVBUFFORCE passes
+        // (net.core.rmem_default, 208 KiB) holds about 1,500 queries, this five times as many,
+        // over the whole in-flight bound. SO_RCVBUFFORCE passes
         // net.core.rmem_max with CAP_NET_ADMIN, which the forwarder has; else what it allows.
         if setsockopt(&socket, sockopt::RcvBufForce, &UDP_RECV_BUFFER).is_err() {
             let _ = socket.set_recv_buffer_size(UDP_RECV_BUFFER);

@@ -26,6 +26,7 @@
 //! | `nodelocaldns_ha_override_active` | gauge | `route` |
 //! | `nodelocaldns_ha_route_held` | gauge | |
 //! | `nodelocaldns_ha_foreign_notrack_rules` | gauge | |
+//! | `nodelocaldns_ha_foreign_notrack_rules_in_effect` | gauge | |
 //! | `nodelocaldns_ha_transition_hook_runs_total` | counter | `result` |
 //! | `nodelocaldns_ha_forwarder_udp_queries_total` | counter | |
 //! | `nodelocaldns_ha_forwarder_udp_answers_total` | counter | |
@@ -252,6 +253,7 @@ pub struct Metrics {
     override_active: Family<RouteLabels, Gauge>,
     held: Gauge,
     foreign_notrack: Gauge,
+    foreign_in_effect: Gauge,
     hook_runs: Family<HookLabels, Counter>,
     forwarders: Arc<Forwarders>,
 }
@@ -279,6 +281,7 @@ impl Metrics {
             override_active: Family::default(),
             held: Gauge::default(),
             foreign_notrack: Gauge::default(),
+            foreign_in_effect: Gauge::default(),
             hook_runs: Family::default(),
             forwarders: Arc::default(),
         };
@@ -369,8 +372,13 @@ impl Metrics {
         );
         r.register(
             "foreign_notrack_rules",
-            "NOTRACK rules of others for the cluster-DNS IP found at the last look (node-cache without -setupiptables=false): while any exists, the Upstream route cannot take effect",
+            "Rules of others for the cluster-DNS IP found at the last look: node-cache's own (it runs without -setupiptables=false), or anyone's NOTRACK; the agent's rules run before them and make them harmless, but for those counted in foreign_notrack_rules_in_effect",
             self.foreign_notrack.clone(),
+        );
+        r.register(
+            "foreign_notrack_rules_in_effect",
+            "NOTRACK rules of others for the cluster-DNS IP that the agent's rules do not run before (another iptables flavour than the agent's): while any exists, pods stay on the cache whatever the route",
+            self.foreign_in_effect.clone(),
         );
         r.register(
             "transition_hook_runs",
@@ -439,9 +447,11 @@ impl Metrics {
         self.held.set(i64::from(held));
     }
 
-    /// How many NOTRACK rules of others the last look found for the cluster-DNS IPs.
-    pub fn set_foreign_notrack(&self, rules: usize) {
+    /// How many rules of others the last look found for the cluster-DNS IPs, and how many of
+    /// them are in effect (not made harmless by the agent's rules).
+    pub fn set_foreign_notrack(&self, rules: usize, in_effect: usize) {
         self.foreign_notrack.set(i64::try_from(rules).unwrap_or(i64::MAX));
+        self.foreign_in_effect.set(i64::try_from(in_effect).unwrap_or(i64::MAX));
     }
 
     /// Counts one run of the transition hook: `result` is `ok`, `failed` or `timeout`, or

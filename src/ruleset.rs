@@ -20,6 +20,10 @@
 //!   takes them. The cache's own replies from that IP stay NOTRACKed in both routes: a late
 //!   reply (after a hang) would otherwise leave a conntrack entry whose reverse tuple steers a
 //!   later query from the same client port back to the cache, around the DNAT.
+//! * both routes, after the NOTRACK of `Local`: every query to the cluster-DNS IP that the
+//!   agent did not NOTRACK is pinned to conntrack ([`Action::Track`]), so that no NOTRACK after
+//!   it (node-cache's own rules, re-inserted every minute when it runs without
+//!   `-setupiptables=false`) can keep pods on a cache that is gone, hung or drained.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -42,6 +46,12 @@ pub const FORWARDER_V4: SocketAddr =
 /// all the same, and TPROXY delivers to the socket, not to an address.
 pub const FORWARDER_V6: SocketAddr =
     SocketAddr::new(IpAddr::V6(Ipv6Addr::new(0xfd00, 0x169, 0x254, 0, 0, 0, 0, 0x53)), DNS_PORT);
+
+/// The comment of the rules that pin pods' queries for the cluster-DNS IP to conntrack
+/// ([`Action::Track`]).
+pub const TRACK_COMMENT: &str = "pods to CoreDNS, whatever NOTRACK follows";
+/// The same for host-network clients' queries.
+pub const HOST_TRACK_COMMENT: &str = "host to CoreDNS, whatever NOTRACK follows";
 
 /// The comment of the rules that count the cache's replies from the cluster-DNS IP.
 pub const REPLY_COMMENT: &str = "cache replies";
@@ -191,6 +201,10 @@ pub enum Guard {
     /// `ip ttl 255` (`ip6 hoplimit 255`): sent by the agent's forwarder, whose packets carry
     /// [`FORWARDER_HOP_LIMIT`].
     FromForwarder,
+    /// `ct state != untracked` (`-m conntrack ! --ctstate UNTRACKED`): not NOTRACKed by a rule
+    /// before it. Before conntrack has seen a packet its state reads `invalid`, so in the raw
+    /// hook this is every packet the agent's own NOTRACK left alone.
+    NotUntracked,
 }
 
 /// What a rule does with the packets it matches.
@@ -203,6 +217,11 @@ pub enum Action {
     /// `tproxy ip to A:P`: the packet goes to the agent's forwarder socket at A:P, whatever its
     /// destination address says.
     Tproxy(SocketAddr),
+    /// `ct zone set 0` (`-j CT`): conntrack's template for its default zone on the packet, so
+    /// that it is tracked, and kube-proxy's DNAT takes it, whatever NOTRACK comes after it: a
+    /// NOTRACK (`notrack`, `-j NOTRACK`, `-j CT --notrack`) leaves a packet that already has a
+    /// conntrack attached as it is. Zone 0 is the one every packet is tracked in anyway.
+    Track,
 }
 
 /// One `… counter <action>` rule.
@@ -340,6 +359,13 @@ impl RuleSet {
                     ));
                     output.push(rule(Side::Destination, Guard::LocalAddress, "host to cache"));
                 }
+                // Whatever the agent did not NOTRACK goes to kube-proxy's DNAT, whatever
+                // NOTRACK of others' comes after (node-cache's own rules): the rules of a cache
+                // that is gone or hung keep no pod on it.
+                let track =
+                    |comment| Rule::queries(ip, proto, Guard::NotUntracked, Action::Track, comment);
+                prerouting.push(track(TRACK_COMMENT));
+                output.push(track(HOST_TRACK_COMMENT));
                 // In both routes: a reply the cache sends (a late one, after a hang) must not
                 // leave a conntrack entry that would steer a later query back to it.
                 output.push(rule(Side::Source, Guard::None, REPLY_COMMENT));
@@ -405,13 +431,15 @@ impl RuleSet {
     }
 
     /// Whether pods' queries to the cluster-DNS IP are NOTRACKed to the cache: the `Local`
-    /// route's ruleset. (Those are the only guarded rules; `Upstream` has none.) Such a ruleset
-    /// must never be in the kernel without its ACCEPTs: on a host whose firewall rejects what
-    /// it has not accepted, NOTRACKed queries would meet the REJECT instead of kube-proxy's
-    /// DNAT.
+    /// route's ruleset. (Those are the only address-guarded rules; `Upstream` has none.) Such a
+    /// ruleset must never be in the kernel without its ACCEPTs: on a host whose firewall
+    /// rejects what it has not accepted, NOTRACKed queries would meet the REJECT instead of
+    /// kube-proxy's DNAT.
     pub fn steers_to_cache(&self) -> bool {
         self.rules().any(|(chain, rule)| {
-            chain.hook == Hook::Prerouting && !chain.is_fallback() && rule.guard != Guard::None
+            chain.hook == Hook::Prerouting
+                && !chain.is_fallback()
+                && matches!(rule.guard, Guard::LocalAddress | Guard::LocalSocket)
         })
     }
 
@@ -511,6 +539,7 @@ impl fmt::Display for Rule {
                 IpAddr::V4(_) => write!(f, " ip ttl {FORWARDER_HOP_LIMIT}")?,
                 IpAddr::V6(_) => write!(f, " ip6 hoplimit {FORWARDER_HOP_LIMIT}")?,
             },
+            Guard::NotUntracked => f.write_str(" ct state != untracked")?,
         }
         f.write_str(" counter ")?;
         match self.action {
@@ -518,6 +547,7 @@ impl fmt::Display for Rule {
             Action::Accept => f.write_str("accept")?,
             Action::Tproxy(to @ SocketAddr::V4(_)) => write!(f, "tproxy ip to {to}")?,
             Action::Tproxy(to @ SocketAddr::V6(_)) => write!(f, "tproxy ip6 to {to}")?,
+            Action::Track => f.write_str("ct zone set 0")?,
         }
         write!(f, " comment \"{}\"", self.comment)
     }

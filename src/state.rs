@@ -65,6 +65,17 @@ pub struct Forwarded {
     pub dropped: u64,
 }
 
+/// Others' rules for the cluster-DNS IP, at the agent's last look: node-cache's own (it runs
+/// without `-setupiptables=false`), or anyone's NOTRACK.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Foreign {
+    /// How many there are.
+    pub rules: u64,
+    /// Those that keep pods on the cache whatever the route: NOTRACKs of queries the agent's
+    /// rules do not run before. The rest its rules make harmless.
+    pub in_effect: u64,
+}
+
 /// The startup taint: the node's taint that keeps workloads off until its DNS works.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StartupTaint {
@@ -128,6 +139,9 @@ pub struct State {
     /// The link-local forwarder's counts, where it runs.
     #[serde(default)]
     pub forwarded: Option<Forwarded>,
+    /// Others' rules for the cluster-DNS IP, counted (each is named in `warnings`).
+    #[serde(default)]
+    pub foreign: Foreign,
 }
 
 /// How old a state file may be before its agent counts as wedged (it is rewritten every second).
@@ -438,6 +452,7 @@ mod tests {
             probes: Probes::default(),
             upstream_from: "--upstream-ip".into(),
             forwarded: None,
+            foreign: Foreign::default(),
         }
     }
 

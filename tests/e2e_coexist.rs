@@ -364,6 +364,32 @@ fn node_cache_rules_in_iptables_legacy_are_reported_without_saving_nat() {
     }
 }
 
+/// node-cache's rules in iptables-nft, the agent told to switch in iptables-legacy: the two
+/// flavours' raw chains share a priority, so its rules may run after node-cache's, and the
+/// NOTRACK of queries to the cluster-DNS IP (pods' and host clients', UDP and TCP) is in effect:
+/// counted apart in the state and `/metrics`, and named as such.
+#[test]
+fn node_cache_rules_the_agent_cannot_get_ahead_of_are_said_to_be_in_effect() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
+    node.script(&["node-cache-rules"]);
+    let agent = node.agent(&["--dataplane", "iptables-legacy"]);
+    let st = testkit::node_cache_rules_are_named(&node, &agent);
+    assert_eq!(st["foreign"]["in_effect"], 4, "{st}");
+    let warnings = st["warnings"].as_array().expect("warnings");
+    let in_effect: Vec<&str> = warnings
+        .iter()
+        .filter_map(|w| w.as_str())
+        .filter(|w| w.contains("cannot get ahead of"))
+        .collect();
+    assert_eq!(in_effect.len(), 4, "{in_effect:?}");
+    assert!(in_effect.iter().all(|w| w.contains("-d 10.96.0.10/32")), "{in_effect:?}");
+    let (_, metrics) = node.http_get("/metrics");
+    assert!(metrics.contains("\nnodelocaldns_ha_foreign_notrack_rules_in_effect 4\n"), "{metrics}");
+    node.script(&["node-cache-rules", "--remove"]);
+    agent.wait_warnings(false, Duration::from_secs(15));
+    node.tear_down(agent);
+}
+
 fn node_cache_rules_reported(kube_proxy: &str) {
     let node = SimNode::up_with(&["--kube-proxy", kube_proxy]);
     node_cache_rules_reported_on(&node, &[], || {});

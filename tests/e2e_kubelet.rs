@@ -593,9 +593,10 @@ fn node_cache_rules(s: &Suite) -> usize {
 
 /// node-local-dns as an operator who did not patch it runs it: node-cache without
 /// `-setupiptables=false` and `-skipteardown`, so it puts its own NOTRACK rules in (at its
-/// first sync, a minute after it starts) and keeps them. What pods get across a kill and a
-/// hang then, and what the agent says. Then patched again: the old node-cache's SIGTERM
-/// takes its rules out.
+/// first sync, a minute after it starts) and keeps them. The agent's rules pin to conntrack
+/// what they do not send to the cache, so node-cache's rules cannot keep pods on a dead or hung
+/// cache: a kill and a hang lose no lookup, and the agent says the rules are there, harmless.
+/// Then patched again: the old node-cache's SIGTERM takes its rules out.
 fn node_local_dns_unpatched(s: &Suite) {
     let patched = node_cache_args(s);
     let stock: Vec<String> = patched
@@ -623,29 +624,21 @@ fn node_local_dns_unpatched(s: &Suite) {
         status["warnings"]
     );
 
-    let client = s.client();
     let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
     let pid = s.node.container_pid(NS, &pod, "node-cache");
-    let mut load = s.node.load(&client, RATE);
-    load.load.wait_cache_answers();
-    nix_kill(pid, "KILL");
-    load.wait_back_on_cache(Duration::from_secs(120));
-    let (kill, _) = load.stop();
-    println!("unpatched, node-cache SIGKILLed: {}", counts(&kill));
+    under_load(s, "unpatched, node-cache SIGKILLed", || nix_kill(pid, "KILL"));
+    assert!(node_cache_rules(s) > 0, "node-cache's rules went: nothing was unpatched");
 
     s.wait_route("local", Duration::from_secs(60));
     let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
     let pid = s.node.container_pid(NS, &pod, "node-cache");
-    let mut load = s.node.load(&client, RATE);
-    load.load.wait_cache_answers();
-    nix_kill(pid, "STOP");
-    s.wait_route("upstream", Duration::from_secs(30));
-    // The fault's length, not a wait for anything: the cache stays hung for 5 s.
-    std::thread::sleep(Duration::from_secs(5));
-    nix_kill(pid, "CONT");
-    load.wait_back_on_cache(Duration::from_secs(120));
-    let (hang, _) = load.stop();
-    println!("unpatched, node-cache hung 5 s: {}", counts(&hang));
+    under_load(s, "unpatched, node-cache hung 5 s", || {
+        nix_kill(pid, "STOP");
+        s.wait_route("upstream", Duration::from_secs(30));
+        // The fault's length, not a wait for anything: the cache stays hung for 5 s.
+        std::thread::sleep(Duration::from_secs(5));
+        nix_kill(pid, "CONT");
+    });
 
     set_node_cache_args(s, &patched);
     let gone = testkit::poll(Duration::from_secs(60), || (node_cache_rules(s) == 0).then_some(()));

@@ -174,40 +174,161 @@ fn real_kube_proxy_nftables_busy_node_cache_sigkill_loses_no_pod_lookup() {
     busy_node_cache_sigkill_loses_no_pod_lookup("real-nftables");
 }
 
-/// Acceptance 3, the stock arrangement: node-cache run as upstream ships it (without
-/// `-setupiptables=false`) puts its own NOTRACK and ACCEPT rules beside real kube-proxy's; the
-/// agent names them in its state and `status`, and what they cost: with them in place a cache
-/// SIGKILL fails pod lookups (their NOTRACK pins pods to the dead cache, whatever the agent
-/// does), and once they are gone the same kill fails none.
-#[test]
-fn real_kube_proxy_stock_node_cache_rules_are_named_and_cost_lookups() {
-    use std::time::Duration;
-    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+/// node-cache's own rules as `node-cache-rules` lists them in iptables-nft (the simulated node's
+/// flavour for the real parts), each line as `iptables-nft-save` prints it, sorted.
+fn node_cache_rules(node: &SimNode) -> Vec<String> {
+    let mut rules = Vec::new();
+    for table in ["raw", "filter"] {
+        let out = node.run("node", "iptables-nft-save", &["-t", table]);
+        assert!(out.status.success(), "{}", describe(&out));
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let ours = text.lines().filter(|l| l.contains("NodeLocal DNS Cache"));
+        rules.extend(ours.map(|l| format!("-t {table} {l}")));
+    }
+    rules.sort();
+    rules
+}
+
+/// node-local-dns as upstream ships it: node-cache without `-setupiptables=false`, its own
+/// unconditional NOTRACK and ACCEPT rules beside real kube-proxy's (`node-cache-rules`, put back
+/// at every sync of its), kube-proxy in `mode`; the agent (`auto` picks `dataplane`) with the
+/// cluster reports on. Returns the node, the agent and node-cache's rules as they were put in.
+fn with_stock_node_cache_rules(mode: &str, dataplane: &str) -> (SimNode, Agent, Vec<String>) {
+    let node = SimNode::up_with(&["--kube-proxy", mode]);
     node.script(&["node-cache-rules"]);
-    let agent = node.agent(&["--dataplane", "auto"]);
-    testkit::node_cache_rules_are_named(&node, &agent);
+    let stock = node_cache_rules(&node);
+    assert!(stock.len() >= 20, "{stock:?}");
+    let name = node.ns("node");
+    let kubeconfig = node.dir.join("admin.kubeconfig").display().to_string();
+    let agent =
+        node.agent(&["--dataplane", "auto", "--node-name", &name, "--kubeconfig", &kubeconfig]);
+    assert_eq!(agent.state().expect("state")["dataplane"], dataplane);
+    (node, agent, stock)
+}
 
-    let kill_and_count = || {
-        let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];
-        let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
-        load.wait_cache_answers();
-        node.kill("cache-kill");
-        agent.wait_route("upstream", Duration::from_secs(5));
-        node.script(&["cache-start"]);
-        agent.wait_route("local", Duration::from_secs(10));
-        load.wait_cache_answers();
-        load.interrupt()
+/// What the agent says of node-cache's rules: each named in `status` as harmless beside its
+/// own, counted in the state and in `/metrics`, none in effect.
+fn stock_rules_are_said_to_be_harmless(node: &SimNode, agent: &Agent) {
+    let st = testkit::node_cache_rules_are_named(node, agent);
+    let warnings = st["warnings"].as_array().expect("warnings");
+    let harmless = |w: &serde_json::Value| {
+        w.as_str().is_some_and(|w| w.contains("harmless beside the agent's rules"))
     };
-    let stock = kill_and_count();
-    println!("with node-cache's own rules: {stock}");
-    assert!(stock["failed"].as_u64().unwrap() > 0, "{stock}");
+    assert!(warnings.iter().all(harmless), "{st}");
+    assert_eq!(st["foreign"]["rules"].as_u64(), Some(warnings.len() as u64), "{st}");
+    assert_eq!(st["foreign"]["in_effect"], 0, "{st}");
+    let (status, metrics) = node.http_get("/metrics");
+    assert_eq!(status, 200);
+    let gauge = |name: &str| {
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))?.parse::<u64>().ok())
+    };
+    assert_eq!(gauge("nodelocaldns_ha_foreign_notrack_rules"), Some(warnings.len() as u64));
+    assert_eq!(gauge("nodelocaldns_ha_foreign_notrack_rules_in_effect"), Some(0));
+}
 
-    node.script(&["node-cache-rules", "--remove"]);
-    agent.wait_warnings(false, Duration::from_secs(15));
-    let ours = kill_and_count();
-    println!("without them: {ours}");
-    assert_eq!(ours["failed"], 0, "{ours}");
+/// The messages of the node's Events from the agent with `reason`, oldest first.
+fn event_messages(node: &SimNode, reason: &str) -> Vec<String> {
+    let out = node.kubectl().args(["get", "events", "-n", "default", "-o", "json"]).output();
+    let events: serde_json::Value =
+        serde_json::from_slice(&out.expect("kubectl").stdout).expect("JSON");
+    let items = events["items"].as_array().cloned().unwrap_or_default();
+    items
+        .iter()
+        .filter(|e| e["reason"] == reason && e["source"]["component"] == "nodelocaldns-ha")
+        .filter_map(|e| e["message"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The stock arrangement ([`with_stock_node_cache_rules`]) across a cache SIGKILL under 500 pod
+/// lookups/s: none lost, where node-cache's rules alone pin pods to the dead cache until it is
+/// back. The agent never touches them: while the cache is healthy (node-cache's next sync,
+/// `node-cache-rules` again, finds every rule as it left it and puts nothing back), nor while
+/// it is dead. Its own rules run before them and pin every query they do not send to the cache
+/// to conntrack, so node-cache's NOTRACK leaves it to kube-proxy's DNAT. The failover Event
+/// names the rules it overrode.
+fn stock_node_cache_rules_cost_no_lookup_on_a_kill(mode: &str, dataplane: &str) {
+    use std::time::Duration;
+    let (node, agent, stock) = with_stock_node_cache_rules(mode, dataplane);
+    let sent = |st: &serde_json::Value| st["probes"]["cache_udp"]["sent"].as_u64().unwrap_or(0);
+    let before = sent(&agent.state().expect("state"));
+    wait_for("30 more cache probes", Duration::from_secs(20), || {
+        agent.state().filter(|s| sent(s) >= before + 30)
+    });
+    node.script(&["node-cache-rules"]);
+    assert_eq!(node_cache_rules(&node), stock, "node-cache's rules changed while it was healthy");
+
+    testkit::cache_sigkill_loses_no_pod_lookup(&node, &agent);
+    assert_eq!(node_cache_rules(&node), stock, "node-cache's rules changed across the kill");
+    stock_rules_are_said_to_be_harmless(&node, &agent);
+    let failovers = wait_for("the failover Event", Duration::from_secs(10), || {
+        Some(event_messages(&node, "FailedOverToCoreDNS")).filter(|m| !m.is_empty())
+    });
+    println!("failover Events: {failovers:?}");
+    assert!(failovers.iter().all(|m| m.contains("overridden by the agent's")), "{failovers:?}");
     node.tear_down(agent);
+}
+
+#[test]
+fn real_kube_proxy_iptables_stock_node_cache_rules_cost_no_lookup_on_a_kill() {
+    stock_node_cache_rules_cost_no_lookup_on_a_kill("real-iptables", "iptables-nft");
+}
+
+#[test]
+fn real_kube_proxy_nftables_stock_node_cache_rules_cost_no_lookup_on_a_kill() {
+    stock_node_cache_rules_cost_no_lookup_on_a_kill("real-nftables", "nftables");
+}
+
+/// The stock arrangement ([`with_stock_node_cache_rules`]) across a hang (SIGSTOP) longer than
+/// glibc's 2 × 5 s would survive: 11 s by the client's own timeline, 500 pod lookups/s. With
+/// node-cache's rules alone every lookup sent to the hung cache fails; with the agent none does
+/// (the stall watch or the probes move the route, its rules pin the queries to conntrack, and
+/// node-cache's NOTRACK leaves them to kube-proxy's DNAT), and node-cache's rules are left as
+/// they were. The node's condition says, while it lasts, that they are overridden.
+fn stock_node_cache_rules_cost_no_lookup_on_a_hang(mode: &str, dataplane: &str) {
+    use std::time::Duration;
+    let (node, agent, stock) = with_stock_node_cache_rules(mode, dataplane);
+    let name = node.ns("node");
+    let args = ["--rate", "500", "--duration", "120s", "--report-interval", "250ms"];
+    let mut load = node.load("pod1", CLUSTER_DNS_IP, &args);
+    load.wait_cache_answers();
+    node.signal("cache-stop");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    // The hang's length, by the client's own timeline: 44 report intervals of 250 ms.
+    for _ in 0..44 {
+        load.wait_line("a report during the hang", Duration::from_secs(5), |_| true);
+    }
+    let condition = wait_for("the node condition", Duration::from_secs(10), || {
+        let out = node.kubectl().args(["get", "node", &name, "-o", "json"]).output().ok()?;
+        let got: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        let conditions = got["status"]["conditions"].as_array()?.clone();
+        let ours = conditions.into_iter().find(|c| c["type"] == "NodeLocalDNSReady")?;
+        (ours["reason"] == "FailedOverToCoreDNS").then_some(ours)
+    });
+    assert_eq!(node_cache_rules(&node), stock, "node-cache's rules changed during the hang");
+    node.signal("cache-cont");
+    agent.wait_route("local", Duration::from_secs(20));
+    load.wait_alone("cache");
+    let summary = load.interrupt();
+    println!("a hang of 11 s beside node-cache's own rules: {summary}");
+    assert_eq!(summary["failed"], 0, "lookups failed: {summary}");
+    assert!(summary["by_origin"]["coredns"].as_u64().unwrap() > 4000, "{summary}");
+    assert_eq!(summary["by_origin"]["other"], 0, "{summary}");
+    println!("during the hang: {condition}");
+    let message = condition["message"].as_str().unwrap_or_default();
+    assert!(message.contains("node-cache's own rules"), "{condition}");
+    assert!(message.contains("overridden by the agent's"), "{condition}");
+    stock_rules_are_said_to_be_harmless(&node, &agent);
+    node.tear_down(agent);
+}
+
+#[test]
+fn real_kube_proxy_iptables_stock_node_cache_rules_cost_no_lookup_on_a_hang() {
+    stock_node_cache_rules_cost_no_lookup_on_a_hang("real-iptables", "iptables-nft");
+}
+
+#[test]
+fn real_kube_proxy_nftables_stock_node_cache_rules_cost_no_lookup_on_a_hang() {
+    stock_node_cache_rules_cost_no_lookup_on_a_hang("real-nftables", "nftables");
 }
 
 /// A dual-stack cluster on the real parts: kube-dns with a ClusterIP of each family, real

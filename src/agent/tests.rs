@@ -259,7 +259,8 @@ fn state_reports_since_on_the_wall_clock() {
 
 /// A route held (the cache and the upstream both failing) and others' NOTRACK rules are in the
 /// metrics the alerting rules read: `route_held` 1 while held, 0 again once the upstream answers
-/// and the agent leaves; `foreign_notrack_rules` as the last look counted.
+/// and the agent leaves; `foreign_notrack_rules` and `_in_effect` as the last look counted, and
+/// in the state.
 #[test]
 fn a_held_route_and_foreign_rules_show_in_the_metrics() {
     use hickory_proto::op::ResponseCode;
@@ -287,9 +288,16 @@ fn a_held_route_and_foreign_rules_show_in_the_metrics() {
     assert_eq!(agent.route(), Route::Upstream);
     assert!(!held(), "{}", metrics.encode());
 
-    let problems = NodeProblems { foreign_notrack: 2, warnings: vec!["foreign NOTRACK".into()] };
-    agent.set_problems(problems);
-    assert!(metrics.encode().contains("\nnodelocaldns_ha_foreign_notrack_rules 2\n"));
+    let warnings = vec!["foreign NOTRACK".into()];
+    agent.set_problems(NodeProblems { foreign_notrack: 2, in_effect: 1, warnings });
+    let text = metrics.encode();
+    assert!(text.contains("\nnodelocaldns_ha_foreign_notrack_rules 2\n"), "{text}");
+    assert!(text.contains("\nnodelocaldns_ha_foreign_notrack_rules_in_effect 1\n"), "{text}");
+    let st = agent.state(at, std::time::SystemTime::now());
+    assert_eq!(st.foreign, crate::state::Foreign { rules: 2, in_effect: 1 });
+    assert_eq!(st.warnings, ["foreign NOTRACK"]);
     agent.set_problems(NodeProblems::default());
-    assert!(metrics.encode().contains("\nnodelocaldns_ha_foreign_notrack_rules 0\n"));
+    let text = metrics.encode();
+    assert!(text.contains("\nnodelocaldns_ha_foreign_notrack_rules 0\n"), "{text}");
+    assert!(text.contains("\nnodelocaldns_ha_foreign_notrack_rules_in_effect 0\n"), "{text}");
 }

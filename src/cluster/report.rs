@@ -42,7 +42,30 @@ pub fn condition(state: &State) -> Condition {
             ("FailedOverToCoreDNS", format!("queries go to CoreDNS: {}", state.reason))
         }
     };
+    let message = message + &foreign_note(state);
     Condition { status, reason, message, since_unix_ms: state.since_unix_ms }
+}
+
+/// What others' rules for the cluster-DNS IP mean for the route, said where it matters: those
+/// in effect, always (pods stay on the cache whatever the route); those the agent's rules make
+/// harmless, on `Upstream` (they would have kept pods on the cache the route left).
+fn foreign_note(state: &State) -> String {
+    let foreign = state.foreign;
+    if foreign.in_effect > 0 {
+        format!(
+            "; {} NOTRACK rules of others keep pods on the cache whatever the route (run \
+             node-cache with -setupiptables=false)",
+            foreign.in_effect
+        )
+    } else if foreign.rules > 0 && state.route == Route::Upstream {
+        format!(
+            "; node-cache's own rules for the cluster-DNS IP ({}, it runs without \
+             -setupiptables=false) overridden by the agent's",
+            foreign.rules
+        )
+    } else {
+        String::new()
+    }
 }
 
 /// An Event on the node.
@@ -72,7 +95,7 @@ pub fn event(reported: u64, state: &State) -> Option<Event> {
     let message = match count {
         1 => format!("{what}: {}", state.reason),
         n => format!("{what} ({n} route changes since the last report): {}", state.reason),
-    };
+    } + &foreign_note(state);
     Some(Event { kind, reason, message, count })
 }
 
@@ -157,6 +180,28 @@ mod tests {
             assert!(c.message.contains(held.unwrap_or("why")), "{}", c.message);
             assert_eq!(c.since_unix_ms, 3);
         }
+    }
+
+    #[test]
+    fn others_rules_are_said_where_they_matter() {
+        let mut up = state(Route::Upstream, "cache_refused", "cache udp probe refused", None, 1);
+        up.foreign = crate::state::Foreign { rules: 18, in_effect: 0 };
+        let said = "node-cache's own rules for the cluster-DNS IP (18, it runs without \
+                    -setupiptables=false) overridden by the agent's";
+        assert!(condition(&up).message.ends_with(said), "{}", condition(&up).message);
+        assert!(event(0, &up).unwrap().message.ends_with(said));
+        // On Local they change nothing: not said.
+        let mut local = state(Route::Local, "cache_recovered", "cache answered 3", None, 2);
+        local.foreign = up.foreign;
+        assert_eq!(condition(&local).message, "node-local-dns serves: cache answered 3");
+        assert_eq!(
+            event(1, &local).unwrap().message,
+            "node-local DNS back to the cache: cache answered 3"
+        );
+        // In effect: said on either route.
+        local.foreign.in_effect = 4;
+        let message = condition(&local).message;
+        assert!(message.contains("4 NOTRACK rules of others keep pods on the cache"), "{message}");
     }
 
     #[test]

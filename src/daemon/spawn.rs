@@ -124,6 +124,8 @@ pub(super) struct Watched<'a> {
     pub(super) services: &'a [IpAddr],
     /// The agent's tables whose changes nftables announces (`None`: any change).
     pub(super) tables: Option<Vec<TableWatch>>,
+    /// The agent's switching backend: whose raw rules its own run before.
+    pub(super) backend: Option<detect::Backend>,
 }
 
 /// The node's watchers: the cache's sockets (the socket-destroy events wake the cache probes),
@@ -148,7 +150,7 @@ pub(super) fn spawn_node_watch(
         problems,
         _idle: None,
     };
-    let Some(Watched { listen, services, tables }) = node else {
+    let Some(Watched { listen, services, tables, backend }) = node else {
         watch._idle = Some((firewall_tx, problems_tx));
         return watch;
     };
@@ -167,11 +169,18 @@ pub(super) fn spawn_node_watch(
         nftables::watch_firewall(listen.to_vec(), services.to_vec(), firewall_changed, firewall_tx);
     tasks.spawn("firewall watch", firewall);
     // Others' NOTRACK on the link-local IP is harmless: the fallback's TPROXY acts on untracked
-    // packets all the same. On the cluster-DNS IP it pins pods to the cache.
+    // packets all the same. On the cluster-DNS IP it would pin pods to the cache, where the
+    // agent's rules do not run before it.
     let period = detect::FOREIGN_RULES_PERIOD;
     let cluster_dns = cfg.addrs.cluster_dns.clone();
-    let foreign =
-        detect::watch_foreign_rules(cluster_dns, period, raw_changed, hearing, problems_tx);
+    let foreign = detect::watch_foreign_rules(
+        cluster_dns,
+        backend,
+        period,
+        raw_changed,
+        hearing,
+        problems_tx,
+    );
     tasks.spawn("foreign-rule watch", foreign);
     watch
 }

@@ -19,8 +19,11 @@ use crate::dataplane::{nftables_generation, FULL_READ_EVERY, POLL_ANNOUNCED};
 /// What one look at the node found that only an operator can fix.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeProblems {
-    /// NOTRACK rules of others for the cluster-DNS IPs.
+    /// Rules of others for the cluster-DNS IPs: node-cache's own, or anyone's NOTRACK.
     pub foreign_notrack: usize,
+    /// Those of them that NOTRACK queries where the agent's rules do not run first
+    /// ([`super::overrides`]): while any is there, pods stay on the cache whatever the route.
+    pub in_effect: usize,
     /// Each problem in words, the foreign rules' first: for `status` and the log.
     pub warnings: Vec<String>,
 }
@@ -29,8 +32,12 @@ pub struct NodeProblems {
 pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 
 /// Every `period`, looks for NOTRACK rules on `addrs` (the cluster-DNS IPs) that are not the
-/// agent's (node-cache run without `-setupiptables=false` re-inserts its own every 60 s): while
-/// they exist, the `Upstream` route cannot take effect, and only an operator can fix that.
+/// agent's (node-cache run without `-setupiptables=false` re-inserts its own every 60 s). Those
+/// the agent's rules, switched by `backend`, run before are made harmless by them: the agent
+/// never touches another owner's rules, so it never fights a live node-cache, and a dead or
+/// hung one's rules keep no pod on it. A NOTRACK of queries it cannot get ahead of (in the
+/// other iptables flavour than its own) is in effect: while it is there, `Upstream` cannot take
+/// effect, and only an operator can fix that. `None` for `backend`: none is overridden.
 ///
 /// iptables-nft is read again only when its raw tables were announced changed (`raw_changed`),
 /// or every [`POLL_ANNOUNCED`] (every period while announcements are not `hearing`), and not
@@ -43,12 +50,13 @@ pub(crate) const FOREIGN_RULES_PERIOD: Duration = Duration::from_secs(10);
 /// read (a whole save every period was seconds of CPU on a busy legacy node).
 pub(crate) async fn watch_foreign_rules(
     addrs: Vec<IpAddr>,
+    backend: Option<super::Backend>,
     period: Duration,
     raw_changed: Arc<AtomicBool>,
     hearing: Arc<AtomicBool>,
     tx: mpsc::Sender<NodeProblems>,
 ) {
-    use crate::detect::{gather_builtin_chains, Facts};
+    use crate::detect::gather_builtin_chains;
     let mut ticker = tokio::time::interval(period);
     let mut nft: Option<NftRead> = None;
     let mut legacy_read: Option<LegacyRead> = None;
@@ -90,32 +98,51 @@ pub(crate) async fn watch_foreign_rules(
             continue;
         };
         let mut unreadable = legacy.unreadable.clone();
-        let legacy = legacy_read.insert(legacy).facts.clone();
+        let legacy = &legacy_read.insert(legacy).facts;
         unreadable.extend(nft_unreadable.iter().cloned());
-        // Only the foreign rules and what was unreadable are used here.
-        let facts = Facts {
-            kube_proxy_nftables: false,
-            kube_ipvs0: false,
-            legacy,
-            nft: nft_facts.clone(),
-            unreadable,
-        };
-        let found = crate::detect::decide(&facts);
-        let foreign_notrack = found.foreign_notrack.len();
-        let foreign = found.foreign_notrack.into_iter().map(|rule| {
-            format!("foreign NOTRACK for a listen address (node-cache needs -setupiptables=false): {rule}")
-        });
-        let unreadable = found.unreadable.into_iter().map(|problem| {
+        let flavours = [(Flavour::Legacy, legacy), (Flavour::Nft, nft_facts)];
+        let mut found = problems(&flavours, backend);
+        found.warnings.extend(unreadable.into_iter().map(|problem| {
             format!(
                 "cannot read the node's iptables rules (CAP_NET_RAW missing? iptables-legacy also \
                  needs uid 0 to list its tables): {problem}"
             )
-        });
-        let warnings = foreign.chain(unreadable).collect();
-        if tx.send(NodeProblems { foreign_notrack, warnings }).await.is_err() {
+        }));
+        if tx.send(found).await.is_err() {
             return;
         }
     }
+}
+
+/// What each flavour's foreign rules mean, with the agent's rules switched by `backend`: each
+/// named, and whether the agent's rules make it harmless or it keeps pods on the cache.
+pub(crate) fn problems(
+    found: &[(Flavour, &SaveFacts)],
+    backend: Option<super::Backend>,
+) -> NodeProblems {
+    let mut problems = NodeProblems::default();
+    for &(flavour, facts) in found {
+        let overridden = backend.is_some_and(|b| super::overrides(b, flavour));
+        for rule in &facts.foreign_notrack {
+            problems.foreign_notrack += 1;
+            let warning = if overridden || !facts.notrack_queries.contains(rule) {
+                format!(
+                    "foreign rule for a listen address (node-cache runs without \
+                     -setupiptables=false), harmless beside the agent's rules: {flavour}: {rule}"
+                )
+            } else {
+                problems.in_effect += 1;
+                let own = backend.map_or("none".to_owned(), |b| b.to_string());
+                format!(
+                    "foreign NOTRACK the agent's rules ({own}) cannot get ahead of: while it is \
+                     there, pods stay on the cache whatever the route; run node-cache with \
+                     -setupiptables=false: {flavour}: {rule}"
+                )
+            };
+            problems.warnings.push(warning);
+        }
+    }
+    problems
 }
 
 /// What the search last read of iptables-nft: what it found, the nftables generation the read

@@ -65,7 +65,7 @@ fn every_name_has_the_prefix_help_and_a_type() {
     let m = Metrics::new();
     m.transition(Route::Local, Route::Upstream, "cache_refused");
     let s = Scrape::of(&m);
-    assert_eq!(s.types.len(), 13, "{:?}", s.types.keys());
+    assert_eq!(s.types.len(), 14, "{:?}", s.types.keys());
     for name in s.types.keys().chain(s.samples.keys()) {
         assert!(name.starts_with("nodelocaldns_ha_"), "{name}");
     }
@@ -99,6 +99,7 @@ fn every_series_exists_from_the_start() {
         "nodelocaldns_ha_dataplane_commit_duration_seconds_sum",
         "nodelocaldns_ha_drift_repairs_total",
         "nodelocaldns_ha_foreign_notrack_rules",
+        "nodelocaldns_ha_foreign_notrack_rules_in_effect",
         r#"nodelocaldns_ha_override_active{route="local"}"#,
         r#"nodelocaldns_ha_override_active{route="upstream"}"#,
         r#"nodelocaldns_ha_probe_duration_seconds_count{target="cache",protocol="tcp"}"#,
@@ -384,13 +385,16 @@ fn a_held_route_and_foreign_rules_are_gauges_from_zero() {
     let s = Scrape::of(&m);
     s.family("nodelocaldns_ha_route_held", "gauge");
     s.family("nodelocaldns_ha_foreign_notrack_rules", "gauge");
+    s.family("nodelocaldns_ha_foreign_notrack_rules_in_effect", "gauge");
     assert_eq!(s.value("nodelocaldns_ha_route_held"), 0.0);
     assert_eq!(s.value("nodelocaldns_ha_foreign_notrack_rules"), 0.0);
+    assert_eq!(s.value("nodelocaldns_ha_foreign_notrack_rules_in_effect"), 0.0);
     m.set_held(true);
-    m.set_foreign_notrack(2);
+    m.set_foreign_notrack(2, 1);
     let s = Scrape::of(&m);
     assert_eq!(s.value("nodelocaldns_ha_route_held"), 1.0);
     assert_eq!(s.value("nodelocaldns_ha_foreign_notrack_rules"), 2.0);
+    assert_eq!(s.value("nodelocaldns_ha_foreign_notrack_rules_in_effect"), 1.0);
     m.set_held(false);
     assert_eq!(Scrape::of(&m).value("nodelocaldns_ha_route_held"), 0.0);
 }

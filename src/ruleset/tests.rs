@@ -31,8 +31,39 @@ fn golden_dual_stack_local() {
 fn upstream_lets_every_query_to_the_cluster_dns_ip_through() {
     let set = RuleSet::desired(&addrs(&["169.254.20.10"], &["10.96.0.10"]), Route::Upstream);
     let cluster: Vec<_> = set.rules().filter(|(_, r)| r.addr.to_string() == "10.96.0.10").collect();
-    assert_eq!(cluster.len(), 2);
-    assert!(cluster.iter().all(|(c, r)| c.hook == Hook::Output && r.side == Side::Source));
+    assert_eq!(cluster.len(), 6);
+    // No NOTRACK of a query: each is pinned to conntrack instead, whatever NOTRACK follows.
+    for (chain, rule) in cluster {
+        match rule.side {
+            Side::Source => assert_eq!((chain.hook, rule.action), (Hook::Output, Action::Notrack)),
+            Side::Destination => {
+                assert_eq!((rule.guard, rule.action), (Guard::NotUntracked, Action::Track))
+            }
+        }
+    }
+}
+
+#[test]
+fn every_query_to_the_cluster_dns_ip_not_sent_to_the_cache_is_pinned() {
+    let a = addrs(&["169.254.20.10"], &["10.96.0.10"]);
+    let local = RuleSet::desired(&a, Route::Local);
+    for hook in [Hook::Prerouting, Hook::Output] {
+        let queries: Vec<(Guard, Action)> = local
+            .rules()
+            .filter(|(c, r)| c.hook == hook && !c.is_fallback() && r.side == Side::Destination)
+            .filter(|(_, r)| r.addr.to_string() == "10.96.0.10")
+            .map(|(_, r)| (r.guard, r.action))
+            .collect();
+        // Per protocol: the NOTRACK to the cache first, then the pin of what it left.
+        let to_cache =
+            if hook == Hook::Prerouting { Guard::LocalSocket } else { Guard::LocalAddress };
+        let per_proto = [(to_cache, Action::Notrack), (Guard::NotUntracked, Action::Track)];
+        assert_eq!(queries, [per_proto, per_proto].concat(), "{hook:?}");
+    }
+    assert!(local.steers_to_cache());
+    let upstream = RuleSet::desired(&a, Route::Upstream);
+    assert!(!upstream.steers_to_cache(), "a pin steers nothing to the cache");
+    assert_eq!(local.without_cache_steering(), upstream);
 }
 
 #[test]
@@ -48,6 +79,7 @@ fn local_guards_every_cluster_dns_query_rule() {
                 Guard::FromForwarder
             }
             (false, _, _) | (true, _, Side::Source) => Guard::None,
+            (true, _, Side::Destination) if rule.action == Action::Track => Guard::NotUntracked,
             (true, Hook::Prerouting, Side::Destination) => Guard::LocalSocket,
             (true, Hook::Output, Side::Destination) => Guard::LocalAddress,
         };

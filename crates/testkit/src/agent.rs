@@ -119,6 +119,23 @@ impl SimNode {
         self.starting(local, cluster_dns, upstream, extra, &[])
     }
 
+    /// Starts the agent for the given addresses (as [`SimNode::agent_for`]) as the first
+    /// process of the cgroup `cgroup` (a directory of a cgroup v1 hierarchy, or v2), which it
+    /// joins before it execs the agent: every page the agent ever touches is charged there.
+    pub fn agent_in_cgroup(
+        &self,
+        cgroup: &std::path::Path,
+        local: &str,
+        cluster_dns: &str,
+        upstream: &str,
+        extra: &[&str],
+    ) -> Agent {
+        let mut launch = Command::new("sh");
+        launch.args(["-c", r#"echo $$ > "$0/cgroup.procs" && exec "$@""#]).arg(cgroup);
+        launch.args(["ip", "netns", "exec", &self.ns("node"), agent_exe()]);
+        self.spawn_agent(launch, local, cluster_dns, upstream, extra, &[], true)
+    }
+
     /// The earlier agent's state file removed, then an agent started without waiting for a route.
     fn starting(
         &self,

@@ -112,6 +112,19 @@ fn main() -> ExitCode {
     }
 }
 
+/// Lifts the soft limit on open files to the hard one, as Go's runtime does for itself: a
+/// process often starts with a soft limit of 1,024, and the forwarders at their bounds hold two
+/// sockets for each connection they relay (256 a family), beside the agent's own. Where the
+/// hard limit is lower, it stays what it is.
+fn raise_open_files() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+        }
+    }
+}
+
 /// The environment variables behind the flags a refusal names (see [`cli::env_sources`]).
 fn env_sources(message: &str) -> String {
     let args: Vec<String> =
@@ -127,6 +140,7 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
+            raise_open_files();
             let v6 = cfg.addrs.local.iter().chain(&cfg.addrs.cluster_dns).find(|ip| ip.is_ipv6());
             if let (Some(ip), false) = (v6, kernel_has_ipv6()) {
                 return Err(Failure::usage(format!(

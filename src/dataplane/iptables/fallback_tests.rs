@@ -71,9 +71,11 @@ fn the_fallback_goes_to_mangle_and_the_notrack_chains_to_raw() {
     // Upstream: no socket guard; the heartbeat, the probes' ACCEPT and the TPROXY stay.
     let upstream = fallback_rules(&RuleSet::desired(&dual_stack(), Route::Upstream), Family::V4);
     assert_eq!(upstream, [&*mangle[0], &mangle[1], &mangle[3], &mangle[4], &mangle[6]]);
-    // Raw holds no ACCEPT and no TPROXY; the ACCEPT backend no mangle chain.
+    // Raw holds no ACCEPT and no TPROXY (its NOTRACKs, and the pins to conntrack); the ACCEPT
+    // backend no mangle chain.
     let raw = wanted(&local, Table::Raw, Family::V4).unwrap();
-    assert!(raw.chains.iter().flat_map(|c| &c.rules).all(|r| r.ends_with("-j NOTRACK")));
+    let notrack_or_pin = |r: &&String| r.ends_with("-j NOTRACK") || r.ends_with("-j CT");
+    assert!(raw.chains.iter().flat_map(|c| &c.rules).all(|r| notrack_or_pin(&r)));
     assert!(!render(&local.clone().with_accepts(&dual_stack()), Role::Accepts).contains("mangle"));
     // No link-local IP, no fallback chain: the family's mangle must hold nothing of ours.
     let clusterip_only = RuleSet::desired(&addrs(&[], &["10.96.0.10"]), Route::Local);

@@ -203,7 +203,7 @@ fn compare_matches_exactly_what_was_wanted() {
     let installed = saved_of(&upstream, Table::Raw, Family::V6, &[]);
     assert_eq!(
         state(&local, &installed, Family::V6),
-        State::Differs("IPv6 raw NODELOCALDNS-HA-PREROUTING: 2 rules, want 4".to_owned())
+        State::Differs("IPv6 raw NODELOCALDNS-HA-PREROUTING: 4 rules, want 6".to_owned())
     );
     // Foreign rules after the agent's jump and in other chains do not matter.
     let installed = saved_of(
@@ -271,7 +271,7 @@ fn compare_says_what_differs_first() {
                 "-A NODELOCALDNS-HA-PREROUTING -d 10.0.0.1/32 -j ACCEPT\n\
                  -A NODELOCALDNS-HA-PREROUTING -d 169.254.20.10/32 -p tcp",
             ),
-            "IPv4 raw NODELOCALDNS-HA-PREROUTING: 5 rules, want 4",
+            "IPv4 raw NODELOCALDNS-HA-PREROUTING: 7 rules, want 6",
         ),
         (
             tampered(
@@ -392,7 +392,7 @@ fn apply_script_keeps_a_jump_that_is_first_and_alone() {
     // Chains re-declared (flushed) and refilled, the jumps left alone.
     assert!(script.starts_with("*raw\n:NODELOCALDNS-HA-PREROUTING - [0:0]\n"), "{script}");
     assert!(jump_lines(&script).is_empty(), "{script}");
-    assert_eq!(script.lines().filter(|l| l.starts_with("-A ")).count(), 12);
+    assert_eq!(script.lines().filter(|l| l.starts_with("-A ")).count(), 16);
 }
 
 #[test]
@@ -731,7 +731,7 @@ pub(crate) mod kernel {
         assert_eq!(ipt_raw.check(&upstream).unwrap(), Check::Matches);
         assert_eq!(
             differs(ipt_raw.check(&local).unwrap()),
-            "IPv4 raw NODELOCALDNS-HA-PREROUTING: 2 rules, want 4"
+            "IPv4 raw NODELOCALDNS-HA-PREROUTING: 4 rules, want 6"
         );
         let text = save(ns, flavour, Family::V6, Table::Raw);
         let want = render_family(Table::Raw, &wanted(&upstream, Table::Raw, Family::V6).unwrap());
@@ -765,7 +765,7 @@ pub(crate) mod kernel {
         ipt(ns, flavour, Family::V4, &["-t", "raw", "-F", "NODELOCALDNS-HA-PREROUTING"]);
         assert_eq!(
             differs(ipt_raw.check(&upstream).unwrap()),
-            "IPv4 raw NODELOCALDNS-HA-PREROUTING: 0 rules, want 2"
+            "IPv4 raw NODELOCALDNS-HA-PREROUTING: 0 rules, want 4"
         );
         ipt_raw.apply(&upstream).unwrap();
         assert_eq!(ipt_raw.check(&upstream).unwrap(), Check::Matches);

@@ -4,10 +4,11 @@
 //!
 //! Rules are rendered exactly as `iptables-save` 1.8 prints them back (legacy and nft alike):
 //! `[-s 127.0.0.1/32] -d A/32 -p udp -m udp --dport 53 [-m addrtype --dst-type LOCAL [-m
-//! socket]] [-m recent …] -m comment --comment "…" -j <target>`, the target `NOTRACK`, `ACCEPT`
-//! or `TPROXY --on-port 53 --on-ip 127.53.0.53 --tproxy-mark 0x0/0x0` (whose rule has the
+//! socket]] [-m recent …] -m comment --comment "…" -j <target>`, the target `NOTRACK`, `ACCEPT`,
+//! `CT` or `TPROXY --on-port 53 --on-ip 127.53.0.53 --tproxy-mark 0x0/0x0` (whose rule has the
 //! forwarder's lease, `-m recent`), so read-back compares text lines, and the same lines are fed
-//! to `iptables-restore`.
+//! to `iptables-restore`. One file past 600 lines: rendering, parsing, comparing and the scripts
+//! all speak that one line format, and are read together.
 
 use super::lease_rules::{heartbeat, recent};
 use super::table::{Family, Table};
@@ -89,6 +90,8 @@ fn target(action: Action) -> String {
         Action::Tproxy(to) => {
             format!("TPROXY --on-port {} --on-ip {} --tproxy-mark 0x0/0x0", to.port(), to.ip())
         }
+        // `--zone 0` is the default, which iptables-save leaves out.
+        Action::Track => "CT".to_owned(),
     }
 }
 
@@ -185,6 +188,7 @@ fn rule_spec(rule: &Rule) -> String {
         (Guard::FromForwarder, Family::V6) => {
             spec.push_str(&format!(" -m hl --hl-eq {}", crate::ruleset::FORWARDER_HOP_LIMIT))
         }
+        (Guard::NotUntracked, _) => spec.push_str(" -m conntrack ! --ctstate UNTRACKED"),
     }
     // xt_TPROXY drops a packet no socket takes (nftables' `tproxy` lets it go on): TPROXY only
     // while the forwarder holds its lease (`forwarder::lease`), so that a fallback chain left

@@ -33,6 +33,14 @@ pub const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
 pub const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
 /// `cmp` operator `==` (`enum nft_cmp_ops`).
 pub const NFT_CMP_EQ: u32 = 0;
+/// `cmp` operator `!=`.
+pub const NFT_CMP_NEQ: u32 = 1;
+/// `ct state` (`enum nft_ct_keys`).
+pub const NFT_CT_STATE: u32 = 0;
+/// `ct zone`.
+pub const NFT_CT_ZONE: u32 = 17;
+/// `ct state`'s bit for a packet NOTRACK has marked (`NF_CT_STATE_UNTRACKED_BIT`).
+const NF_CT_STATE_UNTRACKED_BIT: u32 = 1 << 6;
 /// `fib daddr`: look the destination address up (`enum nft_fib_flags`).
 pub const NFTA_FIB_F_DADDR: u32 = 1 << 1;
 /// `fib … type`: the route type of the address (`enum nft_fib_result`).
@@ -84,6 +92,16 @@ pub enum Expr {
         /// `NFT_SOCKET_*`.
         key: u32,
     },
+    /// `ct load <key> => reg 1`.
+    Ct {
+        /// `NFT_CT_*`.
+        key: u32,
+    },
+    /// `ct set <key> with reg 1`.
+    CtSet {
+        /// `NFT_CT_*`.
+        key: u32,
+    },
     /// `counter` (its values are not compared).
     Counter,
     /// `notrack`.
@@ -112,6 +130,7 @@ impl Expr {
             Expr::Cmp { .. } => "cmp",
             Expr::Fib { .. } => "fib",
             Expr::Socket { .. } => "socket",
+            Expr::Ct { .. } | Expr::CtSet { .. } => "ct",
             Expr::Counter => "counter",
             Expr::Notrack => "notrack",
             Expr::Immediate { .. } | Expr::Accept => "immediate",
@@ -142,6 +161,7 @@ impl fmt::Display for Expr {
             Expr::Cmp { op, data } => {
                 match *op {
                     NFT_CMP_EQ => f.write_str("cmp eq ")?,
+                    NFT_CMP_NEQ => f.write_str("cmp neq ")?,
                     other => write!(f, "cmp op {other} ")?,
                 }
                 data.iter().try_for_each(|byte| write!(f, "{byte:02x}"))
@@ -153,6 +173,10 @@ impl fmt::Display for Expr {
             Expr::Socket { key: NFT_SOCKET_TRANSPARENT } => f.write_str("socket load transparent"),
             Expr::Socket { key: NFT_SOCKET_WILDCARD } => f.write_str("socket load wildcard"),
             Expr::Socket { key } => write!(f, "socket load key {key}"),
+            Expr::Ct { key: NFT_CT_STATE } => f.write_str("ct load state"),
+            Expr::Ct { key } => write!(f, "ct load key {key}"),
+            Expr::CtSet { key: NFT_CT_ZONE } => f.write_str("ct set zone"),
+            Expr::CtSet { key } => write!(f, "ct set key {key}"),
             Expr::Counter => f.write_str("counter"),
             Expr::Notrack => f.write_str("notrack"),
             Expr::Immediate { dreg, data } => {
@@ -266,6 +290,11 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
                 Expr::cmp_eq([crate::ruleset::FORWARDER_HOP_LIMIT]),
             ])
         }
+        // `ct state` is a host-endian u32 of one bit per state; `!= untracked` is one compare.
+        Guard::NotUntracked => exprs.extend([
+            Expr::Ct { key: NFT_CT_STATE },
+            Expr::Cmp { op: NFT_CMP_NEQ, data: NF_CT_STATE_UNTRACKED_BIT.to_ne_bytes().to_vec() },
+        ]),
     }
     exprs.push(Expr::Counter);
     match rule.action {
@@ -282,6 +311,11 @@ pub fn rule_expressions(rule: &Rule) -> Vec<Expr> {
                 Expr::Tproxy { family: u32::from(family) },
             ]);
         }
+        // The zone is a u16, in host order; nft loads it whole.
+        Action::Track => exprs.extend([
+            Expr::Immediate { dreg: NFT_REG_1, data: 0u16.to_ne_bytes().to_vec() },
+            Expr::CtSet { key: NFT_CT_ZONE },
+        ]),
     }
     exprs
 }

@@ -1,7 +1,7 @@
 //! The reviewed unsafe module of the nftables backend: it turns an [`Expr`] into a libnftnl
 //! expression so `nftnl::Rule::add_expr` can serialise it.
 //!
-//! nftnl has no `fib`, `notrack` or `tproxy` expression and its `socket` one sends an attribute
+//! nftnl has no `fib`, `notrack`, `tproxy` or `ct set` expression and its `socket` one sends an attribute
 //! `nft` does not, so every expression goes through this one generic implementation instead: a pure table
 //! ([`nftnl_form`]) says which libnftnl attributes to set, and one small function makes the calls.
 //! libnftnl then encodes the attributes exactly as it does for `nft`, which uses the same calls.
@@ -64,6 +64,14 @@ fn nftnl_form(expr: &Expr) -> (&'static CStr, Vec<(u32, Value<'_>)>) {
                 (sys::NFTNL_EXPR_SOCKET_KEY, U32(*key)),
                 (sys::NFTNL_EXPR_SOCKET_DREG, U32(NFT_REG_1)),
             ],
+        ),
+        Expr::Ct { key } => (
+            c"ct",
+            vec![(sys::NFTNL_EXPR_CT_KEY, U32(*key)), (sys::NFTNL_EXPR_CT_DREG, U32(NFT_REG_1))],
+        ),
+        Expr::CtSet { key } => (
+            c"ct",
+            vec![(sys::NFTNL_EXPR_CT_KEY, U32(*key)), (sys::NFTNL_EXPR_CT_SREG, U32(NFT_REG_1))],
         ),
         Expr::Counter => (
             c"counter",

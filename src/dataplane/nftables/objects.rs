@@ -321,8 +321,8 @@ fn decode_expr(name: &str, data: &[u8], out: &mut Vec<firewall::Expr>) -> Result
 
 /// Reads an expression's `NFTA_EXPR_DATA`. Attribute numbers are those of `enum nft_meta_attributes`,
 /// `nft_payload_attributes`, `nft_cmp_attributes` (+ `nft_data_attributes`), `nft_fib_attributes`
-/// `nft_socket_attributes`, `nft_immediate_attributes` and `nft_tproxy_attributes`; the first of
-/// each is 1.
+/// `nft_socket_attributes`, `nft_ct_attributes`, `nft_immediate_attributes` and
+/// `nft_tproxy_attributes`; the first of each is 1.
 pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
     let a = attribute_table::<9>(data)?;
     let u32_at = |kind: usize, what| required(a[kind], what).and_then(|v| be_u32(v, what));
@@ -370,6 +370,17 @@ pub fn parse_expr(name: &str, data: &[u8]) -> Result<Found> {
                 return other();
             }
             Expr::Socket { key: u32_at(1, "socket key")? }
+        }
+        // DREG 1, KEY 2, DIRECTION 3, SREG 4 (a `ct set`).
+        "ct" => {
+            let key = u32_at(2, "ct key")?;
+            match (a[1], a[3], a[4]) {
+                (Some(_), None, None) if u32_at(1, "ct register")? == NFT_REG_1 => Expr::Ct { key },
+                (None, None, Some(_)) if u32_at(4, "ct register")? == NFT_REG_1 => {
+                    Expr::CtSet { key }
+                }
+                _ => return other(),
+            }
         }
         "counter" => Expr::Counter,
         "notrack" => Expr::Notrack,

@@ -60,7 +60,7 @@ fn compare_matches_exactly_what_was_wanted() {
     assert_eq!(compare(&upstream, &installed(&upstream)), Check::Matches);
     assert_eq!(
         compare(&local, &installed(&upstream)),
-        Check::Differs("chain prerouting: 4 rules, want 8".to_owned())
+        Check::Differs("chain prerouting: 8 rules, want 12".to_owned())
     );
     assert_eq!(compare(&local, &Installed::default()), Check::Missing);
 }
@@ -81,9 +81,9 @@ fn compare_says_what_differs_first() {
         ),
         (|i| i.chains[1].hook = None, "chain output is not a base chain"),
         (|i| i.chains[1].policy = Some(0), "chain output has policy drop, want accept"),
-        (|i| i.rules.retain(|r| r.chain != "prerouting"), "chain prerouting: 0 rules, want 4"),
+        (|i| i.rules.retain(|r| r.chain != "prerouting"), "chain prerouting: 0 rules, want 6"),
         (
-            |i| i.rules[6].comment = Some("x".to_owned()),
+            |i| i.rules[8].comment = Some("x".to_owned()),
             "chain output: rule 3 has comment \"x\", want \"cache replies to the agent's probes\"",
         ),
         (

@@ -113,7 +113,7 @@ fn switching_to_upstream_drops_the_cluster_dns_rules() {
         assert_eq!(nftables.check(&upstream).unwrap(), Check::Matches);
         assert_eq!(
             nftables.check(&local).unwrap(),
-            Check::Differs("chain prerouting: 4 rules, want 8".to_owned())
+            Check::Differs("chain prerouting: 8 rules, want 12".to_owned())
         );
     });
 }
@@ -178,12 +178,12 @@ fn tampering_is_seen_and_repaired() {
         differs(
             &mut nftables,
             &["flush", "chain", "inet", TABLE, "prerouting"],
-            "chain prerouting: 0 rules, want 8",
+            "chain prerouting: 0 rules, want 12",
         );
         differs(
             &mut nftables,
             &["add", "rule", "inet", TABLE, "output", "accept"],
-            "chain output: 25 rules, want 24",
+            "chain output: 29 rules, want 28",
         );
         differs(&mut nftables, &["add", "chain", "inet", TABLE, "foo"], "extra chain foo");
         differs(
@@ -214,7 +214,7 @@ fn tampering_is_seen_and_repaired() {
                 "ip daddr 10.96.0.11 udp dport 53 counter notrack comment \
                  \"pods to cache (link-local)\"",
             ],
-            "chain prerouting: 9 rules, want 8",
+            "chain prerouting: 13 rules, want 12",
         );
 
         nftables.apply(&local).unwrap();
