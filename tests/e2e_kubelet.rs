@@ -735,25 +735,61 @@ fn kubelet_and_containerd_restarted_lose_no_lookup(s: &Suite) {
     assert_eq!(before, after, "the restarts replaced pods");
 }
 
-/// `helm uninstall` under load: the agent's pods go, pods keep their DNS through it and after
-/// it, and the node is as the README's *Removing* says: the agent's rules stay (node-cache
-/// still answers pods; a kill of it still fails them over in the kernel). The chart is then
-/// installed again for the cases after this one.
+/// `helm uninstall` under load, the agents able to ask the API server (the chart's
+/// clusterReports and startupTaint on): the chart's pre-delete hook deletes their DaemonSet,
+/// each agent's SIGTERM finds it being deleted and puts the node back. Pods keep their DNS
+/// through it and after it (0 failed lookups; afterwards CoreDNS answers them through
+/// kube-proxy), and the node has none of the agent's rules, no copy of the link-local IP on lo,
+/// no condition NodeLocalDNSReady and no startup taint (put back on the node before the
+/// uninstall: the agent had taken it off). The chart is then installed again for the cases
+/// after this one.
 fn helm_uninstall_loses_no_lookup(s: &Suite) {
-    under_load(s, "helm uninstall", || {
-        let out =
-            s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "2m"]);
-        assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
-        let gone = testkit::poll(Duration::from_secs(60), || {
-            s.node.pods(NS, AGENT).is_empty().then_some(())
-        });
-        assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
-    });
-    assert!(agent_rules_in(s), "the agent's rules went with it");
-    // Without the agent, a kill of the cache: the kernel's fast path alone.
-    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
-    let pid = s.node.container_pid(NS, &pod, "node-cache");
-    under_load(s, "node-cache SIGKILLed after the uninstall", || nix_kill(pid, "KILL"));
+    const TAINT: &str = "nodelocaldns-ha.io/dns-not-ready";
+    let reports = ["clusterReports.enabled=true", "clusterReports.startupTaint=true"];
+    let mut args = vec!["upgrade", RELEASE, CHART, "--namespace", NS, "--reuse-values"];
+    args.extend(reports.iter().flat_map(|v| ["--set", *v]));
+    args.extend(["--wait", "--timeout", "2m"]);
+    let out = s.node.helm(&args);
+    assert!(out.status.success(), "helm upgrade:\n{}", describe(&out));
+    s.wait_settled();
+    let node = s.node.kubectl(&["get", "nodes", "-o", "jsonpath={.items[0].metadata.name}"]);
+    let condition = || {
+        let n = s.node.get_json(&["get", "node", &node]);
+        let conditions = n["status"]["conditions"].as_array().cloned().unwrap_or_default();
+        conditions.into_iter().find(|c| c["type"] == "NodeLocalDNSReady")
+    };
+    let tainted = || {
+        let n = s.node.get_json(&["get", "node", &node]);
+        n["spec"]["taints"].as_array().is_some_and(|t| t.iter().any(|t| t["key"] == TAINT))
+    };
+    let reported =
+        testkit::poll(Duration::from_secs(60), || condition().filter(|c| c["status"] == "True"));
+    assert!(reported.is_some(), "no condition NodeLocalDNSReady True: {:?}", condition());
+    s.node.kubectl(&["taint", "node", &node, &format!("{TAINT}:NoSchedule")]);
+    assert!(agent_rules_in(s) && tainted(), "nothing for the uninstall to remove");
+
+    let client = s.client();
+    let mut load = s.node.load(&client, RATE);
+    load.load.wait_cache_answers();
+    let out = s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "3m"]);
+    println!("helm uninstall: {}", describe(&out));
+    assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
+    let gone =
+        testkit::poll(Duration::from_secs(60), || s.node.pods(NS, AGENT).is_empty().then_some(()));
+    assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
+    load.wait_on_coredns(Duration::from_secs(30));
+    let (summary, _lookups) = load.stop();
+    println!("helm uninstall: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "helm uninstall: lookups failed: {summary}");
+
+    assert!(!agent_rules_in(s), "the agent's rules are left after the uninstall");
+    let lo = s.node.in_node(&["ip", "-o", "address", "show", "dev", "lo"]);
+    assert!(!lo.contains("169.254.20.10"), "the agent's copy of the link-local IP is left:\n{lo}");
+    assert_eq!(condition(), None, "the condition NodeLocalDNSReady is left");
+    assert!(!tainted(), "the startup taint is left");
+    let hooks = s.node.try_kubectl(&["-n", NS, "get", "job", "nodelocaldns-ha-uninstall"]);
+    assert!(!hooks.status.success(), "the hook's Job is left: {}", describe(&hooks));
+
     let _ = helm_install(s, &[]);
     s.wait_settled();
 }
