@@ -502,16 +502,17 @@ fn every_rendering_passes_a_server_side_dry_run() {
         [&("MutatingWebhookConfiguration".into(), "".into(), "nodelocaldns-ha-webhook".into())];
     assert!(webhook["webhooks"][2]["clientConfig"]["caBundle"].is_string(), "{webhook}");
     renderings.push(("chart, the webhook's certificate provided".to_owned(), yaml));
-    // The `helm test` pods, whose ServiceAccount (the agent's) a dry run of the same rendering
-    // does not create: dry-run after it is there, as `helm test` runs after the install.
+    // The hooks: the `helm test` pods, whose ServiceAccount (the agent's) a dry run of the same
+    // rendering does not create, and the pre-delete hook's Job and RBAC: dry-run after it is
+    // there, as `helm test` runs after the install.
     let mut hooks = Vec::new();
     for (name, yaml) in &mut renderings {
         let all = objects(yaml);
         let kept = installed(all.clone());
         hooks.extend(
-            all.into_iter().filter(|(id, _)| !kept.contains_key(id)).map(|(_, o)| {
-                (format!("{name}, its helm test"), serde_json::to_string(&o).unwrap())
-            }),
+            all.into_iter()
+                .filter(|(id, _)| !kept.contains_key(id))
+                .map(|(_, o)| (format!("{name}, its hook"), serde_json::to_string(&o).unwrap())),
         );
         *yaml = kept.values().map(|o| serde_json::to_string(o).unwrap() + "\n---\n").collect();
     }
@@ -540,7 +541,7 @@ fn every_rendering_passes_a_server_side_dry_run() {
         let out = kubectl(&node, &["apply", "--dry-run=server", "-f", "-"], pod);
         assert!(out.status.success(), "{name}: the API server refused it: {}", describe(&out));
     }
-    println!("{} helm test pods accepted", hooks.len());
+    println!("{} hook objects accepted (helm test pods, the pre-delete hook's)", hooks.len());
     // Nothing was stored: the agent's DaemonSet is not there.
     let out = kubectl(&node, &["-n", "kube-system", "get", "daemonset", "nodelocaldns-ha"], "");
     assert!(!out.status.success(), "a dry run stored the DaemonSet: {}", describe(&out));
