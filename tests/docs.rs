@@ -79,6 +79,7 @@ fn tests_in(text: &str) -> Vec<String> {
     // Inside a top-level macro call (`guest_tests! { fn name() { … } }`), every `fn` is a test
     // the macro makes.
     let mut in_macro = false;
+    let mut previous = "";
     for line in text.lines() {
         let trimmed = line.trim();
         if !line.starts_with(' ') && line.ends_with("! {") {
@@ -106,14 +107,20 @@ fn tests_in(text: &str) -> Vec<String> {
             }
         }
         (test, ignored) = (false, false);
-        // A harness of its own (`harness = false`, the real node): its table of cases, each
-        // `("name", name),` on one line.
-        if let Some((quoted, rest)) = trimmed.strip_prefix("(\"").and_then(|t| t.split_once("\", "))
-        {
+        // A harness of its own (`harness = false`, the real node): its table of cases,
+        // `("name", name),` on one line, or its two halves on lines of their own.
+        let case = trimmed.strip_prefix("(\"").and_then(|t| t.split_once("\", "));
+        if let Some((quoted, rest)) = case {
             if rest.trim_end_matches("),") == quoted {
                 names.push(quoted.to_owned());
             }
         }
+        if let Some(quoted) = previous.strip_prefix('"').and_then(|p| p.strip_suffix("\",")) {
+            if trimmed.strip_suffix(',') == Some(quoted) {
+                names.push(quoted.to_owned());
+            }
+        }
+        previous = trimmed;
     }
     names
 }

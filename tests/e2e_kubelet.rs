@@ -50,6 +50,10 @@ const CASES: &[Case] = &[
     ),
     ("helm_uninstall_loses_no_lookup", helm_uninstall_loses_no_lookup),
     (
+        "an_uninstall_without_reports_leaves_rules_that_kubectl_debug_tears_down",
+        an_uninstall_without_reports_leaves_rules_that_kubectl_debug_tears_down,
+    ),
+    (
         "a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns",
         a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns,
     ),
@@ -697,6 +701,45 @@ fn kube_proxy_moved_to_nftables_mode_loses_no_lookup(s: &Suite) {
         s.wait_route("upstream", Duration::from_secs(30));
         nix_kill(pid, "CONT");
     });
+    s.wait_settled();
+}
+
+/// `helm uninstall` without clusterReports (the chart's default): the agents cannot tell an
+/// uninstall from a restart and leave their rules, as the README says; the README's `kubectl
+/// debug` line (the agent's image, the node's namespaces, `teardown`) removes them. The chart is
+/// then installed again.
+fn an_uninstall_without_reports_leaves_rules_that_kubectl_debug_tears_down(s: &Suite) {
+    let out = s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "2m"]);
+    assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
+    let gone =
+        testkit::poll(Duration::from_secs(60), || s.node.pods(NS, AGENT).is_empty().then_some(()));
+    assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
+    assert!(agent_rules_in(s), "without clusterReports the rules stay");
+    let node = s.node.kubectl(&["get", "nodes", "-o", "jsonpath={.items[0].metadata.name}"]);
+    let (target, image) = (format!("node/{node}"), format!("--image={}", s.image));
+    let args = ["debug", &target, "--profile=sysadmin", &image, "--", "nodelocaldns-ha"];
+    let args = [&args[..], &["teardown", "--state-dir", "/host/run/nodelocaldns-ha"]].concat();
+    let out = s.node.try_kubectl(&args);
+    let said = describe(&out);
+    assert!(out.status.success(), "kubectl debug: {said}");
+    let pod = said
+        .split_whitespace()
+        .find(|w| w.starts_with("node-debugger-"))
+        .unwrap_or_else(|| panic!("no debugging pod named: {said}"))
+        .to_owned();
+    let phase = testkit::poll(Duration::from_secs(90), || {
+        let phase = s.node.kubectl(&["get", "pod", &pod, "-o", "jsonpath={.status.phase}"]);
+        ["Succeeded", "Failed"].contains(&phase.trim()).then(|| phase.trim().to_owned())
+    });
+    let log = s.node.kubectl(&["logs", &pod]);
+    println!("kubectl debug's teardown ({phase:?}):\n{log}");
+    s.node.kubectl(&["delete", "pod", &pod, "--wait=false"]);
+    assert_eq!(phase.as_deref(), Some("Succeeded"), "{log}");
+    assert!(log.contains("removed everything nodelocaldns-ha installed"), "{log}");
+    assert!(!agent_rules_in(s), "the agent's rules are left after the teardown");
+    let lo = s.node.in_node(&["ip", "-o", "address", "show", "dev", "lo"]);
+    assert!(!lo.contains("lo:nlha"), "the agent's copy of the link-local IP is left:\n{lo}");
+    let _ = helm_install(s, &[]);
     s.wait_settled();
 }
 
