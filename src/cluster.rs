@@ -1,5 +1,6 @@
 //! The agent seen from the cluster: its node condition and Events, through the API server, and
-//! never in the way of the failover (`../shared/STYLE.md` pattern 13).
+//! never in the way of the failover: the API server may be slow, down or hostile, and probing,
+//! deciding and switching go on regardless.
 //!
 //! The control loop hands the reporter each state it writes ([`Reporter::submit`]: a
 //! `watch` channel, so it never blocks and only the latest state waits); the reporter, a task of

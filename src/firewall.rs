@@ -14,7 +14,7 @@
 //! an interface and the addresses routed to it, as `pods.rs` reads them from the node's routes),
 //! judged one at a time, so that firewalld's trusted zone for the pod CIDR (`ip saddr
 //! 10.244.0.0/16 goto filter_IN_trusted`) or the CNI's interface (`iifname "cni0" …`) is seen to
-//! let them through (issue 30, defect 4). Without a known place, the interface is only known
+//! let them through. Without a known place, the interface is only known
 //! not to be `lo`. Anything else (a port of the pod's, a set, an expression this module does
 //! not model) is unknown, and an unknown match is taken both ways: a chain that *may* drop the
 //! packet counts as dropping it, and only an `accept` that surely matches counts as letting it

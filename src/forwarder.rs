@@ -1,5 +1,5 @@
 //! The agent's fallback DNS forwarder: who answers pods' queries for the link-local IP while the
-//! node-local cache is dead or hung (issue 12; docs/design/link-local.md §6.2).
+//! node-local cache is dead or hung (docs/design/link-local.md §6.2 says why this shape).
 //!
 //! The forwarder never takes the link-local IP (169.254.20.10) itself: that address stays the
 //! cache's. It listens on an address of its own (`127.53.0.53:53` and `[fd00:169:254::53]:53`
@@ -43,7 +43,7 @@
 //! share ([`Options::max_in_flight_per_client`], [`Options::max_connections_per_client`],
 //! kept by `Shares`): one pod that floods the fallback with queries the upstream answers
 //! late or never fills its own share and no more, and every other pod's queries still find
-//! room (issue 30, defect 7). A UDP query the upstream has not answered
+//! room. A UDP query the upstream has not answered
 //! within [`Options::upstream_timeout`] (give or take the 100 ms between two sweeps) is dropped
 //! without a word (the client retries, as it would after a lost datagram), and so is one the
 //! upstream refuses (an ICMP error); a TCP connection with nothing to relay for

@@ -1,5 +1,5 @@
-//! The C allocator's two settings that keep an idle agent's memory to what it uses (issue 33,
-//! acceptance 6), for glibc (elsewhere they do nothing):
+//! The C allocator's two settings that keep an idle agent's memory to what it uses (an idle
+//! agent's RSS, API client on, stays under 12 MiB: docs/operating.md), for glibc (elsewhere they do nothing):
 //!
 //! * **One arena.** glibc gives each thread that allocates while another holds the lock an arena
 //!   of its own, up to eight per core, and each keeps the pages it once used. The agent's

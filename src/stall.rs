@@ -1,4 +1,4 @@
-//! Hang detection at the speed of the traffic (issue 14). A hung cache stops reading its
+//! Hang detection at the speed of the traffic. A hung cache stops reading its
 //! sockets while queries keep arriving, and the kernel shows it within a millisecond: the
 //! socket's receive queue grows and never goes down. Probes alone need `fall` × `interval` to say
 //! the same (300 ms at the defaults). The measurements behind every choice here are in

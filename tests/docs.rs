@@ -137,7 +137,7 @@ fn every_fail_safe_row_is_backed_by_tests_that_exist() {
 }
 
 /// Each row of `file`'s table names tests that run, and the failures the policy must cover
-/// (issue 6) each have a row.
+/// each have a row.
 fn every_row_is_backed(file: &str, rows: &[(String, Vec<String>)], tests: &[String]) {
     assert!(rows.len() >= 9, "{file}: the table has {} rows", rows.len());
     for (failure, cited) in rows {

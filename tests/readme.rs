@@ -1,9 +1,9 @@
-//! Every command the README (and docs/*.md) shows still works as shown (issue 34): each `nodelocaldns-ha`
-//! command names a subcommand the binary has and only flags that subcommand takes; each script
-//! it runs (`ci/…`, `testdata/…`) is there and executable; each repository path it names is
-//! there; each `--set` of the Helm command is a value the chart has. What the commands then do
-//! is the end-to-end tests' business (the demo is `ci/demo.sh`; the chart's install is
-//! tests/e2e_deploy.rs's).
+//! Every command the README (and docs/*.md) shows still works as shown: each `nodelocaldns-ha`
+//! command (also where a `kubectl exec` runs it in the agent's pod) names a subcommand the binary
+//! has and only flags that subcommand takes; each script it runs (`ci/…`, `testdata/…`) is there
+//! and executable; each repository path it names is there; each `--set` of the Helm command is a
+//! value the chart has. What the commands then do is the end-to-end tests' business (the demo is
+//! `ci/demo.sh`; the chart's install is tests/e2e_deploy.rs's).
 
 #![forbid(unsafe_code)]
 
@@ -65,13 +65,42 @@ fn commands(readme: &str) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// The agent's command in `words`: the words themselves, or what a `kubectl exec` runs in the
+/// agent's pod (after its `--`), the form the docs give for the image, which has no shell.
+fn agent_command(words: &[String]) -> Option<Vec<String>> {
+    if words.first().is_some_and(|w| w == "kubectl") && words.iter().any(|w| w == "exec") {
+        let dashes = words.iter().position(|w| w == "--")?;
+        return Some(words[dashes + 1..].to_vec());
+    }
+    Some(words.to_vec())
+}
+
+#[test]
+fn the_kubectl_exec_form_is_read_as_the_agents_command() {
+    let words: Vec<String> = "kubectl -n kube-system exec $POD -c agent -- nodelocaldns-ha release"
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(agent_command(&words).unwrap(), ["nodelocaldns-ha", "release"]);
+    let exec_forms = commands(&readme())
+        .iter()
+        .filter(|w| w.first().is_some_and(|w| w == "kubectl") && w.iter().any(|w| w == "exec"))
+        .filter_map(|w| agent_command(w))
+        .filter(|w| w.first().is_some_and(|w| w == "nodelocaldns-ha"))
+        .count();
+    assert!(
+        exec_forms >= 3,
+        "the docs show {exec_forms} agent commands in their kubectl exec form"
+    );
+}
+
 #[test]
 fn every_agent_command_names_a_subcommand_and_its_flags() {
     let cli = Cli::command();
     let globals: BTreeSet<String> =
         cli.get_arguments().filter_map(|a| a.get_long()).map(str::to_owned).collect();
     let mut checked = 0;
-    for words in commands(&readme()) {
+    for words in commands(&readme()).iter().filter_map(|w| agent_command(w)) {
         let Some(rest) = words.strip_prefix(&["nodelocaldns-ha".to_owned()]) else { continue };
         let Some(name) = rest.first() else { continue };
         if name.starts_with('-') {

@@ -360,7 +360,7 @@ pub(crate) fn table(p: &Value) -> String {
          which asks kube-dns-upstream {UPSTREAM_IP}), through the peer (real CoreDNS bound at \
          169.254.20.10 where the cache was, configured as node-cache forwards a miss: \
          `forward . {UPSTREAM_IP}`, no cache; the agent's route `local`, so its socket takes \
-         them), and straight to CoreDNS through {UPSTREAM_IP}. Issue 35 asks the forwarder for \
+         them), and straight to CoreDNS through {UPSTREAM_IP}. The forwarder's target: \
          at least the peer's queries/s and at most half its CPU per query:\n\n\
          | arrangement | through the forwarder, queries/s | through the peer | forwarder ÷ peer, \
          queries/s | CPU-µs a query, forwarder / peer | ratio |\n|---|---|---|---|---|---|",
@@ -401,7 +401,7 @@ pub(crate) fn table(p: &Value) -> String {
     let _ = writeln!(
         md,
         "\nThe forwarder against straight to CoreDNS through kube-dns-upstream, in the same \
-         rounds (issue 12 asked for at least 0.8):\n"
+         rounds (the target: at least 0.8):\n"
     );
     md += &table("fallback", "fallback", "the forwarder", "fallback_over_coredns");
     let _ = writeln!(

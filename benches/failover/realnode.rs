@@ -186,17 +186,19 @@ pub fn table(rows: &[Value], idle: &Value) -> String {
     let mut md = String::from(
         "\nOn the real node (a real kubelet runs node-local-dns from upstream's manifest and the \
          agent from the chart; a client pod asks 10.96.0.10 with glibc's defaults):\n\n\
-         | event | arrangement | lookups | failed | first attempts lost | longest lookup |\n\
-         |---|---|---|---|---|---|\n",
+         | event | arrangement | lookups | failed | first attempts lost | answered by CoreDNS | \
+         longest lookup |\n\
+         |---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         md += &format!(
-            "| {} | {} | {} | {} | {} | {} ms |\n",
+            "| {} | {} | {} | {} | {} | {} | {} ms |\n",
             r["event"].as_str().unwrap_or(""),
             r["arrangement"].as_str().unwrap_or(""),
             r["sent"],
             r["failed"],
             r["first_attempt_lost"],
+            r["by_origin"]["coredns"],
             r["longest_ms"]
         );
     }

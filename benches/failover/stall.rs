@@ -239,7 +239,7 @@ pub(super) fn hang_detection(node: &SimNode, rate: u32) -> Value {
 pub(super) fn table(h: &Value) -> String {
     let trials = h["variants"][0]["trials"].as_array().map_or(0, Vec::len);
     let mut md = format!(
-        "\nHang detection (issue 14): a pod's glibc-like client at {} lookups/s to \
+        "\nHang detection: a pod's glibc-like client at {} lookups/s to \
          {CLUSTER_DNS_IP}, the cache hung (SIGSTOP) for {} ms; {trials} trials per agent, \
          alternating, the agent restarted for each.\n\n\
          | agent | fault → route change, median (p90) | fault → first good answer (CoreDNS), \
@@ -265,7 +265,7 @@ pub(super) fn table(h: &Value) -> String {
         );
     }
     md += &format!(
-        "\nFirst attempts lost, stall watch over probes only: {} (issue 14 asks at most 0.2).",
+        "\nFirst attempts lost, stall watch over probes only: {} (the target: at most 0.2).",
         h["first_attempts_lost_watch_over_probes"]
     );
     let s = &h["saturation"];

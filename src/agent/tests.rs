@@ -60,7 +60,7 @@ fn adopts_the_installed_route_without_applying() {
     assert_eq!(fake.kernel().applies, 0);
 }
 
-/// Issue 30 (10): a start that recognises neither route's ruleset (the rules' text changed by an
+/// A start that recognises neither route's ruleset (the rules' text changed by an
 /// upgrade) installs the route the last agent recorded, not `Local`.
 #[test]
 fn a_ruleset_of_neither_route_gives_way_to_the_recorded_route() {

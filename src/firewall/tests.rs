@@ -271,8 +271,8 @@ fn pods(places: &[(&str, &str, u8)]) -> Vec<PodSource> {
 
 #[test]
 fn a_trusted_zone_for_the_pod_cidr_lets_the_pods_it_holds_through() {
-    // Issue 30, defect 4: with the pods' places unknown the source is unknown, and the route
-    // stayed Upstream for good where node-local-dns alone served the pods.
+    // With the pods' places unknown the source is unknown, and the route would stay
+    // Upstream for good where node-local-dns alone served the pods.
     let t = firewalld_trusting(vec![source_in([10, 244, 0, 0], 16, "filter_IN_trusted")]);
     let calico = pods(&[("cali1", "10.244.1.5", 32), ("cali2", "10.244.1.6", 32)]);
     assert_eq!(blocking(std::slice::from_ref(&t), &addrs(), &calico), vec![]);

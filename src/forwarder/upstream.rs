@@ -1,11 +1,11 @@
 //! UDP to the upstream: a few long-lived sockets connected to it, shared by every client's
 //! queries, each with its table of the queries in flight ([`Pending`]).
 //!
-//! A socket per query, as the forwarder first had, cost a socket, a connect (a route lookup)
+//! A socket per query (the forwarder's first shape) costs a socket, a connect (a route lookup)
 //! and, on the node, a conntrack entry and kube-proxy's DNAT for every query, and a task to wait
-//! for its answer: about 40,000 queries/s on two cores, a third of what the same client got
-//! straight from CoreDNS, and some 28,000 conntrack entries left behind by each benchmark
-//! run (issue 12, acceptance 4). A connected socket looks its route up once, and all its
+//! for its answer: it carried about 40,000 queries/s on two cores, a third of what the same
+//! client got straight from CoreDNS, and left some 28,000 conntrack entries behind each
+//! benchmark run. A connected socket looks its route up once, and all its
 //! queries share one conntrack entry, NATed once; the kernel hands it datagrams from the
 //! upstream's address and port only. Queries leave under ids of the table's choosing
 //! (`ids.rs` says what an answer must show to be taken for one).
@@ -18,10 +18,9 @@
 //! query.
 //!
 //! Each socket is replaced by a new one every [`Options::upstream_redial`] (5 s; the pool's
-//! sockets a quarter of that apart), connected afresh from a new source port (issue 30,
-//! defect 5). A socket connected once kept one conntrack entry, and with it kube-proxy's DNAT
-//! to one CoreDNS endpoint, for the agent's life: a dead endpoint cost a quarter of the
-//! queries until it was withdrawn, and new replicas got none. The old socket is still read
+//! sockets a quarter of that apart), connected afresh from a new source port. A socket connected once would keep one conntrack entry, and with it kube-proxy's DNAT
+//! to one CoreDNS endpoint, for the agent's life: a dead endpoint would cost a quarter of the
+//! queries until it was withdrawn, and new replicas would get none. The old socket is still read
 //! until its queries have had their timeout, so no answer in flight is lost, and closed as soon
 //! as nothing is pending (an idle forwarder holds the pool's sockets only); a re-dial waits for
 //! the drain before it.

@@ -1,5 +1,5 @@
 //! The core cases, as pods and host clients see them, run on the stand-in node and on the real
-//! Kubernetes parts alike (issue 31): each takes a node and its running agent.
+//! Kubernetes parts alike: each takes a node and its running agent.
 
 use std::time::Duration;
 
@@ -50,7 +50,7 @@ pub fn cache_sigkill_loses_no_lookup_to(node: &SimNode, agent: &Agent, server: &
     assert_lost_to_the_kill("first attempt lost", &summary, killed_at, gone_at);
 }
 
-/// DNS over TCP (issue 18, point 7) through the cluster-DNS IP, from a pod and from the host (a
+/// DNS over TCP through the cluster-DNS IP, from a pod and from the host (a
 /// new connection per attempt): the cache answers on `Local`, CoreDNS after a cache SIGKILL
 /// (connections to the dead cache are refused, and the retry connects through the DNAT), the
 /// cache again once it is back. The host, as over UDP, loses only lookups sent between the kill
@@ -63,8 +63,8 @@ pub fn cache_sigkill_loses_no_lookup_to(node: &SimNode, agent: &Agent, server: &
 /// CoreDNS, dnsmasq, which forks a process per TCP connection, serves 20 at a time and queues
 /// 32 more; on this 2-core machine it stalls now and then from about 500 connections/s (SYNs
 /// dropped, retransmitted after 1 s: first attempts lost long after the kill, answered by
-/// CoreDNS late), and at 200/s it never did (measured 2026-11-26: 500/s, 1141 of 2500 first
-/// attempts lost in 1 of 4 runs of 5 s; 200/s, 0 of 1000 in each of 5). CoreDNS itself
+/// CoreDNS late), and at 200/s it did not (500/s: 1141 of 2500 first attempts
+/// lost in 1 of 4 runs of 5 s; 200/s: 0 of 1000 in each of 5). CoreDNS itself
 /// has no such limit; the assertions are about where losses fall, not how many lookups run.
 pub fn tcp_lookups_follow_the_route(node: &SimNode, agent: &Agent) {
     let args = ["--tcp", "--rate", "100", "--duration", "60s", "--report-interval", "100ms"];

@@ -1,4 +1,4 @@
-//! The agent from its image (issue 34): the image `ci/image/build.sh` built from the Dockerfile,
+//! The agent from its image: the image `ci/image/build.sh` built from the Dockerfile,
 //! run by podman as the DaemonSet's pod runs it, in the node's network namespace.
 
 use std::ops::Deref;

@@ -1,4 +1,4 @@
-//! What the webhook costs a pod's creation (issue 32, acceptance 5), on the simulated node's real
+//! What the webhook costs a pod's creation, on the simulated node's real
 //! kube-apiserver: pods created as a ReplicaSet creates them, one request each (`kubectl create`
 //! of a list, one POST after the other; kubectl's `-v=6` log gives each request's latency), in a
 //! labelled namespace (the API server calls the webhook, which mutates the pod) and in an

@@ -1,4 +1,4 @@
-//! The admission webhook of issue 32: in opted-in namespaces, a pod gets the node-local IP and
+//! The admission webhook: in opted-in namespaces, a pod gets the node-local IP and
 //! the kube-dns IP as its nameservers, so that a node whose whole DNS path is gone (the cache
 //! and the agent's failover both) leaves its pods a second nameserver.
 //!

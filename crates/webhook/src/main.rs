@@ -1,5 +1,5 @@
 //! `nodelocaldns-ha-webhook`: the mutating admission webhook that gives pods of opted-in
-//! namespaces the node-local IP and the kube-dns IP as nameservers (issue 32). Which namespaces
+//! namespaces the node-local IP and the kube-dns IP as nameservers. Which namespaces
 //! is the MutatingWebhookConfiguration's `namespaceSelector`; what a pod gets is here.
 
 #![forbid(unsafe_code)]

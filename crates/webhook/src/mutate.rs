@@ -1,7 +1,7 @@
 //! What the webhook does to a pod: nothing, with the reason, or `dnsPolicy: None` and the whole
 //! `dnsConfig` kubelet should write into the pod's resolv.conf.
 //!
-//! kubelet's rules (`../shared/REFERENCE.md` §10): with `ClusterFirst` a pod gets kubelet's
+//! kubelet's rules (`pkg/kubelet/network/dns/dns.go` in kubernetes/kubernetes): with `ClusterFirst` a pod gets kubelet's
 //! `clusterDNS` list, the search list `<ns>.svc.<domain> svc.<domain> <domain>` (then the node's
 //! own), `ndots:5`, and its own `dnsConfig` merged on top: nameservers and searches appended,
 //! duplicates dropped, options merged by name (the pod's value wins). To put the node-local IP

@@ -1,5 +1,5 @@
-//! The webhook on a real kube-apiserver (issue 32, acceptance 1): the simulated node's real
-//! control plane (`--kube-proxy real-iptables`, issue 31) calls the webhook binary, which runs
+//! The webhook on a real kube-apiserver: the simulated node's real
+//! control plane (`--kube-proxy real-iptables`) calls the webhook binary, which runs
 //! in the node's namespace as a webhook pod would on a node, registered by the project's own
 //! MutatingWebhookConfiguration applied with kubectl (its Service reference replaced by the
 //! webhook's URL and CA, as the test bed has no Service routing for the API server). Pods are

@@ -1,4 +1,4 @@
-//! The webhook's safety net as real resolvers meet it (issue 32, acceptance 3): the resolv.conf
+//! The webhook's safety net as real resolvers meet it: the resolv.conf
 //! kubelet writes for a mutated pod (the mutation's `dnsConfig`, in the runtime's format) in the
 //! pod's namespace, read by glibc's getaddrinfo (`dnsload --system-resolver`) and musl's
 //! (`testdata/resolver-load.c`), on the simulated node in the link-local shape.

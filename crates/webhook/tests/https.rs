@@ -1,5 +1,5 @@
 //! The webhook's binary over HTTPS on loopback, as the API server and the kubelet meet it: a
-//! review mutated; bad input answered without a patch, logged once and counted (acceptance 4);
+//! review mutated; bad input answered without a patch, logged once and counted;
 //! the certificate rotated under it and picked up without a restart; bad flags refused.
 
 mod common;

@@ -1,4 +1,4 @@
-// Throwaway research prototype (issue 14): read one listening socket's receive queue with an
+// Research prototype for docs/design/hang-detection.md: read one listening socket's receive queue with an
 // exact-match sock_diag request (INET_DIAG_REQ_V2 without NLM_F_DUMP: udp_dump_one /
 // inet_diag_dump_one_icsk), or with a dump, and trace it.
 //

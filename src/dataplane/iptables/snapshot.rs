@@ -99,7 +99,7 @@ pub fn legacy_tables(tables: &[Table]) -> Option<LegacyTables> {
 /// first use and kept (copies of the backend share them): each family's list of tables and a
 /// raw socket for copies of its tables. A look is then a `pread` a family and two `getsockopt`s
 /// a table, where opening the list and a socket each time was most of what an idle legacy node
-/// cost the agent (issue 30). Opened in the network namespace of the thread that first reads,
+/// cost the agent. Opened in the network namespace of the thread that first reads,
 /// the agent's for its whole life.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Kernel(Arc<Mutex<[Opened; 2]>>);

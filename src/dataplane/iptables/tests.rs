@@ -967,7 +967,7 @@ pub(crate) mod kernel {
         assert_eq!(packets(), 1, "no NOTRACK for a wildcard listener");
     }
 
-    /// Issue 30, 8: iptables-legacy announces no change, and a check runs every tick. It reads
+    /// iptables-legacy announces no change, and a check runs every tick. It reads
     /// a table back (a child process) only when the kernel holds it otherwise than at its last
     /// read-back: traffic moving the counters is no change; a CNI's rule in front of the jump,
     /// or the jump deleted, is, and is found at the next check. Counted, not timed.

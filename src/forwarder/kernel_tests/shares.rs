@@ -1,5 +1,5 @@
 //! Real-kernel tests of the forwarder's fair shares per client and of its upstream sockets'
-//! re-dials (issue 30), on [`super`]'s namespace, upstream and clients.
+//! re-dials, on [`super`]'s namespace, upstream and clients.
 
 use super::*;
 
@@ -70,7 +70,7 @@ fn ask_paced(from: SocketAddr, to: SocketAddr, rate: u32, total: u16) -> Vec<u16
 
 #[test]
 fn one_client_flooding_with_slow_queries_does_not_starve_another() {
-    // Issue 30, acceptance 5: one pod sends 5,000 queries a second that the upstream never
+    // One pod sends 5,000 queries a second that the upstream never
     // answers (each holds its place for the 2 s upstream timeout: 10,000 would be in flight,
     // beyond the 4,096 of the whole forwarder); another pod asks at 100/s and loses none.
     in_netns("fwd", test_path!(), |ns| {
@@ -183,7 +183,7 @@ fn a_client_s_share_of_udp_queries_comes_back_when_they_end() {
 
 #[test]
 fn sockets_to_the_upstream_are_redialled_and_answers_on_the_old_ones_still_arrive() {
-    // Issue 30, defect 5: a socket connected once keeps one conntrack entry, and kube-proxy's
+    // A socket connected once keeps one conntrack entry, and kube-proxy's
     // choice of an endpoint with it, for the agent's life. The test is the upstream: it sees
     // the source ports, and answers a query only after its socket has been replaced.
     in_netns("fwd", test_path!(), |ns| {

@@ -1,4 +1,4 @@
-//! The mutation over every combination of what a pod may bring (acceptance 2): idempotent, at
+//! The mutation over every combination of what a pod may bring: idempotent, at
 //! most 3 nameservers, the pod's own entries kept, the result a valid pod, the patch saying
 //! exactly that.
 

@@ -1,4 +1,4 @@
-//! Reviews as the API server sends them, and what it cannot read (acceptance 4): each answered
+//! Reviews as the API server sends them, and what it cannot read: each answered
 //! without a patch, and named.
 
 use serde_json::{json, Value};
