@@ -10,7 +10,8 @@
 //! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
 //! cache dies); `Upstream` stays because the agent last saw the cache failing. So an agent that
 //! stops, crashes or is upgraded leaves the node exactly as it last decided, and a restarted agent
-//! adopts the installed route instead of flipping. `teardown` removes everything.
+//! adopts the installed route instead of flipping. `teardown` removes everything, and so does an
+//! agent whose DaemonSet is gone or being deleted at its SIGTERM (`crate::cluster::removal`).
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
