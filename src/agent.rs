@@ -10,7 +10,8 @@
 //! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
 //! cache dies); `Upstream` stays because the agent last saw the cache failing. So an agent that
 //! stops, crashes or is upgraded leaves the node exactly as it last decided, and a restarted agent
-//! adopts the installed route instead of flipping. `teardown` removes everything.
+//! adopts the installed route instead of flipping. `teardown` removes everything, and so does an
+//! agent whose DaemonSet is gone or being deleted at its SIGTERM (`crate::cluster::removal`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -557,6 +558,7 @@ impl Agent {
             transitions: self.transitions,
             repairs: self.reconciler.repairs(),
             last_error: self.reconciler.last_error().map(str::to_owned),
+            ruleset_in: !self.is_dirty(),
             probes: self.probes.clone(),
             upstream_from: self.upstream_from.clone(),
             forwarded: self.forwarded.clone(),

@@ -49,6 +49,11 @@ pub enum Command {
     /// Before restarting node-local-dns: route to CoreDNS, wait until the cache has gone quiet.
     /// The agent returns to the cache once the new one passes its probes.
     Drain(DrainArgs),
+    /// Remove the agents from every node (the chart's pre-delete hook runs it): delete their
+    /// DaemonSet with foreground propagation and wait until its pods are gone. Each agent, at its
+    /// SIGTERM, finds its DaemonSet being deleted and puts its node back while its RBAC is still
+    /// there.
+    Uninstall(UninstallArgs),
 }
 
 /// Where the running agent is.
@@ -273,6 +278,12 @@ pub struct RunArgs {
     /// node unschedulable).
     #[arg(long, env = "NODELOCALDNS_HA_STARTUP_TAINT_TIMEOUT", default_value = "5m")]
     pub startup_taint_timeout: String,
+    /// The agent's own DaemonSet, in its pod's namespace (with --node-name): asked at SIGTERM.
+    /// Gone or being deleted, the agent is being removed: it removes its rules, its copies of
+    /// the link-local IPs, its node condition and the startup taint. There, or not known in 3 s:
+    /// a restart, and the rules stay for the next agent. Unset: every SIGTERM leaves the rules.
+    #[arg(long, env = "NODELOCALDNS_HA_DAEMONSET")]
+    pub daemonset: Option<String>,
 }
 
 impl RunArgs {
@@ -305,8 +316,23 @@ impl RunArgs {
             kubeconfig: self.kubeconfig.clone(),
             startup_taint: self.startup_taint.clone(),
             startup_taint_timeout: self.startup_taint_timeout.clone(),
+            daemonset: self.daemonset.clone(),
         }
     }
+}
+
+#[derive(Debug, Args)]
+pub struct UninstallArgs {
+    /// The agents' DaemonSet, in the client's namespace (the pod's).
+    #[arg(long, env = "NODELOCALDNS_HA_DAEMONSET", default_value = "nodelocaldns-ha")]
+    pub daemonset: String,
+    /// How long to wait for its pods to go; then it says which are left and exits 0, so that
+    /// the uninstall goes on (an agent on a node that is down never gets its SIGTERM).
+    #[arg(long, default_value = "100s", allow_hyphen_values = true)]
+    pub timeout: String,
+    /// A kubeconfig; unset: the pod's service account.
+    #[arg(long, env = "NODELOCALDNS_HA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -314,6 +340,10 @@ pub struct StatusArgs {
     /// Print the state as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Exit 1 unless an agent runs with this state directory and has its ruleset in (its
+    /// readiness), saying which is not so: for a check such as `helm test`.
+    #[arg(long)]
+    pub check: bool,
     /// The running agent's --state-dir.
     #[arg(long, env = "NODELOCALDNS_HA_STATE_DIR", default_value = "/run/nodelocaldns-ha")]
     pub state_dir: PathBuf,

@@ -14,16 +14,18 @@
 //! refuse them alone): a refused Event holds back neither the condition nor the startup taint.
 //!
 //! The same client follows the upstream Service when no flag fixes its address ([`follow`],
-//! [`crate::upstream`]).
+//! [`crate::upstream`]), and tells at SIGTERM the agent's removal from a restart ([`removal`]).
 //!
 //! On with `--node-name` (the DaemonSet sets it from the downward API) and a client: the
 //! kubeconfig of `--kubeconfig`, or the pod's service account. Off otherwise: the agent works
 //! from its flags alone.
 
 mod follow;
+pub mod removal;
 pub mod report;
 
 pub use follow::{follow, Follower};
+pub use removal::{uninstall, Removal, Uninstalled, Verdict};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,6 +61,9 @@ pub struct Settings {
     /// The upstream Service followed ([`follow`]), in the client's namespace (the pod's); `None`
     /// when `--upstream-ip` fixes the upstream.
     pub upstream_svc: Option<String>,
+    /// The agent's own DaemonSet, in the client's namespace (the pod's), asked at SIGTERM
+    /// ([`removal`]); `None`: every SIGTERM is a restart.
+    pub daemonset: Option<String>,
 }
 
 /// Why the reports cannot start (the agent runs without them, and says so).
@@ -87,7 +92,12 @@ impl Reporter {
 
 /// The API client `settings` name: the kubeconfig's, or the pod's service account.
 pub async fn client(settings: &Settings) -> Result<kube::Client, Error> {
-    let config = match &settings.kubeconfig {
+    client_of(settings.kubeconfig.as_ref()).await
+}
+
+/// The API client of `kubeconfig`, or of the pod's service account.
+pub async fn client_of(kubeconfig: Option<&PathBuf>) -> Result<kube::Client, Error> {
+    let config = match kubeconfig {
         Some(path) => {
             let kubeconfig = kube::config::Kubeconfig::read_from(path)
                 .map_err(|source| Error::Kubeconfig { path: path.clone(), source })?;
@@ -333,24 +343,24 @@ async fn report(
 
 /// Removes the taints with `key` from `node`: the node's taints read, then written back without
 /// them, on the condition that nobody changed the node in between (its resourceVersion; a
-/// conflict fails the report, which is retried).
+/// conflict fails the report, which is retried). Whether there was one to remove.
 async fn remove_taint(
     nodes: &Api<DynamicObject>,
     node: &str,
     key: &str,
-) -> Result<(), kube::Error> {
+) -> Result<bool, kube::Error> {
     let current = nodes.get(node).await?;
     let taints = current.data["spec"]["taints"].as_array().cloned().unwrap_or_default();
     let kept: Vec<_> = taints.iter().filter(|t| t["key"] != key).collect();
     if kept.len() == taints.len() {
-        return Ok(());
+        return Ok(false);
     }
     let patch = json!({
         "metadata": {"resourceVersion": current.metadata.resource_version},
         "spec": {"taints": kept},
     });
     nodes.patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-    Ok(())
+    Ok(true)
 }
 
 /// A core (`v1`) resource, read and written as JSON: the agent reads a few fields of Nodes and

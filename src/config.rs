@@ -108,6 +108,9 @@ pub enum ConfigError {
     /// A startup taint with no node to remove it from.
     #[error("--startup-taint {0:?} without --node-name: give the node's name (NODELOCALDNS_HA_NODE_NAME from spec.nodeName)")]
     TaintWithoutNode(String),
+    /// A DaemonSet to ask at SIGTERM with no client to ask it.
+    #[error("--daemonset {0:?} without --node-name: give the node's name (NODELOCALDNS_HA_NODE_NAME from spec.nodeName), or leave --daemonset out")]
+    DaemonsetWithoutNode(String),
     /// A taint key Kubernetes would refuse.
     #[error("--startup-taint {0:?} is not a taint key: [prefix/]name, the name at most 63 characters of letters, digits, '.', '_' and '-', alphanumeric at both ends")]
     BadTaintKey(String),
@@ -310,6 +313,7 @@ pub struct RawRun {
     pub kubeconfig: Option<PathBuf>,
     pub startup_taint: Option<String>,
     pub startup_taint_timeout: String,
+    pub daemonset: Option<String>,
 }
 
 fn cadence(
@@ -534,6 +538,7 @@ pub(crate) fn test_raw() -> RawRun {
         kubeconfig: None,
         startup_taint: None,
         startup_taint_timeout: "5m".into(),
+        daemonset: None,
     }
 }
 
@@ -541,11 +546,13 @@ pub(crate) fn test_raw() -> RawRun {
 fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, ConfigError> {
     let node_name = raw.node_name.as_deref().map(str::trim).filter(|n| !n.is_empty());
     let taint = raw.startup_taint.as_deref().map(str::trim);
+    let daemonset = raw.daemonset.as_deref().map(str::trim).filter(|d| !d.is_empty());
     let Some(node_name) = node_name else {
-        return match (&raw.kubeconfig, taint) {
-            (Some(path), _) => Err(ConfigError::KubeconfigWithoutNode(path.clone())),
-            (None, Some(key)) => Err(ConfigError::TaintWithoutNode(key.to_owned())),
-            (None, None) => Ok(None),
+        return match (&raw.kubeconfig, taint, daemonset) {
+            (Some(path), _, _) => Err(ConfigError::KubeconfigWithoutNode(path.clone())),
+            (None, Some(key), _) => Err(ConfigError::TaintWithoutNode(key.to_owned())),
+            (None, None, Some(ds)) => Err(ConfigError::DaemonsetWithoutNode(ds.to_owned())),
+            (None, None, None) => Ok(None),
         };
     };
     if let Some(path) = raw.kubeconfig.as_ref().filter(|p| !p.is_file()) {
@@ -564,12 +571,14 @@ fn cluster_settings(raw: &RawRun) -> Result<Option<crate::cluster::Settings>, Co
     let startup_taint = taint.map(str::to_owned);
     // A flag wins: only an upstream from the environment is followed.
     let upstream_svc = raw.upstream_ip.is_empty().then(|| raw.upstream_svc.trim().to_owned());
+    let daemonset = daemonset.map(str::to_owned);
     Ok(Some(crate::cluster::Settings {
         node_name,
         kubeconfig,
         startup_taint,
         startup_taint_bound,
         upstream_svc,
+        daemonset,
     }))
 }
 

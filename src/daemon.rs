@@ -28,6 +28,7 @@ use tracing::{error, info, warn};
 use crate::agent::{Agent, CheckDone, CheckJob, Notes};
 use crate::beat::Beat;
 use crate::blocking::blocking;
+use crate::cluster::{Removal, Verdict};
 use crate::config::{AgentConfig, Cadence};
 use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
@@ -221,7 +222,9 @@ async fn with_grace<T, E>(
     }
 }
 
-/// Runs the agent on the node until `shutdown` completes. Wants a multi-threaded runtime, and
+/// Runs the agent on the node until `shutdown` completes; then, if its DaemonSet says it is
+/// being removed ([`crate::cluster::removal`]), what cleans its Node once the caller has torn
+/// its rules down. Wants a multi-threaded runtime, and
 /// to be spawned on it rather than run by `block_on` (a probe's report then wakes no other
 /// thread): applies block (milliseconds, seconds at worst) and run in `block_in_place`
 /// ([`blocking`]) so probes go on meanwhile; checks run on blocking threads, beside the loop.
@@ -231,7 +234,7 @@ pub async fn run(
     notes: Notes,
     leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), AgentError> {
+) -> Result<Option<Removal>, AgentError> {
     awaitable(&cfg).await?;
     run_with(cfg, dataplane, notes, leftovers, shutdown, World::node()).await
 }
@@ -246,7 +249,7 @@ async fn run_with(
     leftovers: Vec<Box<dyn Dataplane>>,
     shutdown: impl std::future::Future<Output = ()>,
     world: World,
-) -> Result<(), AgentError> {
+) -> Result<Option<Removal>, AgentError> {
     let World { probes, watch_node, requests, mut tasks } = world;
     // Everything that can be refused is refused before the host is touched.
     let probers = make_probers(&cfg, &probes)?;
@@ -319,9 +322,19 @@ async fn run_with(
         spawn::spawn_metrics_endpoint(listener, metrics.clone(), health.clone(), &mut tasks);
     }
     let hooks = spawn::spawn_hooks(&cfg, &metrics, &mut tasks);
-    let reporter = match &cfg.cluster {
-        Some(settings) => spawn::spawn_cluster(settings, &cfg.addrs, &following, &mut tasks).await,
-        None => None,
+    let (reporter, removal) = match &cfg.cluster {
+        Some(settings) => spawn::spawn_cluster(settings, &cfg.addrs, &following, &mut tasks)
+            .await
+            .map_or((None, None), |(reporter, removal)| (Some(reporter), removal)),
+        None => (None, None),
+    };
+    // The loop turns on while the DaemonSet is asked (the API server may be slow).
+    let stopping = async {
+        shutdown.await;
+        match &removal {
+            Some(removal) => removal.ask().await,
+            None => Verdict::Restart("no DaemonSet to ask (--daemonset, --node-name)".into()),
+        }
     };
     let control = ControlLoop {
         cfg: &cfg,
@@ -340,7 +353,10 @@ async fn run_with(
         upstream: following.subscribe(),
         tasks,
     };
-    control.run(shutdown).await
+    match control.run(stopping).await? {
+        Verdict::Removal(_) => Ok(removal),
+        Verdict::Restart(_) => Ok(None),
+    }
 }
 
 /// An upstream that is waited for needs the API client that follows its Service: without one

@@ -26,12 +26,14 @@
 //! while the agent runs.
 
 mod foreign;
+mod wildcard;
 
 use std::fmt;
 use std::net::IpAddr;
 use std::process::Command;
 
 use crate::dataplane::iptables::{Flavour, Tool};
+pub use wildcard::wildcard_refusal;
 
 pub(crate) use foreign::{watch_foreign_rules, NodeProblems, FOREIGN_RULES_PERIOD};
 

@@ -133,6 +133,10 @@ pub struct State {
     pub repairs: u64,
     /// The last dataplane error, until an apply succeeds again.
     pub last_error: Option<String>,
+    /// Whether the current route's ruleset is in the kernel (its last apply succeeded): the
+    /// agent is ready (`/readyz`) from the first time it is.
+    #[serde(default)]
+    pub ruleset_in: bool,
     pub probes: Probes,
     /// Where the upstream's address (`probes.upstream.target`) came from: `--upstream-ip`, the
     /// environment, or its Service followed through the API server ([`crate::upstream`]).
@@ -450,6 +454,7 @@ mod tests {
             transitions: 1,
             repairs: 0,
             last_error: None,
+            ruleset_in: true,
             probes: Probes::default(),
             upstream_from: "--upstream-ip".into(),
             forwarded: None,

@@ -40,6 +40,36 @@ pub(crate) fn golden(name: &str, actual: &str) {
     assert_eq!(actual, expected, "{name} differs from the golden file");
 }
 
+/// Log lines written by the code under test on the calling thread, kept for the test to read:
+/// [`Logs::capture`] installs them for as long as its guard lives.
+#[derive(Clone, Default)]
+pub(crate) struct Logs(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logs {
+    /// Captures this thread's log lines (every level) until the guard is dropped.
+    pub(crate) fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        let writer = self.clone();
+        let subscriber =
+            tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
+        tracing::subscriber::set_default(subscriber)
+    }
+
+    /// What was logged so far.
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A fresh, empty directory under the system's temporary directory, removed on drop.
 pub(crate) struct TempDir(pub(crate) PathBuf);
 

@@ -43,13 +43,15 @@
 #             [--filter-drop [--filter-accept-lo] | --filter-reject] [--nft-firewall]
 #             [--listen-dev veth|lo|dummy]   (default veth: node-cache's own interface)
 #   down PREFIX                                   (also stops the noise loops and the lock holder)
-#   cache-start PREFIX [--mode normal|servfail] [--no-wait]
+#   cache-start PREFIX [--mode normal|servfail] [--no-wait] [--bind own|wildcard]
 #                                                 cache-kill|cache-term|cache-stop|cache-cont|cache-pid PREFIX
 #     (kill, stop and cont print when the signal went out, in ms since the epoch; kill then
 #     prints when the process was seen gone, at most one 50 ms poll after its sockets closed;
 #     term is a SIGTERM, returning once the process is gone, SIGKILLed after 5 s)
 #     --no-wait: return once unbound has been exec'd, without waiting for it to answer (a
 #     crash-looping cache, restarted as fast as it dies); prints when it was started.
+#     --bind wildcard (the real parts only): node-cache's Corefile binds 0.0.0.0 (and ::), as
+#     deliveryhero's node-local-dns chart has it by default (config.bindIp=false).
 #   cache2-start PREFIX [--mode normal|servfail] [--no-wait]
 #                                                 cache2-kill|cache2-stop|cache2-cont|cache2-pid PREFIX
 #     kubespray's second DaemonSet (`nodelocaldns-second`): a second unbound with the same config

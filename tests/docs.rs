@@ -69,7 +69,8 @@ fn rust_files(dir: &Path) -> Vec<std::path::PathBuf> {
 }
 
 /// The tests of one file that run: `fn`s under a `#[test]` attribute (or `#[tokio::test]`, a
-/// loop test's) and no `#[ignore]`, in whatever order the attributes come. An ignored test
+/// loop test's) and no `#[ignore]`, in whatever order the attributes come, and the cases of a
+/// file that is its own harness. An ignored test
 /// proves nothing, so a row citing it fails.
 fn tests_in(text: &str) -> Vec<String> {
     let mut names = Vec::new();
@@ -78,6 +79,7 @@ fn tests_in(text: &str) -> Vec<String> {
     // Inside a top-level macro call (`guest_tests! { fn name() { … } }`), every `fn` is a test
     // the macro makes.
     let mut in_macro = false;
+    let mut previous = "";
     for line in text.lines() {
         let trimmed = line.trim();
         if !line.starts_with(' ') && line.ends_with("! {") {
@@ -105,6 +107,20 @@ fn tests_in(text: &str) -> Vec<String> {
             }
         }
         (test, ignored) = (false, false);
+        // A harness of its own (`harness = false`, the real node): its table of cases,
+        // `("name", name),` on one line, or its two halves on lines of their own.
+        let case = trimmed.strip_prefix("(\"").and_then(|t| t.split_once("\", "));
+        if let Some((quoted, rest)) = case {
+            if rest.trim_end_matches("),") == quoted {
+                names.push(quoted.to_owned());
+            }
+        }
+        if let Some(quoted) = previous.strip_prefix('"').and_then(|p| p.strip_suffix("\",")) {
+            if trimmed.strip_suffix(',') == Some(quoted) {
+                names.push(quoted.to_owned());
+            }
+        }
+        previous = trimmed;
     }
     names
 }

@@ -185,9 +185,9 @@ fn assert_caught_up(node: &SimNode, name: &str, agent: &Agent) {
 /// Acceptance 5: the reports' RBAC is the least they need. The base with the cluster-reports
 /// component and its startup-taint one, built by kubectl's kustomize, is accepted by the real
 /// API server (server-side dry run); the reports' RBAC applied, the agent's service account may
-/// patch nodes/status, create Events in `default`, and list and watch the upstream Service by
-/// name, and nothing else asked of it; the startup taint's added, it may also get and patch
-/// nodes, and no more.
+/// patch nodes/status, create Events in `default`, list and watch the upstream Service by
+/// name and get its own DaemonSet, and nothing else asked of it; the startup taint's added, it
+/// may also get and patch nodes, and no more.
 #[test]
 fn the_reports_rbac_is_the_least_they_need() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
@@ -266,6 +266,19 @@ fn the_reports_rbac_is_the_least_they_need() {
         assert!(!can_named(verb, name, namespace), "{verb} services/{name} in {namespace}");
     }
     assert!(!can("list", "services", "kube-system"), "every Service: not needed");
+    // Its own DaemonSet, read at SIGTERM (removal or restart), by name, and nothing more.
+    let can_ds = |verb: &str, name: &str| {
+        let what = format!("daemonsets.apps/{name}");
+        let args = ["auth", "can-i", verb, &what, "-n", "kube-system", who];
+        let out = node.kubectl().args(args).output().expect("kubectl auth can-i");
+        String::from_utf8_lossy(&out.stdout).trim() == "yes"
+    };
+    assert!(can_ds("get", "nodelocaldns-ha"));
+    for (verb, name) in
+        [("get", "kube-proxy"), ("delete", "nodelocaldns-ha"), ("patch", "nodelocaldns-ha")]
+    {
+        assert!(!can_ds(verb, name), "{verb} daemonsets/{name}");
+    }
     let only_reports = [("patch", "nodes", "default"), ("get", "nodes", "default")];
     for (verb, what, namespace) in only_reports {
         assert!(!can(verb, what, namespace), "{verb} {what}: not for the reports alone");
@@ -766,4 +779,182 @@ fn a_recreated_upstream_service_is_followed() {
     let log = agent.log_text();
     assert!(log.contains("the upstream follows its Service"), "{log}");
     node.tear_down(agent);
+}
+
+/// The agent's DaemonSet on the test bed, as the chart and manifests/base name it (no
+/// controller runs here: it never has pods, and a foreground deletion leaves it there, being
+/// deleted, as while the garbage collector deletes its pods).
+const AGENT_DAEMONSET: &str = r#"{"apiVersion": "apps/v1", "kind": "DaemonSet",
+ "metadata": {"name": "nodelocaldns-ha", "namespace": "kube-system"},
+ "spec": {"selector": {"matchLabels": {"k8s-app": "nodelocaldns-ha"}},
+  "template": {"metadata": {"labels": {"k8s-app": "nodelocaldns-ha"}},
+   "spec": {"containers": [{"name": "agent", "image": "nodelocaldns-ha"}]}}}}"#;
+
+/// The node's netfilter and lo's addresses, as lines to compare: the whole nftables ruleset
+/// (iptables-nft's tables included), what iptables-legacy holds, lo's addresses; counters left
+/// out, and sorted (kube-proxy's resyncs may list its chains in another order).
+fn netfilter(node: &SimNode) -> Vec<String> {
+    let run = |cmd: &str, args: &[&str]| {
+        let out = node.run("node", cmd, args);
+        assert!(out.status.success(), "{cmd} {args:?}: {}", describe(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let nft = run("nft", &["list", "ruleset"]);
+    let legacy = run("iptables-legacy-save", &[]);
+    let lo = run("ip", &["-o", "address", "show", "dev", "lo"]);
+    let mut lines: Vec<String> = nft
+        .lines()
+        .chain(legacy.lines().filter(|l| !l.starts_with('#')))
+        .chain(lo.lines())
+        .map(without_counters)
+        .collect();
+    lines.sort();
+    lines
+}
+
+/// `line` without its counters: nftables' `packets N bytes M`, iptables-save's `[N:M]`.
+fn without_counters(line: &str) -> String {
+    let mut words: Vec<&str> = line.split(' ').collect();
+    while let Some(i) = words.windows(4).position(|w| w[0] == "packets" && w[2] == "bytes") {
+        words.drain(i..i + 4);
+    }
+    words.retain(|w| !(w.starts_with('[') && w.ends_with(']') && w.contains(':')));
+    words.join(" ")
+}
+
+/// The agent's own: its nftables table and lo's addresses (counters left out).
+fn agent_rules(node: &SimNode) -> Vec<String> {
+    let out = node.run("node", "nft", &["list", "table", "inet", "nodelocaldns-ha"]);
+    assert!(out.status.success(), "the agent's table: {}", describe(&out));
+    let lo = node.run("node", "ip", &["-o", "address", "show", "dev", "lo"]);
+    let (table, lo) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&lo.stdout));
+    table.lines().chain(lo.lines()).map(without_counters).collect()
+}
+
+/// The agent as its pod runs it with the chart's clusterReports and startupTaint: its user with
+/// exactly the RBAC of `manifests/cluster-reports` and its startup-taint component, its
+/// DaemonSet named; started once the Node has the condition and had its taint removed.
+fn agent_of_the_daemonset(node: &SimNode, name: &str) -> Agent {
+    let rbac = format!(
+        "{}\n---\n{}",
+        rbac_of("cluster-reports"),
+        rbac_of("cluster-reports/startup-taint")
+    );
+    grant_rbac(node, &rbac, &["get", "daemonsets/nodelocaldns-ha", "-n", "kube-system"]);
+    let kubeconfig = agent_kubeconfig(node);
+    let flags = [
+        "--node-name",
+        name,
+        "--kubeconfig",
+        &kubeconfig,
+        "--startup-taint",
+        KEY,
+        "--daemonset",
+        "nodelocaldns-ha",
+    ];
+    let agent = node.agent(&flags);
+    wait_condition(node, name, "True", "CacheServing");
+    agent
+}
+
+/// The uninstall: the agent's DaemonSet deleted by `uninstall`, as the chart's pre-delete hook
+/// runs it (foreground: there, being deleted, while its pods get their SIGTERM), then the
+/// agent's SIGTERM. It tears down as `teardown` does and cleans its Node: the node's netfilter and lo
+/// are as before the agent started, byte for byte but for counters; the condition is gone, and
+/// so is the startup taint (put back on the node for this: the agent had taken it off at start).
+#[test]
+fn sigterm_with_the_daemonset_deleted_puts_the_node_back() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    kubectl_with(&node, &["apply", "-f", "-"], AGENT_DAEMONSET.as_bytes());
+    taint(&node, &name);
+    let before = netfilter(&node);
+    let mut agent = agent_of_the_daemonset(&node, &name);
+    wait_for("the startup taint removed", Duration::from_secs(15), || {
+        (!tainted(&node, &name, KEY)).then_some(())
+    });
+    assert_ne!(netfilter(&node), before, "the agent installed nothing");
+    taint(&node, &name);
+    // The chart's pre-delete hook: `uninstall`, with its Role's rights (get and delete of the
+    // DaemonSet); no garbage collector here, so the DaemonSet stays being deleted, said.
+    let hook_role = r#"{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+     "metadata": {"name": "nodelocaldns-ha-uninstall", "namespace": "kube-system"},
+     "rules": [{"apiGroups": ["apps"], "resources": ["daemonsets"],
+       "resourceNames": ["nodelocaldns-ha"], "verbs": ["get", "delete"]}]}"#;
+    kubectl_with(&node, &["apply", "-f", "-"], hook_role.as_bytes());
+    let binding = ["create", "rolebinding", "nodelocaldns-ha-uninstall", "-n", "kube-system"];
+    let binding = [&binding[..], &["--role=nodelocaldns-ha-uninstall", "--user", AGENT_USER]];
+    kubectl_with(&node, &binding.concat(), b"");
+    let kubeconfig = agent_kubeconfig(&node);
+    wait_for("the hook's grant in force", Duration::from_secs(10), || {
+        let args = ["auth", "can-i", "delete", "daemonsets.apps/nodelocaldns-ha", "-n"];
+        let who = format!("--as={AGENT_USER}");
+        let out = node.kubectl().args(args).args(["kube-system", &who]).output().ok()?;
+        (String::from_utf8_lossy(&out.stdout).trim() == "yes").then_some(())
+    });
+    let hook = node.cli(&["uninstall", "--kubeconfig", &kubeconfig, "--timeout", "2s"]);
+    let said = describe(&hook);
+    println!("uninstall: {said}");
+    assert!(hook.status.success(), "{said}");
+    assert!(said.contains("is still being deleted after 2s"), "{said}");
+
+    let exit = agent.stop(nix::sys::signal::Signal::SIGTERM);
+    let log = agent.log_text();
+    println!("{}", log.lines().rev().take(8).collect::<Vec<_>>().join("\n"));
+    assert_eq!(exit.code(), Some(0), "{log}");
+    for says in [
+        "DaemonSet kube-system/nodelocaldns-ha is being deleted",
+        "the agent is being removed from the node",
+        "removed everything nodelocaldns-ha installed",
+        "removed the condition NodeLocalDNSReady",
+        "removed the startup taint",
+    ] {
+        assert!(log.contains(says), "{says:?} not said:\n{log}");
+    }
+    assert_eq!(netfilter(&node), before, "the node's netfilter is not as before the agent");
+    node.assert_nothing_left();
+    assert_eq!(condition(&node, &name), None, "the condition is left");
+    assert!(!tainted(&node, &name, KEY), "the startup taint is left");
+    // DNS as without the agent: kube-proxy's DNAT to CoreDNS.
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), COREDNS_ANSWER);
+}
+
+/// A restart: the DaemonSet there at SIGTERM (a rolling update, the pod deleted, a drain). The
+/// rules stay, and so does the condition, and the log says why; the next agent adopts them.
+/// Then the API server hung (SIGSTOP) at the next agent's SIGTERM: it cannot be asked within
+/// 3 s, and the rules stay, said, the agent gone within the pod's grace period.
+#[test]
+fn sigterm_with_the_daemonset_there_or_the_api_server_hung_keeps_the_rules() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    let name = node.ns("node");
+    kubectl_with(&node, &["apply", "-f", "-"], AGENT_DAEMONSET.as_bytes());
+    let mut agent = agent_of_the_daemonset(&node, &name);
+    let installed = agent_rules(&node);
+    let state = agent.state().expect("the agent's state");
+    assert_eq!(agent.stop(nix::sys::signal::Signal::SIGTERM).code(), Some(0));
+    let log = agent.log_text();
+    assert!(log.contains("DaemonSet kube-system/nodelocaldns-ha is still there"), "{log}");
+    assert!(log.contains("the ruleset of the current route stays installed"), "{log}");
+    assert_eq!(agent_rules(&node), installed, "the rules went with a restart");
+    assert!(condition(&node, &name).is_some(), "the condition went with a restart");
+
+    let kubeconfig = agent_kubeconfig(&node);
+    let flags =
+        ["--node-name", &name, "--kubeconfig", &kubeconfig, "--daemonset", "nodelocaldns-ha"];
+    let mut agent = node.agent_restarting(&flags, &state);
+    agent.wait_route("local", Duration::from_secs(10));
+    assert_eq!(agent.state().unwrap()["transitions"], 0, "the restart flipped the route");
+    node.script(&["kube-apiserver-stop"]);
+    let asked = std::time::Instant::now();
+    let exit = agent.stop(nix::sys::signal::Signal::SIGTERM);
+    let took = asked.elapsed();
+    node.script(&["kube-apiserver-cont"]);
+    let log = agent.log_text();
+    assert_eq!(exit.code(), Some(0), "{log}");
+    assert!(log.contains("the API server did not say within 3s"), "{log}");
+    assert!(took < Duration::from_secs(5), "SIGTERM took {took:?}");
+    assert_eq!(agent_rules(&node), installed, "the rules went with the API server hung");
+    let out = node.cli(&["teardown", "--state-dir", &agent.state_dir.display().to_string()]);
+    assert!(out.status.success(), "{}", describe(&out));
+    node.assert_nothing_left();
 }

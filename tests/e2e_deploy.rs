@@ -519,16 +519,17 @@ fn every_rendering_passes_a_server_side_dry_run() {
         [&("MutatingWebhookConfiguration".into(), "".into(), "nodelocaldns-ha-webhook".into())];
     assert!(webhook["webhooks"][2]["clientConfig"]["caBundle"].is_string(), "{webhook}");
     renderings.push(("chart, the webhook's certificate provided".to_owned(), yaml));
-    // The `helm test` pods, whose ServiceAccount (the agent's) a dry run of the same rendering
-    // does not create: dry-run after it is there, as `helm test` runs after the install.
+    // The hooks: the `helm test` pods, whose ServiceAccount (the agent's) a dry run of the same
+    // rendering does not create, and the pre-delete hook's Job and RBAC: dry-run after it is
+    // there, as `helm test` runs after the install.
     let mut hooks = Vec::new();
     for (name, yaml) in &mut renderings {
         let all = objects(yaml);
         let kept = installed(all.clone());
         hooks.extend(
-            all.into_iter().filter(|(id, _)| !kept.contains_key(id)).map(|(_, o)| {
-                (format!("{name}, its helm test"), serde_json::to_string(&o).unwrap())
-            }),
+            all.into_iter()
+                .filter(|(id, _)| !kept.contains_key(id))
+                .map(|(_, o)| (format!("{name}, its hook"), serde_json::to_string(&o).unwrap())),
         );
         *yaml = kept.values().map(|o| serde_json::to_string(o).unwrap() + "\n---\n").collect();
     }
@@ -557,7 +558,7 @@ fn every_rendering_passes_a_server_side_dry_run() {
         let out = kubectl(&node, &["apply", "--dry-run=server", "-f", "-"], pod);
         assert!(out.status.success(), "{name}: the API server refused it: {}", describe(&out));
     }
-    println!("{} helm test pods accepted", hooks.len());
+    println!("{} hook objects accepted (helm test pods, the pre-delete hook's)", hooks.len());
     // Nothing was stored: the agent's DaemonSet is not there.
     let out = kubectl(&node, &["-n", "kube-system", "get", "daemonset", "nodelocaldns-ha"], "");
     assert!(!out.status.success(), "a dry run stored the DaemonSet: {}", describe(&out));
@@ -679,11 +680,12 @@ fn operator(node: &SimNode, script: &str) -> Output {
         .expect("bash")
 }
 
-/// The `kubectl patch` commands of an install's NOTES (a command may span lines, `$(` to `)`).
+/// The `kubectl patch` commands of an install's NOTES (a command may span lines, `$(` to `)`),
+/// before its removal.
 fn notes_patches(notes: &str) -> String {
     let mut script = String::new();
     let mut open = false;
-    for line in notes.lines() {
+    for line in notes.lines().take_while(|l| !l.starts_with("Remove it")) {
         let line = line.trim();
         if line.starts_with("kubectl") && line.contains(" patch ") || open {
             script += line;
@@ -692,6 +694,16 @@ fn notes_patches(notes: &str) -> String {
         }
     }
     assert!(script.matches("kubectl").count() == 2, "the NOTES' two patches:\n{notes}");
+    script
+}
+
+/// The NOTES' removal of node-local-dns's patches: the indented lines under "Remove it", up
+/// to the `helm uninstall`.
+fn notes_removal(notes: &str) -> String {
+    let lines = notes.lines().skip_while(|l| !l.starts_with("Remove it")).skip(1);
+    let lines = lines.take_while(|l| l.starts_with("  ") && !l.contains("helm uninstall"));
+    let script: String = lines.map(|l| format!("{}\n", &l[2..])).collect();
+    assert_eq!(script.matches("kubectl").count(), 3, "the NOTES' removal:\n{notes}");
     script
 }
 
@@ -705,15 +717,17 @@ fn readme_removal() -> String {
 
 /// For each flavour, on the real API server: the install's checks refuse what would not work;
 /// `helm install` with its preset and every component, then `helm uninstall`, leave every
-/// object of node-local-dns exactly as it was; the NOTES' patches and manifests/README.md's
-/// removal change its DaemonSet as they say.
+/// object of node-local-dns exactly as it was; the NOTES' patches, the NOTES' removal and
+/// manifests/README.md's removal change its DaemonSet as they say.
 #[test]
 fn each_flavour_installs_and_uninstalls_leaving_node_local_dns_as_it_was() {
     let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
     install_crds(&node);
     let chart = chart();
     let install = ["install", "nlha", chart.to_str().unwrap(), "--namespace", "kube-system"];
-    let uninstall = ["uninstall", "nlha", "--namespace", "kube-system"];
+    // No controller runs here: the pre-delete hook's Job (clusterReports' uninstall) would never
+    // end. The real node runs it (tests/e2e_kubelet.rs, helm_uninstall_loses_no_lookup).
+    let uninstall = ["uninstall", "nlha", "--namespace", "kube-system", "--no-hooks"];
     let refused = |values: &[&str], says: &str| {
         let out = try_helm_on(&node, &install, values);
         let text = describe(&out);
@@ -773,17 +787,27 @@ fn each_flavour_installs_and_uninstalls_leaving_node_local_dns_as_it_was() {
         assert_eq!(patched["initContainers"][0]["image"], IMAGE, "the agent's image");
         assert_eq!(patched["terminationGracePeriodSeconds"], 30);
 
-        let script = format!("DS={}\n{}", f.daemonset, readme_removal());
-        let out = operator(&node, &script);
-        assert!(out.status.success(), "{}: the README's removal: {}", f.name, describe(&out));
-        let mut removed = pod(&held(&node, &[id])[0]);
-        // What stays: an empty `lifecycle` where there was none, and the grace period the
-        // drain needed (kubespray's 0 comes back with its next run).
-        let lifecycle = removed["containers"][0].as_object_mut().unwrap().remove("lifecycle");
-        assert_eq!(lifecycle, Some(serde_json::json!({})));
-        removed["terminationGracePeriodSeconds"] =
-            original["terminationGracePeriodSeconds"].clone();
-        assert_eq!(removed, original, "{}: the removal left the patch's changes", f.name);
+        // The NOTES' removal, as printed; then the patches again, and the README's removal.
+        let removals = [
+            ("the NOTES' removal", notes_removal(&notes)),
+            ("the README's removal", format!("DS={}\n{}", f.daemonset, readme_removal())),
+        ];
+        for (i, (what, script)) in removals.iter().enumerate() {
+            if i > 0 {
+                let out = operator(&node, &notes_patches(&notes));
+                assert!(out.status.success(), "{}: the NOTES' patches: {}", f.name, describe(&out));
+            }
+            let out = operator(&node, script);
+            assert!(out.status.success(), "{}: {what}: {}", f.name, describe(&out));
+            let mut removed = pod(&held(&node, std::slice::from_ref(&id))[0]);
+            // What stays: an empty `lifecycle` where there was none, and the grace period the
+            // drain needed (kubespray's 0 comes back with its next run).
+            let lifecycle = removed["containers"][0].as_object_mut().unwrap().remove("lifecycle");
+            assert_eq!(lifecycle, Some(serde_json::json!({})), "{what}");
+            removed["terminationGracePeriodSeconds"] =
+                original["terminationGracePeriodSeconds"].clone();
+            assert_eq!(removed, original, "{}: {what} left the patch's changes", f.name);
+        }
 
         if f.name == "deliveryhero" {
             // Upstream's manifest has objects of the same names.

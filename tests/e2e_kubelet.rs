@@ -50,6 +50,10 @@ const CASES: &[Case] = &[
     ),
     ("helm_uninstall_loses_no_lookup", helm_uninstall_loses_no_lookup),
     (
+        "an_uninstall_without_reports_leaves_rules_that_kubectl_debug_tears_down",
+        an_uninstall_without_reports_leaves_rules_that_kubectl_debug_tears_down,
+    ),
+    (
         "a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns",
         a_node_back_with_the_startup_taint_runs_no_pod_before_its_dns,
     ),
@@ -700,6 +704,45 @@ fn kube_proxy_moved_to_nftables_mode_loses_no_lookup(s: &Suite) {
     s.wait_settled();
 }
 
+/// `helm uninstall` without clusterReports (the chart's default): the agents cannot tell an
+/// uninstall from a restart and leave their rules, as the README says; the README's `kubectl
+/// debug` line (the agent's image, the node's namespaces, `teardown`) removes them. The chart is
+/// then installed again.
+fn an_uninstall_without_reports_leaves_rules_that_kubectl_debug_tears_down(s: &Suite) {
+    let out = s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "2m"]);
+    assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
+    let gone =
+        testkit::poll(Duration::from_secs(60), || s.node.pods(NS, AGENT).is_empty().then_some(()));
+    assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
+    assert!(agent_rules_in(s), "without clusterReports the rules stay");
+    let node = s.node.kubectl(&["get", "nodes", "-o", "jsonpath={.items[0].metadata.name}"]);
+    let (target, image) = (format!("node/{node}"), format!("--image={}", s.image));
+    let args = ["debug", &target, "--profile=sysadmin", &image, "--", "nodelocaldns-ha"];
+    let args = [&args[..], &["teardown", "--state-dir", "/host/run/nodelocaldns-ha"]].concat();
+    let out = s.node.try_kubectl(&args);
+    let said = describe(&out);
+    assert!(out.status.success(), "kubectl debug: {said}");
+    let pod = said
+        .split_whitespace()
+        .find(|w| w.starts_with("node-debugger-"))
+        .unwrap_or_else(|| panic!("no debugging pod named: {said}"))
+        .to_owned();
+    let phase = testkit::poll(Duration::from_secs(90), || {
+        let phase = s.node.kubectl(&["get", "pod", &pod, "-o", "jsonpath={.status.phase}"]);
+        ["Succeeded", "Failed"].contains(&phase.trim()).then(|| phase.trim().to_owned())
+    });
+    let log = s.node.kubectl(&["logs", &pod]);
+    println!("kubectl debug's teardown ({phase:?}):\n{log}");
+    s.node.kubectl(&["delete", "pod", &pod, "--wait=false"]);
+    assert_eq!(phase.as_deref(), Some("Succeeded"), "{log}");
+    assert!(log.contains("removed everything nodelocaldns-ha installed"), "{log}");
+    assert!(!agent_rules_in(s), "the agent's rules are left after the teardown");
+    let lo = s.node.in_node(&["ip", "-o", "address", "show", "dev", "lo"]);
+    assert!(!lo.contains("lo:nlha"), "the agent's copy of the link-local IP is left:\n{lo}");
+    let _ = helm_install(s, &[]);
+    s.wait_settled();
+}
+
 /// Whether the node's netfilter holds the agent's rules: its nftables table, or its chains in
 /// either iptables backend.
 fn agent_rules_in(s: &Suite) -> bool {
@@ -735,25 +778,62 @@ fn kubelet_and_containerd_restarted_lose_no_lookup(s: &Suite) {
     assert_eq!(before, after, "the restarts replaced pods");
 }
 
-/// `helm uninstall` under load: the agent's pods go, pods keep their DNS through it and after
-/// it, and the node is as the README's *Removing* says: the agent's rules stay (node-cache
-/// still answers pods; a kill of it still fails them over in the kernel). The chart is then
-/// installed again for the cases after this one.
+/// `helm uninstall` under load, the agents able to ask the API server (the chart's
+/// clusterReports and startupTaint on): the chart's pre-delete hook deletes their DaemonSet,
+/// each agent's SIGTERM finds it being deleted and puts the node back. Pods keep their DNS
+/// through it and after it (0 failed lookups; afterwards CoreDNS answers them through
+/// kube-proxy), and the node has none of the agent's rules, no copy of the link-local IP on lo,
+/// no condition NodeLocalDNSReady and no startup taint (put back on the node before the
+/// uninstall: the agent had taken it off). The chart is then installed again for the cases
+/// after this one.
 fn helm_uninstall_loses_no_lookup(s: &Suite) {
-    under_load(s, "helm uninstall", || {
-        let out =
-            s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "2m"]);
-        assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
-        let gone = testkit::poll(Duration::from_secs(60), || {
-            s.node.pods(NS, AGENT).is_empty().then_some(())
-        });
-        assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
-    });
-    assert!(agent_rules_in(s), "the agent's rules went with it");
-    // Without the agent, a kill of the cache: the kernel's fast path alone.
-    let pod = s.node.only_pod(NS, NODE_LOCAL_DNS, Duration::from_secs(60));
-    let pid = s.node.container_pid(NS, &pod, "node-cache");
-    under_load(s, "node-cache SIGKILLed after the uninstall", || nix_kill(pid, "KILL"));
+    const TAINT: &str = "nodelocaldns-ha.io/dns-not-ready";
+    let reports = ["clusterReports.enabled=true", "clusterReports.startupTaint=true"];
+    let mut args = vec!["upgrade", RELEASE, CHART, "--namespace", NS, "--reuse-values"];
+    args.extend(reports.iter().flat_map(|v| ["--set", *v]));
+    args.extend(["--wait", "--timeout", "2m"]);
+    let out = s.node.helm(&args);
+    assert!(out.status.success(), "helm upgrade:\n{}", describe(&out));
+    s.wait_settled();
+    let node = s.node.kubectl(&["get", "nodes", "-o", "jsonpath={.items[0].metadata.name}"]);
+    let condition = || {
+        let n = s.node.get_json(&["get", "node", &node]);
+        let conditions = n["status"]["conditions"].as_array().cloned().unwrap_or_default();
+        conditions.into_iter().find(|c| c["type"] == "NodeLocalDNSReady")
+    };
+    let tainted = || {
+        let n = s.node.get_json(&["get", "node", &node]);
+        n["spec"]["taints"].as_array().is_some_and(|t| t.iter().any(|t| t["key"] == TAINT))
+    };
+    let reported =
+        testkit::poll(Duration::from_secs(60), || condition().filter(|c| c["status"] == "True"));
+    assert!(reported.is_some(), "no condition NodeLocalDNSReady True: {:?}", condition());
+    s.node.kubectl(&["taint", "node", &node, &format!("{TAINT}:NoSchedule")]);
+    assert!(agent_rules_in(s) && tainted(), "nothing for the uninstall to remove");
+
+    let client = s.client();
+    let mut load = s.node.load(&client, RATE);
+    load.load.wait_cache_answers();
+    let out = s.node.helm(&["uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "3m"]);
+    println!("helm uninstall: {}", describe(&out));
+    assert!(out.status.success(), "helm uninstall:\n{}", describe(&out));
+    let gone =
+        testkit::poll(Duration::from_secs(60), || s.node.pods(NS, AGENT).is_empty().then_some(()));
+    assert!(gone.is_some(), "the agent's pods are still there: {:?}", s.node.pods(NS, AGENT));
+    load.wait_on_coredns(Duration::from_secs(30));
+    let (summary, _lookups) = load.stop();
+    println!("helm uninstall: {}", counts(&summary));
+    assert_eq!(summary["failed"], 0, "helm uninstall: lookups failed: {summary}");
+
+    assert!(!agent_rules_in(s), "the agent's rules are left after the uninstall");
+    // The agent's copies are labelled (node-cache's own addresses may be on lo too).
+    let lo = s.node.in_node(&["ip", "-o", "address", "show", "dev", "lo"]);
+    assert!(!lo.contains("lo:nlha"), "the agent's copy of the link-local IP is left:\n{lo}");
+    assert_eq!(condition(), None, "the condition NodeLocalDNSReady is left");
+    assert!(!tainted(), "the startup taint is left");
+    let hooks = s.node.try_kubectl(&["-n", NS, "get", "job", "nodelocaldns-ha-uninstall"]);
+    assert!(!hooks.status.success(), "the hook's Job is left: {}", describe(&hooks));
+
     let _ = helm_install(s, &[]);
     s.wait_settled();
 }

@@ -314,6 +314,45 @@ fn metrics_and_health_endpoints() {
     assert_eq!(node.http_get("/readyz").0, 200);
 }
 
+/// `status --check`, as the chart's `helm test` runs it: exit 1 unless an agent runs with the
+/// state directory and its ruleset is in, saying which is not so. No agent at all; an agent
+/// whose ruleset could not go in (the xtables lock held from its start); the same once the lock
+/// is free; the agent stopped, its state file left: 1, 1, 0, 1. Plain `status` shows each state
+/// file and exits 0.
+#[test]
+fn status_check_fails_unless_an_agent_runs_with_its_ruleset_in() {
+    let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
+    let dir = node.dir.join("agent-state").display().to_string();
+    let check = |what: &str, code: i32, says: &str| {
+        let out = node.cli(&["status", "--check", "--state-dir", &dir]);
+        let text = describe(&out);
+        println!("{what}: {text}");
+        assert_eq!(out.status.code(), Some(code), "{what}: {text}");
+        assert!(text.contains(says), "{what}: {says:?} not said: {text}");
+        if code == 1 && out.status.code() == Some(1) && !out.stdout.is_empty() {
+            let plain = node.cli(&["status", "--state-dir", &dir]);
+            assert!(plain.status.success(), "{what}, plain status: {}", describe(&plain));
+        }
+    };
+    check("no agent", 1, "no state in");
+    let lock = node.dir.join("xtables.lock").display().to_string();
+    let held = node.script(&["xtables-lock-hold", "60"]);
+    assert_eq!(held.trim(), lock);
+    let flags = ["--dataplane", "iptables-legacy", "--xtables-wait", "1s"];
+    let mut agent = node.agent_starting_env(&flags, &[("XTABLES_LOCKFILE", &lock)]);
+    wait_for("the lock reported", Duration::from_secs(15), || {
+        agent.state().filter(|s| s["last_error"].as_str().is_some_and(|e| e.contains("lock")))
+    });
+    check("the ruleset not in", 1, "the agent's ruleset is not in");
+    node.script(&["xtables-lock-release"]);
+    wait_for("the ruleset in", Duration::from_secs(15), || {
+        agent.state().filter(|s| s["ruleset_in"] == true)
+    });
+    check("the ruleset in", 0, "agent:       running");
+    assert_eq!(agent.stop(nix::sys::signal::Signal::SIGTERM).code(), Some(0));
+    check("the agent stopped", 1, "no agent is running");
+}
+
 /// Issue 4, acceptance 4: a transition hook that never ends does not delay the switch, and its
 /// timeout is counted.
 #[test]

@@ -386,3 +386,38 @@ fn real_kube_proxy_iptables_dual_stack_pods_survive_kill_and_hang() {
 fn real_kube_proxy_nftables_dual_stack_pods_survive_kill_and_hang() {
     dual_stack_pods_survive_kill_and_hang("real-nftables", "nftables");
 }
+
+/// node-local-dns's node-cache bound to the wildcard address, as deliveryhero's chart binds it by
+/// default (`config.bindIp: false`), the real node-cache: the agent refuses at once, exit 2,
+/// naming the socket, the cause and the value to change, and changes nothing; pods are answered
+/// by CoreDNS through kube-proxy, as without the agent. (Before: exit 1 with "binding
+/// 127.53.0.53:53 (udp, IP_TRANSPARENT) failed: Address already in use", and so on at every
+/// restart; with the link-local failover off it ran, and its NOTRACK, guarded by `socket
+/// wildcard 0`, never took a query to the cache.)
+#[test]
+fn a_cache_bound_to_the_wildcard_is_refused_at_once() {
+    let node = SimNode::up_with(&["--kube-proxy", "real-iptables"]);
+    node.script(&["cache-term"]);
+    node.script(&["cache-start", "--bind", "wildcard"]);
+    let listening = node.run("node", "ss", &["-Hulnp", "sport = :53"]);
+    println!("node-cache bound: {}", String::from_utf8_lossy(&listening.stdout));
+    let dir = node.dir.join("refused-state").display().to_string();
+    let run = [
+        &["60", agent_exe(), "run", "--local-ip", LOCAL_IP][..],
+        &["--cluster-dns-ip", CLUSTER_DNS_IP, "--upstream-ip", UPSTREAM_IP],
+        &["--probe-name", "who.test", "--state-dir", &dir],
+    ]
+    .concat();
+    // Bounded: an agent that did not refuse would run on.
+    let out = node.run("node", "timeout", &run);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("refused: {stderr}");
+    assert_eq!(out.status.code(), Some(2), "(124: still running after 60 s) {}", describe(&out));
+    // Go's runtime listens on 0.0.0.0 with one dual-stack socket: `[::]:53` on a node with IPv6.
+    assert!(["0.0.0.0:53", "[::]:53"].iter().any(|a| stderr.contains(a)), "no socket: {stderr}");
+    for says in ["every address", "config.bindIp=true", "nothing was changed"] {
+        assert!(stderr.contains(says), "{says:?} not said: {stderr}");
+    }
+    node.assert_nothing_left();
+    assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), COREDNS_ANSWER, "kube-proxy's DNAT, as before");
+}

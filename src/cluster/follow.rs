@@ -158,6 +158,7 @@ fn usable(service: &DynamicObject, from: &str, addrs: &ListenAddrs) -> Result<Ve
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::Logs;
 
     fn service(cluster_ips: &[&str]) -> DynamicObject {
         serde_json::from_value(serde_json::json!({
@@ -178,20 +179,6 @@ mod tests {
     }
 
     const FROM: &str = "Service kube-system/kube-dns-upstream";
-
-    /// Log lines written by the code under test, kept for it to read.
-    #[derive(Clone, Default)]
-    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Logs {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
 
     /// What a fake API server was asked: each request, by when, and whether it was a watch.
     type Asked = Arc<std::sync::Mutex<Vec<(Duration, bool)>>>;
@@ -235,10 +222,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_watch_refused_after_a_good_list_backs_off_all_the_same() {
         let logs = Logs::default();
-        let writer = logs.clone();
-        let subscriber =
-            tracing_subscriber::fmt().with_writer(move || writer.clone()).with_ansi(false).finish();
-        let _logging = tracing::subscriber::set_default(subscriber);
+        let _logging = logs.capture();
         let start = tokio::time::Instant::now();
         let (client, asked) = shedding_watches(start);
         let following = tokio::spawn(follow(client, follower()));
@@ -260,7 +244,7 @@ mod tests {
         for pair in late.windows(2) {
             assert!(pair[1] - pair[0] >= Duration::from_secs(30), "relisted after {pair:?}");
         }
-        let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+        let text = logs.text();
         let warned = text.matches("following the upstream Service failed").count();
         assert_eq!(warned, 1, "one warning for the outage:\n{text}");
     }

@@ -18,7 +18,7 @@ use super::{now, sleep_until, start_check, AgentError};
 use crate::agent::Agent;
 use crate::beat::Beat;
 use crate::blocking::blocking;
-use crate::cluster::Reporter;
+use crate::cluster::{Reporter, Verdict};
 use crate::config::AgentConfig;
 use crate::control::Incoming;
 use crate::health::{Stream, Transition};
@@ -52,11 +52,11 @@ pub(super) struct ControlLoop<'a> {
 
 impl ControlLoop<'_> {
     /// Turns until `shutdown` completes or a task dies; then stops the tasks and leaves the
-    /// current route's ruleset installed.
+    /// current route's ruleset installed, for the caller to remove on a [`Verdict::Removal`].
     pub(super) async fn run(
         self,
-        shutdown: impl std::future::Future<Output = ()>,
-    ) -> Result<(), AgentError> {
+        shutdown: impl std::future::Future<Output = Verdict>,
+    ) -> Result<Verdict, AgentError> {
         let ControlLoop {
             cfg,
             mut agent,
@@ -100,7 +100,7 @@ impl ControlLoop<'_> {
             health.beat(now());
             tokio::select! {
                 biased;
-                _ = &mut shutdown => break Ok(()),
+                verdict = &mut shutdown => break Ok(verdict),
                 Some(report) = probing.reports.recv() => {
                     if report.stream == Stream::CacheUdp && report.result.outcome.is_good() {
                         probing.cache_answered.notify_one();
@@ -210,10 +210,19 @@ impl ControlLoop<'_> {
         blocking(|| agent.settle(now()));
         write_state(&agent);
         blocking(|| state_file.finish());
-        if agent.is_dirty() {
-            error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
-        } else {
-            info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
+        match &outcome {
+            Ok(Verdict::Removal(why)) => {
+                warn!(route = %agent.route(), why = %why, "stopping: the agent is being removed from the node; removing its rules, its copies of the link-local IPs, its node condition and its startup taint (pods' DNS goes through kube-proxy to CoreDNS)");
+            }
+            _ if agent.is_dirty() => {
+                error!(route = %agent.route(), "stopping; the last apply failed, the kernel may still hold the previous route's ruleset");
+            }
+            Ok(Verdict::Restart(why)) => {
+                info!(route = %agent.route(), why = %why, "stopping; the ruleset of the current route stays installed");
+            }
+            Err(_) => {
+                info!(route = %agent.route(), "stopping; the ruleset of the current route stays installed");
+            }
         }
         outcome
     }

@@ -69,8 +69,9 @@ impl Drop for Forwarding {
 }
 
 /// Binds a forwarder for each family of `local` (to the upstream of that family, else the
-/// first, as it is at each dial: [`crate::upstream`]) and starts it on a runtime of its own
-/// ([`Forwarding`]), then puts the copies of `local` on lo and spawns their keeper. A forwarder
+/// first, as it is at each dial: [`crate::upstream`]), puts the copies of `local` on lo, and
+/// starts the forwarders on a runtime of their own ([`Forwarding`]), and the copies' keeper: a
+/// forwarder's first lease heartbeat, at its start, goes to a copy already there. A forwarder
 /// that cannot bind is an error: the agent would TPROXY queries to nobody. One whose socket
 /// fails for good ends its task in `tasks`, and so the agent, to be restarted with a fresh one.
 /// Copies that cannot be added now are said and retried by the keeper. With `leased` (the
@@ -116,6 +117,16 @@ pub(super) fn start(
         }
     }
     forwarding.counters = forwarders.iter().map(Forwarder::counters).collect();
+    // The copies first: each forwarder's first heartbeat goes out as it starts, to the
+    // link-local IP, which must be local by then (from the loopback address, nothing else can
+    // carry it).
+    match addresses::ensure(local) {
+        Ok(added) if !added.is_empty() => {
+            info!(added = ?added, "copies of the link-local IPs on lo")
+        }
+        Ok(_) => {}
+        Err(e) => warn!(error = %e, "cannot put the copies of the link-local IPs on lo; retrying"),
+    }
     for forwarder in forwarders {
         let listen = forwarder.listen();
         let serving = runtime.spawn(forwarder.run());
@@ -129,13 +140,6 @@ pub(super) fn start(
                 }
             }
         });
-    }
-    match addresses::ensure(local) {
-        Ok(added) if !added.is_empty() => {
-            info!(added = ?added, "copies of the link-local IPs on lo")
-        }
-        Ok(_) => {}
-        Err(e) => warn!(error = %e, "cannot put the copies of the link-local IPs on lo; retrying"),
     }
     tasks.spawn("link-local address copies", keep_copies(local.to_vec(), beat));
     Ok(forwarding)
@@ -219,6 +223,30 @@ mod tests {
     fn heartbeat_within(heard: &UdpSocket, deadline: Duration) -> bool {
         heard.set_read_timeout(Some(deadline)).unwrap();
         heard.recv(&mut [0; 16]).is_ok()
+    }
+
+    /// Each forwarder's first lease heartbeat goes out as it starts, to the link-local IP: the
+    /// agent's copy of it is on lo by then, so not one heartbeat fails at start (the forwarders
+    /// had started first, and their first heartbeats failed with `EINVAL`, said in a warning).
+    #[test]
+    fn the_first_heartbeats_find_the_link_local_ip_on_lo() {
+        in_netns("nlha-lease", test_path!(), |ns| {
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+            let local: IpAddr = "169.254.20.10".parse().unwrap();
+            let upstream = Following::new(Upstream {
+                ips: vec!["127.0.0.1".parse().unwrap()],
+                from: "test".into(),
+            });
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+            let _agent = runtime.enter();
+            let mut tasks = Tasks::default();
+            let forwarding = start(&[local], &upstream, true, Beat::start(), &mut tasks).unwrap();
+            let heard = UdpSocket::bind((local, lease::HEARTBEAT_PORT)).unwrap();
+            assert!(heartbeat_within(&heard, Duration::from_secs(5)), "no heartbeat at all");
+            let failed: u64 = forwarding.leases.iter().map(|l| l.failed()).sum();
+            assert_eq!(failed, 0, "heartbeats sent before the link-local IP was on lo");
+            drop(forwarding);
+        });
     }
 
     /// The iptables fallback's lease says that the forwarders serve, not only that the agent

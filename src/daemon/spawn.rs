@@ -234,14 +234,14 @@ pub(super) fn spawn_hooks(
 }
 
 /// The cluster's tasks, if a client can be had: the reports (the node condition, Events), and
-/// the upstream Service followed when no flag fixes it. Without a client the agent runs on from
-/// its flags alone, and says why.
+/// the upstream Service followed when no flag fixes it; with the agent's DaemonSet named, what
+/// asks it at SIGTERM. Without a client the agent runs on from its flags alone, and says why.
 pub(super) async fn spawn_cluster(
     settings: &crate::cluster::Settings,
     addrs: &crate::ruleset::ListenAddrs,
     following: &Arc<Following>,
     tasks: &mut Tasks,
-) -> Option<crate::cluster::Reporter> {
+) -> Option<(crate::cluster::Reporter, Option<crate::cluster::Removal>)> {
     let client = match crate::cluster::client(settings).await {
         Ok(client) => client,
         Err(e) => {
@@ -257,7 +257,11 @@ pub(super) async fn spawn_cluster(
         };
         tasks.spawn("upstream Service follower", crate::cluster::follow(client.clone(), follower));
     }
+    let removal = settings.daemonset.as_ref().map(|daemonset| {
+        let (node, taint) = (settings.node_name.clone(), settings.startup_taint.clone());
+        crate::cluster::Removal::new(client.clone(), daemonset.clone(), node, taint)
+    });
     let (reporter, task) = crate::cluster::reports(client, settings);
     tasks.spawn("cluster reports", task);
-    Some(reporter)
+    Some((reporter, removal))
 }

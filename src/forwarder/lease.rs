@@ -25,11 +25,15 @@
 //! Until the agent has installed its rules a heartbeat changes nothing: the agent sends one more
 //! itself the moment they are first in (`daemon::link_local::Forwarding::renew_lease`), so the
 //! fallback works from then on, not a renewal later. The entry then lives as long as the rules
-//! (the heartbeat rule is in the fallback chain on both routes).
+//! (the heartbeat rule is in the fallback chain on both routes). A heartbeat goes to the
+//! link-local IP, so the forwarders start only once the agent's copy of it is on `lo`
+//! (`daemon::link_local::start`); a copy someone removes is put back within a second, and the
+//! heartbeats that failed meanwhile are said once, and their return too.
 
 use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +59,8 @@ pub struct Lease {
     local: Vec<IpAddr>,
     /// One socket per family, bound to its loopback address.
     sockets: Vec<UdpSocket>,
+    /// Renewals that could not be sent, since the lease was made.
+    failed: AtomicU64,
 }
 
 impl Lease {
@@ -68,11 +74,25 @@ impl Lease {
                 sockets.push(socket);
             }
         }
-        Ok(Lease { local: local.to_vec(), sockets })
+        Ok(Lease { local: local.to_vec(), sockets, failed: AtomicU64::new(0) })
     }
 
-    /// Sends each link-local IP's heartbeat.
+    /// Sends each link-local IP's heartbeat. It fails (`EINVAL`) while the IP is not local: a
+    /// datagram from the loopback address cannot leave through another interface.
     pub fn renew(&self) -> io::Result<()> {
+        let sent = self.send();
+        if sent.is_err() {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+        sent
+    }
+
+    /// How many renewals could not be sent.
+    pub fn failed(&self) -> u64 {
+        self.failed.load(Ordering::Relaxed)
+    }
+
+    fn send(&self) -> io::Result<()> {
         for &ip in &self.local {
             let socket = self
                 .sockets
@@ -134,10 +154,15 @@ impl Renewals {
         self.ticks.tick().await
     }
 
-    /// Renews the lease. A failure is said once, not every renewal.
+    /// Renews the lease. A failure is said once, not every renewal, and so is the first
+    /// renewal sent after failures.
     pub(super) fn renew(&mut self) {
         match self.lease.renew() {
-            Ok(()) => self.failing = false,
+            Ok(()) if self.failing => {
+                self.failing = false;
+                tracing::info!("the forwarder's lease heartbeat is sent again");
+            }
+            Ok(()) => {}
             Err(e) if !self.failing => {
                 self.failing = true;
                 tracing::warn!(
@@ -156,5 +181,42 @@ pub(super) async fn due(renewals: &mut Option<Renewals>) {
     match renewals {
         Some(renewals) => renewals.due().await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{in_netns, run, test_path, Logs};
+
+    /// A heartbeat to a link-local IP that is not on the node fails (`EINVAL`: the loopback
+    /// source cannot leave through another interface): said once however many fail; once the IP
+    /// is back, the first heartbeat sent is said too, once.
+    #[test]
+    fn a_failing_heartbeat_is_said_once_and_so_is_its_return() {
+        in_netns("nlha-beat", test_path!(), |ns| {
+            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
+            let local: IpAddr = "169.254.20.10".parse().unwrap();
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let _in_runtime = runtime.enter();
+            let lease = Arc::new(Lease::new(&[local]).unwrap());
+            let mut renewals = Holder::new(lease.clone(), Beat::start()).start();
+            let logs = Logs::default();
+            let _logging = logs.capture();
+            for _ in 0..3 {
+                renewals.renew();
+            }
+            assert_eq!(lease.failed(), 3, "sent to an address that is not local");
+            run("ip", &["-n", ns, "address", "add", "169.254.20.10/32", "dev", "lo"]);
+            for _ in 0..3 {
+                renewals.renew();
+            }
+            assert_eq!(lease.failed(), 3, "sent once the address is on lo");
+            let text = logs.text();
+            let failed = text.matches("cannot send the forwarder's lease heartbeat").count();
+            assert_eq!(failed, 1, "the failure said once:\n{text}");
+            assert_eq!(text.matches("lease heartbeat is sent again").count(), 1, "{text}");
+        });
     }
 }

@@ -23,26 +23,32 @@ udp_listener() {
     in_ns node ss -Hulnp "src $addr and sport = :53" | grep -q "pid=$1,"
 }
 
-# cache-start [--mode normal|servfail] [--no-wait]: unbound from unbound.conf.in (with the real
-# parts, node-cache with node-local-dns's Corefile: real_cache_conf in real.sh), answering who.test
-# itself and forwarding the rest to the kube-dns-upstream Service (normal), or answering
-# SERVFAIL to everything (servfail: no upstream it can reach).
+# cache-start [--mode normal|servfail] [--no-wait] [--bind own|wildcard]: unbound from
+# unbound.conf.in (with the real parts, node-cache with node-local-dns's Corefile: real_cache_conf
+# in real.sh), answering who.test itself and forwarding the rest to the kube-dns-upstream Service
+# (normal), or answering SERVFAIL to everything (servfail: no upstream it can reach). --bind
+# wildcard (the real parts): node-cache's Corefile binds 0.0.0.0 (and ::) instead of its listen
+# IPs, as deliveryhero's chart's default config.bindIp=false has it.
 # cache2-start (the same options): a second cache, same config (its own file, pidfile and
 # log), on the same IPs and port: kubespray's `nodelocaldns-second`. Both set SO_REUSEPORT
 # (unbound.conf.in; node-cache's CoreDNS always does), so the kernel puts their sockets in one reuseport
 # group and hashes each query's source address and port to one of them.
 cmd_cache_start() { # cmd_cache_start SVC [options]: SVC is cache or cache2
     local svc=$1 mode=normal ips=() ip wait=1
+    CACHE_BIND=own
     shift
     while (($#)); do
         case $1 in
         --mode) mode=${2:-}; shift 2 || usage ;;
         --no-wait) wait=0; shift ;;
+        --bind) CACHE_BIND=${2:-}; shift 2 || usage ;;
         *) usage ;;
         esac
     done
     [[ "$mode" =~ ^(normal|servfail)$ ]] || die "--mode must be normal or servfail"
+    [[ "$CACHE_BIND" =~ ^(own|wildcard)$ ]] || die "--bind must be own or wildcard"
     load_state
+    [[ $CACHE_BIND == own ]] || is_real || die "--bind wildcard: the real parts' node-cache only (--kube-proxy real-*)"
     if has_v4; then ips+=("$V4_LOCAL_IP" "$V4_CLUSTER_DNS"); fi
     if has_v6; then ips+=("$V6_LOCAL_IP" "$V6_CLUSTER_DNS"); fi
     # An endpoint of kube-dns at the node's address (prefer-same-node, real parts).

@@ -583,15 +583,21 @@ EOF
 # node's resolver, here the build machine's); `bind` lists every listen IP (a dual-stack node's
 # both families: node-cache's -localip takes one). cache2 (kubespray's second instance) takes
 # :9255 and :8081 for its metrics and health, as kubespray's does, and :9354 for node-cache's own
-# setup metrics. servfail: every question answered SERVFAIL.
+# setup metrics. servfail: every question answered SERVFAIL. CACHE_BIND=wildcard (cache-start
+# --bind wildcard): `bind 0.0.0.0` (and `::` on a node with IPv6) in place of the listen IPs.
 real_cache_conf() {
     local svc=$1 mode=$2 base="$RUN_DIR/Corefile-base-$1" metrics=9253 health=8080 setup=9353 zone
     shift 2
+    local binds="$*"
+    if [[ ${CACHE_BIND:-own} == wildcard ]]; then
+        binds=0.0.0.0
+        ! has_v6 || binds+=" ::"
+    fi
     real_bin
     if [[ $svc == cache2 ]]; then metrics=9255 health=8081 setup=9354; fi
     {
         if [[ $mode == servfail ]]; then
-            printf '.:53 {\n    bind %s\n    errors\n' "$*"
+            printf '.:53 {\n    bind %s\n    errors\n' "$binds"
             printf '    template ANY ANY {\n        rcode SERVFAIL\n    }\n}\n'
         else
             for zone in cluster.local in-addr.arpa ip6.arpa .; do
@@ -602,7 +608,7 @@ real_cache_conf() {
                 else
                     echo "    cache 30"
                 fi
-                printf '    reload\n    loop\n    bind %s\n' "$*"
+                printf '    reload\n    loop\n    bind %s\n' "$binds"
                 if [[ $zone == . ]]; then
                     printf '    template IN A %s {\n' "$PROBE_NAME"
                     printf '        answer "{{ .Name }} 30 IN A %s"\n    }\n' "$CACHE_A"

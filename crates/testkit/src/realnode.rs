@@ -230,11 +230,21 @@ impl PodLoad {
     /// in which the cache answered every lookup and none failed: the lines already out (those
     /// of before a fault, say) are not looked at.
     pub fn wait_back_on_cache(&mut self, deadline: Duration) {
+        self.wait_answered_alone_by("cache", "coredns", deadline);
+    }
+
+    /// [`PodLoad::wait_back_on_cache`], for CoreDNS: a quarter second from now on in which
+    /// CoreDNS answered every lookup (through kube-proxy, the cache out of pods' path).
+    pub fn wait_on_coredns(&mut self, deadline: Duration) {
+        self.wait_answered_alone_by("coredns", "cache", deadline);
+    }
+
+    fn wait_answered_alone_by(&mut self, who: &str, other: &str, deadline: Duration) {
         let now = self.started.elapsed().as_secs_f64();
-        self.load.wait_line("the cache answering alone again", deadline, |l| {
+        self.load.wait_line(&format!("{who} answering alone"), deadline, |l| {
             timeline_t(l).is_some_and(|t| t > now + 0.25)
-                && field(l, "cache").is_some_and(|n| n > 0)
-                && field(l, "coredns") == Some(0)
+                && field(l, who).is_some_and(|n| n > 0)
+                && field(l, other) == Some(0)
                 && field(l, "failed") == Some(0)
         });
     }

@@ -60,6 +60,26 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
     let now = SystemTime::now();
     let alive = state::agent_running(&args.state_dir);
     let stale = st.is_stale(now);
+    // What `--check` asks, decided before `alive` is spent on the printing.
+    let not_ready = match (&alive, stale) {
+        (Ok(true), false) if st.ruleset_in => None,
+        (Ok(true), false) => Some(format!(
+            "the agent's ruleset is not in: {}",
+            st.last_error.as_deref().unwrap_or("its last apply failed")
+        )),
+        (Ok(true), true) => {
+            Some(format!("the agent is not updating its state ({})", ago(st.updated_unix_ms, now)))
+        }
+        (Ok(false), _) => Some(format!(
+            "no agent is running with --state-dir {} (its last state is shown)",
+            args.state_dir.display()
+        )),
+        (Err(e), _) => Some(format!("cannot tell whether an agent runs: {}", with_causes(e))),
+    };
+    let checked = || match (&not_ready, args.check) {
+        (Some(why), true) => Err(Failure::runtime(format!("status --check: {why}"))),
+        _ => Ok(()),
+    };
     if args.json {
         let mut value = serde_json::to_value(&st).map_err(Failure::runtime)?;
         // `null` when it cannot be told (the lock file cannot be opened).
@@ -72,7 +92,7 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
             Err(e) => serde_json::Value::String(e.to_string()),
         };
         println!("{value}");
-        return Ok(());
+        return checked();
     }
     let running = match (alive, stale) {
         (Ok(true), false) => format!("running (pid {})", st.pid),
@@ -158,5 +178,5 @@ pub(crate) fn status(args: &StatusArgs) -> Result<(), Failure> {
             f.udp_queries, f.udp_answers, f.tcp_connections, f.upstream_failures, f.dropped
         );
     }
-    Ok(())
+    checked()
 }

@@ -28,8 +28,8 @@ use nodelocaldns_ha::dataplane::iptables::kernel_has_ipv6;
 use nodelocaldns_ha::dataplane::Dataplane;
 use nodelocaldns_ha::malloc;
 use nodelocaldns_ha::overrides;
-use nodelocaldns_ha::ruleset::RuleSet;
-use nodelocaldns_ha::state;
+use nodelocaldns_ha::ruleset::{ListenAddrs, RuleSet, DNS_PORT};
+use nodelocaldns_ha::{detect, sockdiag, state};
 
 use crate::backends::{
     every_dataplane, leftovers, listen_addrs, open_dataplane, require_net_admin,
@@ -151,6 +151,7 @@ fn run(command: Command) -> Result<(), Failure> {
             if args.dataplane == DataplaneKind::IptablesLegacy {
                 require_net_raw_for_legacy()?;
             }
+            refuse_a_wildcard_cache(&cfg.addrs)?;
             let (dataplane, notes) = open_dataplane(args.dataplane, &cfg.addrs, xtables_wait)?;
             cfg.shape.accepts = dataplane.has_accepts();
             let leftovers = leftovers(&dataplane, &cfg.addrs, xtables_wait);
@@ -166,10 +167,17 @@ fn run(command: Command) -> Result<(), Failure> {
                     }
                 });
                 let shutdown = shutdown_signal();
+                let state_dir = cfg.state_dir.clone();
                 let agent = daemon::run(cfg, dataplane, notes, leftovers, shutdown);
-                match tokio::spawn(agent).await {
-                    Ok(outcome) => outcome.map_err(|e| Failure::runtime(with_causes(&e))),
-                    Err(e) => Err(Failure::runtime(format!("the agent's loop panicked: {e}"))),
+                let removal = match tokio::spawn(agent).await {
+                    Ok(outcome) => outcome.map_err(|e| Failure::runtime(with_causes(&e)))?,
+                    Err(e) => {
+                        return Err(Failure::runtime(format!("the agent's loop panicked: {e}")))
+                    }
+                };
+                match removal {
+                    Some(removal) => leave_the_node(&removal, &state_dir, xtables_wait).await,
+                    None => Ok(()),
                 }
             })
         }
@@ -205,6 +213,7 @@ fn run(command: Command) -> Result<(), Failure> {
                 other => answered(other),
             }
         }
+        Command::Uninstall(args) => uninstall(&args),
         Command::Rules(args) => {
             let addrs = listen_addrs(&args.listen)?;
             let mut rules = RuleSet::desired(&addrs, args.route.into());
@@ -219,30 +228,106 @@ fn run(command: Command) -> Result<(), Failure> {
             let xtables_wait = config::duration_flag("--xtables-wait", &args.xtables_wait)
                 .map_err(Failure::usage)?;
             require_net_admin()?;
-            if agent_running(&args.state_dir)? {
-                return Err(Failure::runtime(format!(
-                    "an agent is running with --state-dir {} and would put its rules back: stop \
-                     it first (e.g. delete its DaemonSet), then tear down",
-                    args.state_dir.display()
-                )));
+            for line in teardown(&args.state_dir, xtables_wait)? {
+                println!("{line}");
             }
-            // Whatever backend an agent used, with whatever flags: everything goes.
-            let mut dataplane = every_dataplane(xtables_wait)?;
-            dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
-            // The agent's copies of the link-local IPs on lo (known by their address protocol;
-            // on a kernel before 5.18, by their label, IPv4 only: see `addresses`).
-            let removed =
-                addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
-            for ip in removed {
-                println!("removed the agent's copy of {ip} on lo");
+            Ok(())
+        }
+    }
+}
+
+/// Removes everything an agent installed on the node, as `teardown` does: the rules of every
+/// backend, the copies of the link-local IPs on lo, the state file; what it did, line by line.
+/// Refused while an agent runs with `state_dir` (it would put its rules back).
+fn teardown(state_dir: &std::path::Path, xtables_wait: Duration) -> Result<Vec<String>, Failure> {
+    if agent_running(state_dir)? {
+        return Err(Failure::runtime(format!(
+            "an agent is running with --state-dir {} and would put its rules back: stop it first \
+             (e.g. delete its DaemonSet), then tear down",
+            state_dir.display()
+        )));
+    }
+    // Whatever backend an agent used, with whatever flags: everything goes.
+    let mut dataplane = every_dataplane(xtables_wait)?;
+    dataplane.remove().map_err(|e| Failure::runtime(with_causes(&e)))?;
+    // The agent's copies of the link-local IPs on lo (known by their address protocol; on a
+    // kernel before 5.18, by their label, IPv4 only: see `addresses`).
+    let removed = addresses::remove_ours(&[]).map_err(|e| Failure::runtime(with_causes(&e)))?;
+    let mut said: Vec<_> =
+        removed.iter().map(|ip| format!("removed the agent's copy of {ip} on lo")).collect();
+    state::remove(state_dir).map_err(|e| {
+        Failure::runtime(format!("removing the state file in {}: {e}", state_dir.display()))
+    })?;
+    said.push("removed everything nodelocaldns-ha installed (nftables and iptables)".into());
+    Ok(said)
+}
+
+/// `uninstall`: the agents' DaemonSet deleted (foreground) and waited for, so that each agent
+/// puts its node back at its SIGTERM ([`nodelocaldns_ha::cluster::removal`]).
+fn uninstall(args: &cli::UninstallArgs) -> Result<(), Failure> {
+    use nodelocaldns_ha::cluster::{self, Uninstalled};
+    let timeout = config::duration_flag("--timeout", &args.timeout).map_err(Failure::usage)?;
+    runtime()?.block_on(async {
+        let client = cluster::client_of(args.kubeconfig.as_ref())
+            .await
+            .map_err(|e| Failure::runtime(with_causes(&e)))?;
+        let ds = format!("DaemonSet {}/{}", client.default_namespace(), args.daemonset);
+        println!("deleting {ds} (foreground): each agent puts its node back at its SIGTERM");
+        let ended = cluster::uninstall(client, &args.daemonset, timeout)
+            .await
+            .map_err(|e| Failure::runtime(format!("deleting {ds}: {}", with_causes(&e))))?;
+        match ended {
+            Uninstalled::NotThere => println!("{ds} is not there: nothing to remove"),
+            Uninstalled::Gone => println!("{ds} and its pods are gone"),
+            Uninstalled::StillThere => println!(
+                "{ds} is still being deleted after {timeout:?}: an agent on a node that is down \
+                 (or that did not stop) keeps its rules there; `nodelocaldns-ha teardown` on \
+                 that node removes them"
+            ),
+        }
+        Ok(())
+    })
+}
+
+/// The agent's last act when it is being removed (its DaemonSet gone or being deleted): the
+/// same teardown as the `teardown` command, then its condition and startup taint off its Node.
+/// Each step says what it did; a Node the API server does not let it clean is said, and the
+/// agent still exits 0 (its rules, what matters to pods, are gone).
+async fn leave_the_node(
+    removal: &nodelocaldns_ha::cluster::Removal,
+    state_dir: &std::path::Path,
+    xtables_wait: Duration,
+) -> Result<(), Failure> {
+    // Blocking, and nothing else runs any more.
+    for line in teardown(state_dir, xtables_wait)? {
+        tracing::warn!("{line}");
+    }
+    match removal.clean_node().await {
+        Ok(said) => {
+            for line in said {
+                tracing::warn!("{line}");
             }
-            state::remove(&args.state_dir).map_err(|e| {
-                Failure::runtime(format!(
-                    "removing the state file in {}: {e}",
-                    args.state_dir.display()
-                ))
-            })?;
-            println!("removed everything nodelocaldns-ha installed (nftables and iptables)");
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "cannot take the agent's condition and startup taint off its Node; remove them by hand (kubectl edit node --subresource status; kubectl taint node)")
+        }
+    }
+    tracing::warn!("the agent is removed from this node: nothing of it is left in its netfilter");
+    Ok(())
+}
+
+/// Refuses a node where a socket listens on port 53 of the wildcard address (node-cache bound
+/// to 0.0.0.0: [`detect::wildcard_refusal`]), before anything is changed. The sockets cannot
+/// be listed (no sock_diag): said, and the agent starts.
+fn refuse_a_wildcard_cache(addrs: &ListenAddrs) -> Result<(), Failure> {
+    let listen: Vec<_> = addrs.local.iter().chain(&addrs.cluster_dns).copied().collect();
+    match sockdiag::listeners(&listen, DNS_PORT) {
+        Ok(listening) => match detect::wildcard_refusal(&listening) {
+            Some(refusal) => Err(Failure::usage(refusal)),
+            None => Ok(()),
+        },
+        Err(e) => {
+            tracing::warn!(error = %with_causes(&e), "cannot list the sockets on port 53; a cache bound to the wildcard address would go unnoticed");
             Ok(())
         }
     }
