@@ -6,12 +6,11 @@
 //! runtime. [`crate::daemon`] wires it to the world: probe tasks, the kernel's socket-destroy
 //! and nftables-change notifications, a resync tick, the state file, and the shutdown signal.
 //!
-//! Exit policy: on SIGTERM or SIGINT the agent leaves the ruleset of its current route installed
-//! and exits. `Local` is safe without the agent (the kernel fast path fails pods over when the
-//! cache dies); `Upstream` stays because the agent last saw the cache failing. So an agent that
-//! stops, crashes or is upgraded leaves the node exactly as it last decided, and a restarted agent
-//! adopts the installed route instead of flipping. `teardown` removes everything, and so does an
-//! agent whose DaemonSet is gone or being deleted at its SIGTERM (`crate::cluster::removal`).
+//! Exit policy: on SIGTERM or SIGINT the agent leaves its current route's ruleset and exits.
+//! `Local` is safe without the agent (the kernel fast path fails pods over when the cache dies);
+//! `Upstream` stays because the agent last saw the cache failing. A restarted agent adopts the
+//! installed route instead of flipping. `teardown` removes everything, and so does an agent
+//! whose DaemonSet is gone or being deleted at its SIGTERM (`crate::cluster::removal`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
