@@ -1,10 +1,9 @@
 //! The agent: probe streams in, route decisions out, the ruleset kept installed.
 //!
-//! [`Agent`] is the synchronous core — it owns the state machine and the counters, hands the
-//! ruleset of each route to its [`Reconciler`] (which keeps it installed: read-backs, repairs,
-//! retries), and reacts to one event at a time, so it is tested with the fake dataplane and no
-//! runtime. [`crate::daemon`] wires it to the world: probe tasks, the kernel's socket-destroy
-//! and nftables-change notifications, a resync tick, the state file, and the shutdown signal.
+//! [`Agent`] is the synchronous core — it owns the state machine and the counters, hands each
+//! route's ruleset to its [`Reconciler`] (which keeps it installed), and reacts to one event at
+//! a time, so it is tested with the fake dataplane and no runtime. [`crate::daemon`] wires it to
+//! the world: probes, the kernel's notifications, a resync tick, the state file, the signals.
 //!
 //! Exit policy: on SIGTERM or SIGINT the agent leaves its current route's ruleset and exits.
 //! `Local` is safe without the agent (the kernel fast path fails pods over when the cache dies);
