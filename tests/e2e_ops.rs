@@ -630,7 +630,7 @@ fn a_kill_between_the_families_is_noticed_and_evened_out_on_restart() {
     };
     // The pods' NOTRACK (to the IP); the cache's replies are NOTRACKed on both routes.
     let notracked = |text: &str, ip: &str| {
-        text.lines().any(|l| l.contains(&format!("-d {ip} ")) && l.contains("NOTRACK"))
+        text.lines().any(|l| l.contains(&format!("-d {ip} ")) && l.ends_with("-j NOTRACK"))
     };
     let out = node.cli(&["flip", "upstream", "--state-dir", &dir]);
     assert!(out.status.success(), "{}", describe(&out));
