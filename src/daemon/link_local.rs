@@ -225,38 +225,11 @@ mod tests {
         heard.recv(&mut [0; 16]).is_ok()
     }
 
-    /// Each forwarder's first lease heartbeat goes out as it starts, to the link-local IP: the
-    /// agent's copy of it is on lo by then, so not one heartbeat fails at start (the forwarders
-    /// had started first, and their first heartbeats failed with `EINVAL`, said in a warning).
-    #[test]
-    fn the_first_heartbeats_find_the_link_local_ip_on_lo() {
-        in_netns("nlha-lease", test_path!(), |ns| {
-            run("ip", &["-n", ns, "link", "set", "lo", "up"]);
-            let local: IpAddr = "169.254.20.10".parse().unwrap();
-            let upstream = Following::new(Upstream {
-                ips: vec!["127.0.0.1".parse().unwrap()],
-                from: "test".into(),
-            });
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
-            let _agent = runtime.enter();
-            let mut tasks = Tasks::default();
-            let forwarding = start(&[local], &upstream, true, Beat::start(), &mut tasks).unwrap();
-            let heard = UdpSocket::bind((local, lease::HEARTBEAT_PORT)).unwrap();
-            assert!(heartbeat_within(&heard, Duration::from_secs(5)), "no heartbeat at all");
-            let failed: u64 = forwarding.leases.iter().map(|l| l.failed()).sum();
-            assert_eq!(failed, 0, "heartbeats sent before the link-local IP was on lo");
-            drop(forwarding);
-        });
-    }
-
-    /// The iptables fallback's lease says that the forwarders serve, not only that the agent
-    /// runs: with every worker of the forwarders' runtime blocked (TPROXY would hand queries to
-    /// sockets nobody reads), no heartbeat goes out and the lease lapses (a whole lease without
-    /// one), the agent's own runtime running all along; once the runtime runs again, so do the
-    /// heartbeats.
-    #[test]
-    fn the_lease_lapses_while_the_forwarders_runtime_is_wedged() {
-        in_netns("nlha-lease", test_path!(), |ns| {
+    /// Runs `body` in a network namespace of its own (named after `test`) with a leased
+    /// forwarder started for 169.254.20.10 on the agent's runtime, and a socket where its lease
+    /// heartbeats arrive; the forwarding is dropped after `body`.
+    fn with_leased_forwarder(test: &str, body: impl FnOnce(&Forwarding, &UdpSocket)) {
+        in_netns("nlha-lease", test, |ns| {
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
             let local: IpAddr = "169.254.20.10".parse().unwrap();
             let upstream = Following::new(Upstream {
@@ -269,20 +242,44 @@ mod tests {
             let forwarding = start(&[local], &upstream, true, Beat::start(), &mut tasks).unwrap();
             // The copy of the link-local IP on lo is in: the heartbeats' destination is here.
             let heard = UdpSocket::bind((local, lease::HEARTBEAT_PORT)).unwrap();
-            assert!(heartbeat_within(&heard, Duration::from_secs(5)), "no heartbeat at all");
+            body(&forwarding, &heard);
+            drop(forwarding);
+        });
+    }
+
+    /// Each forwarder's first lease heartbeat goes out as it starts, to the link-local IP: the
+    /// agent's copy of it is on lo by then, so not one heartbeat fails at start (the forwarders
+    /// had started first, and their first heartbeats failed with `EINVAL`, said in a warning).
+    #[test]
+    fn the_first_heartbeats_find_the_link_local_ip_on_lo() {
+        with_leased_forwarder(test_path!(), |forwarding, heard| {
+            assert!(heartbeat_within(heard, Duration::from_secs(5)), "no heartbeat at all");
+            let failed: u64 = forwarding.leases.iter().map(|l| l.failed()).sum();
+            assert_eq!(failed, 0, "heartbeats sent before the link-local IP was on lo");
+        });
+    }
+
+    /// The iptables fallback's lease says that the forwarders serve, not only that the agent
+    /// runs: with every worker of the forwarders' runtime blocked (TPROXY would hand queries to
+    /// sockets nobody reads), no heartbeat goes out and the lease lapses (a whole lease without
+    /// one), the agent's own runtime running all along; once the runtime runs again, so do the
+    /// heartbeats.
+    #[test]
+    fn the_lease_lapses_while_the_forwarders_runtime_is_wedged() {
+        with_leased_forwarder(test_path!(), |forwarding, heard| {
+            assert!(heartbeat_within(heard, Duration::from_secs(5)), "no heartbeat at all");
 
             let wedged = forwarding.wedge();
             let lease = Duration::from_secs(u64::from(lease::LEASE_SECONDS));
             let since = Instant::now();
-            while heartbeat_within(&heard, lease) {
+            while heartbeat_within(heard, lease) {
                 assert!(
                     since.elapsed() < Duration::from_secs(10),
                     "the heartbeats went on with the forwarders' runtime wedged"
                 );
             }
             drop(wedged);
-            assert!(heartbeat_within(&heard, Duration::from_secs(5)), "no heartbeat once unwedged");
-            drop(forwarding);
+            assert!(heartbeat_within(heard, Duration::from_secs(5)), "no heartbeat once unwedged");
         });
     }
 }
