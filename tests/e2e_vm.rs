@@ -58,7 +58,9 @@ fn boot(name: &str, kernel_args: &[&str], env: &[(&str, &str)], timeout: u32, bo
         .envs(env.iter().copied())
         .arg("--")
         .arg(&exe)
-        .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        // `--include-ignored`: a test ignored on the host, run by hand with `--ignored`, runs
+        // in the guest too.
+        .args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads", "1"])
         .stdin(Stdio::null())
         .output()
         .unwrap_or_else(|e| panic!("cannot run {runner}: {e}"));
