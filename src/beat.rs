@@ -14,7 +14,7 @@
 
 use std::io;
 use std::os::fd::AsFd;
-use std::sync::Once;
+use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use nix::sys::time::TimeSpec;
@@ -22,6 +22,7 @@ use nix::sys::timerfd::{ClockId, Expiration, TimerFd, TimerFlags, TimerSetTimeFl
 use tokio::time::{interval_at, Instant, Interval, MissedTickBehavior};
 
 use crate::netlink::socket::AsyncSocket;
+use crate::pace::Pace;
 
 /// The grid's origin; cadences are multiples of their period from it.
 #[derive(Clone, Copy, Debug)]
@@ -60,6 +61,16 @@ impl Beat {
                 Clock::Tokio(ticks)
             }
         })
+    }
+
+    /// Ticks every `period` on the grid, or every quiet period while `pace` is quiet
+    /// ([`crate::pace`]), the first at once. A change of pace takes effect at once: a tick
+    /// waiting on the quiet period comes at the next instant of `period` when the pace turns
+    /// fast. Call it within the runtime that will await the ticks.
+    pub fn paced(self, period: Duration, pace: Arc<Pace>) -> Ticks {
+        let told = pace.subscribe();
+        let timer = self.timer();
+        Ticks(Clock::Paced { timer, period, pace, told, due: Instant::now() })
     }
 
     /// A timer to sleep until an instant, on the grid or off it (see [`Timer::sleep_until`]).
@@ -118,7 +129,18 @@ pub struct Ticks(Clock);
 
 enum Clock {
     Tokio(Interval),
-    Kernel { timer: KernelTimer, first: bool },
+    Kernel {
+        timer: KernelTimer,
+        first: bool,
+    },
+    /// One instant at a time, each on the grid of the pace's period then.
+    Paced {
+        timer: Timer,
+        period: Duration,
+        pace: Arc<Pace>,
+        told: tokio::sync::watch::Receiver<bool>,
+        due: Instant,
+    },
 }
 
 impl Ticks {
@@ -133,6 +155,19 @@ impl Ticks {
                     timer.expired().await;
                 }
             }
+            Clock::Paced { timer, period, pace, told, due } => loop {
+                let beat = timer.beat;
+                tokio::select! {
+                    () = timer.sleep_until(*due) => {
+                        *due = beat.next(Instant::now(), pace.period(*period));
+                        return;
+                    }
+                    // Faster now: the next instant of the fast period, if sooner.
+                    Ok(()) = told.changed() => {
+                        *due = (*due).min(beat.next(Instant::now(), pace.period(*period)));
+                    }
+                }
+            },
         }
     }
 }
@@ -211,6 +246,34 @@ mod tests {
         assert_eq!(Instant::now() - t0, ms(350));
         probe.tick().await;
         assert_eq!(Instant::now() - t0, ms(400));
+    }
+
+    /// Paced ticks: at the quiet period while the pace is quiet, on the grid; back to their own
+    /// period at once when it turns fast, the tick waiting on the quiet period woken.
+    #[tokio::test(start_paused = true)]
+    async fn paced_ticks_slow_down_while_quiet_and_speed_up_at_once() {
+        let beat = Beat::start();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let pace = Arc::new(Pace::new(Some(ms(1000))));
+        let mut ticks = beat.paced(ms(100), pace.clone());
+        ticks.tick().await; // at once
+        ticks.tick().await;
+        assert_eq!(Instant::now() - t0, ms(100));
+        pace.node_quiet(true);
+        pace.calm(true);
+        ticks.tick().await; // the one already due
+        ticks.tick().await;
+        assert_eq!(Instant::now() - t0, ms(1000), "the quiet period's grid");
+        let waiting = tokio::spawn(async move {
+            ticks.tick().await;
+            Instant::now()
+        });
+        tokio::time::advance(ms(330)).await;
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "quiet: no tick at 1.3 s");
+        pace.calm(false);
+        assert_eq!(waiting.await.unwrap() - t0, ms(1400), "fast again: the next 100 ms instant");
     }
 
     /// The kernel's timers, on the real clock: a tick never comes before its grid instant, a

@@ -260,6 +260,16 @@ pub struct RunArgs {
         default_value = "20ms"
     )]
     pub stall_look: String,
+    /// On a healthy node without DNS traffic, the cache probe, the stall watch and the resync
+    /// tick every this instead of every --interval (at once back to it on traffic, a queue, a
+    /// failed or slow probe). Needs the stall watch and socket events. 0s: always --interval.
+    #[arg(
+        long,
+        env = "NODELOCALDNS_HA_QUIET_INTERVAL",
+        allow_hyphen_values = true,
+        default_value = "1s"
+    )]
+    pub quiet_interval: String,
     /// The node the agent runs on (the DaemonSet sets it from `spec.nodeName`): with an API
     /// client, its condition NodeLocalDNSReady and Events on route changes are reported there.
     /// Unset: nothing is reported.
@@ -312,6 +322,7 @@ impl RunArgs {
             socket_events: self.socket_events,
             stall_bound: self.stall_bound.clone(),
             stall_look: self.stall_look.clone(),
+            quiet_interval: self.quiet_interval.clone(),
             node_name: self.node_name.clone(),
             kubeconfig: self.kubeconfig.clone(),
             startup_taint: self.startup_taint.clone(),

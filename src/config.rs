@@ -278,6 +278,8 @@ pub struct AgentConfig {
     pub socket_events: bool,
     /// Watch the cache's sockets for stalls (`crate::stall`); `None` when off.
     pub stall: Option<crate::stall::Bounds>,
+    /// The quiet pace's period ([`crate::pace`]); `None` when off.
+    pub quiet: Option<Duration>,
     /// Where the node condition and Events go, if anywhere.
     pub cluster: Option<crate::cluster::Settings>,
 }
@@ -309,6 +311,8 @@ pub struct RawRun {
     /// `0s`: no stall watch.
     pub stall_bound: String,
     pub stall_look: String,
+    /// `0s`: no quiet pace.
+    pub quiet_interval: String,
     pub node_name: Option<String>,
     pub kubeconfig: Option<PathBuf>,
     pub startup_taint: Option<String>,
@@ -445,6 +449,8 @@ impl AgentConfig {
             })?),
         };
         let stall = stall_bounds(&raw.stall_bound, &raw.stall_look)?;
+        let quiet = Some(duration_flag("--quiet-interval", &raw.quiet_interval)?)
+            .filter(|quiet| !quiet.is_zero());
         let hook_timeout = duration_flag("--hook-timeout", &raw.hook_timeout)?;
         if hook_timeout.is_zero() {
             let value = raw.hook_timeout.clone();
@@ -479,6 +485,7 @@ impl AgentConfig {
             hook_timeout,
             socket_events: raw.socket_events,
             stall,
+            quiet,
             cluster: cluster_settings(raw)?,
         })
     }
@@ -534,6 +541,7 @@ pub(crate) fn test_raw() -> RawRun {
         socket_events: true,
         stall_bound: "30ms".into(),
         stall_look: "20ms".into(),
+        quiet_interval: "1s".into(),
         node_name: None,
         kubeconfig: None,
         startup_taint: None,

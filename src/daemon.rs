@@ -34,6 +34,7 @@ use crate::control::Incoming;
 use crate::dataplane::{nftables, Dataplane};
 use crate::metrics::{Health, Metrics};
 use crate::overrides::{self, Moment};
+use crate::pace::Pace;
 use crate::probe::{Probe, ProbeError, Prober};
 use crate::state;
 use crate::upstream::Following;
@@ -305,8 +306,19 @@ async fn run_with(
 
     let cache_wakes = [Arc::new(Notify::new()), Arc::new(Notify::new())];
     let watched = watch_node.then_some((&listen[..], forwarding.as_ref()));
-    let probing =
-        spawn::spawn_probes(&cfg, probers, beat, watched, &cache_wakes, &following, &mut tasks);
+    // The quiet pace rests on the kernel's signals: the stall watch and the socket events.
+    let quiet = cfg.quiet.filter(|_| watch_node && cfg.socket_events && cfg.stall.is_some());
+    let pace = Arc::new(Pace::new(quiet));
+    let probing = spawn::spawn_probes(
+        &cfg,
+        probers,
+        beat,
+        &pace,
+        watched,
+        &cache_wakes,
+        &following,
+        &mut tasks,
+    );
     let node = watch_node.then(|| spawn::Watched {
         listen: &listen,
         services: &services,
@@ -340,6 +352,7 @@ async fn run_with(
         cfg: &cfg,
         agent,
         beat,
+        pace,
         metrics,
         health,
         probing,

@@ -58,6 +58,8 @@ mod netlink;
 #[forbid(unsafe_code)]
 pub mod overrides;
 #[forbid(unsafe_code)]
+mod pace;
+#[forbid(unsafe_code)]
 pub mod probe;
 #[forbid(unsafe_code)]
 pub mod reconciler;

@@ -29,7 +29,7 @@ mod watch;
 
 use std::time::{Duration, Instant};
 
-pub(crate) use watch::watch_stalls;
+pub(crate) use watch::{watch_stalls, Own};
 
 use crate::health::Stall;
 

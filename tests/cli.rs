@@ -220,6 +220,7 @@ const RUN_CASES: &[Case] = &[
     case("--stall-look", "1ms", "too short: at least 2ms"),
     case("--stall-look", "0s", "too short: at least 2ms"),
     case("--stall-look", "often", "is not a duration"),
+    case("--quiet-interval", "often", "is not a duration"),
     // Counts.
     case("--fall", "0", "must be at least 1"),
     case("--fall", "4294967296", "is not in 0..=4294967295"),

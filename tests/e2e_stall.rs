@@ -14,6 +14,9 @@ use testkit::*;
 /// What the watch logs when it goes to its quiet pace (a node without DNS traffic), and back.
 const QUIET: &str = "stall watch: looking traffic=false";
 const TRAFFIC: &str = "stall watch: looking traffic=true";
+/// What the agent logs when its fast cadences go to the quiet pace, and back.
+const PACE_QUIET: &str = "quiet pace quiet=true";
+const PACE_FAST: &str = "quiet pace quiet=false";
 
 /// Whether the agent logged `line` after `mark` (from [`Agent::log_mark`]).
 fn said(agent: &Agent, line: &str, mark: usize) -> Option<()> {
@@ -30,8 +33,9 @@ fn a_hang_without_traffic_is_seen_within_the_probe_bound() {
     let agent = node.agent(&["--interval", "100ms", "--timeout", "80ms"]);
     assert_eq!(node.dig("pod1", CLUSTER_DNS_IP), CACHE_ANSWER);
     // Only the agent's own datagrams on the node's counters: the watch looks at its quiet pace,
-    // and still sees the hang first.
+    // the probes go once a second, and the hang is still seen first by the watch.
     wait_for("the quiet pace", Duration::from_secs(5), || said(&agent, QUIET, 0));
+    wait_for("the probes' quiet pace", Duration::from_secs(10), || said(&agent, PACE_QUIET, 0));
     let mark = agent.log_mark();
     node.signal("cache-stop");
     let up = agent.wait_route("upstream", Duration::from_secs(5));
@@ -138,5 +142,64 @@ fn a_reuseport_group_is_left_to_the_probes_until_it_is_one_socket() {
     agent.wait_route("local", Duration::from_secs(10));
     let summary = pod.interrupt();
     assert_eq!(summary["failed"], 0, "{summary}");
+    node.tear_down(agent);
+}
+
+/// The cache UDP probes' sent count and the upstream's, from the state file.
+fn probes_sent(agent: &Agent) -> (u64, u64) {
+    let st = agent.state().expect("state");
+    let sent = |stream: &str| st["probes"][stream]["sent"].as_u64().expect("sent");
+    (sent("cache_udp"), sent("upstream"))
+}
+
+/// How many cache UDP probes went out while the upstream's probe (once a second whatever the
+/// pace) went `n` times: the agent's own clock, not the test's.
+fn cache_probes_per_upstream(agent: &Agent, n: u64) -> u64 {
+    let (cache0, upstream0) = probes_sent(agent);
+    let (cache1, _) = wait_for(&format!("{n} upstream probes"), Duration::from_secs(30), || {
+        let (cache, upstream) = probes_sent(agent);
+        (upstream >= upstream0 + n).then_some((cache, upstream))
+    });
+    cache1 - cache0
+}
+
+/// The quiet pace, at the defaults: on a healthy node without DNS traffic the cache probe goes
+/// once a second (as the upstream's does), not every 100 ms; pods' queries bring it back to
+/// every 100 ms, and once they stop it goes quiet again. A kill there is still seen at once
+/// (the kernel's socket-destroy events; the switch is by a refusal, not a count of timeouts).
+#[test]
+fn the_probes_go_quiet_on_an_idle_healthy_node_and_fast_under_traffic() {
+    let node = SimNode::up();
+    let agent = node.agent(&[]);
+    wait_for("the quiet pace", Duration::from_secs(10), || said(&agent, PACE_QUIET, 0));
+    let quiet = cache_probes_per_upstream(&agent, 6);
+    println!("quiet: {quiet} cache probes for 6 upstream probes");
+    assert!(quiet <= 6 + 2, "the cache probe did not slow down: {quiet} for 6 upstream probes");
+
+    let mark = agent.log_mark();
+    let args = ["--rate", "200", "--duration", "60s", "--report-interval", "100ms"];
+    let mut pod = node.load("pod1", CLUSTER_DNS_IP, &args);
+    pod.wait_cache_answers();
+    wait_for("the fast pace", Duration::from_secs(10), || said(&agent, PACE_FAST, mark));
+    let fast = cache_probes_per_upstream(&agent, 3);
+    println!("under traffic: {fast} cache probes for 3 upstream probes");
+    assert!(fast >= 3 * 5, "the cache probe stayed slow under traffic: {fast} for 3 upstream");
+    let summary = pod.interrupt();
+    assert_eq!(summary["failed"], 0, "{summary}");
+
+    let mark = agent.log_mark();
+    wait_for("quiet again", Duration::from_secs(10), || said(&agent, PACE_QUIET, mark));
+    let mark = agent.log_mark();
+    node.kill("cache-kill");
+    agent.wait_route("upstream", Duration::from_secs(5));
+    let switch = wait_for("the switch in the log", Duration::from_secs(5), || {
+        let log = agent.log_text();
+        let since = log.get(mark..)?;
+        let line =
+            since.lines().find(|l| l.contains("route changed") && l.contains(" to=upstream "));
+        line.map(str::to_owned)
+    });
+    println!("{switch}");
+    assert!(switch.contains("probe refused"), "not seen at once by a refusal: {switch}");
     node.tear_down(agent);
 }

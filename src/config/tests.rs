@@ -31,6 +31,10 @@ fn defaults_validate() {
     assert_eq!(cfg.cache_target().to_string(), "169.254.20.10:53");
     assert_eq!(cfg.upstream_target().to_string(), "10.96.0.11:53");
     assert_eq!(cfg.cache_tcp.unwrap().interval, Duration::from_secs(1));
+    assert_eq!(cfg.quiet, Some(Duration::from_secs(1)));
+    let mut r = test_raw();
+    r.quiet_interval = "0s".into();
+    assert_eq!(AgentConfig::from_args(&r, no_env).unwrap().quiet, None, "0s: off");
 }
 
 #[test]
@@ -105,6 +109,7 @@ fn bad_input_is_refused_with_the_value_named() {
         (Box::new(|r| r.hook_timeout = "0s".into()), "--hook-timeout=\"0s\" must be greater"),
         (Box::new(|r| r.tcp_interval = "50ms".into()), "--tcp-interval (50ms)"),
         (Box::new(|r| r.upstream_interval = "0s".into()), "--upstream-interval=\"0s\" must be"),
+        (Box::new(|r| r.quiet_interval = "slow".into()), "--quiet-interval=\"slow\""),
         (Box::new(|r| r.metrics_addr = "127.0.0.1".into()), "--metrics-addr \"127.0.0.1\""),
         (Box::new(|r| r.metrics_addr = "".into()), "--metrics-addr \"\""),
         (Box::new(|r| r.metrics_addr = "[10.0.0.1]".into()), "--metrics-addr \"[10.0.0.1]\""),

@@ -23,6 +23,8 @@ use crate::config::AgentConfig;
 use crate::control::Incoming;
 use crate::health::{Stream, Transition};
 use crate::metrics::{Health, Metrics};
+use crate::pace::{CacheProbes, Pace};
+use crate::ruleset::Route;
 use crate::upstream::Upstream;
 use crate::{maintenance, overrides, state};
 
@@ -31,6 +33,8 @@ pub(super) struct ControlLoop<'a> {
     pub(super) cfg: &'a AgentConfig,
     pub(super) agent: Agent,
     pub(super) beat: Beat,
+    /// The fast cadences' pace, which the loop tells whether the agent is calm.
+    pub(super) pace: Arc<Pace>,
     pub(super) metrics: Arc<Metrics>,
     pub(super) health: Arc<Health>,
     pub(super) probing: Probing,
@@ -61,6 +65,7 @@ impl ControlLoop<'_> {
             cfg,
             mut agent,
             beat,
+            pace,
             metrics,
             health,
             mut probing,
@@ -75,7 +80,8 @@ impl ControlLoop<'_> {
             mut tasks,
         } = self;
         let forwarders = forwarding.as_ref().map_or_else(Vec::new, |f| f.counters.clone());
-        let mut resync = beat.every(cfg.cache_udp.interval);
+        let mut resync = beat.paced(cfg.cache_udp.interval, pace.clone());
+        let mut cache_probes = CacheProbes::new(cfg.thresholds.rise, cfg.cache_udp.timeout);
         let mut state_tick = beat.every(Duration::from_secs(1));
         let mut drain: Option<maintenance::Drain> = None;
         let override_file = overrides::path(&cfg.state_dir);
@@ -105,6 +111,7 @@ impl ControlLoop<'_> {
                     if report.stream == Stream::CacheUdp && report.result.outcome.is_good() {
                         probing.cache_answered.notify_one();
                     }
+                    cache_probes.observe(&report);
                     agent.on_probe(&report, now())
                 }
                 Some(incoming) = requests.recv() => {
@@ -192,6 +199,13 @@ impl ControlLoop<'_> {
                     forwarding.renew_lease();
                 }
             }
+            pace.calm(
+                cache_probes.calm()
+                    && agent.route() == Route::Local
+                    && agent.forced().is_none()
+                    && !agent.is_dirty()
+                    && drain.is_none(),
+            );
             let changes = agent.take_changes();
             if !changes.is_empty() {
                 write_state(&agent);

@@ -20,6 +20,7 @@ use crate::detect::{self, NodeProblems};
 use crate::firewall::Blocking;
 use crate::health::{Stream, Transition};
 use crate::metrics::{Health, Metrics};
+use crate::pace::Pace;
 use crate::probe::{self, Prober, Report, Transport};
 use crate::upstream::Following;
 use crate::{control, hooks, sockdiag, stall};
@@ -46,11 +47,14 @@ pub(super) struct Probing {
 }
 
 /// The probe streams (cache UDP, cache TCP, upstream), and the stall watch beside them. The
-/// socket-destroy watch wakes the cache streams (`cache_wakes`).
+/// socket-destroy watch wakes the cache streams (`cache_wakes`); the cache's UDP probe goes at
+/// `pace`, which the stall watch tells whether the node is quiet.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn spawn_probes(
     cfg: &AgentConfig,
     probers: Probers,
     beat: Beat,
+    pace: &Arc<Pace>,
     watch_node: Option<(&[IpAddr], Option<&Forwarding>)>,
     cache_wakes: &[Arc<Notify>; 2],
     following: &Following,
@@ -61,7 +65,7 @@ pub(super) fn spawn_probes(
     let cache_answered = Arc::new(Notify::new());
     let target = cfg.cache_target();
     let target = move || target;
-    let every = beat.every(cfg.cache_udp.interval);
+    let every = beat.paced(cfg.cache_udp.interval, pace.clone());
     let wake = cache_wakes[0].clone();
     let stream = Stream::CacheUdp;
     let udp =
@@ -80,12 +84,15 @@ pub(super) fn spawn_probes(
         // And the forwarders' lease heartbeats (iptables): 20 a second that, counted as
         // traffic, kept the watch at its faster pace on every idle iptables node.
         let heartbeats = forwarding.map_or(0.0, link_local::Forwarding::heartbeats_per_sec);
-        let own = 2.0 * per_sec(cfg.cache_udp.interval)
-            + per_sec(cfg.upstream_probe.interval)
-            + heartbeats;
+        let others = per_sec(cfg.upstream_probe.interval) + heartbeats;
+        let own = stall::Own {
+            fast: 2.0 * per_sec(cfg.cache_udp.interval) + others,
+            quiet: 2.0 * per_sec(pace.when_quiet(cfg.cache_udp.interval)) + others,
+        };
         let answered = cache_answered.clone();
+        let (listen, pace) = (listen.to_vec(), pace.clone());
         let stalls =
-            stall::watch_stalls(bounds, beat, listen.to_vec(), own, confirm, answered, tx.clone());
+            stall::watch_stalls(bounds, beat, listen, own, pace, confirm, answered, tx.clone());
         tasks.spawn("stall watch", stalls);
     }
     let target = following.addr(cfg.addrs.local[0].is_ipv4());

@@ -47,6 +47,15 @@ impl Traffic {
         Traffic { own_per_sec, last: None, until: now + HOLD }
     }
 
+    /// The agent's own rate changed (the probes' pace, [`crate::pace`]): readings are judged by
+    /// the new one from a fresh first reading, none straddling the change.
+    pub fn set_own_per_sec(&mut self, own_per_sec: f64) {
+        if own_per_sec != self.own_per_sec {
+            self.own_per_sec = own_per_sec;
+            self.last = None;
+        }
+    }
+
     /// Takes a reading of the counter (`None`: it could not be read).
     pub fn read(&mut self, now: Instant, sent: Option<u64>) {
         let Some(sent) = sent else {
@@ -211,6 +220,28 @@ UdpLite6OutDatagrams            \t99
         assert!(traffic.seen(at));
         at += ms(1);
         assert!(!traffic.seen(at));
+    }
+
+    /// At the quiet pace the agent's own probes are fewer: the same few pods' queries that
+    /// hid behind the fast pace's own count are traffic then.
+    #[test]
+    fn the_own_rate_follows_the_pace() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut traffic = Traffic::new(21.0, t0);
+        let (mut at, mut sent) = (t0 + HOLD, 1000);
+        traffic.read(at, Some(sent));
+        traffic.set_own_per_sec(3.0);
+        // Straddling the change: no judgement.
+        at += ms(1000);
+        sent += 21;
+        traffic.read(at, Some(sent));
+        assert!(!traffic.seen(at));
+        // Quiet: 3 of the agent's own a second, and 15 more.
+        at += ms(1000);
+        sent += 3 + 15;
+        traffic.read(at, Some(sent));
+        assert!(traffic.seen(at), "more than the quiet pace's own: traffic");
     }
 
     #[test]

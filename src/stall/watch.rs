@@ -2,7 +2,9 @@
 //! at with exact requests ([`QueueReader`]), one [`Detector`] each, confirm probes sent to the
 //! suspected socket's own address through the cache's prober, and a stall reported to the
 //! control loop as a probe outcome of the cache's UDP stream ([`Outcome::Stalled`]). On a node
-//! without traffic ([`Traffic`]) it looks every [`QUIET_LOOK`] instead of every `look_idle`.
+//! without traffic ([`Traffic`]) it looks every [`QUIET_LOOK`] instead of every `look_idle`, and
+//! at the quiet pace ([`crate::pace`]) every quiet period: it is the watch that says whether the
+//! node is quiet.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -17,6 +19,7 @@ use super::traffic::{DatagramsSent, Traffic, QUIET_LOOK};
 use super::{Bounds, Detector, Verdict, LOOK_BUSY};
 use crate::beat::Beat;
 use crate::health::Stream;
+use crate::pace::Pace;
 use crate::probe::{Outcome, ProbeResult, Prober, Report, Transport};
 use crate::ruleset::DNS_PORT;
 use crate::sockdiag::{listeners, Listener, QueueReader, Queued};
@@ -35,18 +38,28 @@ struct Watched {
     confirming: Option<Instant>,
 }
 
+/// How many UDP datagrams a second the agent's own probes and heartbeats make the node send
+/// ([`Traffic`]), at the fast pace and at the quiet one.
+#[derive(Clone, Copy, Debug)]
+pub struct Own {
+    pub fast: f64,
+    pub quiet: f64,
+}
+
 /// Watches the cache's UDP sockets on `addrs` for stalls, confirming with `confirm` (a probe
 /// with [`Bounds::confirm`] as its timeout) and reporting each stall on `tx`, looking on the
-/// agent's grid (`beat`) while no queue holds; `own_per_sec` is
-/// how many UDP datagrams a second the agent's probes make the node send ([`Traffic`]);
+/// agent's grid (`beat`) while no queue holds, and telling `pace` whether the node is quiet
+/// (no traffic beyond the agent's `own`, every address watched, nothing queued);
 /// `answered` is told of every cache probe answered. Runs until the control loop is gone; if
 /// the kernel's socket diagnostics are unavailable it says so once and leaves hang detection
-/// to the probes.
+/// to the probes (and the node never quiet).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn watch_stalls(
     bounds: Bounds,
     beat: Beat,
     addrs: Vec<IpAddr>,
-    own_per_sec: f64,
+    own: Own,
+    pace: Arc<Pace>,
     confirm: Arc<dyn Prober>,
     answered: Arc<Notify>,
     tx: mpsc::Sender<Report>,
@@ -66,7 +79,8 @@ pub(crate) async fn watch_stalls(
     // Confirm probes in flight: the socket's cookie, when sent, the outcome.
     let mut probes: JoinSet<(u64, Instant, ProbeResult)> = JoinSet::new();
     let v6 = addrs.iter().any(IpAddr::is_ipv6);
-    let mut traffic = Traffic::new(own_per_sec, Instant::now());
+    let mut traffic = Traffic::new(own.fast, Instant::now());
+    let mut told = pace.subscribe();
     let mut sent = DatagramsSent::open(v6);
     let (mut read_due, mut was_seen) = (Instant::now(), true);
     let quiet = bounds.look_idle.max(QUIET_LOOK);
@@ -76,6 +90,13 @@ pub(crate) async fn watch_stalls(
         let uncovered = !covered(&addrs, &watched);
         tokio::select! {
             () = timer.sleep_until(next) => {}
+            // Fast again (a probe failed, the route changed): the next look on the fast grid.
+            Ok(()) = told.changed() => {
+                if !pace.is_quiet() {
+                    next = next.min(beat.next(tokio::time::Instant::now(), quiet));
+                }
+                continue;
+            }
             // The cache answers where no socket is watched: it is back, list its sockets now.
             () = answered.notified(), if uncovered => list_due = Instant::now(),
             Some(Ok((cookie, sent, result))) = probes.join_next(), if !probes.is_empty() => {
@@ -92,6 +113,7 @@ pub(crate) async fn watch_stalls(
         let now = Instant::now();
         if now >= read_due {
             read_due = now + QUIET_LOOK;
+            traffic.set_own_per_sec(if pace.is_quiet() { own.quiet } else { own.fast });
             traffic.read(now, sent.read());
             if traffic.seen(now) != was_seen {
                 was_seen = !was_seen;
@@ -176,12 +198,15 @@ pub(crate) async fn watch_stalls(
         if lost {
             list_due = now;
         }
-        let step = if watched.iter().any(|w| w.detector.busy()) {
+        let busy = watched.iter().any(|w| w.detector.busy());
+        let seen = traffic.seen(now);
+        pace.node_quiet(!busy && !seen && probes.is_empty() && covered(&addrs, &watched));
+        let step = if busy {
             LOOK_BUSY
-        } else if traffic.seen(now) {
+        } else if seen {
             bounds.look_idle
         } else {
-            quiet
+            pace.period(quiet)
         };
         // On the grid (with the probes' ticks) unless a queue holds; never catching up a
         // backlog of looks; with nothing to watch (the cache is down), not before the next
