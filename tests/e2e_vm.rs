@@ -441,6 +441,7 @@ guest_tests! {
 fn real_ipvs_kube_proxy() {
     in_guest_real(test_name!(), || {
         let node = SimNode::up_with(&["--kube-proxy", "real-ipvs", "--listen-dev", "dummy"]);
+        let _said = SaidOnPanic(&node);
         assert_dummy_layout(&node);
         let clusterip = burst(&node, CLUSTER_DNS_IP, 100);
         println!("pods on the ClusterIP, real IPVS: {clusterip}");
@@ -660,4 +661,27 @@ guest_tests_without_ipv6! {
     fn no_ipv6_legacy_kube_proxy_legacy_agent() { without_ipv6("iptables-legacy", "iptables-legacy") }
     fn no_ipv6_nft_kube_proxy_nft_agent() { without_ipv6("iptables-nft", "iptables-nft") }
     fn no_ipv6_nftables_kube_proxy_nftables_agent() { without_ipv6("nftables", "nftables") }
+}
+
+/// On a panic, what says why the cache did not answer: the tail of its log (node-cache's, with
+/// the real parts), the node's sockets with their queues and its processes by CPU time.
+struct SaidOnPanic<'a>(&'a SimNode);
+
+impl Drop for SaidOnPanic<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let log = std::fs::read_to_string(self.0.dir.join("cache.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        eprintln!("the cache's log, its last lines:\n{}", tail.join("\n"));
+        for (what, program, args) in [
+            ("sockets", "ss", &["-ltnup"][..]),
+            ("processes", "ps", &["-eo", "pid,rss,time,stat,comm", "--sort=-time"][..]),
+        ] {
+            let out = self.0.run("node", program, args);
+            eprintln!("the node's {what}:\n{}", String::from_utf8_lossy(&out.stdout));
+        }
+    }
 }
