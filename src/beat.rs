@@ -63,14 +63,14 @@ impl Beat {
         })
     }
 
-    /// Ticks every `period` on the grid, or every quiet period while `pace` is quiet
+    /// Ticks every `period` on the grid, or every `quiet` while `pace` is quiet
     /// ([`crate::pace`]), the first at once. A change of pace takes effect at once: a tick
     /// waiting on the quiet period comes at the next instant of `period` when the pace turns
     /// fast. Call it within the runtime that will await the ticks.
-    pub fn paced(self, period: Duration, pace: Arc<Pace>) -> Ticks {
+    pub fn paced(self, period: Duration, quiet: Duration, pace: Arc<Pace>) -> Ticks {
         let told = pace.subscribe();
         let timer = self.timer();
-        Ticks(Clock::Paced { timer, period, pace, told, due: Instant::now() })
+        Ticks(Clock::Paced { timer, periods: [period, quiet], pace, told, due: Instant::now() })
     }
 
     /// A timer to sleep until an instant, on the grid or off it (see [`Timer::sleep_until`]).
@@ -136,7 +136,8 @@ enum Clock {
     /// One instant at a time, each on the grid of the pace's period then.
     Paced {
         timer: Timer,
-        period: Duration,
+        /// Fast, quiet.
+        periods: [Duration; 2],
         pace: Arc<Pace>,
         told: tokio::sync::watch::Receiver<bool>,
         due: Instant,
@@ -155,16 +156,17 @@ impl Ticks {
                     timer.expired().await;
                 }
             }
-            Clock::Paced { timer, period, pace, told, due } => loop {
+            Clock::Paced { timer, periods, pace, told, due } => loop {
                 let beat = timer.beat;
+                let period = || periods[usize::from(pace.is_quiet())];
                 tokio::select! {
                     () = timer.sleep_until(*due) => {
-                        *due = beat.next(Instant::now(), pace.period(*period));
+                        *due = beat.next(Instant::now(), period());
                         return;
                     }
                     // Faster now: the next instant of the fast period, if sooner.
                     Ok(()) = told.changed() => {
-                        *due = (*due).min(beat.next(Instant::now(), pace.period(*period)));
+                        *due = (*due).min(beat.next(Instant::now(), period()));
                     }
                 }
             },
@@ -256,7 +258,7 @@ mod tests {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
         let pace = Arc::new(Pace::new(Some(ms(1000))));
-        let mut ticks = beat.paced(ms(100), pace.clone());
+        let mut ticks = beat.paced(ms(100), ms(1000), pace.clone());
         ticks.tick().await; // at once
         ticks.tick().await;
         assert_eq!(Instant::now() - t0, ms(100));

@@ -26,6 +26,9 @@ use tokio::sync::watch;
 use crate::health::Stream;
 use crate::probe::Report;
 
+/// How many of its own periods the TCP probe waits at the quiet pace.
+pub const TCP_QUIET: u32 = 5;
+
 /// Whether the fast cadences may tick at the quiet pace; shared by whoever ticks and whoever
 /// judges.
 #[derive(Debug)]
@@ -89,6 +92,14 @@ impl Pace {
     /// The period a cadence of `period` ticks at while the pace is quiet.
     pub fn when_quiet(&self, period: Duration) -> Duration {
         self.period.map_or(period, |quiet| period.max(quiet))
+    }
+
+    /// The TCP probe's period while the pace is quiet: [`TCP_QUIET`] of its own, at least the
+    /// quiet period. A TCP probe (a connection made and closed) costs as much as the rest of a
+    /// quiet second's work; a TCP listener that closes is still told at once by the kernel's
+    /// socket-destroy events.
+    pub fn tcp_when_quiet(&self, period: Duration) -> Duration {
+        self.when_quiet(period.saturating_mul(TCP_QUIET))
     }
 
     /// Told of every change of the pace.
@@ -196,5 +207,7 @@ mod tests {
         off.calm(true);
         assert!(!off.is_quiet(), "off: never quiet");
         assert_eq!(off.period(ms(100)), ms(100));
+        assert_eq!(pace.tcp_when_quiet(s(1)), s(5));
+        assert_eq!(Pace::new(Some(s(10))).tcp_when_quiet(s(1)), s(10), "at least the quiet period");
     }
 }

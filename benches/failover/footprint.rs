@@ -8,7 +8,9 @@
 //! client off (flags alone) and on (run as its pod: in-cluster configuration, its service
 //! account's token and the component's RBAC, reports and the upstream Service followed). The
 //! cases take turns, `rounds` times, so that other load on the machine falls on all of them
-//! alike.
+//! alike. In the same seconds as each case, the real node-cache of the real parts' node is
+//! measured too: idle beside no agent (the other nodes' cases), or beside the agent it serves
+//! (the real parts' cases, its probes answered): what the agent is held to.
 
 use std::time::{Duration, Instant};
 
@@ -91,6 +93,7 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
         .map(StateOnTmpfs::mount)
         .collect();
     let hz = clock_ticks_per_s();
+    let node_cache = node_cache_pid(node_of("real parts"));
     let mut runs: Vec<Vec<Value>> = CASES.iter().map(|_| Vec::new()).collect();
     let mut about: Vec<Value> = CASES.iter().map(|_| Value::Null).collect();
     for round in 0..rounds {
@@ -126,6 +129,7 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
             let check = "nodelocaldns_ha_dataplane_check_duration_seconds";
             let (_, checks0) = super::histogram(node, check);
             let (own0, children0) = cpu_ticks(pid).expect("the agent runs");
+            let cache0 = cpu_ticks(node_cache).expect("node-cache runs");
             let t0 = Instant::now();
             let mut rss = 0;
             for _ in 0..secs {
@@ -133,6 +137,7 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
                 rss = rss.max(rss_kib(pid));
             }
             let (own1, children1) = cpu_ticks(pid).expect("the agent runs");
+            let cache1 = cpu_ticks(node_cache).expect("node-cache runs");
             let wall = t0.elapsed().as_secs_f64();
             let (_, checks1) = super::histogram(node, check);
             if case.syncing {
@@ -145,6 +150,7 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
                 "own_mcpu": mcpu(own1 - own0),
                 "children_mcpu": mcpu(children1 - children0),
                 "total_mcpu": mcpu(own1 - own0 + children1 - children0),
+                "node_cache_mcpu": mcpu(cache1.0 + cache1.1 - cache0.0 - cache0.1),
                 "read_backs": checks1 - checks0,
                 "rss_kib_max": rss,
                 "seconds": super::round1(wall),
@@ -167,6 +173,14 @@ pub fn idle_cpu(main: &SimNode, prefix: &str, secs: u64, rounds: u32) -> Value {
         })
         .collect();
     json!({ "seconds": secs, "rounds": rounds, "cases": cases })
+}
+
+/// The real node-cache's pid on the real parts' node (checked by its name).
+fn node_cache_pid(real: &SimNode) -> u32 {
+    let pid: u32 = real.script(&["cache-pid"]).trim().parse().expect("the cache's pid");
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    assert_eq!(comm.trim(), "node-cache", "the real parts' cache is not node-cache");
+    pid
 }
 
 /// A node's agent state directory on a tmpfs, as the DaemonSet's (a hostPath under /run, which
@@ -211,8 +225,8 @@ pub fn table(footprint: &Value) -> String {
     let mut md = format!(
         "\nIdle CPU at default settings, the agent's iptables children included ({} s per run, \
          the cases in turn, {} rounds; run 1; run 2 …):\n\n\
-         | node | agent | kube-proxy | agent CPU, children included | own; children | read-backs | RSS (max) |\n\
-         |---|---|---|---|---|---|---|\n",
+         | node | agent | kube-proxy | agent CPU, children included | node-cache, same seconds | own; children | read-backs | RSS (max) |\n\
+         |---|---|---|---|---|---|---|---|\n",
         footprint["seconds"], footprint["rounds"]
     );
     for case in cases {
@@ -226,7 +240,7 @@ pub fn table(footprint: &Value) -> String {
             .join("; ");
         let rss = runs.iter().filter_map(|r| r["rss_kib_max"].as_u64()).max().unwrap_or(0);
         md += &format!(
-            "| {} | {} ({}, ACCEPTs in {}) | {} | {} mCPU | {} | {} | {} KiB |\n",
+            "| {} | {} ({}, ACCEPTs in {}) | {} | {} mCPU | {} mCPU{} | {} | {} | {} KiB |\n",
             case["node"].as_str().unwrap_or("?"),
             case["flags"].as_str().unwrap_or("?"),
             case["dataplane"].as_str().unwrap_or("?"),
@@ -236,10 +250,20 @@ pub fn table(footprint: &Value) -> String {
                 .unwrap_or_default(),
             if case["kube_proxy_syncing"] == true { "syncing every second" } else { "idle" },
             list("total_mcpu"),
+            list("node_cache_mcpu"),
+            if case["node"] == "real parts" { " (beside the agent)" } else { "" },
             own_children,
             list("read_backs"),
             rss,
         );
     }
+    let runs: Vec<&Value> = cases.iter().filter_map(|c| c["runs"].as_array()).flatten().collect();
+    let under =
+        runs.iter().filter(|r| r["total_mcpu"].as_f64() <= r["node_cache_mcpu"].as_f64()).count();
+    md += &format!(
+        "\nThe agent at or under the real node-cache's CPU of the same seconds in {under} of {} \
+         runs.\n",
+        runs.len()
+    );
     md
 }

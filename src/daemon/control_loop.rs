@@ -80,7 +80,8 @@ impl ControlLoop<'_> {
             mut tasks,
         } = self;
         let forwarders = forwarding.as_ref().map_or_else(Vec::new, |f| f.counters.clone());
-        let mut resync = beat.paced(cfg.cache_udp.interval, pace.clone());
+        let interval = cfg.cache_udp.interval;
+        let mut resync = beat.paced(interval, pace.when_quiet(interval), pace.clone());
         let mut cache_probes = CacheProbes::new(cfg.thresholds.rise, cfg.cache_udp.timeout);
         let mut state_tick = beat.every(Duration::from_secs(1));
         let mut drain: Option<maintenance::Drain> = None;

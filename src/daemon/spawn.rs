@@ -65,14 +65,17 @@ pub(super) fn spawn_probes(
     let cache_answered = Arc::new(Notify::new());
     let target = cfg.cache_target();
     let target = move || target;
-    let every = beat.paced(cfg.cache_udp.interval, pace.clone());
+    let interval = cfg.cache_udp.interval;
+    let every = beat.paced(interval, pace.when_quiet(interval), pace.clone());
     let wake = cache_wakes[0].clone();
     let stream = Stream::CacheUdp;
     let udp =
         probe::probe_stream(cache_udp, target, Transport::Udp, stream, every, wake, tx.clone());
     tasks.spawn("cache UDP probe", udp);
     if let Some((cadence, tcp)) = cache_tcp {
-        let (wake, every) = (cache_wakes[1].clone(), beat.every(cadence.interval));
+        let quiet = pace.tcp_when_quiet(cadence.interval);
+        let (wake, every) =
+            (cache_wakes[1].clone(), beat.paced(cadence.interval, quiet, pace.clone()));
         let stream = Stream::CacheTcp;
         let tcp = probe::probe_stream(tcp, target, Transport::Tcp, stream, every, wake, tx.clone());
         tasks.spawn("cache TCP probe", tcp);

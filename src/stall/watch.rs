@@ -117,7 +117,7 @@ pub(crate) async fn watch_stalls(
             traffic.read(now, sent.read());
             if traffic.seen(now) != was_seen {
                 was_seen = !was_seen;
-                let every = if was_seen { bounds.look_idle } else { quiet };
+                let every = if was_seen { bounds.look_idle } else { pace.period(quiet) };
                 debug!(traffic = was_seen, ?every, "stall watch: looking");
             }
         }
