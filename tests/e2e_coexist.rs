@@ -528,7 +528,9 @@ fn ticks(agent: &Agent, n: u64) {
 #[test]
 fn iptables_nft_is_checked_when_its_tables_change_not_every_tick() {
     let node = SimNode::up_with(&["--kube-proxy", "iptables-nft"]);
-    let agent = node.agent(&["--dataplane", "iptables-nft", "--interval", "100ms"]);
+    // At the fast pace: ticks every 100 ms.
+    let args = ["--dataplane", "iptables-nft", "--interval", "100ms", "--quiet-interval", "0s"];
+    let agent = node.agent(&args);
     ticks(&agent, 3);
     let calm = checks(&node);
     ticks(&agent, 20);
@@ -561,7 +563,9 @@ fn iptables_nft_is_checked_when_its_tables_change_not_every_tick() {
 #[test]
 fn iptables_legacy_is_checked_every_third_tick() {
     let node = SimNode::up_with(&["--kube-proxy", "iptables-legacy"]);
-    let agent = node.agent(&["--dataplane", "iptables-legacy", "--interval", "100ms"]);
+    // Ticks every 100 ms: at the fast pace (the quiet pace's ticks are a second apart).
+    let args = ["--dataplane", "iptables-legacy", "--interval", "100ms", "--quiet-interval", "0s"];
+    let agent = node.agent(&args);
     ticks(&agent, 3);
     let before = checks(&node);
     ticks(&agent, 30);

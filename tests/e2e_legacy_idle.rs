@@ -108,7 +108,8 @@ fn idle_then_drift(dataplane: &str, most: usize, table: &str, builtin: &str, own
         LOCAL_IP,
         CLUSTER_DNS_IP,
         UPSTREAM_IP,
-        &["--dataplane", dataplane, "--interval", "100ms"],
+        // At the fast pace: ticks every 100 ms (the quiet pace's are a second apart).
+        &["--dataplane", dataplane, "--interval", "100ms", "--quiet-interval", "0s"],
         &[("PATH", &path)],
     );
     let st = agent.state().expect("state");
