@@ -16,6 +16,7 @@
 //! The `dnsload` test client (`crates/dnsload`) sends its lookups through the same
 //! [`exchange`] and accepts replies by the same [`match_reply`].
 
+mod calm;
 mod exchange;
 mod stream;
 
@@ -30,6 +31,7 @@ use hickory_proto::serialize::binary::{BinDecodable, BinDecoder};
 use hickory_proto::ProtoError;
 use serde::Serialize;
 
+pub use calm::CacheProbes;
 pub use exchange::{exchange, new_query, ExchangeError, Exchanged};
 pub(crate) use stream::probe_stream;
 pub use stream::{Prober, Report};
