@@ -7,9 +7,12 @@
 # libFuzzer finds panics, aborts and hangs, which is what these parsers must never do.
 #   FUZZ_TARGETS="dns_reply sock_diag" ci/fuzz.sh 60    # some targets only
 #   FUZZ_PROFILE=dev ci/fuzz.sh 5      # unoptimised: builds in half the time (CI), runs slower
+#   FUZZ_PROFILE=dev ci/fuzz.sh --build  # builds the targets only (ci/test.sh, ahead of the run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+build_only=false
+if [ "${1:-}" = --build ]; then build_only=true; shift; fi
 seconds=${1:-10}
 cargo fuzz --version 2>/dev/null | grep -qx "cargo-fuzz 0.13.2" || cargo install --debug --locked cargo-fuzz@0.13.2
 targets=${FUZZ_TARGETS:-$(cargo fuzz list)}
@@ -24,6 +27,7 @@ cargo metadata --locked --offline --format-version 1 --manifest-path fuzz/Cargo.
   exit 1
 }
 cargo fuzz build -s none "$profile"
+! $build_only || exit 0
 # fuzz TARGET: runs one target (libFuzzer uses one core); its report goes to $corpus/TARGET.report,
 # printed once every target is done, so that reports of targets run together do not interleave.
 fuzz() {

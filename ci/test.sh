@@ -20,7 +20,10 @@ stage() { # stage NAME CMD...
 timings() {
   local rc=$? line
   # A build still running in the background when the run ends early: its whole group stopped.
-  if [ -n "${node_parts:-}" ]; then kill -- -"$node_parts" 2>/dev/null || true; fi
+  local group
+  for group in ${node_parts:-} ${image_build:-} ${fuzz_build:-}; do
+    kill -- -"$group" 2>/dev/null || true
+  done
   echo "ci/test.sh: stage timings (exit $rc):"
   for line in "${stages[@]}"; do echo "  $line"; done
   echo "  total          $((SECONDS - started)) s"
@@ -64,6 +67,20 @@ stage clippy-named cargo clippy --locked --test e2e_vm --test e2e_kubelet -- -D 
 stage deny cargo deny --workspace --locked check bans licenses sources
 # The agent and the load client (crates/dnsload) the end-to-end tests run.
 stage build cargo build --locked --workspace --bins
+# The image (rootful buildah, vfs, runc; the builder made from Debian's packages:
+# ci/image/build.sh) and the fuzzers, built in the background while the host tests run, on the
+# CPU those leave idle (SCHED_IDLE: more than half of it, their clients mostly wait on the
+# network), as the real node's parts are. The image: about 9 min on a fresh machine (the agent
+# and the webhook compiled in the builder), about 1.5 min once its caches are warm (the two
+# crates themselves compiled again: a clean clone's sources are newer than the cache). Each
+# waited for where it is needed, its log shown if it failed.
+setsid chrt --idle 0 ci/image/build.sh >target/ci-image 2>target/ci-image.log &
+image_build=$!
+setsid chrt --idle 0 env FUZZ_PROFILE=dev ci/fuzz.sh --build >target/ci-fuzz-build.log 2>&1 &
+fuzz_build=$!
+built() { # built PID LOG: waits for a background build, its log shown if it failed
+  wait "$1" || { cat "$2" >&2; return 1; }
+}
 # Unit and end-to-end tests of every crate of the workspace (no doc tests; benches run only in
 # ci/bench.sh); every test binary runs even after one fails, so that a run shows every failure.
 # How end-to-end tests share the machine: two at a time (cargo's default on 2 cores), each on a
@@ -81,12 +98,9 @@ stage host-tests cargo test --locked --no-fail-fast --workspace --lib --bins --t
 # minute, reconnecting as fast as they are cut: alone, so that no other test shares the machine
 # with them.
 stage hostile-webhook cargo test --locked -p nodelocaldns-ha-webhook --test e2e_hostile
-# The image, built from the Dockerfile here (rootful buildah, vfs, runc; the builder made from
-# Debian's packages: ci/image/build.sh), and the agent run from it as the DaemonSet runs it: a
-# cache SIGKILL in both shapes, and what the image holds. About 9 min on a fresh machine (the
-# agent and the webhook compiled in the builder), about 1.5 min once its caches are warm (the
-# two crates themselves compiled again: a clean clone's sources are newer than the cache).
-stage image ci/image/build.sh >target/ci-image
+# The agent run from the image as the DaemonSet runs it: a cache SIGKILL in both shapes, and
+# what the image holds.
+stage image built "$image_build" target/ci-image.log
 image=$(<target/ci-image)
 export NLHA_AGENT_IMAGE=$image
 stage image-tests cargo test --locked --test e2e_image -- --ignored
@@ -99,6 +113,7 @@ stage real-node cargo test --locked --test e2e_kubelet
 # (qemu TCG, 1 vCPU) and runs there; two at a time. IPVS, node-cache's dummy interface, netem.
 stage vm-column cargo test --locked --test e2e_vm -- --test-threads 2
 # Every parser of outside input, fuzzed briefly (ci/fuzz.sh 600 by hand for longer).
+stage fuzz-build built "$fuzz_build" target/ci-fuzz-build.log
 stage fuzz env FUZZ_PROFILE=dev ci/fuzz.sh 5
 # A run changes nothing of the repository: every lockfile current, nothing generated left.
 clean_tree() {
