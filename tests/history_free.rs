@@ -3,8 +3,8 @@
 //! development session or earlier run, and no path outside the repository: history belongs in
 //! CHANGELOG.md (not scanned), and a reference the reader cannot open is no reference. Figures name
 //! the one benchmark run they come from, so the only dates allowed are those the benchmark's own
-//! reports carry on their first line (docs/bench.md, docs/bench-real-node.md, docs/soak.md,
-//! docs/webhook-bench.md).
+//! reports carry on their first line (docs/bench.md, docs/bench-quiet-pace.md,
+//! docs/bench-real-node.md, docs/soak.md, docs/webhook-bench.md).
 //!
 //! Upstream references (`kubernetes/dns#310`, a GitHub URL) are public and stay allowed. Every
 //! finding names its file and line.
@@ -44,9 +44,13 @@ fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
 /// The dates of the benchmark runs the docs' figures come from: the first line of each report.
 fn run_dates() -> Vec<String> {
     let mut dates = Vec::new();
-    for report in
-        ["docs/bench.md", "docs/bench-real-node.md", "docs/soak.md", "docs/webhook-bench.md"]
-    {
+    for report in [
+        "docs/bench.md",
+        "docs/bench-quiet-pace.md",
+        "docs/bench-real-node.md",
+        "docs/soak.md",
+        "docs/webhook-bench.md",
+    ] {
         let text = std::fs::read_to_string(repo().join(report)).expect("a benchmark report");
         dates.extend(dates_in(text.lines().next().unwrap_or("")).into_iter().map(|(_, d)| d));
     }
