@@ -68,10 +68,11 @@ fn cache_probes(agent: &Agent) -> u64 {
     agent.state().and_then(|s| s["probes"]["cache_udp"]["sent"].as_u64()).unwrap_or(0)
 }
 
-/// Waits until the agent has sent `n` more cache probes: its loop has turned that often.
+/// Waits until the agent has sent `n` more cache probes: its loop has turned that often (once
+/// a second at the quiet pace, on a healthy idle node).
 fn wait_probes(agent: &Agent, n: u64) {
     let from = cache_probes(agent);
-    wait_for("more probes", Duration::from_secs(10), || {
+    wait_for("more probes", Duration::from_secs(30), || {
         (cache_probes(agent) >= from + n).then_some(())
     });
 }
